@@ -1,0 +1,38 @@
+# One entry point for newcomers and CI. Every target sets up its own virtual environment.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test lint typecheck unit run bench clean
+
+$(STAMP): pyproject.toml
+	@bash scripts/ensure-java.sh
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev,bench]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check exchange server client tests bench
+	$(VENV)/bin/ruff format --check exchange server client tests bench
+
+typecheck: setup
+	$(VENV)/bin/mypy exchange server client
+
+unit: setup
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+# The test command the README gives and .ci/run calls.
+test: lint typecheck unit
+
+run: setup
+	$(PY) -m client.main_job $(ARGS)
+
+bench: setup
+	@set -e; for f in bench/bench_*.py; do echo "== $$f"; $(PY) $$f; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

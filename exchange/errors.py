@@ -1,0 +1,228 @@
+"""The project's error hierarchy.
+
+Every error the engine, the daemon or the client raises on purpose is an ``ExchangeError``.
+The tree answers two questions a caller has: *whose fault is it* and *what is broken*::
+
+    ExchangeError
+    ├── UsageError                 you (the caller) misused the API  (also ValueError/RuntimeError)
+    │   ├── ConfigError            a setting has an invalid value; names the setting
+    │   ├── IllegalStateError      the object is not in a state that allows the call
+    │   │   ├── PoolDestroyedError        request/recycle on a destroyed buffer pool
+    │   │   ├── SegmentFreedError         use of a memory segment after it was freed
+    │   │   ├── IllegalReferenceCountError  release of an already released buffer
+    │   │   └── WriterClosedError         write after close
+    │   └── (ValueError-flavoured argument errors are raised as UsageError subclasses too)
+    ├── InsufficientBuffersError   not enough network buffers: says required, available, setting
+    ├── BufferRequestTimeoutError  a batch request for segments timed out
+    ├── CorruptRecordError         bytes in a data buffer do not form valid records
+    ├── PartitionError             per-stream failures; carry the partition id
+    │   ├── PartitionNotFoundError       no such partition (yet) on that daemon
+    │   ├── PartitionReleasedError       the partition was released while in use
+    │   ├── SubpartitionIndexError       index out of range (also a UsageError in spirit)
+    │   ├── ProducerFailedError          the producer failed: consumers never see a short read
+    │   └── ConsumerAlreadyAttachedError a pipelined subpartition is consumed once
+    ├── ProtocolError              the peer sent bytes that break the protocol (fatal for the
+    │   │                          connection); carries what was wrong and the limit
+    │   ├── FrameTooLargeError
+    │   ├── BadMagicError
+    │   ├── UnknownMessageError
+    │   ├── VersionMismatchError
+    │   ├── SequenceNumberError   a BufferResponse arrived out of sequence
+    │   └── AuthenticationError   wrong or missing shared secret
+    └── TransportError             the connection failed (closed, reset, timed out)
+
+Per-channel errors (``PartitionError`` family) end one stream and leave the connection and
+its other streams alone; ``ProtocolError`` and ``TransportError`` end the whole connection.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthenticationError",
+    "BadMagicError",
+    "BufferRequestTimeoutError",
+    "ConfigError",
+    "ConsumerAlreadyAttachedError",
+    "CorruptRecordError",
+    "ExchangeError",
+    "FrameTooLargeError",
+    "IllegalReferenceCountError",
+    "IllegalStateError",
+    "InsufficientBuffersError",
+    "PartitionError",
+    "PartitionNotFoundError",
+    "PartitionReleasedError",
+    "PoolDestroyedError",
+    "ProducerFailedError",
+    "ProtocolError",
+    "SegmentFreedError",
+    "SequenceNumberError",
+    "SubpartitionIndexError",
+    "TransportError",
+    "UnknownMessageError",
+    "UsageError",
+    "VersionMismatchError",
+    "WriterClosedError",
+]
+
+
+class ExchangeError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class UsageError(ExchangeError, ValueError):
+    """The caller misused the API (bad argument, wrong order of calls)."""
+
+
+class ConfigError(UsageError):
+    """A configuration value is invalid. ``setting`` names it."""
+
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(f"invalid value for {setting!r}: {message}")
+        self.setting = setting
+
+
+class IllegalStateError(UsageError, RuntimeError):
+    """The object's state does not allow this call."""
+
+
+class PoolDestroyedError(IllegalStateError):
+    """The buffer pool was destroyed."""
+
+
+class SegmentFreedError(IllegalStateError):
+    """The memory segment was freed and may not be used."""
+
+
+class IllegalReferenceCountError(IllegalStateError):
+    """A buffer was retained or released after its reference count reached zero."""
+
+
+class WriterClosedError(IllegalStateError):
+    """The writer (or partition) was closed; nothing more may be written."""
+
+
+class InsufficientBuffersError(ExchangeError):
+    """Not enough network buffers to satisfy a request."""
+
+    def __init__(self, required: int, available: int, total: int, setting: str) -> None:
+        super().__init__(
+            f"insufficient number of network buffers: required {required}, but only "
+            f"{available} available (of {total} in total); increase {setting!r}"
+        )
+        self.required = required
+        self.available = available
+        self.total = total
+        self.setting = setting
+
+
+class BufferRequestTimeoutError(ExchangeError, TimeoutError):
+    """A request for memory segments could not be served within its timeout."""
+
+    def __init__(self, requested: int, available: int, timeout: float, setting: str) -> None:
+        super().__init__(
+            f"timed out after {timeout:.3f}s waiting for {requested} network buffers "
+            f"({available} available); increase {setting!r} or lower the demand"
+        )
+        self.requested = requested
+        self.available = available
+        self.timeout = timeout
+        self.setting = setting
+
+
+class CorruptRecordError(ExchangeError):
+    """The bytes of a data stream do not decode to whole records."""
+
+
+class PartitionError(ExchangeError):
+    """A failure of one stream (one partition or subpartition); the connection survives."""
+
+    def __init__(self, message: str, partition_id: object = None, address: str | None = None):
+        parts = [message]
+        if partition_id is not None:
+            parts.append(f"partition={partition_id}")
+        if address is not None:
+            parts.append(f"daemon={address}")
+        super().__init__(" ".join(parts) if len(parts) == 1 else f"{parts[0]} ({', '.join(parts[1:])})")
+        self.partition_id = partition_id
+        self.address = address
+
+
+class PartitionNotFoundError(PartitionError):
+    """The partition is not (or not yet) registered where it was looked up."""
+
+
+class PartitionReleasedError(PartitionError):
+    """The partition was released."""
+
+
+class SubpartitionIndexError(PartitionError, IndexError):
+    """A subpartition index is out of range."""
+
+
+class ProducerFailedError(PartitionError):
+    """The producer of the partition failed; the stream is incomplete."""
+
+
+class ConsumerAlreadyAttachedError(PartitionError):
+    """A pipelined subpartition already has its (single) reader."""
+
+
+class ProtocolError(ExchangeError):
+    """The peer broke the wire protocol. Fatal for the connection."""
+
+
+class FrameTooLargeError(ProtocolError):
+    """A frame's declared length exceeds the limit."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame of {size} bytes exceeds the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+
+class BadMagicError(ProtocolError):
+    """A frame does not start with the protocol's magic number."""
+
+    def __init__(self, magic: int, expected: int) -> None:
+        super().__init__(f"bad magic number 0x{magic:08X}, expected 0x{expected:08X}")
+        self.magic = magic
+        self.expected = expected
+
+
+class UnknownMessageError(ProtocolError):
+    """A frame carries a message id this side does not know."""
+
+    def __init__(self, msg_id: int) -> None:
+        super().__init__(f"unknown message id {msg_id}")
+        self.msg_id = msg_id
+
+
+class VersionMismatchError(ProtocolError):
+    """The peers speak different protocol versions."""
+
+    def __init__(self, theirs: int, ours: int) -> None:
+        super().__init__(f"protocol version {theirs} not supported (this side speaks {ours})")
+        self.theirs = theirs
+        self.ours = ours
+
+
+class SequenceNumberError(ProtocolError):
+    """A BufferResponse arrived with an unexpected sequence number (gap or repeat)."""
+
+    def __init__(self, received: int, expected: int, receiver_id: object = None) -> None:
+        super().__init__(
+            f"buffer with sequence number {received} received, expected {expected}"
+            + (f" (receiver {receiver_id})" if receiver_id is not None else "")
+        )
+        self.received = received
+        self.expected = expected
+        self.receiver_id = receiver_id
+
+
+class AuthenticationError(ProtocolError):
+    """The handshake's shared-secret authentication failed."""
+
+
+class TransportError(ExchangeError, ConnectionError):
+    """The connection to a peer failed (closed, reset, refused, timed out)."""
