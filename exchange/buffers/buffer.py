@@ -1,0 +1,177 @@
+"""Buffer (Flink's NetworkBuffer): a reference-counted view of a memory segment.
+
+A buffer owns one reference to its segment. ``retain`` adds one, ``release`` drops one,
+and the last release hands the segment to the buffer's recycler exactly once. Read-only
+slices share the segment: creating a slice retains the parent, releasing the slice
+releases the parent, so every slice must be released exactly once.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Protocol
+
+from exchange.errors import IllegalReferenceCountError, UsageError
+from exchange.memory.memory_segment import MemorySegment
+
+__all__ = ["Buffer", "BufferRecycler", "DataType", "FreeingRecycler"]
+
+
+class DataType(IntEnum):
+    """What a buffer carries: serialized records, or one serialized event."""
+
+    DATA_BUFFER = 0
+    EVENT_BUFFER = 1
+
+
+class BufferRecycler(Protocol):
+    """Whoever lent a segment gets it back through ``recycle``."""
+
+    def recycle(self, segment: MemorySegment) -> None: ...
+
+
+class _FreeingRecycler:
+    """Recycler for unpooled segments: frees them."""
+
+    __slots__ = ()
+
+    def recycle(self, segment: MemorySegment) -> None:
+        segment.free()
+
+
+FreeingRecycler: BufferRecycler = _FreeingRecycler()
+
+
+class Buffer:
+    """A readable region ``[offset, offset + size)`` of a segment, reference counted."""
+
+    __slots__ = (
+        "_data_type",
+        "_offset",
+        "_parent",
+        "_recycler",
+        "_refs",
+        "_segment",
+        "_size",
+        "compressed",
+    )
+
+    def __init__(
+        self,
+        segment: MemorySegment,
+        recycler: BufferRecycler,
+        size: int = 0,
+        data_type: DataType = DataType.DATA_BUFFER,
+    ) -> None:
+        if not 0 <= size <= segment.size:
+            raise UsageError(f"buffer size {size} outside [0, {segment.size}]")
+        self._segment = segment
+        self._recycler = recycler
+        self._offset = 0
+        self._size = size
+        self._data_type = data_type
+        self._refs = 1
+        self._parent: Buffer | None = None
+        self.compressed = False
+
+    @classmethod
+    def wrap(cls, data: bytes | bytearray | memoryview, data_type: DataType) -> Buffer:
+        """An unpooled buffer holding a copy of ``data`` (events, tests)."""
+        n = len(data) if not isinstance(data, memoryview) else data.nbytes
+        segment = MemorySegment.allocate_unpooled(max(n, 1))
+        segment.put(0, data)
+        return cls(segment, FreeingRecycler, n, data_type)
+
+    # -- what it holds -------------------------------------------------------------------
+
+    @property
+    def data_type(self) -> DataType:
+        return self._data_type
+
+    @property
+    def is_buffer(self) -> bool:
+        """True for data buffers, False for events (Flink's ``isBuffer``)."""
+        return self._data_type is DataType.DATA_BUFFER
+
+    @property
+    def segment(self) -> MemorySegment:
+        return self._segment
+
+    @property
+    def size(self) -> int:
+        """Readable bytes."""
+        return self._size
+
+    def set_size(self, size: int) -> None:
+        if self._parent is not None:
+            raise UsageError("a read-only slice cannot change its size")
+        if not 0 <= size <= self._segment.size:
+            raise UsageError(f"buffer size {size} outside [0, {self._segment.size}]")
+        self._size = size
+
+    def memoryview(self) -> memoryview:
+        """The readable bytes, zero-copy. Valid until the buffer is released."""
+        self._check_alive()
+        off = self._offset
+        return self._segment.view()[off : off + self._size]
+
+    def to_bytes(self) -> bytes:
+        return bytes(self.memoryview())
+
+    # -- reference counting --------------------------------------------------------------
+
+    @property
+    def ref_count(self) -> int:
+        return self._refs if self._parent is None else self._parent._refs
+
+    @property
+    def is_recycled(self) -> bool:
+        return self._refs == 0
+
+    def retain(self) -> Buffer:
+        self._check_alive()
+        self._refs += 1
+        return self
+
+    def release(self) -> None:
+        """Drop one reference; the last one recycles the segment."""
+        refs = self._refs
+        if refs <= 0:
+            raise IllegalReferenceCountError("buffer released more often than retained")
+        self._refs = refs - 1
+        if refs == 1:
+            parent = self._parent
+            if parent is None:
+                self._recycler.recycle(self._segment)
+            else:
+                parent.release()
+
+    def read_only_slice(self, offset: int = 0, length: int | None = None) -> Buffer:
+        """A slice sharing this buffer's segment; it holds one reference on this buffer."""
+        self._check_alive()
+        if length is None:
+            length = self._size - offset
+        if offset < 0 or length < 0 or offset + length > self._size:
+            raise UsageError(f"slice [{offset}, {offset + length}) outside buffer of {self._size}")
+        root = self if self._parent is None else self._parent
+        root._refs += 1
+        sl = Buffer.__new__(Buffer)
+        sl._segment = self._segment
+        sl._recycler = self._recycler
+        sl._offset = self._offset + offset
+        sl._size = length
+        sl._data_type = self._data_type
+        sl._refs = 1
+        sl._parent = root
+        sl.compressed = self.compressed
+        return sl
+
+    def _check_alive(self) -> None:
+        if self._refs <= 0:
+            raise IllegalReferenceCountError("buffer used after its last release")
+
+    def __repr__(self) -> str:
+        return (
+            f"Buffer({self._data_type.name}, size={self._size}, refs={self.ref_count}, "
+            f"segment={self._segment.index})"
+        )

@@ -1,0 +1,236 @@
+"""LocalBufferPool: one partition's or one input gate's share of the NetworkBufferPool.
+
+Sizes, as in Flink: ``num_required`` is guaranteed, ``max_segments`` is the ceiling and
+``current_pool_size`` (set by the global pool's redistribution) lies between them. Segments
+are taken from the global pool lazily, up to the current size. A recycled segment goes, in
+order of preference: back to the global pool if this pool holds more than its current size
+or is destroyed; to a registered BufferListener (a RemoteInputChannel waiting for a
+floating buffer); else into the pool's own available queue.
+
+Backpressure: a writer awaits ``request_buffer_builder_blocking`` while the pool is empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING, NamedTuple
+
+from exchange.buffers.buffer import Buffer
+from exchange.buffers.buffer_builder import BufferBuilder
+from exchange.errors import PoolDestroyedError, UsageError
+from exchange.memory.availability import AvailabilityHelper
+from exchange.memory.buffer_listener import BufferListener
+from exchange.memory.memory_segment import MemorySegment
+
+if TYPE_CHECKING:
+    from exchange.memory.network_buffer_pool import NetworkBufferPool
+
+__all__ = ["LocalBufferPool", "LocalBufferPoolStats"]
+
+
+class LocalBufferPoolStats(NamedTuple):
+    num_required: int
+    max_segments: int
+    current_pool_size: int
+    num_requested: int
+    num_available: int
+    num_listeners: int
+
+    @property
+    def usage(self) -> float:
+        """Segments in use / current size (Flink's in/outPoolUsage)."""
+        in_use = self.num_requested - self.num_available
+        return in_use / self.current_pool_size if self.current_pool_size else 0.0
+
+
+class LocalBufferPool:
+    """A resizable pool of segments borrowed from a NetworkBufferPool."""
+
+    def __init__(self, network_pool: NetworkBufferPool, num_required: int, max_segments: int):
+        self._network_pool = network_pool
+        self.num_required = num_required
+        self.max_segments = max_segments
+        self.current_pool_size = num_required
+        self._num_requested = 0
+        self._available: deque[MemorySegment] = deque()
+        self._listeners: deque[BufferListener] = deque()
+        self._availability = AvailabilityHelper(available=False)
+        self._destroyed = False
+        self._update_availability()
+
+    # -- statistics ----------------------------------------------------------------------
+
+    @property
+    def segment_size(self) -> int:
+        return self._network_pool.segment_size
+
+    @property
+    def num_requested(self) -> int:
+        """Segments taken from the global pool (available here or in use)."""
+        return self._num_requested
+
+    @property
+    def num_available(self) -> int:
+        return len(self._available)
+
+    @property
+    def num_in_use(self) -> int:
+        return self._num_requested - len(self._available)
+
+    @property
+    def is_destroyed(self) -> bool:
+        return self._destroyed
+
+    def stats(self) -> LocalBufferPoolStats:
+        return LocalBufferPoolStats(
+            self.num_required,
+            self.max_segments,
+            self.current_pool_size,
+            self._num_requested,
+            len(self._available),
+            len(self._listeners),
+        )
+
+    # -- requesting ----------------------------------------------------------------------
+
+    def request_buffer(self) -> Buffer | None:
+        """A buffer of one segment, or None if the pool has none to give right now."""
+        seg = self._request_segment()
+        return None if seg is None else Buffer(seg, self)
+
+    def request_buffer_builder(self, capacity: int | None = None) -> BufferBuilder | None:
+        """A BufferBuilder, or None if the pool has no segment right now."""
+        seg = self._request_segment()
+        return None if seg is None else BufferBuilder(seg, self, capacity)
+
+    async def request_buffer_builder_blocking(self, capacity: int | None = None) -> BufferBuilder:
+        """A BufferBuilder, waiting as long as the pool is exhausted (backpressure)."""
+        while True:
+            seg = self._request_segment()
+            if seg is not None:
+                return BufferBuilder(seg, self, capacity)
+            await self._availability.get_available_future()
+
+    def _request_segment(self) -> MemorySegment | None:
+        if self._destroyed:
+            raise PoolDestroyedError("local buffer pool destroyed")
+        if self._available:
+            seg = self._available.popleft()
+        elif self._num_requested < self.current_pool_size:
+            got = self._network_pool.request_memory_segment()
+            if got is None:
+                self._network_pool._register_waiting_pool(self)
+                self._availability.set_unavailable()
+                return None
+            seg = got
+            self._num_requested += 1
+        else:
+            self._availability.set_unavailable()
+            return None
+        self._update_availability()
+        return seg
+
+    # -- availability --------------------------------------------------------------------
+
+    @property
+    def is_available(self) -> bool:
+        return self._availability.is_available
+
+    def get_available_future(self) -> asyncio.Future[None]:
+        return self._availability.get_available_future()
+
+    def _update_availability(self) -> None:
+        if self._destroyed:
+            return
+        if self._available or (
+            self._num_requested < self.current_pool_size and self._network_pool.is_available
+        ):
+            self._availability.set_available()
+        else:
+            self._availability.set_unavailable()
+            if self._num_requested < self.current_pool_size:
+                self._network_pool._register_waiting_pool(self)
+
+    def _on_global_available(self) -> None:
+        """The global pool has segments again: serve listeners first, then wake writers."""
+        while (
+            self._listeners
+            and not self._destroyed
+            and self._num_requested < self.current_pool_size
+        ):
+            seg = self._network_pool.request_memory_segment()
+            if seg is None:
+                break
+            self._num_requested += 1
+            self._offer(seg)
+        self._update_availability()
+
+    # -- listeners -----------------------------------------------------------------------
+
+    def add_buffer_listener(self, listener: BufferListener) -> bool:
+        """Register to be handed the next recycled buffer. False if the pool is destroyed."""
+        if self._destroyed:
+            return False
+        self._listeners.append(listener)
+        if self._num_requested < self.current_pool_size:
+            self._network_pool._register_waiting_pool(self)
+        return True
+
+    # -- recycling -----------------------------------------------------------------------
+
+    def recycle(self, segment: MemorySegment) -> None:
+        """BufferRecycler: a buffer of this pool was released."""
+        if self._destroyed or self._num_requested > self.current_pool_size:
+            self._return_to_global(segment)
+            return
+        self._offer(segment)
+
+    def _offer(self, segment: MemorySegment) -> None:
+        while self._listeners:
+            listener = self._listeners.popleft()
+            result = listener.notify_buffer_available(Buffer(segment, self))
+            if result.needs_more_buffers:
+                if self._destroyed:
+                    listener.notify_buffer_destroyed()
+                else:
+                    self._listeners.append(listener)
+            if result.is_buffer_used:
+                return
+        self._available.append(segment)
+        self._availability.set_available()
+
+    def _return_to_global(self, segment: MemorySegment) -> None:
+        self._num_requested -= 1
+        self._network_pool.recycle(segment)
+
+    # -- sizing and lifecycle ------------------------------------------------------------
+
+    def set_num_buffers(self, num_buffers: int) -> None:
+        """Resize (called by redistribution); excess available segments go back at once."""
+        if num_buffers < self.num_required:
+            raise UsageError(
+                f"pool size {num_buffers} below its required {self.num_required} segments"
+            )
+        self.current_pool_size = min(num_buffers, self.max_segments)
+        while self._num_requested > self.current_pool_size and self._available:
+            self._return_to_global(self._available.pop())
+        self._update_availability()
+
+    def destroy(self) -> None:
+        """Give back every available segment; in-use ones go back as they are recycled."""
+        if not self._destroyed:
+            self._destroyed = True
+            while self._available:
+                self._return_to_global(self._available.popleft())
+            while self._listeners:
+                self._listeners.popleft().notify_buffer_destroyed()
+            self._availability.fail(PoolDestroyedError("local buffer pool destroyed"))
+        self._network_pool.destroy_buffer_pool(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"LocalBufferPool(size={self.current_pool_size} [{self.num_required}, "
+            f"{self.max_segments}], requested={self._num_requested}, "
+            f"available={len(self._available)}, destroyed={self._destroyed})"
+        )
