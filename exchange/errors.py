@@ -143,7 +143,8 @@ class PartitionError(ExchangeError):
             parts.append(f"partition={partition_id}")
         if address is not None:
             parts.append(f"daemon={address}")
-        super().__init__(" ".join(parts) if len(parts) == 1 else f"{parts[0]} ({', '.join(parts[1:])})")
+        detail = f" ({', '.join(parts[1:])})" if len(parts) > 1 else ""
+        super().__init__(f"{message}{detail}")
         self.partition_id = partition_id
         self.address = address
 

@@ -36,7 +36,9 @@ class ResultPartitionID:
             or isinstance(self.partition_index, bool)
             or not 0 <= self.partition_index <= MAX_U32
         ):
-            raise UsageError(f"partition_index must be an int in [0, 2**32), got {self.partition_index!r}")
+            raise UsageError(
+                f"partition_index must be an int in [0, 2**32), got {self.partition_index!r}"
+            )
         if (
             not isinstance(self.attempt_id, int)
             or isinstance(self.attempt_id, bool)
