@@ -9,10 +9,12 @@ releases the parent, so every slice must be released exactly once.
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from exchange.errors import IllegalReferenceCountError, UsageError
-from exchange.memory.memory_segment import MemorySegment
+
+if TYPE_CHECKING:
+    from exchange.memory.memory_segment import MemorySegment
 
 __all__ = ["Buffer", "BufferRecycler", "DataType", "FreeingRecycler"]
 
@@ -77,6 +79,8 @@ class Buffer:
     @classmethod
     def wrap(cls, data: bytes | bytearray | memoryview, data_type: DataType) -> Buffer:
         """An unpooled buffer holding a copy of ``data`` (events, tests)."""
+        from exchange.memory.memory_segment import MemorySegment
+
         n = len(data) if not isinstance(data, memoryview) else data.nbytes
         segment = MemorySegment.allocate_unpooled(max(n, 1))
         segment.put(0, data)

@@ -8,9 +8,13 @@ Everything runs on one thread, so what the builder appended is committed at once
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from exchange.buffers.buffer import Buffer, BufferRecycler, DataType
 from exchange.errors import IllegalStateError, UsageError
-from exchange.memory.memory_segment import MemorySegment
+
+if TYPE_CHECKING:
+    from exchange.memory.memory_segment import MemorySegment
 
 __all__ = ["BufferBuilder", "BufferConsumer"]
 

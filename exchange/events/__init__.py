@@ -1,0 +1,25 @@
+"""In-band events."""
+
+from __future__ import annotations
+
+from exchange.events.events import (
+    AbstractEvent,
+    CancelCheckpointMarker,
+    CheckpointBarrier,
+    CheckpointOptions,
+    CheckpointType,
+    EndOfPartitionEvent,
+    EventSerializer,
+    register_event_type,
+)
+
+__all__ = [
+    "AbstractEvent",
+    "CancelCheckpointMarker",
+    "CheckpointBarrier",
+    "CheckpointOptions",
+    "CheckpointType",
+    "EndOfPartitionEvent",
+    "EventSerializer",
+    "register_event_type",
+]
