@@ -1,0 +1,1 @@
+"""The exchange daemon: asyncio servers around the engine in ``exchange``."""

@@ -1,0 +1,584 @@
+"""The exchange daemon's configuration: one frozen :class:`DaemonConfig`, loaded in layers.
+
+Precedence, highest first: command-line flags (``--network-memory 128mb``), environment
+variables ``EXCHANGE_<SETTING>`` (``EXCHANGE_NETWORK_MEMORY=128mb``), a TOML file named by
+``--config FILE`` or ``EXCHANGE_CONFIG`` (keys are the field names, with dashes or
+underscores), then the defaults, which are Flink's.
+
+Every value, whatever its source, goes through the one coercer of its setting in ``_SETTINGS``,
+and ``DaemonConfig.__post_init__`` runs the same coercers, so a config built in code is checked
+exactly like one loaded from the command line. An invalid value raises
+:class:`~exchange.errors.ConfigError` naming the setting, quoting the value and saying where it
+came from. The file system is only touched by :meth:`DaemonConfig.validate_paths` and
+:meth:`DaemonConfig.load_secret`, never at construction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import stat
+import tempfile
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, Final
+
+from exchange.config_values import (
+    format_size,
+    is_power_of_two,
+    parse_bool,
+    parse_duration,
+    parse_int,
+    parse_size,
+)
+from exchange.errors import ConfigError
+
+__all__ = [
+    "CONFIG_ENV_VAR",
+    "ENV_PREFIX",
+    "DaemonConfig",
+    "build_arg_parser",
+    "config_from_namespace",
+    "env_var_name",
+    "flag_name",
+    "load_config",
+]
+
+ENV_PREFIX: Final = "EXCHANGE_"
+CONFIG_ENV_VAR: Final = "EXCHANGE_CONFIG"
+
+KIB: Final = 1024
+MIB: Final = 1024 * KIB
+
+MIN_SEGMENT_SIZE: Final = 4 * KIB
+MAX_SEGMENT_SIZE: Final = 16 * MIB
+MIN_SEGMENTS: Final = 16
+MAX_SECRET_SIZE: Final = 64 * KIB
+# sun_path holds 108 bytes on Linux, including the terminating NUL.
+MAX_UNIX_SOCKET_PATH: Final = 107
+LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
+_LOG_LEVEL_ALIASES: Final = {"WARN": "WARNING"}
+_NONE_WORDS: Final = frozenset({"", "none"})
+_UNLIMITED_WORDS: Final = frozenset({"", "none", "unlimited", "-1"})
+
+
+def _default_spill_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), "exchange-spill")
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    """Everything an exchange daemon is configured with. Sizes in bytes, durations in seconds."""
+
+    host: str = "127.0.0.1"
+    data_port: int = 0
+    http_port: int = 0
+    local_socket: str | None = None
+    network_memory: int = 64 * MIB
+    segment_size: int = 32 * KIB
+    exclusive_buffers_per_channel: int = 2
+    floating_buffers_per_gate: int = 8
+    high_watermark: int | None = None
+    low_watermark: int | None = None
+    partition_request_backoff_initial: float = 0.1
+    partition_request_backoff_max: float = 10.0
+    buffer_timeout: float = 0.1
+    max_connections: int = 1024
+    handshake_timeout: float = 10.0
+    spill_dir: str = field(default_factory=_default_spill_dir)
+    secret_file: str | None = None
+    log_level: str = "INFO"
+    blocking_partition_ttl: float = 3600.0
+    debloat_enabled: bool = False
+    debloat_target: float = 1.0
+    debloat_period: float = 0.2
+    debloat_samples: int = 20
+    debloat_threshold_percent: int = 25
+    debloat_min_buffer_size: int = 256
+    checkpoint_alignment_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            coerced = _SETTINGS[f.name].coerce(getattr(self, f.name), f.name)
+            object.__setattr__(self, f.name, coerced)
+        self._check_relations()
+
+    def _check_relations(self) -> None:
+        """Checks that involve more than one setting."""
+        if self.num_segments < MIN_SEGMENTS:
+            raise ConfigError(
+                "network_memory",
+                f"{self.network_memory} bytes ({format_size(self.network_memory)}) hold only "
+                f"{self.num_segments} segments of segment_size {format_size(self.segment_size)}; "
+                f"at least {MIN_SEGMENTS} are required",
+            )
+        if self.exclusive_buffers_per_channel > self.num_segments:
+            raise ConfigError(
+                "exclusive_buffers_per_channel",
+                f"{self.exclusive_buffers_per_channel} exceeds the {self.num_segments} segments "
+                "of network_memory",
+            )
+        if self.exclusive_buffers_per_channel == 0 and self.floating_buffers_per_gate == 0:
+            raise ConfigError(
+                "floating_buffers_per_gate",
+                "0 with exclusive_buffers_per_channel also 0 leaves input gates without buffers",
+            )
+        high, low = self.effective_high_watermark, self.effective_low_watermark
+        if low >= high:
+            # Name the watermark the user set; if both are set, the low one gives way.
+            name = "high_watermark" if self.low_watermark is None else "low_watermark"
+            raise ConfigError(
+                name,
+                f"low_watermark ({low} bytes) must be below high_watermark ({high} bytes)",
+            )
+        if self.partition_request_backoff_initial > self.partition_request_backoff_max:
+            raise ConfigError(
+                "partition_request_backoff_initial",
+                f"{self.partition_request_backoff_initial}s exceeds "
+                f"partition_request_backoff_max ({self.partition_request_backoff_max}s)",
+            )
+        if self.debloat_min_buffer_size > self.segment_size:
+            raise ConfigError(
+                "debloat_min_buffer_size",
+                f"{self.debloat_min_buffer_size} bytes exceeds segment_size "
+                f"({self.segment_size} bytes)",
+            )
+        if self.data_port != 0 and self.data_port == self.http_port:
+            raise ConfigError(
+                "http_port", f"{self.http_port} is also the data_port; use two different ports"
+            )
+
+    @property
+    def num_segments(self) -> int:
+        """Number of segments in the NetworkBufferPool (network_memory // segment_size)."""
+        return self.network_memory // self.segment_size
+
+    @property
+    def effective_high_watermark(self) -> int:
+        """The write high watermark in bytes; 2 * segment_size unless set."""
+        return 2 * self.segment_size if self.high_watermark is None else self.high_watermark
+
+    @property
+    def effective_low_watermark(self) -> int:
+        """The write low watermark in bytes; segment_size + 1 unless set."""
+        return self.segment_size + 1 if self.low_watermark is None else self.low_watermark
+
+    def resolved_local_socket(self) -> str:
+        """The Unix socket path for local tasks; defaults to one per process under spill_dir."""
+        if self.local_socket is not None:
+            return self.local_socket
+        return os.path.join(self.spill_dir, f"exchange-{os.getpid()}.sock")
+
+    def validate_paths(self) -> None:
+        """Create spill_dir if needed and check that it is writable and the socket path usable."""
+        spill = self.spill_dir
+        try:
+            os.makedirs(spill, exist_ok=True)
+        except FileExistsError:
+            raise ConfigError("spill_dir", f"{spill!r} exists and is not a directory") from None
+        except OSError as exc:
+            raise ConfigError("spill_dir", f"{spill!r} cannot be created: {exc}") from None
+        if not os.path.isdir(spill):
+            raise ConfigError("spill_dir", f"{spill!r} is not a directory")
+        # Probe by creating a file: os.access() says yes to root and ignores read-only mounts.
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".exchange-probe-", dir=spill)
+        except OSError as exc:
+            raise ConfigError("spill_dir", f"{spill!r} is not writable: {exc}") from None
+        os.close(fd)
+        os.unlink(probe)
+
+        sock = self.resolved_local_socket()
+        derived = " (derived from spill_dir)" if self.local_socket is None else ""
+        if len(os.fsencode(sock)) > MAX_UNIX_SOCKET_PATH:
+            raise ConfigError(
+                "local_socket",
+                f"{sock!r}{derived} is {len(os.fsencode(sock))} bytes long; Unix socket paths "
+                f"are limited to {MAX_UNIX_SOCKET_PATH} bytes",
+            )
+        parent = os.path.dirname(sock) or "."
+        if not os.path.isdir(parent):
+            raise ConfigError("local_socket", f"{sock!r}: directory {parent!r} does not exist")
+        if os.path.lexists(sock) and not stat.S_ISSOCK(os.lstat(sock).st_mode):
+            raise ConfigError("local_socket", f"{sock!r} exists and is not a socket")
+
+    def load_secret(self) -> bytes | None:
+        """Read the shared secret from secret_file (trailing newlines stripped); None if unset.
+
+        Refuses a missing, empty, oversized or non-regular file, and one that other users may
+        read or write (it must be like ``chmod 600``).
+        """
+        path = self.secret_file
+        if path is None:
+            return None
+        try:
+            # stat before open: opening a FIFO would block.
+            if not stat.S_ISREG(os.stat(path).st_mode):
+                raise ConfigError("secret_file", f"{path!r} is not a regular file")
+            with open(path, "rb") as fh:
+                mode = os.fstat(fh.fileno()).st_mode
+                if mode & (stat.S_IROTH | stat.S_IWOTH):
+                    raise ConfigError(
+                        "secret_file",
+                        f"{path!r} is accessible by other users (mode {stat.filemode(mode)}); "
+                        "restrict it with chmod 600",
+                    )
+                data = fh.read(MAX_SECRET_SIZE + 1)
+        except FileNotFoundError:
+            raise ConfigError("secret_file", f"{path!r} does not exist") from None
+        except OSError as exc:
+            raise ConfigError("secret_file", f"{path!r} cannot be read: {exc}") from None
+        if len(data) > MAX_SECRET_SIZE:
+            raise ConfigError("secret_file", f"{path!r} is larger than {MAX_SECRET_SIZE} bytes")
+        secret = data.rstrip(b"\r\n")
+        if not secret:
+            raise ConfigError("secret_file", f"{path!r} is empty")
+        return secret
+
+    def to_dict(self) -> dict[str, object]:
+        """The effective settings by field name, for printing; the secret itself is never read."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# --- one coercer per setting -------------------------------------------------------------
+
+_Coerce = Callable[[Any, str], Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Setting:
+    coerce: _Coerce
+    toml_types: tuple[type, ...]
+    metavar: str
+    help: str
+
+
+def _host(value: Any, setting: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(setting, f"{value!r} is not a string")
+    if not value or len(value) > 253 or any(c.isspace() or not c.isprintable() for c in value):
+        raise ConfigError(setting, f"{value!r} is not a host name or address")
+    return value
+
+
+def _path(value: Any, setting: str) -> str:
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ConfigError(setting, f"{value!r} is not a path")
+    if not value or "\0" in value:
+        raise ConfigError(setting, f"{value!r} is not a usable path")
+    return os.path.expanduser(value)
+
+
+def _optional_path(value: Any, setting: str) -> str | None:
+    if value is None or value == "":
+        return None
+    return _path(value, setting)
+
+
+def _int(minimum: int, maximum: int | None = None) -> _Coerce:
+    def coerce(value: Any, setting: str) -> int:
+        return parse_int(value, setting, minimum=minimum, maximum=maximum)
+
+    return coerce
+
+
+def _size(minimum: int, maximum: int | None = None, power_of_two: bool = False) -> _Coerce:
+    def coerce(value: Any, setting: str) -> int:
+        size = parse_size(value, setting)
+        if size < minimum:
+            raise ConfigError(setting, f"{value!r} is below the minimum of {format_size(minimum)}")
+        if maximum is not None and size > maximum:
+            raise ConfigError(setting, f"{value!r} exceeds the maximum of {format_size(maximum)}")
+        if power_of_two and not is_power_of_two(size):
+            raise ConfigError(setting, f"{value!r} ({size} bytes) is not a power of two")
+        return size
+
+    return coerce
+
+
+def _optional_size(minimum: int, none_words: frozenset[str] = _NONE_WORDS) -> _Coerce:
+    required = _size(minimum)
+
+    def coerce(value: Any, setting: str) -> int | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in none_words):
+            return None
+        if value == -1 and "-1" in none_words and not isinstance(value, bool):
+            return None
+        result: int = required(value, setting)
+        return result
+
+    return coerce
+
+
+def _duration(positive: bool, allow_negative_one: bool = False) -> _Coerce:
+    def coerce(value: Any, setting: str) -> float:
+        seconds = parse_duration(value, setting, allow_negative_one=allow_negative_one)
+        if positive and seconds <= 0:
+            raise ConfigError(setting, f"{value!r} must be a positive duration")
+        return seconds
+
+    return coerce
+
+
+def _bool(value: Any, setting: str) -> bool:
+    return parse_bool(value, setting)
+
+
+def _log_level(value: Any, setting: str) -> str:
+    if isinstance(value, str):
+        level = value.strip().upper()
+        level = _LOG_LEVEL_ALIASES.get(level, level)
+        if level in LOG_LEVELS:
+            return level
+    raise ConfigError(
+        setting, f"{value!r} is not a log level; expected one of {', '.join(LOG_LEVELS)}"
+    )
+
+
+_STR: Final[tuple[type, ...]] = (str,)
+_INT: Final[tuple[type, ...]] = (int,)
+_SIZE: Final[tuple[type, ...]] = (int, str)
+_DURATION: Final[tuple[type, ...]] = (int, float, str)
+
+_SETTINGS: Final[dict[str, _Setting]] = {
+    "host": _Setting(_host, _STR, "HOST", "address the data and HTTP ports bind to"),
+    "data_port": _Setting(
+        _int(0, 65535), _INT, "PORT", "TCP port for remote consumers; 0 lets the OS pick"
+    ),
+    "http_port": _Setting(
+        _int(0, 65535), _INT, "PORT", "HTTP port for /metrics and the dashboard; 0 = OS picks"
+    ),
+    "local_socket": _Setting(
+        _optional_path,
+        _STR,
+        "PATH",
+        "Unix socket for tasks on this host; default: exchange-<pid>.sock under spill_dir",
+    ),
+    "network_memory": _Setting(
+        _size(1), _SIZE, "SIZE", "memory of the NetworkBufferPool, e.g. 64mb"
+    ),
+    "segment_size": _Setting(
+        _size(MIN_SEGMENT_SIZE, MAX_SEGMENT_SIZE, power_of_two=True),
+        _SIZE,
+        "SIZE",
+        "size of one network buffer: a power of two from 4kb to 16mb",
+    ),
+    "exclusive_buffers_per_channel": _Setting(
+        _int(0), _INT, "N", "buffers each remote input channel owns"
+    ),
+    "floating_buffers_per_gate": _Setting(
+        _int(0), _INT, "N", "buffers an input gate shares among its channels"
+    ),
+    "high_watermark": _Setting(
+        _optional_size(1), _SIZE, "SIZE", "write high watermark; default 2 x segment_size"
+    ),
+    "low_watermark": _Setting(
+        _optional_size(0), _SIZE, "SIZE", "write low watermark; default segment_size + 1"
+    ),
+    "partition_request_backoff_initial": _Setting(
+        _duration(positive=True), _DURATION, "DURATION", "first retry delay of a partition request"
+    ),
+    "partition_request_backoff_max": _Setting(
+        _duration(positive=True),
+        _DURATION,
+        "DURATION",
+        "longest retry delay of a partition request",
+    ),
+    "buffer_timeout": _Setting(
+        _duration(positive=False, allow_negative_one=True),
+        _DURATION,
+        "DURATION",
+        "flush interval of partly filled buffers; 0 = every record, -1 = only full buffers",
+    ),
+    "max_connections": _Setting(_int(1), _INT, "N", "most TCP connections served at once"),
+    "handshake_timeout": _Setting(
+        _duration(positive=True), _DURATION, "DURATION", "time a new connection has to authenticate"
+    ),
+    "spill_dir": _Setting(
+        _path, _STR, "DIR", "directory for spilled and blocking partitions (created if missing)"
+    ),
+    "secret_file": _Setting(
+        _optional_path, _STR, "FILE", "file holding the shared secret (chmod 600)"
+    ),
+    "log_level": _Setting(_log_level, _STR, "LEVEL", f"one of {', '.join(LOG_LEVELS)}"),
+    "blocking_partition_ttl": _Setting(
+        _duration(positive=False),
+        _DURATION,
+        "DURATION",
+        "lifetime of a blocking partition nobody releases; 0 = keep until released",
+    ),
+    "debloat_enabled": _Setting(
+        _bool, (bool,), "BOOL", "adapt buffer sizes to keep in-flight data near debloat_target"
+    ),
+    "debloat_target": _Setting(
+        _duration(positive=True), _DURATION, "DURATION", "in-flight data the debloater aims at"
+    ),
+    "debloat_period": _Setting(
+        _duration(positive=True), _DURATION, "DURATION", "how often the buffer size is recomputed"
+    ),
+    "debloat_samples": _Setting(
+        _int(1), _INT, "N", "throughput samples in the debloater's moving average"
+    ),
+    "debloat_threshold_percent": _Setting(
+        _int(0, 100), _INT, "PERCENT", "smallest size change (percent) worth announcing"
+    ),
+    "debloat_min_buffer_size": _Setting(
+        _size(1), _SIZE, "SIZE", "smallest buffer size the debloater announces"
+    ),
+    "checkpoint_alignment_limit": _Setting(
+        _optional_size(1, _UNLIMITED_WORDS),
+        _SIZE,
+        "SIZE",
+        "most bytes buffered while aligning a checkpoint; default unlimited",
+    ),
+}
+
+# A setting without a flag or coercer would be silently unconfigurable.
+assert list(_SETTINGS) == [f.name for f in fields(DaemonConfig)]
+
+
+# --- loading -----------------------------------------------------------------------------
+
+
+def flag_name(setting: str) -> str:
+    """The command-line flag of a setting: ``network_memory`` -> ``--network-memory``."""
+    return "--debloat" if setting == "debloat_enabled" else "--" + setting.replace("_", "-")
+
+
+def env_var_name(setting: str) -> str:
+    """The environment variable of a setting: ``network_memory`` -> ``EXCHANGE_NETWORK_MEMORY``."""
+    return ENV_PREFIX + setting.upper()
+
+
+def _default_text(f: Field[Any]) -> str:
+    if f.default_factory is not MISSING:
+        return str(f.default_factory())
+    if f.default is None:
+        return "none"
+    if _SETTINGS[f.name].toml_types is _SIZE and isinstance(f.default, int):
+        return format_size(f.default)
+    return str(f.default)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """The daemon's argument parser: ``--config FILE`` and one flag per setting.
+
+    Flags keep their raw strings (every default is suppressed), so :func:`config_from_namespace`
+    can tell a given flag from an absent one and report bad values as ``ConfigError``.
+    """
+    parser = argparse.ArgumentParser(
+        prog="exchange-daemon",
+        description="Exchange daemon: serves result partitions to PySpark tasks.",
+        epilog=(
+            f"Each setting can also be set by an environment variable {ENV_PREFIX}<SETTING> "
+            "or a key in the TOML config file. Flags override the environment, which overrides "
+            "the file. Sizes take units (32kb, 64 MiB, 1g); durations too (100ms, 10s, 2m)."
+        ),
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help=f"TOML file with settings [env {CONFIG_ENV_VAR}]",
+    )
+    for f in fields(DaemonConfig):
+        spec = _SETTINGS[f.name]
+        suffix = f" [env {env_var_name(f.name)}; default: {_default_text(f)}]"
+        help_text = (spec.help + suffix).replace("%", "%%")
+        if f.name == "debloat_enabled":
+            parser.add_argument(
+                flag_name(f.name),
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                flag_name(f.name),
+                dest=f.name,
+                metavar=spec.metavar,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+    return parser
+
+
+def load_config(argv: Sequence[str] | None, env: Mapping[str, str] | None = None) -> DaemonConfig:
+    """Build the daemon's config from flags (``argv``; None = ``sys.argv[1:]``), env and file.
+
+    ``env`` defaults to ``os.environ``. Malformed command lines and ``--help`` exit the way
+    argparse does; every invalid value raises ``ConfigError``.
+    """
+    args = build_arg_parser().parse_args(argv)
+    return config_from_namespace(args, os.environ if env is None else env)
+
+
+def config_from_namespace(args: argparse.Namespace, env: Mapping[str, str]) -> DaemonConfig:
+    """Build the config from a namespace parsed by (an extension of) :func:`build_arg_parser`.
+
+    Attributes that are not settings are ignored, so a caller may add flags of its own.
+    """
+    values: dict[str, Any] = {}
+    config_file = getattr(args, "config", None) or env.get(CONFIG_ENV_VAR) or None
+    if config_file is not None:
+        values.update(_read_config_file(config_file))
+    for name, spec in _SETTINGS.items():
+        raw = env.get(env_var_name(name), "")
+        if raw != "":  # an empty variable counts as unset
+            values[name] = _coerce(spec, raw, name, f"environment variable {env_var_name(name)}")
+    for name, spec in _SETTINGS.items():
+        if hasattr(args, name):
+            source = "--debloat/--no-debloat" if name == "debloat_enabled" else flag_name(name)
+            values[name] = _coerce(spec, getattr(args, name), name, source)
+    return DaemonConfig(**values)
+
+
+def _coerce(spec: _Setting, value: Any, setting: str, source: str) -> Any:
+    try:
+        return spec.coerce(value, setting)
+    except ConfigError as exc:
+        detail = str(exc).removeprefix(f"invalid value for {exc.setting!r}: ")
+        raise ConfigError(exc.setting, f"{detail} (from {source})") from None
+
+
+def _read_config_file(path: str) -> dict[str, Any]:
+    """Read a TOML config file into coerced values by field name."""
+    try:
+        with open(path, "rb") as fh:
+            document = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("config", f"config file {path!r} does not exist") from None
+    except OSError as exc:
+        raise ConfigError("config", f"config file {path!r} cannot be read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"config file {path!r} is not valid TOML: {exc}") from None
+
+    values: dict[str, Any] = {}
+    seen: dict[str, str] = {}
+    for key, value in document.items():
+        name = key.replace("-", "_")
+        spec = _SETTINGS.get(name)
+        if spec is None:
+            close = difflib.get_close_matches(name, list(_SETTINGS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(key, f"unknown setting {key!r} in config file {path!r}{hint}")
+        if name in seen:
+            raise ConfigError(
+                name, f"set twice in config file {path!r}, as {seen[name]!r} and {key!r}"
+            )
+        seen[name] = key
+        source = f"key {key!r} in config file {path!r}"
+        wrong_bool = isinstance(value, bool) and bool not in spec.toml_types
+        if wrong_bool or not isinstance(value, spec.toml_types):
+            expected = " or ".join(t.__name__ for t in spec.toml_types)
+            raise ConfigError(
+                name,
+                f"{value!r} has TOML type {type(value).__name__}, expected {expected} ({source})",
+            )
+        values[name] = _coerce(spec, value, name, source)
+    return values
