@@ -1,0 +1,91 @@
+"""The wire protocol, sans I/O: messages, framing codec, handshake state machines.
+
+Nothing here touches a socket; ``server`` and ``client`` feed received bytes to a
+``FrameDecoder`` and write what ``encode`` returns. See ``docs/protocol.md``.
+"""
+
+from __future__ import annotations
+
+from exchange.protocol.codec import (
+    BUFFER_RESPONSE_HEADER_SIZE,
+    DEFAULT_MAX_FRAME_SIZE,
+    FRAME_HEADER_SIZE,
+    LOCAL_ENDPOINT_MESSAGE_IDS,
+    MAGIC,
+    MAX_CONTROL_FRAME_SIZE,
+    FrameDecoder,
+    encode,
+    encode_buffer_response_header,
+    max_frame_size_for,
+    register_message,
+    unregister_message,
+)
+from exchange.protocol.handshake import (
+    ClientHandshake,
+    ClientHandshakeState,
+    ServerHandshake,
+    ServerHandshakeState,
+)
+from exchange.protocol.messages import (
+    MAX_ERROR_MESSAGE_BYTES,
+    NONCE_SIZE,
+    PROTOCOL_VERSION,
+    AddCredit,
+    AuthOk,
+    AuthResponse,
+    BufferResponse,
+    CancelPartitionRequest,
+    ClientHello,
+    CloseRequest,
+    DataType,
+    ErrorCode,
+    ErrorResponse,
+    Message,
+    MessageId,
+    NewBufferSize,
+    PartitionRequest,
+    ResumeConsumption,
+    ServerHello,
+    error_for_response,
+    error_response_for,
+)
+
+__all__ = [
+    "BUFFER_RESPONSE_HEADER_SIZE",
+    "DEFAULT_MAX_FRAME_SIZE",
+    "FRAME_HEADER_SIZE",
+    "LOCAL_ENDPOINT_MESSAGE_IDS",
+    "MAGIC",
+    "MAX_CONTROL_FRAME_SIZE",
+    "MAX_ERROR_MESSAGE_BYTES",
+    "NONCE_SIZE",
+    "PROTOCOL_VERSION",
+    "AddCredit",
+    "AuthOk",
+    "AuthResponse",
+    "BufferResponse",
+    "CancelPartitionRequest",
+    "ClientHandshake",
+    "ClientHandshakeState",
+    "ClientHello",
+    "CloseRequest",
+    "DataType",
+    "ErrorCode",
+    "ErrorResponse",
+    "FrameDecoder",
+    "Message",
+    "MessageId",
+    "NewBufferSize",
+    "PartitionRequest",
+    "ResumeConsumption",
+    "ServerHandshake",
+    "ServerHandshakeState",
+    "ServerHello",
+    "encode",
+    "encode_buffer_response_header",
+    "error_for_response",
+    "error_response_for",
+    "max_frame_size_for",
+    "register_message",
+    "unregister_message",
+]

@@ -1,0 +1,611 @@
+"""Framing: messages to bytes and back, without I/O.
+
+A frame is ``length u32 | magic u32 | id u8 | body`` (big-endian), ``length`` counting the
+whole frame. ``encode`` returns pieces for ``transport.writelines``; a ``BufferResponse``'s
+payload is one of them, never copied.
+
+How ``FrameDecoder`` works: a chunk that holds whole frames is parsed in place, and a
+``BufferResponse`` payload is a memoryview into that very ``bytes`` object (no copy). The
+tail of a chunk that does not complete a frame is kept, with its offset, in a deque; later
+chunks are appended until the pending frame is complete, then only that frame's parts are
+joined. The frame header is checked (magic, length limit, known id) as soon as its 9 bytes
+have arrived, before anything is allocated for the body. The first ``ProtocolError``
+poisons the decoder: the stream is out of sync, every later ``feed`` raises it again.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, Final, TypeVar
+
+from exchange.errors import (
+    BadMagicError,
+    FrameTooLargeError,
+    ProtocolError,
+    UnknownMessageError,
+    UsageError,
+)
+from exchange.partition.result_partition_id import MAX_DATASET_ID_BYTES, ResultPartitionID
+from exchange.protocol.messages import (
+    MAC_SIZE,
+    MAX_ERROR_MESSAGE_BYTES,
+    NONCE_SIZE,
+    AddCredit,
+    AuthOk,
+    AuthResponse,
+    BufferResponse,
+    CancelPartitionRequest,
+    ClientHello,
+    CloseRequest,
+    DataType,
+    ErrorCode,
+    ErrorResponse,
+    Message,
+    MessageId,
+    NewBufferSize,
+    PartitionRequest,
+    ResumeConsumption,
+    ServerHello,
+)
+
+__all__ = [
+    "BUFFER_RESPONSE_HEADER_SIZE",
+    "DEFAULT_MAX_FRAME_SIZE",
+    "FRAME_HEADER_SIZE",
+    "LOCAL_ENDPOINT_MESSAGE_IDS",
+    "MAGIC",
+    "MAX_CONTROL_FRAME_SIZE",
+    "FrameDecoder",
+    "encode",
+    "encode_buffer_response_header",
+    "max_frame_size_for",
+    "register_message",
+    "unregister_message",
+]
+
+FRAME_HEADER_SIZE: Final = 9
+MAGIC: Final = 0xBADC0FFE
+# Frame header plus BufferResponse's fixed fields: receiver, sequence, backlog, type,
+# compressed, size.
+BUFFER_RESPONSE_HEADER_SIZE: Final = 31
+# Room above the segment size for the BufferResponse header.
+FRAME_SLACK: Final = 64
+# Every built-in control frame fits (the largest is an ErrorResponse with a full message).
+MAX_CONTROL_FRAME_SIZE: Final = 4096
+DEFAULT_MAX_FRAME_SIZE: Final = 32 * 1024 + FRAME_SLACK
+# Reserved for the daemon's local-endpoint protocol, added with ``register_message``.
+LOCAL_ENDPOINT_MESSAGE_IDS: Final = range(64, 128)
+
+Piece = bytes | memoryview
+_M = TypeVar("_M", bound=Message)
+
+_HEADER: Final = struct.Struct(">IIB")
+_BR_HEADER: Final = struct.Struct(">IIBQIIBBI")
+_BR_BODY: Final = struct.Struct(">QIIBBI")
+_CLIENT_HELLO: Final = struct.Struct(f">IIBH{NONCE_SIZE}s")
+_SERVER_HELLO: Final = struct.Struct(f">IIBHB{NONCE_SIZE}s")
+_MAC: Final = struct.Struct(f">IIB{MAC_SIZE}s")
+_PR_TAIL: Final = struct.Struct(">IQIQI")
+_ID_U32: Final = struct.Struct(">IIBQI")
+_ID: Final = struct.Struct(">IIBQ")
+_ERR_FIXED: Final = struct.Struct(">HBQH")
+_U16: Final = struct.Struct(">H")
+
+_DATA_TYPES: Final = tuple(sorted(DataType))
+_N_DATA_TYPES: Final = len(_DATA_TYPES)
+assert [int(t) for t in _DATA_TYPES] == list(range(_N_DATA_TYPES))
+_ERROR_CODES: Final = {int(c): c for c in ErrorCode}
+_CLOSE_REQUEST_FRAME: Final = _HEADER.pack(FRAME_HEADER_SIZE, MAGIC, MessageId.CLOSE_REQUEST)
+_CLOSE_REQUEST: Final = CloseRequest()
+
+
+def max_frame_size_for(segment_size: int) -> int:
+    """The frame limit that fits a full segment in a ``BufferResponse``."""
+    if not isinstance(segment_size, int) or segment_size <= 0:
+        raise UsageError(f"segment_size must be a positive int, got {segment_size!r}")
+    return max(segment_size + FRAME_SLACK, MAX_CONTROL_FRAME_SIZE)
+
+
+# -- encoding -----------------------------------------------------------------------------
+
+
+def encode_buffer_response_header(
+    receiver_id: int,
+    sequence_number: int,
+    backlog: int,
+    data_type: int,
+    compressed: bool,
+    payload_size: int,
+) -> bytes:
+    """Frame header and fixed fields of a ``BufferResponse``; the payload follows as is."""
+    if data_type >= _N_DATA_TYPES:
+        raise UsageError(f"invalid data_type {data_type!r}")
+    try:
+        return _BR_HEADER.pack(
+            payload_size + BUFFER_RESPONSE_HEADER_SIZE,
+            MAGIC,
+            11,
+            receiver_id,
+            sequence_number,
+            backlog,
+            data_type,
+            1 if compressed else 0,
+            payload_size,
+        )
+    except struct.error as exc:
+        raise UsageError(f"cannot encode BufferResponse header: {exc}") from exc
+
+
+def _piece_size(piece: Piece) -> int:
+    return piece.nbytes if isinstance(piece, memoryview) else len(piece)
+
+
+def _enc_buffer_response(m: BufferResponse) -> list[Piece]:
+    p = m.payload
+    header = encode_buffer_response_header(
+        m.receiver_id, m.sequence_number, m.backlog, m.data_type, m.compressed, _piece_size(p)
+    )
+    return [header, p]
+
+
+def _enc_client_hello(m: ClientHello) -> list[Piece]:
+    s = _CLIENT_HELLO
+    return [s.pack(s.size, MAGIC, MessageId.CLIENT_HELLO, m.version, m.client_nonce)]
+
+
+def _enc_server_hello(m: ServerHello) -> list[Piece]:
+    s = _SERVER_HELLO
+    auth = 1 if m.auth_required else 0
+    return [s.pack(s.size, MAGIC, MessageId.SERVER_HELLO, m.version, auth, m.server_nonce)]
+
+
+def _enc_auth_response(m: AuthResponse) -> list[Piece]:
+    return [_MAC.pack(_MAC.size, MAGIC, MessageId.AUTH_RESPONSE, m.mac)]
+
+
+def _enc_auth_ok(m: AuthOk) -> list[Piece]:
+    return [_MAC.pack(_MAC.size, MAGIC, MessageId.AUTH_OK, m.server_proof)]
+
+
+def _enc_partition_request(m: PartitionRequest) -> list[Piece]:
+    pid = m.partition_id
+    name = pid.dataset_id.encode("utf-8")
+    size = FRAME_HEADER_SIZE + _U16.size + len(name) + _PR_TAIL.size
+    tail = _PR_TAIL.pack(
+        pid.partition_index, pid.attempt_id, m.subpartition_index, m.receiver_id, m.initial_credit
+    )
+    head = _HEADER.pack(size, MAGIC, MessageId.PARTITION_REQUEST) + _U16.pack(len(name))
+    return [b"".join((head, name, tail))]
+
+
+def _enc_add_credit(m: AddCredit) -> list[Piece]:
+    return [_ID_U32.pack(_ID_U32.size, MAGIC, MessageId.ADD_CREDIT, m.receiver_id, m.credit)]
+
+
+def _enc_new_buffer_size(m: NewBufferSize) -> list[Piece]:
+    s = _ID_U32
+    return [s.pack(s.size, MAGIC, MessageId.NEW_BUFFER_SIZE, m.receiver_id, m.buffer_size)]
+
+
+def _enc_resume_consumption(m: ResumeConsumption) -> list[Piece]:
+    return [_ID.pack(_ID.size, MAGIC, MessageId.RESUME_CONSUMPTION, m.receiver_id)]
+
+
+def _enc_cancel_partition_request(m: CancelPartitionRequest) -> list[Piece]:
+    return [_ID.pack(_ID.size, MAGIC, MessageId.CANCEL_PARTITION_REQUEST, m.receiver_id)]
+
+
+def _enc_close_request(m: CloseRequest) -> list[Piece]:
+    return [_CLOSE_REQUEST_FRAME]
+
+
+def _enc_error_response(m: ErrorResponse) -> list[Piece]:
+    text = m.message.encode("utf-8")
+    size = FRAME_HEADER_SIZE + _ERR_FIXED.size + len(text)
+    rid = m.receiver_id
+    fixed = _ERR_FIXED.pack(m.code, rid is not None, rid or 0, len(text))
+    return [b"".join((_HEADER.pack(size, MAGIC, MessageId.ERROR_RESPONSE), fixed, text))]
+
+
+_ENCODERS: dict[type[Message], Callable[[Any], list[Piece]]] = {
+    ClientHello: _enc_client_hello,
+    ServerHello: _enc_server_hello,
+    AuthResponse: _enc_auth_response,
+    AuthOk: _enc_auth_ok,
+    PartitionRequest: _enc_partition_request,
+    BufferResponse: _enc_buffer_response,
+    AddCredit: _enc_add_credit,
+    ResumeConsumption: _enc_resume_consumption,
+    NewBufferSize: _enc_new_buffer_size,
+    CancelPartitionRequest: _enc_cancel_partition_request,
+    CloseRequest: _enc_close_request,
+    ErrorResponse: _enc_error_response,
+}
+
+
+def encode(msg: Message) -> list[Piece]:
+    """The frame of ``msg`` as pieces for ``writelines`` (payloads are not copied)."""
+    enc = _ENCODERS.get(type(msg))
+    if enc is None:
+        raise UsageError(f"no encoder registered for {type(msg).__name__}")
+    try:
+        return enc(msg)
+    except struct.error as exc:
+        raise UsageError(f"cannot encode {type(msg).__name__}: {exc}") from exc
+
+
+# -- decoding of bodies -------------------------------------------------------------------
+# Each takes the exact body (a read-only memoryview) and rejects anything that does not
+# parse exactly. Only ProtocolError may escape: the fuzz tests hold them to it.
+
+
+def _fixed(body: memoryview, s: struct.Struct, name: str) -> tuple[Any, ...]:
+    if len(body) != s.size:
+        raise ProtocolError(f"{name} body has {len(body)} bytes, expected {s.size}")
+    return s.unpack(body)
+
+
+def _flag(value: int, what: str) -> bool:
+    if value > 1:
+        raise ProtocolError(f"{what} must be 0 or 1, got {value}")
+    return value == 1
+
+
+def _utf8(raw: memoryview, what: str) -> str:
+    try:
+        return str(raw, "utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"{what} is not valid UTF-8: {exc}") from None
+
+
+_CLIENT_HELLO_BODY: Final = struct.Struct(f">H{NONCE_SIZE}s")
+_SERVER_HELLO_BODY: Final = struct.Struct(f">HB{NONCE_SIZE}s")
+_MAC_BODY: Final = struct.Struct(f">{MAC_SIZE}s")
+_ID_U32_BODY: Final = struct.Struct(">QI")
+_ID_BODY: Final = struct.Struct(">Q")
+_EMPTY_BODY: Final = struct.Struct("")
+
+
+def _dec_client_hello(body: memoryview) -> Message:
+    version, nonce = _fixed(body, _CLIENT_HELLO_BODY, "ClientHello")
+    return ClientHello(version, nonce)
+
+
+def _dec_server_hello(body: memoryview) -> Message:
+    version, auth, nonce = _fixed(body, _SERVER_HELLO_BODY, "ServerHello")
+    return ServerHello(version, _flag(auth, "ServerHello.auth_required"), nonce)
+
+
+def _dec_auth_response(body: memoryview) -> Message:
+    return AuthResponse(_fixed(body, _MAC_BODY, "AuthResponse")[0])
+
+
+def _dec_auth_ok(body: memoryview) -> Message:
+    return AuthOk(_fixed(body, _MAC_BODY, "AuthOk")[0])
+
+
+def _dec_partition_request(body: memoryview) -> Message:
+    n = len(body)
+    if n < _U16.size + _PR_TAIL.size:
+        raise ProtocolError(f"PartitionRequest body of {n} bytes is too short")
+    (name_len,) = _U16.unpack_from(body)
+    if not 0 < name_len <= MAX_DATASET_ID_BYTES:
+        raise ProtocolError(f"PartitionRequest dataset id of {name_len} bytes")
+    if n != _U16.size + name_len + _PR_TAIL.size:
+        raise ProtocolError(
+            f"PartitionRequest body has {n} bytes, expected {_U16.size + name_len + _PR_TAIL.size}"
+        )
+    dataset_id = _utf8(body[_U16.size : _U16.size + name_len], "dataset id")
+    index, attempt, subpartition, receiver, credit = _PR_TAIL.unpack_from(
+        body, _U16.size + name_len
+    )
+    pid = ResultPartitionID(dataset_id, index, attempt)
+    return PartitionRequest(pid, subpartition, receiver, credit)
+
+
+def _dec_buffer_response(body: memoryview) -> Message:
+    # FrameDecoder._parse inlines these checks on the data path and calls this only to
+    # raise the precise error; extension code and the dispatch table see this version.
+    n = len(body)
+    if n < _BR_BODY.size:
+        raise ProtocolError(f"BufferResponse body of {n} bytes is too short")
+    rid, seq, backlog, dt, comp, size = _BR_BODY.unpack_from(body)
+    if size != n - _BR_BODY.size:
+        raise ProtocolError(
+            f"BufferResponse declares {size} payload bytes, has {n - _BR_BODY.size}"
+        )
+    if dt >= _N_DATA_TYPES:
+        raise ProtocolError(f"BufferResponse with unknown data type {dt}")
+    return BufferResponse(
+        rid, seq, backlog, _DATA_TYPES[dt], _flag(comp, "compressed"), body[_BR_BODY.size :]
+    )
+
+
+def _dec_add_credit(body: memoryview) -> Message:
+    receiver, credit = _fixed(body, _ID_U32_BODY, "AddCredit")
+    if credit == 0:
+        raise ProtocolError("AddCredit with zero credit")
+    return AddCredit(receiver, credit)
+
+
+def _dec_new_buffer_size(body: memoryview) -> Message:
+    receiver, size = _fixed(body, _ID_U32_BODY, "NewBufferSize")
+    if size == 0:
+        raise ProtocolError("NewBufferSize of zero bytes")
+    return NewBufferSize(receiver, size)
+
+
+def _dec_resume_consumption(body: memoryview) -> Message:
+    return ResumeConsumption(_fixed(body, _ID_BODY, "ResumeConsumption")[0])
+
+
+def _dec_cancel_partition_request(body: memoryview) -> Message:
+    return CancelPartitionRequest(_fixed(body, _ID_BODY, "CancelPartitionRequest")[0])
+
+
+def _dec_close_request(body: memoryview) -> Message:
+    _fixed(body, _EMPTY_BODY, "CloseRequest")
+    return _CLOSE_REQUEST
+
+
+def _dec_error_response(body: memoryview) -> Message:
+    n = len(body)
+    fixed = _ERR_FIXED.size
+    if n < fixed:
+        raise ProtocolError(f"ErrorResponse body of {n} bytes is too short")
+    raw_code, has_receiver, receiver, text_len = _ERR_FIXED.unpack_from(body)
+    code = _ERROR_CODES.get(raw_code)
+    if code is None:
+        raise ProtocolError(f"ErrorResponse with unknown error code {raw_code}")
+    if not _flag(has_receiver, "ErrorResponse.has_receiver") and receiver != 0:
+        raise ProtocolError("ErrorResponse without receiver has a non-zero receiver id")
+    if text_len > MAX_ERROR_MESSAGE_BYTES:
+        raise ProtocolError(
+            f"ErrorResponse message of {text_len} bytes exceeds {MAX_ERROR_MESSAGE_BYTES}"
+        )
+    if n != fixed + text_len:
+        raise ProtocolError(f"ErrorResponse body has {n} bytes, expected {fixed + text_len}")
+    text = _utf8(body[fixed:], "ErrorResponse message")
+    return ErrorResponse(code, text, receiver if has_receiver else None)
+
+
+_DECODERS: dict[int, Callable[[memoryview], Message]] = {
+    MessageId.CLIENT_HELLO: _dec_client_hello,
+    MessageId.SERVER_HELLO: _dec_server_hello,
+    MessageId.AUTH_RESPONSE: _dec_auth_response,
+    MessageId.AUTH_OK: _dec_auth_ok,
+    MessageId.PARTITION_REQUEST: _dec_partition_request,
+    MessageId.BUFFER_RESPONSE: _dec_buffer_response,
+    MessageId.ADD_CREDIT: _dec_add_credit,
+    MessageId.RESUME_CONSUMPTION: _dec_resume_consumption,
+    MessageId.NEW_BUFFER_SIZE: _dec_new_buffer_size,
+    MessageId.CANCEL_PARTITION_REQUEST: _dec_cancel_partition_request,
+    MessageId.CLOSE_REQUEST: _dec_close_request,
+    MessageId.ERROR_RESPONSE: _dec_error_response,
+}
+
+
+# -- extension ----------------------------------------------------------------------------
+
+_EXTENSIONS: dict[int, type[Message]] = {}
+
+
+def register_message(
+    msg_id: int,
+    message_type: type[_M],
+    decode_body: Callable[[memoryview], _M],
+    encode_body: Callable[[_M], Sequence[Piece]],
+) -> None:
+    """Add a message with an id in ``LOCAL_ENDPOINT_MESSAGE_IDS`` to ``encode``/``FrameDecoder``.
+
+    ``decode_body`` gets the exact body as a read-only memoryview (zero-copy when the frame
+    arrived in one chunk) and should raise ``ProtocolError`` for a malformed body;
+    ``ValueError``, ``LookupError`` and ``struct.error`` are turned into ``ProtocolError``
+    too. ``encode_body`` returns the body's pieces; the frame header is added here.
+    """
+    if msg_id not in LOCAL_ENDPOINT_MESSAGE_IDS:
+        raise UsageError(
+            f"message id {msg_id} outside the reserved range "
+            f"{LOCAL_ENDPOINT_MESSAGE_IDS.start}..{LOCAL_ENDPOINT_MESSAGE_IDS.stop - 1}"
+        )
+    if msg_id in _DECODERS:
+        raise UsageError(f"message id {msg_id} is already registered")
+    if message_type in _ENCODERS:
+        raise UsageError(f"{message_type.__name__} is already registered")
+    name = message_type.__name__
+
+    def decode(body: memoryview) -> Message:
+        try:
+            return decode_body(body)
+        except ProtocolError:
+            raise
+        except (ValueError, LookupError, struct.error) as exc:
+            raise ProtocolError(f"malformed {name} body: {exc}") from exc
+
+    def encode_frame(msg: _M) -> list[Piece]:
+        pieces = list(encode_body(msg))
+        size = FRAME_HEADER_SIZE + sum(_piece_size(p) for p in pieces)
+        return [_HEADER.pack(size, MAGIC, msg_id), *pieces]
+
+    _DECODERS[msg_id] = decode
+    _ENCODERS[message_type] = encode_frame
+    _EXTENSIONS[msg_id] = message_type
+
+
+def unregister_message(msg_id: int) -> None:
+    """Remove a message added with ``register_message`` (tests, reloading)."""
+    message_type = _EXTENSIONS.pop(msg_id, None)
+    if message_type is None:
+        raise UsageError(f"message id {msg_id} is not a registered extension")
+    del _DECODERS[msg_id]
+    del _ENCODERS[message_type]
+
+
+# -- the decoder --------------------------------------------------------------------------
+
+
+class FrameDecoder:
+    """Turns a byte stream into messages; feed it whatever the transport delivers."""
+
+    __slots__ = ("_buffered", "_chunks", "_error", "_frame_len", "_max_frame_size", "_offset")
+
+    def __init__(self, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        if not isinstance(max_frame_size, int) or max_frame_size < MAX_CONTROL_FRAME_SIZE:
+            raise UsageError(
+                f"max_frame_size must be an int >= {MAX_CONTROL_FRAME_SIZE}, got {max_frame_size!r}"
+            )
+        self._max_frame_size = max_frame_size
+        # Received bytes not yet decoded: the first chunk from ``_offset`` on, then the rest.
+        self._chunks: deque[bytes] = deque()
+        self._offset = 0
+        self._buffered = 0
+        # Length of the pending frame once its header has arrived, else -1.
+        self._frame_len = -1
+        self._error: ProtocolError | None = None
+
+    @property
+    def max_frame_size(self) -> int:
+        return self._max_frame_size
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet decoded (non-zero: the stream ended mid-frame)."""
+        return self._buffered
+
+    @property
+    def error(self) -> ProtocolError | None:
+        """The error that poisoned the decoder, if any."""
+        return self._error
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
+        """Decode every frame completed by ``data``; raises ``ProtocolError`` (and poisons)."""
+        if self._error is not None:
+            raise self._error.with_traceback(None)
+        if type(data) is not bytes:
+            # The payload views handed out must not change under the caller's feet.
+            data = bytes(data)
+        out: list[Message] = []
+        if not data:
+            return out
+        try:
+            start = self._complete_pending(data, out) if self._chunks else 0
+            if start >= 0:
+                self._parse(data, start, out)
+        except ProtocolError as exc:
+            self._error = exc
+            self._chunks.clear()
+            self._buffered = 0
+            raise
+        return out
+
+    def _parse(self, data: bytes, pos: int, out: list[Message]) -> None:
+        """Decode the whole frames in ``data[pos:]``; keep an incomplete tail."""
+        n = len(data)
+        limit = self._max_frame_size
+        decoders = _DECODERS
+        unpack_header = _HEADER.unpack_from
+        unpack_br = _BR_BODY.unpack_from
+        append = out.append
+        view: memoryview | None = None
+        while n - pos >= FRAME_HEADER_SIZE:
+            length, magic, msg_id = unpack_header(data, pos)
+            if magic != MAGIC or not FRAME_HEADER_SIZE <= length <= limit or msg_id not in decoders:
+                raise _header_error(length, magic, msg_id, limit)
+            end = pos + length
+            if end > n:
+                self._keep(data, pos, length)
+                return
+            if view is None:
+                view = memoryview(data)
+            if msg_id == 11:  # MessageId.BUFFER_RESPONSE; the data path, so inlined
+                if length < BUFFER_RESPONSE_HEADER_SIZE:
+                    raise ProtocolError(f"BufferResponse frame of {length} bytes is too short")
+                rid, seq, backlog, dt, comp, size = unpack_br(data, pos + FRAME_HEADER_SIZE)
+                if size != length - BUFFER_RESPONSE_HEADER_SIZE or dt >= _N_DATA_TYPES or comp > 1:
+                    _dec_buffer_response(view[pos + FRAME_HEADER_SIZE : end])  # raises
+                    raise ProtocolError("malformed BufferResponse")  # pragma: no cover
+                append(
+                    BufferResponse(
+                        rid,
+                        seq,
+                        backlog,
+                        _DATA_TYPES[dt],
+                        comp == 1,
+                        view[pos + BUFFER_RESPONSE_HEADER_SIZE : end],
+                    )
+                )
+            else:
+                append(decoders[msg_id](view[pos + FRAME_HEADER_SIZE : end]))
+            pos = end
+        if pos < n:
+            self._keep(data, pos, -1)
+
+    def _keep(self, data: bytes, pos: int, frame_len: int) -> None:
+        self._chunks.append(data)
+        self._offset = pos
+        self._buffered = len(data) - pos
+        self._frame_len = frame_len
+
+    def _complete_pending(self, data: bytes, out: list[Message]) -> int:
+        """Finish the frame begun in earlier chunks; where ``data``'s own frames start, or -1."""
+        chunks = self._chunks
+        n = len(data)
+        buffered = self._buffered
+        length = self._frame_len
+        if length < 0:
+            if buffered + n < FRAME_HEADER_SIZE:
+                chunks.append(data)
+                self._buffered = buffered + n
+                return -1
+            header = self._peek_header(data)
+            length, magic, msg_id = _HEADER.unpack(header)
+            limit = self._max_frame_size
+            if (
+                magic != MAGIC
+                or not FRAME_HEADER_SIZE <= length <= limit
+                or msg_id not in _DECODERS
+            ):
+                raise _header_error(length, magic, msg_id, limit)
+            self._frame_len = length
+        missing = length - buffered
+        if missing > n:
+            chunks.append(data)
+            self._buffered = buffered + n
+            return -1
+        parts: list[Piece] = [memoryview(chunks.popleft())[self._offset :]]
+        parts.extend(chunks)
+        parts.append(memoryview(data)[:missing])
+        frame = b"".join(parts)
+        chunks.clear()
+        self._offset = 0
+        self._buffered = 0
+        self._frame_len = -1
+        self._parse(frame, 0, out)
+        return missing
+
+    def _peek_header(self, data: bytes) -> bytes:
+        need = FRAME_HEADER_SIZE
+        parts: list[bytes] = []
+        offset = self._offset
+        for chunk in self._chunks:
+            piece = chunk[offset : offset + need]
+            parts.append(piece)
+            need -= len(piece)
+            offset = 0
+            if need == 0:
+                break
+        if need:
+            parts.append(data[:need])
+        return b"".join(parts)
+
+
+def _header_error(length: int, magic: int, msg_id: int, limit: int) -> ProtocolError:
+    if magic != MAGIC:
+        return BadMagicError(magic, MAGIC)
+    if length > limit:
+        return FrameTooLargeError(length, limit)
+    if length < FRAME_HEADER_SIZE:
+        return ProtocolError(f"frame length {length} is shorter than the frame header")
+    return UnknownMessageError(msg_id)

@@ -1,0 +1,272 @@
+"""Connection handshake: version check and optional mutual shared-secret authentication.
+
+Sans I/O: ``start``/``receive`` return the messages to send. A failure sets the state to
+``FAILED``, stores the fatal ``ErrorResponse`` the caller should send (best effort) before
+closing in ``error_response``, and raises::
+
+    client                                   server
+      ClientHello(version, client_nonce)  ->
+                                          <-  ServerHello(version, auth_required, server_nonce)
+      AuthResponse(mac)                   ->                          (only if auth_required)
+                                          <-  AuthOk(server_proof) | ErrorResponse(AUTH_FAILED)
+
+    mac          = HMAC-SHA256(secret, b"exchange-auth-v1|c" + server_nonce + client_nonce)
+    server_proof = HMAC-SHA256(secret, b"exchange-auth-v1|s" + client_nonce + server_nonce)
+
+Fresh nonces on both sides make every MAC valid for one connection only (no replay), and
+the distinct labels keep a server's proof from being reflected as a client's MAC. A server
+without a secret accepts every client, including one that has a secret: the client then
+learns ``auth_required=False`` and goes on unauthenticated (``authenticated`` is False).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Callable
+from enum import Enum
+from typing import Final
+
+from exchange.errors import (
+    AuthenticationError,
+    IllegalStateError,
+    ProtocolError,
+    UsageError,
+    VersionMismatchError,
+)
+from exchange.protocol.messages import (
+    NONCE_SIZE,
+    PROTOCOL_VERSION,
+    AuthOk,
+    AuthResponse,
+    ClientHello,
+    ErrorResponse,
+    Message,
+    ServerHello,
+    error_for_response,
+    error_response_for,
+)
+
+__all__ = [
+    "ClientHandshake",
+    "ClientHandshakeState",
+    "ServerHandshake",
+    "ServerHandshakeState",
+    "client_mac",
+    "server_proof",
+]
+
+_CLIENT_LABEL: Final = b"exchange-auth-v1|c"
+_SERVER_LABEL: Final = b"exchange-auth-v1|s"
+
+NonceFactory = Callable[[int], bytes]
+
+
+def client_mac(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """What the client sends in ``AuthResponse``."""
+    return hmac.new(secret, _CLIENT_LABEL + server_nonce + client_nonce, hashlib.sha256).digest()
+
+
+def server_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """What the server sends in ``AuthOk``."""
+    return hmac.new(secret, _SERVER_LABEL + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def _check_secret(secret: bytes | None) -> None:
+    if secret is not None and (not isinstance(secret, bytes) or not secret):
+        raise UsageError("secret must be non-empty bytes, or None to disable authentication")
+
+
+def _nonce(factory: NonceFactory) -> bytes:
+    nonce = factory(NONCE_SIZE)
+    if not isinstance(nonce, bytes) or len(nonce) != NONCE_SIZE:
+        raise UsageError(f"nonce_factory must return {NONCE_SIZE} bytes, got {nonce!r}")
+    return nonce
+
+
+class ClientHandshakeState(Enum):
+    INITIAL = "initial"
+    AWAIT_SERVER_HELLO = "await_server_hello"
+    AWAIT_AUTH_OK = "await_auth_ok"
+    ESTABLISHED = "established"
+    FAILED = "failed"
+
+
+class ServerHandshakeState(Enum):
+    AWAIT_CLIENT_HELLO = "await_client_hello"
+    AWAIT_AUTH_RESPONSE = "await_auth_response"
+    ESTABLISHED = "established"
+    FAILED = "failed"
+
+
+class ClientHandshake:
+    """The client's side: ``start()``, then ``receive()`` each message until established."""
+
+    def __init__(
+        self,
+        secret: bytes | None,
+        *,
+        nonce_factory: NonceFactory = os.urandom,
+        version: int = PROTOCOL_VERSION,
+        address: str | None = None,
+    ) -> None:
+        _check_secret(secret)
+        self._secret = secret
+        self._nonce_factory = nonce_factory
+        self._version = version
+        self._address = address
+        self._client_nonce = b""
+        self._server_nonce = b""
+        self._authenticated = False
+        self.state = ClientHandshakeState.INITIAL
+        self.error_response: ErrorResponse | None = None
+
+    @property
+    def is_established(self) -> bool:
+        return self.state is ClientHandshakeState.ESTABLISHED
+
+    @property
+    def authenticated(self) -> bool:
+        """True once the server proved that it knows the secret."""
+        return self._authenticated
+
+    def start(self) -> list[Message]:
+        """The opening ``ClientHello``."""
+        if self.state is not ClientHandshakeState.INITIAL:
+            raise IllegalStateError(f"handshake already started (state {self.state.name})")
+        self._client_nonce = _nonce(self._nonce_factory)
+        self.state = ClientHandshakeState.AWAIT_SERVER_HELLO
+        return [ClientHello(self._version, self._client_nonce)]
+
+    def receive(self, msg: Message) -> list[Message]:
+        """Handle a message from the server; returns what to send next."""
+        state = self.state
+        if state in (
+            ClientHandshakeState.INITIAL,
+            ClientHandshakeState.ESTABLISHED,
+            ClientHandshakeState.FAILED,
+        ):
+            raise IllegalStateError(f"client handshake cannot receive in state {state.name}")
+        match msg:
+            case ErrorResponse():
+                # The server already gave up; nothing to answer.
+                self.state = ClientHandshakeState.FAILED
+                raise error_for_response(msg, self._address)
+            case ServerHello() if state is ClientHandshakeState.AWAIT_SERVER_HELLO:
+                return self._on_server_hello(msg)
+            case AuthOk() if state is ClientHandshakeState.AWAIT_AUTH_OK:
+                return self._on_auth_ok(msg)
+            case _:
+                raise self._fail(
+                    ProtocolError(
+                        f"unexpected {type(msg).__name__} in handshake state {state.name}"
+                    )
+                )
+
+    def _on_server_hello(self, msg: ServerHello) -> list[Message]:
+        if msg.version != self._version:
+            raise self._fail(VersionMismatchError(msg.version, self._version))
+        self._server_nonce = msg.server_nonce
+        if not msg.auth_required:
+            self.state = ClientHandshakeState.ESTABLISHED
+            return []
+        if self._secret is None:
+            raise self._fail(
+                AuthenticationError("the server requires authentication; no secret configured")
+            )
+        self.state = ClientHandshakeState.AWAIT_AUTH_OK
+        return [AuthResponse(client_mac(self._secret, self._client_nonce, msg.server_nonce))]
+
+    def _on_auth_ok(self, msg: AuthOk) -> list[Message]:
+        assert self._secret is not None
+        expected = server_proof(self._secret, self._client_nonce, self._server_nonce)
+        if not hmac.compare_digest(msg.server_proof, expected):
+            raise self._fail(AuthenticationError("the server failed to prove the shared secret"))
+        self._authenticated = True
+        self.state = ClientHandshakeState.ESTABLISHED
+        return []
+
+    def _fail(self, exc: ProtocolError) -> ProtocolError:
+        self.state = ClientHandshakeState.FAILED
+        self.error_response = error_response_for(exc)
+        return exc
+
+
+class ServerHandshake:
+    """The server's side: ``receive()`` each message until established."""
+
+    def __init__(
+        self,
+        secret: bytes | None,
+        *,
+        nonce_factory: NonceFactory = os.urandom,
+        version: int = PROTOCOL_VERSION,
+    ) -> None:
+        _check_secret(secret)
+        self._secret = secret
+        self._nonce_factory = nonce_factory
+        self._version = version
+        self._client_nonce = b""
+        self._server_nonce = b""
+        self.state = ServerHandshakeState.AWAIT_CLIENT_HELLO
+        self.error_response: ErrorResponse | None = None
+
+    @property
+    def is_established(self) -> bool:
+        return self.state is ServerHandshakeState.ESTABLISHED
+
+    @property
+    def auth_required(self) -> bool:
+        return self._secret is not None
+
+    def receive(self, msg: Message) -> list[Message]:
+        """Handle a message from the client; returns what to send next.
+
+        Anything but the expected handshake message is a ``ProtocolError`` (an
+        ``AuthenticationError`` while authentication is pending).
+        """
+        state = self.state
+        if state in (ServerHandshakeState.ESTABLISHED, ServerHandshakeState.FAILED):
+            raise IllegalStateError(f"server handshake cannot receive in state {state.name}")
+        match msg:
+            case ClientHello() if state is ServerHandshakeState.AWAIT_CLIENT_HELLO:
+                return self._on_client_hello(msg)
+            case AuthResponse() if state is ServerHandshakeState.AWAIT_AUTH_RESPONSE:
+                return self._on_auth_response(msg)
+            case _ if state is ServerHandshakeState.AWAIT_AUTH_RESPONSE:
+                raise self._fail(
+                    AuthenticationError(
+                        f"client sent {type(msg).__name__} instead of authenticating"
+                    )
+                )
+            case _:
+                raise self._fail(
+                    ProtocolError(
+                        f"unexpected {type(msg).__name__} in handshake state {state.name}"
+                    )
+                )
+
+    def _on_client_hello(self, msg: ClientHello) -> list[Message]:
+        if msg.version != self._version:
+            raise self._fail(VersionMismatchError(msg.version, self._version))
+        self._client_nonce = msg.client_nonce
+        self._server_nonce = _nonce(self._nonce_factory)
+        auth = self._secret is not None
+        self.state = (
+            ServerHandshakeState.AWAIT_AUTH_RESPONSE if auth else ServerHandshakeState.ESTABLISHED
+        )
+        return [ServerHello(self._version, auth, self._server_nonce)]
+
+    def _on_auth_response(self, msg: AuthResponse) -> list[Message]:
+        assert self._secret is not None
+        expected = client_mac(self._secret, self._client_nonce, self._server_nonce)
+        if not hmac.compare_digest(msg.mac, expected):
+            raise self._fail(AuthenticationError("client failed authentication: wrong secret"))
+        self.state = ServerHandshakeState.ESTABLISHED
+        return [AuthOk(server_proof(self._secret, self._client_nonce, self._server_nonce))]
+
+    def _fail(self, exc: ProtocolError) -> ProtocolError:
+        self.state = ServerHandshakeState.FAILED
+        self.error_response = error_response_for(exc)
+        return exc
