@@ -20,10 +20,27 @@ __all__ = ["Buffer", "BufferRecycler", "DataType", "FreeingRecycler"]
 
 
 class DataType(IntEnum):
-    """What a buffer carries: serialized records, or one serialized event."""
+    """What a buffer carries: serialized records, or one serialized event.
+
+    ``ALIGNED_CHECKPOINT_BARRIER`` is an event that blocks its subpartition once polled,
+    until the consumer sends ResumeConsumption (Flink's ``isBlockingUpstream``).
+    """
 
     DATA_BUFFER = 0
     EVENT_BUFFER = 1
+    ALIGNED_CHECKPOINT_BARRIER = 2
+
+    @property
+    def is_buffer(self) -> bool:
+        return self is DataType.DATA_BUFFER
+
+    @property
+    def is_event(self) -> bool:
+        return self is not DataType.DATA_BUFFER
+
+    @property
+    def is_blocking_upstream(self) -> bool:
+        return self is DataType.ALIGNED_CHECKPOINT_BARRIER
 
 
 class BufferRecycler(Protocol):

@@ -157,7 +157,10 @@ class EventSerializer:
 
     @staticmethod
     def to_buffer(event: AbstractEvent) -> Buffer:
-        return Buffer.wrap(EventSerializer.to_bytes(event), DataType.EVENT_BUFFER)
+        data_type = DataType.EVENT_BUFFER
+        if isinstance(event, CheckpointBarrier) and event.options.exactly_once:
+            data_type = DataType.ALIGNED_CHECKPOINT_BARRIER
+        return Buffer.wrap(EventSerializer.to_bytes(event), data_type)
 
     @staticmethod
     def to_buffer_consumer(event: AbstractEvent) -> BufferConsumer:

@@ -1,0 +1,170 @@
+"""SingleInputGate: one consumer's set of input channels, read as one stream.
+
+Channels with data wait in ``inputChannelsWithData``, each at most once. A channel is put
+there when its producer side says data became available (first finished buffer, flush,
+event) and is re-queued after a poll that reported more data available, so a reader
+never busy-polls an empty channel. Events are decoded here; EndOfPartition retires its
+channel, and the gate ends once every channel did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from exchange.buffers.buffer import Buffer
+from exchange.consumer.input_channel import InputChannel
+from exchange.errors import IllegalStateError, UsageError
+from exchange.events.events import AbstractEvent, EndOfPartitionEvent, EventSerializer
+from exchange.memory.availability import AvailabilityHelper
+from exchange.memory.local_buffer_pool import LocalBufferPool
+
+__all__ = ["BufferOrEvent", "SingleInputGate"]
+
+
+class BufferOrEvent(NamedTuple):
+    """A data buffer (``event`` None) or a decoded event (``buffer`` None)."""
+
+    buffer: Buffer | None
+    event: AbstractEvent | None
+    channel_index: int
+    more_available: bool
+
+
+class SingleInputGate:
+    """Reads the channels of one consumer; owns the floating buffer pool (if any)."""
+
+    def __init__(self, name: str = "gate", buffer_pool: LocalBufferPool | None = None) -> None:
+        self.name = name
+        self.buffer_pool = buffer_pool  # floating buffers for remote channels
+        self.channels: list[InputChannel] = []
+        self._with_data: deque[InputChannel] = deque()
+        self._num_finished = 0
+        self._availability = AvailabilityHelper(available=False)
+        self._requested = False
+        self._closed = False
+
+    def set_input_channels(self, channels: Sequence[InputChannel]) -> None:
+        if self._requested:
+            raise IllegalStateError("channels must be set before partitions are requested")
+        for i, ch in enumerate(channels):
+            if ch.channel_index != i or ch.gate is not self:
+                raise UsageError(f"channel {ch!r} is not channel {i} of this gate")
+        self.channels = list(channels)
+
+    @property
+    def num_channels(self) -> int:
+        return len(self.channels)
+
+    async def request_partitions(self) -> None:
+        """Request every channel's subpartition; on failure release everything and raise."""
+        if self._requested:
+            return
+        self._requested = True
+        if not self.channels:
+            self._availability.set_available()
+            return
+        try:
+            await asyncio.gather(*(ch.request_subpartition() for ch in self.channels))
+        except BaseException:
+            self.close()
+            raise
+
+    # -- availability --------------------------------------------------------------------
+
+    def notify_channel_non_empty(self, channel: InputChannel) -> None:
+        if channel.queued or channel.finished or self._closed:
+            return
+        channel.queued = True
+        self._with_data.append(channel)
+        self._availability.set_available()
+
+    @property
+    def is_finished(self) -> bool:
+        return self._num_finished == len(self.channels)
+
+    def get_available_future(self) -> asyncio.Future[None]:
+        return self._availability.get_available_future()
+
+    # -- reading -------------------------------------------------------------------------
+
+    def poll_next(self) -> BufferOrEvent | None:
+        """The next buffer or event without waiting; None if nothing is ready."""
+        if self._closed:
+            raise IllegalStateError(f"input gate {self.name} is closed")
+        queue = self._with_data
+        while queue:
+            ch = queue.popleft()
+            ch.queued = False
+            result = ch.get_next_buffer()
+            if result is None:
+                continue
+            more = result.more_available
+            if more:
+                ch.queued = True
+                queue.append(ch)
+            buf = result.buffer
+            if buf.is_buffer:
+                return BufferOrEvent(buf, None, ch.channel_index, more or bool(queue))
+            try:
+                event = EventSerializer.from_buffer(buf)
+            finally:
+                buf.release()
+            if isinstance(event, EndOfPartitionEvent):
+                self._retire(ch)
+            return BufferOrEvent(None, event, ch.channel_index, bool(queue))
+        if not self.is_finished:
+            self._availability.set_unavailable()
+        return None
+
+    async def get_next(self) -> BufferOrEvent | None:
+        """The next buffer or event; None once every channel delivered EndOfPartition."""
+        while True:
+            boe = self.poll_next()
+            if boe is not None:
+                return boe
+            if self.is_finished:
+                return None
+            await self._availability.get_available_future()
+
+    def _retire(self, ch: InputChannel) -> None:
+        if not ch.finished:
+            ch.finished = True
+            self._num_finished += 1
+            if ch.queued:
+                ch.queued = False
+                self._with_data.remove(ch)
+            ch.release_all_resources()
+        if self.is_finished:
+            self._availability.set_available()
+
+    def resume_consumption(self, channel_index: int) -> None:
+        """After an aligned barrier: let the channel's producer send again."""
+        ch = self.channels[channel_index]
+        if not ch.finished:
+            ch.resume_consumption()
+
+    def close(self) -> None:
+        """Release every channel and the floating pool. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for ch in self.channels:
+            ch.queued = False
+            ch.release_all_resources()
+        self._with_data.clear()
+        if self.buffer_pool is not None:
+            self.buffer_pool.destroy()
+        self._availability.set_available()
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return (
+            f"SingleInputGate({self.name}, {len(self.channels)} channels, "
+            f"finished={self._num_finished}, queued={len(self._with_data)})"
+        )

@@ -1,0 +1,251 @@
+"""BoundedBlockingSubpartition: written once into BoundedData, then read many times.
+
+Each finished buffer is written out at once and its segment recycled, so the partition's
+memory stays at one buffer per subpartition however much is written. Readers may only
+attach once the partition is finished; each gets its own position in the data. The
+storage is deleted when the partition is released and the last reader is gone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from exchange.buffers.buffer import Buffer, DataType
+from exchange.buffers.buffer_builder import BufferConsumer
+from exchange.errors import IllegalStateError, PartitionReleasedError
+from exchange.events.events import EndOfPartitionEvent, EventSerializer
+from exchange.partition.bounded_data import BoundedData, BoundedDataReader
+from exchange.partition.subpartition_view import BufferAndBacklog, BufferAvailabilityListener
+
+if TYPE_CHECKING:
+    from exchange.partition.result_partition import ResultPartition
+
+__all__ = ["BoundedBlockingSubpartition", "BoundedBlockingSubpartitionReader"]
+
+
+class BoundedBlockingSubpartition:
+    """One blocking subpartition."""
+
+    def __init__(self, index: int, parent: ResultPartition, data: BoundedData) -> None:
+        self.index = index
+        self._parent = parent
+        self._data = data
+        self._current: BufferConsumer | None = None
+        self._finished = False
+        self._released = False
+        self._disposed = False
+        self._failure: BaseException | None = None
+        self._readers: set[BoundedBlockingSubpartitionReader] = set()
+        self.num_data_buffers = 0
+        self.total_bytes = 0
+        self.total_buffers = 0
+        self.buffer_size = parent.segment_size
+
+    @property
+    def is_finished(self) -> bool:
+        return self._finished
+
+    @property
+    def is_released(self) -> bool:
+        return self._released
+
+    @property
+    def failure_cause(self) -> BaseException | None:
+        return self._failure
+
+    @property
+    def data(self) -> BoundedData:
+        return self._data
+
+    # -- writing -------------------------------------------------------------------------
+
+    def add(self, consumer: BufferConsumer) -> bool:
+        if self._finished or self._released:
+            consumer.close()
+            return False
+        self._flush_current()
+        if consumer.is_finished:
+            self._write_and_close(consumer)
+        else:
+            self._current = consumer
+        return True
+
+    def on_buffer_finished(self) -> None:
+        self._flush_current()
+
+    def flush(self) -> None:
+        self._flush_current()
+
+    def _flush_current(self) -> None:
+        cur = self._current
+        if cur is not None:
+            self._current = None
+            self._write_and_close(cur)
+
+    def _write_and_close(self, consumer: BufferConsumer) -> None:
+        try:
+            buf = consumer.build()
+            try:
+                if buf.size > 0 or not buf.is_buffer:
+                    self._data.write_buffer(buf)
+                    self.total_bytes += buf.size
+                    self.total_buffers += 1
+                    if buf.is_buffer:
+                        self.num_data_buffers += 1
+            finally:
+                buf.release()
+        finally:
+            consumer.close()
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        if self._released:
+            raise PartitionReleasedError(
+                f"subpartition {self.index} was released", self._parent.partition_id
+            )
+        self._flush_current()
+        eop = EventSerializer.to_buffer(EndOfPartitionEvent.INSTANCE)
+        try:
+            self._data.write_buffer(eop)
+        finally:
+            eop.release()
+        self._data.finish_write()
+        self._finished = True
+
+    def release(self, cause: BaseException | None = None) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._failure = cause
+        cur, self._current = self._current, None
+        if cur is not None:
+            cur.close()
+        readers = list(self._readers)
+        for reader in readers:
+            reader._listener.notify_data_available()
+        if not self._readers:
+            self._dispose()
+
+    def _dispose(self) -> None:
+        if not self._disposed:
+            self._disposed = True
+            self._data.close()
+
+    # -- reading -------------------------------------------------------------------------
+
+    def create_read_view(
+        self, listener: BufferAvailabilityListener
+    ) -> BoundedBlockingSubpartitionReader:
+        if self._released:
+            raise PartitionReleasedError(
+                f"subpartition {self.index} was released", self._parent.partition_id
+            )
+        if not self._finished:
+            raise IllegalStateError(
+                f"blocking subpartition {self.index} of {self._parent.partition_id} is not "
+                "finished yet; blocking partitions are read after they are fully written"
+            )
+        reader = BoundedBlockingSubpartitionReader(self, self._data.create_reader(), listener)
+        self._readers.add(reader)
+        listener.notify_data_available()
+        return reader
+
+    def _on_reader_released(self, reader: BoundedBlockingSubpartitionReader) -> None:
+        self._readers.discard(reader)
+        if self._released and not self._readers:
+            self._dispose()
+
+    @property
+    def num_readers(self) -> int:
+        return len(self._readers)
+
+    def __repr__(self) -> str:
+        return (
+            f"BoundedBlockingSubpartition(#{self.index}, buffers={self.total_buffers}, "
+            f"readers={len(self._readers)}, finished={self._finished})"
+        )
+
+
+class BoundedBlockingSubpartitionReader:
+    """One reader's pass over a blocking subpartition; it prefetches one buffer ahead."""
+
+    def __init__(
+        self,
+        subpartition: BoundedBlockingSubpartition,
+        data_reader: BoundedDataReader,
+        listener: BufferAvailabilityListener,
+    ) -> None:
+        self._subpartition = subpartition
+        self._reader = data_reader
+        self._listener = listener
+        self._released = False
+        self._next: Buffer | None = None
+        self._data_backlog = subpartition.num_data_buffers
+        self._sequence_number = 0
+        data_reader.set_on_memory_available(self._on_memory_available)
+        self._next = data_reader.next_buffer()
+
+    def _on_memory_available(self) -> None:
+        if self._next is None and not self._released:
+            self._next = self._reader.next_buffer()
+            if self._next is not None:
+                self._listener.notify_data_available()
+
+    def get_next_buffer(self) -> BufferAndBacklog | None:
+        if self._released or self._subpartition.is_released:
+            return None
+        current = self._next
+        if current is None:
+            current = self._reader.next_buffer()
+            if current is None:
+                return None
+        if current.is_buffer:
+            self._data_backlog -= 1
+        self._next = self._reader.next_buffer()
+        nxt = self._next
+        seq = self._sequence_number
+        self._sequence_number = seq + 1
+        return BufferAndBacklog(
+            current,
+            nxt is not None,
+            self._data_backlog,
+            nxt.data_type if nxt is not None else None,
+            seq,
+        )
+
+    def get_availability_and_backlog(self, num_credits: int) -> tuple[bool, int]:
+        if self._released or self._subpartition.is_released:
+            return False, 0
+        nxt = self._next
+        if nxt is None:
+            return False, self._data_backlog
+        available = num_credits > 0 or nxt.data_type is not DataType.DATA_BUFFER
+        return available, self._data_backlog
+
+    def resume_consumption(self) -> None:
+        raise IllegalStateError("blocking subpartitions are never blocked by barriers")
+
+    def notify_new_buffer_size(self, size: int) -> None:
+        pass  # data was already written with its buffer sizes
+
+    def release_all_resources(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        nxt, self._next = self._next, None
+        if nxt is not None:
+            nxt.release()
+        self._reader.close()
+        self._subpartition._on_reader_released(self)
+
+    @property
+    def is_released(self) -> bool:
+        return self._released or self._subpartition.is_released
+
+    @property
+    def failure_cause(self) -> BaseException | None:
+        return self._subpartition.failure_cause
+
+    def __repr__(self) -> str:
+        return f"BoundedBlockingSubpartitionReader({self._subpartition!r})"

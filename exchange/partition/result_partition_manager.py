@@ -1,0 +1,84 @@
+"""ResultPartitionManager: the registry of a daemon's (or process's) result partitions."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Final
+
+from exchange.errors import PartitionNotFoundError, PartitionReleasedError, UsageError
+from exchange.partition.result_partition import ResultPartition
+from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.partition.subpartition_view import BufferAvailabilityListener, ResultSubpartitionView
+
+__all__ = ["ResultPartitionManager"]
+
+_REMEMBER_RELEASED: Final = 4096
+
+
+class ResultPartitionManager:
+    """Registers partitions, hands out subpartition views, releases partitions."""
+
+    def __init__(self) -> None:
+        self._partitions: dict[ResultPartitionID, ResultPartition] = {}
+        # Recently released ids, so a late reader hears "released", not "not found".
+        self._released: OrderedDict[ResultPartitionID, str] = OrderedDict()
+
+    def register_result_partition(self, partition: ResultPartition) -> None:
+        pid = partition.partition_id
+        if pid in self._partitions:
+            raise UsageError(f"result partition {pid} is already registered")
+        self._partitions[pid] = partition
+        self._released.pop(pid, None)
+        partition.on_release = self._on_partition_released
+
+    def get_partition(self, pid: ResultPartitionID) -> ResultPartition:
+        part = self._partitions.get(pid)
+        if part is None:
+            reason = self._released.get(pid)
+            if reason is not None:
+                raise PartitionReleasedError(f"partition was released ({reason})", pid)
+            raise PartitionNotFoundError("partition not found", pid)
+        return part
+
+    def create_subpartition_view(
+        self, pid: ResultPartitionID, index: int, listener: BufferAvailabilityListener
+    ) -> ResultSubpartitionView:
+        return self.get_partition(pid).create_subpartition_view(index, listener)
+
+    def release_partition(self, pid: ResultPartitionID, cause: BaseException | None = None) -> bool:
+        """Release one partition; False if it is not registered."""
+        part = self._partitions.get(pid)
+        if part is None:
+            return False
+        part.release(cause)
+        return True
+
+    def release_dataset(self, dataset_id: str, cause: BaseException | None = None) -> int:
+        """Release every partition of one exchange; returns how many."""
+        pids = [p for p in self._partitions if p.dataset_id == dataset_id]
+        for pid in pids:
+            self._partitions[pid].release(cause)
+        return len(pids)
+
+    def release_all(self, cause: BaseException | None = None) -> None:
+        for part in list(self._partitions.values()):
+            part.release(cause)
+
+    def _on_partition_released(self, partition: ResultPartition) -> None:
+        pid = partition.partition_id
+        if self._partitions.get(pid) is partition:
+            del self._partitions[pid]
+            cause = partition.failure_cause
+            self._released[pid] = "failed: " + str(cause) if cause else "released"
+            while len(self._released) > _REMEMBER_RELEASED:
+                self._released.popitem(last=False)
+
+    @property
+    def partitions(self) -> list[ResultPartition]:
+        return list(self._partitions.values())
+
+    def __len__(self) -> int:
+        return len(self._partitions)
+
+    def __contains__(self, pid: object) -> bool:
+        return pid in self._partitions
