@@ -56,7 +56,7 @@ class RecordReader:
             if buf is not None:
                 deser = desers[boe.channel_index]
                 deser.set_next_buffer(buf)
-                records = deser.take()
+                records = deser.records()
                 if records:
                     self.records_in += len(records)
                     return records

@@ -144,7 +144,9 @@ class EventSerializer:
                 _, cid, ts, ctype, eo = _BARRIER.unpack(data)
                 if eo > 1:
                     raise ValueError("bad exactly-once flag")
-                return CheckpointBarrier(cid, ts, CheckpointOptions(CheckpointType(ctype), bool(eo)))
+                return CheckpointBarrier(
+                    cid, ts, CheckpointOptions(CheckpointType(ctype), bool(eo))
+                )
             if tag == _Tag.CANCEL_CHECKPOINT_MARKER and len(data) == _CANCEL.size:
                 return CancelCheckpointMarker(_CANCEL.unpack(data)[1])
             if tag >= USER_TAG_MIN and tag in _user_by_tag:
@@ -165,6 +167,11 @@ class EventSerializer:
     @staticmethod
     def to_buffer_consumer(event: AbstractEvent) -> BufferConsumer:
         return BufferConsumer.of_buffer(EventSerializer.to_buffer(event))
+
+    @staticmethod
+    def is_end_of_partition(buffer: Buffer) -> bool:
+        """True if the event buffer holds EndOfPartition (without decoding it)."""
+        return buffer.size == 1 and buffer.memoryview()[0] == _Tag.END_OF_PARTITION
 
     @staticmethod
     def from_buffer(buffer: Buffer) -> AbstractEvent:
