@@ -129,10 +129,10 @@ class RemoteInputChannel(InputChannel):
             backoff_initial=backoff_initial,
             backoff_max=backoff_max,
         )
-        if num_exclusive < 0:
-            raise UsageError(f"num_exclusive must be >= 0, got {num_exclusive}")
-        if num_exclusive == 0 and gate.buffer_pool is None:
-            raise UsageError("a channel without exclusive buffers needs a gate buffer pool")
+        if num_exclusive < 1:
+            # Flink's zero-exclusive mode needs backlog announcements without data; the
+            # protocol has no such message, so every remote channel owns >= 1 buffer.
+            raise UsageError(f"num_exclusive must be >= 1, got {num_exclusive}")
         self.address = address
         self._provider = connection_provider
         self._network_pool = network_pool

@@ -1,0 +1,1 @@
+"""Client side: what PySpark tasks use to write and read exchanges."""
