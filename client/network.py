@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 from typing import Final, cast
@@ -321,13 +322,15 @@ class ConnectionManager:
                 await handler.close()
                 raise
             self._clients[address] = handler
-            handler.closed.add_done_callback(lambda _f: self._forget(address, handler))
+            handler.closed.add_done_callback(functools.partial(self._forget, address, handler))
             return handler
         raise TransportError(
             f"cannot connect to daemon {address} after {self._retries + 1} attempts: {last}"
         )
 
-    def _forget(self, address: str, handler: PartitionRequestClientHandler) -> None:
+    def _forget(
+        self, address: str, handler: PartitionRequestClientHandler, _f: object = None
+    ) -> None:
         if self._clients.get(address) is handler:
             del self._clients[address]
 
