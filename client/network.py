@@ -43,15 +43,31 @@ from exchange.protocol.messages import (
     error_for_response,
 )
 
-__all__ = ["ConnectionManager", "PartitionRequestClientHandler", "parse_address"]
+__all__ = [
+    "UNIX_PREFIX",
+    "ConnectionManager",
+    "PartitionRequestClientHandler",
+    "parse_address",
+]
 
 log = logging.getLogger("exchange.client.network")
 
 DEFAULT_CONNECT_TIMEOUT: Final = 10.0
 
 
+UNIX_PREFIX: Final = "unix:"
+
+
 def parse_address(address: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` to (host, port); UsageError when malformed."""
+    """``host:port`` or ``[v6]:port`` to (host, port); UsageError when malformed.
+
+    ``unix:/path`` (a daemon's local socket) gives ``(path, 0)``.
+    """
+    if isinstance(address, str) and address.startswith(UNIX_PREFIX):
+        path = address[len(UNIX_PREFIX) :]
+        if not path:
+            raise UsageError(f"daemon address {address!r} names no socket path")
+        return path, 0
     if not isinstance(address, str):
         raise UsageError(f"daemon address must be a 'host:port' string, got {address!r}")
     host, sep, port_s = address.rpartition(":")
@@ -299,17 +315,16 @@ class ConnectionManager:
             if attempt:
                 await asyncio.sleep(delay)
                 delay *= 2
+
+            def factory() -> PartitionRequestClientHandler:
+                return PartitionRequestClientHandler(address, self._secret, self._max_frame_size)
+
             try:
-                _, handler = await asyncio.wait_for(
-                    loop.create_connection(
-                        lambda: PartitionRequestClientHandler(
-                            address, self._secret, self._max_frame_size
-                        ),
-                        host,
-                        port,
-                    ),
-                    self._timeout,
-                )
+                if port == 0:
+                    conn = loop.create_unix_connection(factory, host)
+                else:
+                    conn = loop.create_connection(factory, host, port)
+                _, handler = await asyncio.wait_for(conn, self._timeout)
             except (OSError, TimeoutError) as e:
                 last = e
                 continue

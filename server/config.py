@@ -64,6 +64,10 @@ _NONE_WORDS: Final = frozenset({"", "none"})
 _UNLIMITED_WORDS: Final = frozenset({"", "none", "unlimited", "-1"})
 
 
+#: The local socket's file name under spill_dir when ``local_socket`` is not set.
+DEFAULT_SOCKET_NAME: Final = "exchange-daemon.sock"
+
+
 def _default_spill_dir() -> str:
     return os.path.join(tempfile.gettempdir(), "exchange-spill")
 
@@ -166,10 +170,11 @@ class DaemonConfig:
         return self.segment_size + 1 if self.low_watermark is None else self.low_watermark
 
     def resolved_local_socket(self) -> str:
-        """The Unix socket path for local tasks; defaults to one per process under spill_dir."""
+        """The Unix socket path for local tasks; by default ``DEFAULT_SOCKET_NAME`` under
+        spill_dir, the path tasks look for when nothing else names their daemon."""
         if self.local_socket is not None:
             return self.local_socket
-        return os.path.join(self.spill_dir, f"exchange-{os.getpid()}.sock")
+        return os.path.join(self.spill_dir, DEFAULT_SOCKET_NAME)
 
     def validate_paths(self) -> None:
         """Create spill_dir if needed and check that it is writable and the socket path usable."""

@@ -91,10 +91,13 @@ class DataServer:
     async def start(self, host: str, port: int) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: PartitionRequestServerProtocol(self), host, port, reuse_address=True
+            self.protocol_factory, host, port, reuse_address=True
         )
         sock = self._server.sockets[0].getsockname()
         return str(sock[0]), int(sock[1])
+
+    def protocol_factory(self) -> PartitionRequestServerProtocol:
+        return PartitionRequestServerProtocol(self)
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -223,6 +226,10 @@ class PartitionRequestServerProtocol(asyncio.Protocol):
                 self._handshake_timer.cancel()
                 self._handshake_timer = None
             return
+        self.on_message(msg)
+
+    def on_message(self, msg: Message) -> None:
+        """Handle one message after the handshake (subclasses add message types)."""
         match msg:
             case PartitionRequest():
                 self._on_partition_request(msg)

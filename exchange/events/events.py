@@ -158,10 +158,15 @@ class EventSerializer:
         raise CorruptRecordError(f"unknown or malformed event (tag {tag}, {len(data)} bytes)")
 
     @staticmethod
-    def to_buffer(event: AbstractEvent) -> Buffer:
-        data_type = DataType.EVENT_BUFFER
+    def to_buffer_data_type(event: AbstractEvent) -> DataType:
+        """The buffer data type an event travels as (aligned barriers block upstream)."""
         if isinstance(event, CheckpointBarrier) and event.options.exactly_once:
-            data_type = DataType.ALIGNED_CHECKPOINT_BARRIER
+            return DataType.ALIGNED_CHECKPOINT_BARRIER
+        return DataType.EVENT_BUFFER
+
+    @staticmethod
+    def to_buffer(event: AbstractEvent) -> Buffer:
+        data_type = EventSerializer.to_buffer_data_type(event)
         return Buffer.wrap(EventSerializer.to_bytes(event), data_type)
 
     @staticmethod

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from exchange.buffers.buffer_builder import BufferBuilder
+from exchange.buffers.buffer import Buffer
+from exchange.buffers.buffer_builder import BufferBuilder, BufferConsumer
 from exchange.errors import (
     PartitionReleasedError,
     PoolDestroyedError,
@@ -71,10 +72,12 @@ class ResultPartition:
     ) -> None:
         if not isinstance(num_subpartitions, int) or num_subpartitions <= 0:
             raise UsageError(f"num_subpartitions must be a positive int, got {num_subpartitions!r}")
-        if buffer_pool.num_required < num_subpartitions and partition_type.is_blocking:
+        if buffer_pool.num_required < num_subpartitions:
+            # Every subpartition may hold an open (unfinished, unreadable) builder: with
+            # fewer guaranteed segments the writer can wait forever for a free one.
             raise UsageError(
-                f"a blocking partition of {num_subpartitions} subpartitions needs a pool of "
-                f"at least {num_subpartitions} required segments"
+                f"a {partition_type.value} partition of {num_subpartitions} subpartitions "
+                f"needs a pool of at least {num_subpartitions} required segments"
             )
         self.partition_id = partition_id
         self.partition_type = partition_type
@@ -283,6 +286,29 @@ class ResultPartition:
             for sub in self.subpartitions:
                 sub.on_buffer_finished()
             builder.close()
+
+    def add_buffer(self, target: int, buffer: Buffer) -> None:
+        """Queue a complete buffer built elsewhere (a task pushing through the daemon).
+
+        Takes over ``buffer``; it is released if the partition cannot take it.
+        """
+        try:
+            if not 0 <= target < len(self.subpartitions):
+                raise SubpartitionIndexError(
+                    f"subpartition index {target} out of range [0, {len(self.subpartitions)})",
+                    self.partition_id,
+                )
+            self.check_writable(target)
+            if self._unicast[target] is not None or self._broadcast is not None:
+                raise UsageError("add_buffer cannot be mixed with a RecordWriter")
+        except BaseException:
+            buffer.release()
+            raise
+        size = buffer.size
+        if not self.subpartitions[target].add(BufferConsumer.of_buffer(buffer)):
+            self.check_writable(target)
+        self._bytes_out += size
+        self._buffers_out += 1
 
     # -- events, flushing, finishing -----------------------------------------------------
 

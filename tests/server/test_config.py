@@ -741,7 +741,7 @@ def test_secret_file_not_regular_or_too_large(tmp_path: Path) -> None:
 
 def test_resolved_local_socket(tmp_path: Path) -> None:
     config = DaemonConfig(spill_dir=str(tmp_path))
-    assert config.resolved_local_socket() == str(tmp_path / f"exchange-{os.getpid()}.sock")
+    assert config.resolved_local_socket() == str(tmp_path / "exchange-daemon.sock")
     explicit = DaemonConfig(local_socket=str(tmp_path / "x.sock"))
     assert explicit.resolved_local_socket() == str(tmp_path / "x.sock")
 

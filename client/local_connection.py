@@ -1,0 +1,250 @@
+"""A connection to the daemon's local endpoint (or data port) for producers and control.
+
+Runs the handshake, then speaks the local-endpoint messages: it tracks producer credit
+(AddProducerCredit), matches replies to requests in order, and turns an ErrorResponse or
+a lost connection into a typed error raised by whatever call is waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import deque
+from typing import Final, cast
+
+from exchange.buffers.buffer import DataType
+from exchange.errors import (
+    ExchangeError,
+    ProtocolError,
+    TransportError,
+    UsageError,
+)
+from exchange.protocol.codec import FrameDecoder, encode, max_frame_size_for
+from exchange.protocol.handshake import ClientHandshake
+from exchange.protocol.local_messages import (
+    AddProducerCredit,
+    DaemonInfo,
+    DaemonInfoRequest,
+    PartitionCreated,
+    PartitionFinished,
+    PushBuffer,
+    Released,
+    ReleaseDataset,
+)
+from exchange.protocol.messages import ErrorResponse, Message, error_for_response
+from server.config import DEFAULT_SOCKET_NAME
+
+__all__ = [
+    "DAEMON_ENV",
+    "LocalConnection",
+    "default_socket_path",
+    "fetch_daemon_info",
+    "release_dataset",
+    "resolve_daemon_socket",
+]
+
+#: Environment variable naming this host's daemon (its local socket path).
+DAEMON_ENV: Final = "EXCHANGE_DAEMON"
+_REPLIES = (PartitionCreated, PartitionFinished, DaemonInfo, Released)
+_MAX_CONTROL_FRAME: Final = 64 * 1024
+
+
+def default_socket_path() -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), "exchange-spill", DEFAULT_SOCKET_NAME)
+
+
+def resolve_daemon_socket(hint: str | None = None) -> str:
+    """The local daemon's socket: ``hint``, else $EXCHANGE_DAEMON, else the default path."""
+    for candidate in (hint, os.environ.get(DAEMON_ENV)):
+        if candidate:
+            return candidate[len("unix:") :] if candidate.startswith("unix:") else candidate
+    return default_socket_path()
+
+
+class LocalConnection(asyncio.Protocol):
+    """Client side of one local-endpoint connection."""
+
+    def __init__(self, address: str, secret: bytes | None, max_frame_size: int) -> None:
+        self.address = address
+        self._loop = asyncio.get_running_loop()
+        self._decoder = FrameDecoder(max_frame_size)
+        self._handshake = ClientHandshake(secret, address=address)
+        self._transport: asyncio.Transport | None = None
+        self.ready: asyncio.Future[None] = self._loop.create_future()
+        self._replies: deque[asyncio.Future[Message]] = deque()
+        self.credit = 0
+        self._credit_waiter: asyncio.Future[None] | None = None
+        self.error: ExchangeError | None = None
+        self._closed_by_us = False
+        self.closed: asyncio.Future[None] = self._loop.create_future()
+
+    @classmethod
+    async def connect(
+        cls,
+        socket_path: str,
+        *,
+        secret: bytes | None = None,
+        segment_size: int = 32 * 1024,
+        timeout: float = 10.0,
+    ) -> LocalConnection:
+        loop = asyncio.get_running_loop()
+        address = f"unix:{socket_path}"
+        limit = max(max_frame_size_for(segment_size), _MAX_CONTROL_FRAME)
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_unix_connection(lambda: cls(address, secret, limit), socket_path),
+                timeout,
+            )
+        except (OSError, TimeoutError) as e:
+            raise TransportError(
+                f"cannot reach the exchange daemon at {socket_path}: {e}. Start one with "
+                f"'exchange-daemon', or point ${DAEMON_ENV} at its local socket"
+            ) from e
+        try:
+            await asyncio.wait_for(asyncio.shield(conn.ready), timeout)
+        except TimeoutError:
+            conn.close()
+            raise TransportError(f"handshake with daemon {address} timed out") from None
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    # -- asyncio.Protocol ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)
+        for m in self._handshake.start():
+            self.send(m)
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            for msg in self._decoder.feed(data):
+                self._dispatch(msg)
+        except ExchangeError as e:
+            self._fail(e)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        if self.error is None and not self._closed_by_us:
+            self.error = TransportError(
+                f"connection to daemon {self.address} lost" + (f": {exc}" if exc else "")
+            )
+        err = self.error or TransportError(f"connection to daemon {self.address} closed")
+        if not self.ready.done():
+            self.ready.set_exception(err)
+            self.ready.exception()
+        while self._replies:
+            fut = self._replies.popleft()
+            if not fut.done():
+                fut.set_exception(err)
+        self._wake_credit()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def _dispatch(self, msg: Message) -> None:
+        hs = self._handshake
+        if not hs.is_established:
+            for out in hs.receive(msg):
+                self.send(out)
+            if hs.is_established and not self.ready.done():
+                self.ready.set_result(None)
+            return
+        if type(msg) is AddProducerCredit:
+            self.credit += msg.credit
+            self._wake_credit()
+        elif isinstance(msg, _REPLIES):
+            if not self._replies:
+                raise ProtocolError(f"unsolicited {type(msg).__name__} from {self.address}")
+            fut = self._replies.popleft()
+            if not fut.done():
+                fut.set_result(msg)
+            if type(msg) is PartitionCreated:
+                self.credit += msg.credit
+        elif isinstance(msg, ErrorResponse):
+            self._fail(error_for_response(msg, self.address))
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} from {self.address}")
+
+    def _fail(self, err: ExchangeError) -> None:
+        if self.error is None:
+            self.error = err
+        if self._transport is not None:
+            self._transport.close()
+
+    def _wake_credit(self) -> None:
+        w = self._credit_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # -- calls ---------------------------------------------------------------------------
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self._transport is None:
+            raise TransportError(f"connection to daemon {self.address} is closed")
+
+    def send(self, msg: Message) -> None:
+        t = self._transport
+        if t is not None and not t.is_closing():
+            t.writelines(encode(msg))
+
+    async def request(self, msg: Message) -> Message:
+        """Send ``msg`` and wait for its reply (replies come in request order)."""
+        self.check()
+        fut: asyncio.Future[Message] = self._loop.create_future()
+        self._replies.append(fut)
+        self.send(msg)
+        return await fut
+
+    async def push(self, subpartition: int, payload: bytes | memoryview) -> None:
+        """Push one data buffer, waiting for credit first (the daemon's backpressure)."""
+        while self.credit <= 0:
+            self.check()
+            self._credit_waiter = self._loop.create_future()
+            await self._credit_waiter
+            self._credit_waiter = None
+        self.check()
+        self.credit -= 1
+        self.send(PushBuffer(subpartition, DataType.DATA_BUFFER, payload))
+
+    def push_event(self, subpartition: int, data_type: DataType, payload: bytes) -> None:
+        self.check()
+        if data_type is DataType.DATA_BUFFER:
+            raise UsageError("push_event takes an event data type")
+        self.send(PushBuffer(subpartition, data_type, payload))
+
+    def close(self) -> None:
+        self._closed_by_us = True
+        t = self._transport
+        if t is not None:
+            t.close()
+
+    async def aclose(self) -> None:
+        self.close()
+        await self.closed
+
+
+async def fetch_daemon_info(socket_path: str, *, secret: bytes | None = None) -> DaemonInfo:
+    """Ask the local daemon who it is and where its data port is."""
+    conn = await LocalConnection.connect(socket_path, secret=secret)
+    try:
+        info = await conn.request(DaemonInfoRequest())
+    finally:
+        await conn.aclose()
+    assert isinstance(info, DaemonInfo)
+    return info
+
+
+async def release_dataset(socket_path: str, dataset_id: str, *, secret: bytes | None = None) -> int:
+    """Release every partition of one exchange on the daemon at ``socket_path``."""
+    conn = await LocalConnection.connect(socket_path, secret=secret)
+    try:
+        reply = await conn.request(ReleaseDataset(dataset_id))
+    finally:
+        await conn.aclose()
+    assert isinstance(reply, Released)
+    return reply.count

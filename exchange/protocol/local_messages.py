@@ -1,0 +1,275 @@
+"""Messages of the daemon's local endpoint (ids 64..), spoken by tasks on the same host.
+
+A producer task opens one connection per partition: CreatePartition, then PushBuffer for
+each filled (or flushed) buffer of a subpartition, each costing one credit the daemon
+granted (PartitionCreated carries the first grant, AddProducerCredit the next ones: one
+credit is one segment the daemon has reserved in the partition's pool, so a task can never
+push more than the pool holds, and waits when it is full). FinishPartition ends it and is
+acknowledged with PartitionFinished; a connection that closes first fails the partition.
+
+The local endpoint also serves the ordinary data protocol (PartitionRequest, ...), so a
+consumer on the same host reads over the Unix socket instead of TCP.
+
+PushBuffer has a fixed ``>IB`` header (subpartition, data type) before its payload; the
+other bodies are msgpack maps (not on the data path; easy to extend).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Final
+
+import msgpack
+
+from exchange.buffers.buffer import DataType
+from exchange.errors import ProtocolError
+from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.protocol.codec import register_message
+from exchange.protocol.messages import Message
+
+__all__ = [
+    "ALL_SUBPARTITIONS",
+    "AddProducerCredit",
+    "CreatePartition",
+    "DaemonInfo",
+    "DaemonInfoRequest",
+    "FailPartition",
+    "FinishPartition",
+    "PartitionCreated",
+    "PartitionFinished",
+    "PushBuffer",
+    "ReleaseDataset",
+    "Released",
+]
+
+ALL_SUBPARTITIONS: Final = 0xFFFFFFFF
+_PUSH: Final = struct.Struct(">IB")
+
+
+@dataclass(frozen=True, slots=True)
+class CreatePartition(Message):
+    MESSAGE_ID: ClassVar[int] = 64
+    partition_id: ResultPartitionID
+    blocking: bool
+    num_subpartitions: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionCreated(Message):
+    MESSAGE_ID: ClassVar[int] = 65
+    credit: int
+    segment_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class PushBuffer(Message):
+    """One buffer for ``subpartition`` (or an event for all, ``ALL_SUBPARTITIONS``)."""
+
+    MESSAGE_ID: ClassVar[int] = 66
+    subpartition: int
+    data_type: DataType
+    payload: bytes | memoryview = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class AddProducerCredit(Message):
+    MESSAGE_ID: ClassVar[int] = 67
+    credit: int
+
+
+@dataclass(frozen=True, slots=True)
+class FinishPartition(Message):
+    MESSAGE_ID: ClassVar[int] = 68
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionFinished(Message):
+    MESSAGE_ID: ClassVar[int] = 69
+    bytes_written: int
+    buffers_written: int
+
+
+@dataclass(frozen=True, slots=True)
+class FailPartition(Message):
+    MESSAGE_ID: ClassVar[int] = 70
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseDataset(Message):
+    """Release every partition of one exchange (``dataset_id``) on this daemon."""
+
+    MESSAGE_ID: ClassVar[int] = 71
+    dataset_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Released(Message):
+    MESSAGE_ID: ClassVar[int] = 72
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonInfoRequest(Message):
+    MESSAGE_ID: ClassVar[int] = 73
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonInfo(Message):
+    MESSAGE_ID: ClassVar[int] = 74
+    daemon_id: str
+    data_address: str
+    segment_size: int
+
+
+# -- codecs ------------------------------------------------------------------------------
+
+
+def _unpack_map(body: memoryview, keys: tuple[str, ...]) -> dict[str, Any]:
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises a zoo of exception types
+        raise ProtocolError(f"malformed control body: {e}") from e
+    if not isinstance(obj, dict) or set(obj) != set(keys):
+        raise ProtocolError(f"control body must be a map with keys {sorted(keys)}")
+    return obj
+
+
+def _str(v: Any, name: str) -> str:
+    if not isinstance(v, str):
+        raise ProtocolError(f"{name} must be a string")
+    return v
+
+
+def _uint(v: Any, name: str, limit: int = 0xFFFFFFFF) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= limit:
+        raise ProtocolError(f"{name} must be an int in [0, {limit}]")
+    return v
+
+
+def _pack(obj: dict[str, Any]) -> list[bytes]:
+    return [msgpack.packb(obj)]
+
+
+def _dec_create(body: memoryview) -> CreatePartition:
+    m = _unpack_map(body, ("dataset", "index", "attempt", "blocking", "n"))
+    try:
+        pid = ResultPartitionID(
+            _str(m["dataset"], "dataset"),
+            _uint(m["index"], "index"),
+            _uint(m["attempt"], "attempt", 2**64 - 1),
+        )
+    except ValueError as e:
+        raise ProtocolError(f"bad partition id: {e}") from e
+    if not isinstance(m["blocking"], bool):
+        raise ProtocolError("blocking must be a bool")
+    n = _uint(m["n"], "n")
+    if n == 0:
+        raise ProtocolError("a partition needs at least one subpartition")
+    return CreatePartition(pid, m["blocking"], n)
+
+
+def _enc_create(m: CreatePartition) -> list[bytes]:
+    p = m.partition_id
+    return _pack(
+        {
+            "dataset": p.dataset_id,
+            "index": p.partition_index,
+            "attempt": p.attempt_id,
+            "blocking": m.blocking,
+            "n": m.num_subpartitions,
+        }
+    )
+
+
+def _dec_push(body: memoryview) -> PushBuffer:
+    if len(body) < _PUSH.size:
+        raise ProtocolError("PushBuffer body too short")
+    sub, dt = _PUSH.unpack_from(body)
+    try:
+        data_type = DataType(dt)
+    except ValueError:
+        raise ProtocolError(f"bad data type {dt}") from None
+    return PushBuffer(sub, data_type, body[_PUSH.size :])
+
+
+def _enc_push(m: PushBuffer) -> list[bytes | memoryview]:
+    return [_PUSH.pack(m.subpartition, m.data_type), m.payload]
+
+
+def _register() -> None:
+    register_message(64, CreatePartition, _dec_create, _enc_create)
+    register_message(
+        65,
+        PartitionCreated,
+        lambda b: PartitionCreated(
+            **{k: _uint(v, k) for k, v in _unpack_map(b, ("credit", "segment_size")).items()}
+        ),
+        lambda m: _pack({"credit": m.credit, "segment_size": m.segment_size}),
+    )
+    register_message(66, PushBuffer, _dec_push, _enc_push)
+    register_message(
+        67,
+        AddProducerCredit,
+        lambda b: AddProducerCredit(_uint(_unpack_map(b, ("credit",))["credit"], "credit")),
+        lambda m: _pack({"credit": m.credit}),
+    )
+    register_message(
+        68,
+        FinishPartition,
+        lambda b: (_unpack_map(b, ()), FinishPartition())[1],
+        lambda m: _pack({}),
+    )
+    register_message(
+        69,
+        PartitionFinished,
+        lambda b: PartitionFinished(
+            **{
+                k: _uint(v, k, 2**64 - 1)
+                for k, v in _unpack_map(b, ("bytes_written", "buffers_written")).items()
+            }
+        ),
+        lambda m: _pack({"bytes_written": m.bytes_written, "buffers_written": m.buffers_written}),
+    )
+    register_message(
+        70,
+        FailPartition,
+        lambda b: FailPartition(_str(_unpack_map(b, ("reason",))["reason"], "reason")),
+        lambda m: _pack({"reason": m.reason[:2048]}),
+    )
+    register_message(
+        71,
+        ReleaseDataset,
+        lambda b: ReleaseDataset(_str(_unpack_map(b, ("dataset",))["dataset"], "dataset")),
+        lambda m: _pack({"dataset": m.dataset_id}),
+    )
+    register_message(
+        72,
+        Released,
+        lambda b: Released(_uint(_unpack_map(b, ("count",))["count"], "count")),
+        lambda m: _pack({"count": m.count}),
+    )
+    register_message(
+        73,
+        DaemonInfoRequest,
+        lambda b: (_unpack_map(b, ()), DaemonInfoRequest())[1],
+        lambda m: _pack({}),
+    )
+    register_message(
+        74,
+        DaemonInfo,
+        lambda b: _dec_info(_unpack_map(b, ("id", "data", "segment_size"))),
+        lambda m: _pack(
+            {"id": m.daemon_id, "data": m.data_address, "segment_size": m.segment_size}
+        ),
+    )
+
+
+def _dec_info(m: dict[str, Any]) -> DaemonInfo:
+    return DaemonInfo(
+        _str(m["id"], "id"), _str(m["data"], "data"), _uint(m["segment_size"], "segment_size")
+    )
+
+
+_register()

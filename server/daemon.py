@@ -1,0 +1,226 @@
+"""ExchangeDaemon: one per executor host; owns the network memory and the partitions.
+
+It hosts the NetworkBufferPool, the ResultPartitionManager, the data port (remote
+consumers), the local endpoint (tasks on this host) and the HTTP port (/metrics, /healthz,
+dashboard). Blocking partitions are released explicitly (per exchange) or after their
+time to live. ``shutdown`` stops accepting work, lets in-flight streams finish for a grace
+period, fails what is left (consumers get a typed error, never a silent short read),
+and checks that every segment came back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any
+
+from exchange.errors import ProducerFailedError
+from exchange.memory.network_buffer_pool import NetworkBufferPool
+from exchange.partition.result_partition import ResultPartition
+from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.partition.result_partition_manager import ResultPartitionManager
+from exchange.partition.result_partition_type import ResultPartitionType
+from exchange.protocol.codec import max_frame_size_for
+from server.config import DaemonConfig
+from server.local_endpoint import LocalEndpoint
+from server.partition_request_server import DataServer
+
+__all__ = ["ExchangeDaemon"]
+
+log = logging.getLogger("exchange.server.daemon")
+
+
+class ExchangeDaemon:
+    """The exchange daemon's state and servers."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.daemon_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.segment_size = config.segment_size
+        self.network_pool = NetworkBufferPool(config.num_segments, config.segment_size)
+        self.manager = ResultPartitionManager()
+        self.started_at = time.time()
+        self.shutting_down = False
+        self.data_address = ""
+        self.http_address = ""
+        self.local_socket = ""
+        self._secret = config.load_secret()
+        common: dict[str, Any] = dict(
+            segment_size=config.segment_size,
+            secret=self._secret,
+            high_watermark=config.effective_high_watermark,
+            low_watermark=config.effective_low_watermark,
+            max_connections=config.max_connections,
+            handshake_timeout=config.handshake_timeout,
+        )
+        self.data_server = DataServer(self.manager, **common)
+        self.local_endpoint = LocalEndpoint(
+            self, max_frame_size=max_frame_size_for(config.segment_size), **common
+        )
+        self.http: Any = None
+        self._finished_at: dict[ResultPartitionID, float] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._stopped = asyncio.Event()
+        # cumulative counters (survive partition release)
+        self.bytes_in = 0
+        self.partitions_created = 0
+        self.partitions_released = 0
+        self.partitions_failed = 0
+        self._released_bytes_out = 0
+        self._released_buffers_out = 0
+        self._released_back_pressure = 0.0
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> dict[str, Any]:
+        """Start every server; returns the ready line's fields."""
+        cfg = self.config
+        cfg.validate_paths()
+        host, port = await self.data_server.start(cfg.host, cfg.data_port)
+        self.data_address = f"{_fmt_host(host)}:{port}"
+        self.local_socket = await self.local_endpoint.start_unix(cfg.resolved_local_socket())
+        try:
+            from server.http_server import HttpServer
+        except ImportError:  # pragma: no cover - the HTTP module ships with the daemon
+            HttpServer = None
+        if HttpServer is not None:
+            self.http = HttpServer(self)
+            hh, hp = await self.http.start(cfg.host, cfg.http_port)
+            self.http_address = f"{_fmt_host(hh)}:{hp}"
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
+        return self.ready_info()
+
+    def ready_info(self) -> dict[str, Any]:
+        return {
+            "event": "ready",
+            "daemon_id": self.daemon_id,
+            "pid": os.getpid(),
+            "data": self.data_address,
+            "http": self.http_address,
+            "local_socket": self.local_socket,
+            "segment_size": self.segment_size,
+            "segments": self.network_pool.total_segments,
+        }
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def shutdown(self, grace: float = 5.0) -> bool:
+        """Stop cleanly; True if every segment came back to the pool."""
+        self.shutting_down = True
+        self.data_server.stop_accepting()
+        self.local_endpoint.stop_accepting()
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self._streams_in_flight():
+            await asyncio.sleep(0.05)
+        leftover = self._streams_in_flight()
+        if leftover:
+            log.warning("shutdown: failing %d unfinished stream(s)", leftover)
+        self.manager.release_all(ProducerFailedError("the exchange daemon is shutting down"))
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.local_endpoint.close()
+        await self.data_server.close()
+        if self.http is not None:
+            await self.http.close()
+        await asyncio.sleep(0)
+        self.network_pool.check_consistency()
+        whole = self.network_pool.is_whole()
+        if not whole:
+            log.error("shutdown: network pool not whole: %s", self.network_pool.stats())
+        self.network_pool.destroy()
+        return whole
+
+    def _streams_in_flight(self) -> int:
+        """Partitions still being written, or pipelined ones still being read."""
+        n = 0
+        for p in self.manager.partitions:
+            if not p.is_finished or (p.partition_type.is_pipelined and not p.is_released):
+                n += 1
+        return n
+
+    # -- partitions ----------------------------------------------------------------------
+
+    def create_partition(
+        self, pid: ResultPartitionID, ptype: ResultPartitionType, num_subpartitions: int
+    ) -> ResultPartition:
+        pool = self.network_pool.create_buffer_pool(
+            num_subpartitions, max(num_subpartitions * 2 + 8, 16)
+        )
+        try:
+            part = ResultPartition(
+                pid, ptype, num_subpartitions, pool, spill_dir=self.config.spill_dir
+            )
+            self.manager.register_result_partition(part)
+        except BaseException:
+            pool.destroy()
+            raise
+        part.on_release = self._chain_release(part.on_release)
+        self.partitions_created += 1
+        return part
+
+    def _chain_release(self, inner: Any) -> Any:
+        def on_release(part: ResultPartition) -> None:
+            st = part.stats()
+            self._released_bytes_out += st.bytes_out
+            self._released_buffers_out += st.buffers_out
+            self._released_back_pressure += st.back_pressured_seconds
+            self.partitions_released += 1
+            self._finished_at.pop(part.partition_id, None)
+            if inner is not None:
+                inner(part)
+
+        return on_release
+
+    def release_dataset(self, dataset_id: str) -> int:
+        return self.manager.release_dataset(dataset_id)
+
+    async def _sweep_loop(self) -> None:
+        """Release blocking partitions whose time to live ran out (0 disables)."""
+        ttl = self.config.blocking_partition_ttl
+        if ttl <= 0:
+            return
+        interval = min(max(ttl / 10, 0.05), 30.0)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for part in self.manager.partitions:
+                if not (part.partition_type.is_blocking and part.is_finished):
+                    continue
+                t = self._finished_at.setdefault(part.partition_id, now)
+                readers = sum(getattr(s, "num_readers", 0) for s in part.subpartitions)
+                if now - t >= ttl and readers == 0:
+                    log.info("releasing %s: time to live of %.0fs ran out", part.partition_id, ttl)
+                    part.release()
+
+    # -- statistics ----------------------------------------------------------------------
+
+    def local_endpoint_stats(self) -> dict[str, int]:
+        return self.local_endpoint.stats()
+
+    def totals(self) -> dict[str, float]:
+        live = [p.stats() for p in self.manager.partitions]
+        return {
+            "bytes_in": float(self.bytes_in),
+            "bytes_out": float(self._released_bytes_out + sum(s.bytes_out for s in live)),
+            "buffers_out": float(self._released_buffers_out + sum(s.buffers_out for s in live)),
+            "partitions_created": float(self.partitions_created),
+            "partitions_released": float(self.partitions_released),
+            "partitions_failed": float(self.partitions_failed),
+            "back_pressured_seconds": self._released_back_pressure
+            + sum(s.back_pressured_seconds for s in live),
+        }
+
+
+def _fmt_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
