@@ -14,6 +14,7 @@ thread: no GIL ping-pong). At most ``window`` batches wait in between (bounded m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -316,10 +317,8 @@ class PartitionReader:
 
     async def _close_async(self) -> None:
         pump = asyncio.wrap_future(self._pump_future)
-        try:
+        with contextlib.suppress(BaseException):
             await pump
-        except BaseException:
-            pass
         await self._core.close()
 
     def __enter__(self) -> PartitionReader:

@@ -121,9 +121,13 @@ class ProducerSession:
                 break
             self._reserved.append(buf)
             added += 1
-        if len(self._reserved) < MAX_PRODUCER_CREDIT and self._waiter is None:
-            if not pool.is_destroyed and not self.finished:
-                self._waiter = asyncio.get_running_loop().create_task(self._wait_for_segments())
+        if (
+            len(self._reserved) < MAX_PRODUCER_CREDIT
+            and self._waiter is None
+            and not pool.is_destroyed
+            and not self.finished
+        ):
+            self._waiter = asyncio.get_running_loop().create_task(self._wait_for_segments())
         return added
 
     async def _wait_for_segments(self) -> None:
