@@ -12,6 +12,7 @@ import os
 from collections import deque
 from typing import Final, cast
 
+from client.network import parse_address
 from exchange.buffers.buffer import DataType
 from exchange.errors import (
     ExchangeError,
@@ -89,17 +90,25 @@ class LocalConnection(asyncio.Protocol):
         segment_size: int = 32 * 1024,
         timeout: float = 10.0,
     ) -> LocalConnection:
+        """Connect to a daemon's local socket, or to ``host:port`` / ``unix:/path``."""
         loop = asyncio.get_running_loop()
-        address = f"unix:{socket_path}"
+        if socket_path.startswith("unix:") or ":" not in socket_path:
+            path = socket_path.removeprefix("unix:")
+            address = f"unix:{path}"
+        else:
+            path = None
+            address = socket_path
         limit = max(max_frame_size_for(segment_size), _MAX_CONTROL_FRAME)
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_unix_connection(lambda: cls(address, secret, limit), socket_path),
-                timeout,
-            )
+            if path is not None:
+                conn_coro = loop.create_unix_connection(lambda: cls(address, secret, limit), path)
+            else:
+                host, port = parse_address(address)
+                conn_coro = loop.create_connection(lambda: cls(address, secret, limit), host, port)
+            _, conn = await asyncio.wait_for(conn_coro, timeout)
         except (OSError, TimeoutError) as e:
             raise TransportError(
-                f"cannot reach the exchange daemon at {socket_path}: {e}. Start one with "
+                f"cannot reach the exchange daemon at {address}: {e}. Start one with "
                 f"'exchange-daemon', or point ${DAEMON_ENV} at its local socket"
             ) from e
         try:
@@ -239,9 +248,10 @@ async def fetch_daemon_info(socket_path: str, *, secret: bytes | None = None) ->
     return info
 
 
-async def release_dataset(socket_path: str, dataset_id: str, *, secret: bytes | None = None) -> int:
-    """Release every partition of one exchange on the daemon at ``socket_path``."""
-    conn = await LocalConnection.connect(socket_path, secret=secret)
+async def release_dataset(address: str, dataset_id: str, *, secret: bytes | None = None) -> int:
+    """Release every partition of one exchange on the daemon at ``address`` (its local
+    socket path, ``unix:/path``, or its data port ``host:port``)."""
+    conn = await LocalConnection.connect(address, secret=secret)
     try:
         reply = await conn.request(ReleaseDataset(dataset_id))
     finally:

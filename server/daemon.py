@@ -27,6 +27,7 @@ from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.codec import max_frame_size_for
 from server.config import DaemonConfig
+from server.http_server import HttpServer
 from server.local_endpoint import LocalEndpoint
 from server.partition_request_server import DataServer
 
@@ -57,12 +58,13 @@ class ExchangeDaemon:
             low_watermark=config.effective_low_watermark,
             max_connections=config.max_connections,
             handshake_timeout=config.handshake_timeout,
+            release_dataset=self.release_dataset,
         )
         self.data_server = DataServer(self.manager, **common)
         self.local_endpoint = LocalEndpoint(
             self, max_frame_size=max_frame_size_for(config.segment_size), **common
         )
-        self.http: Any = None
+        self.http: HttpServer | None = None
         self._finished_at: dict[ResultPartitionID, float] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
@@ -84,14 +86,9 @@ class ExchangeDaemon:
         host, port = await self.data_server.start(cfg.host, cfg.data_port)
         self.data_address = f"{_fmt_host(host)}:{port}"
         self.local_socket = await self.local_endpoint.start_unix(cfg.resolved_local_socket())
-        try:
-            from server.http_server import HttpServer
-        except ImportError:  # pragma: no cover - the HTTP module ships with the daemon
-            HttpServer = None
-        if HttpServer is not None:
-            self.http = HttpServer(self)
-            hh, hp = await self.http.start(cfg.host, cfg.http_port)
-            self.http_address = f"{_fmt_host(hh)}:{hp}"
+        self.http = HttpServer(self)
+        hh, hp = await self.http.start(cfg.host, cfg.http_port)
+        self.http_address = f"{_fmt_host(hh)}:{hp}"
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
         return self.ready_info()
 

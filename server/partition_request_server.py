@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Final, cast
 
 from exchange.buffers.buffer import Buffer
@@ -34,6 +35,7 @@ from exchange.network.partition_request_queue import PartitionRequestQueue
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.protocol.codec import FrameDecoder, encode, encode_buffer_response_header
 from exchange.protocol.handshake import ServerHandshake
+from exchange.protocol.local_messages import Released, ReleaseDataset
 from exchange.protocol.messages import (
     AddCredit,
     CancelPartitionRequest,
@@ -68,8 +70,12 @@ class DataServer:
         max_connections: int = 1024,
         handshake_timeout: float = 10.0,
         max_frame_size: int | None = None,
+        release_dataset: Callable[[str], int] | None = None,
     ) -> None:
         self.manager = manager
+        self.release_dataset = (
+            release_dataset if release_dataset is not None else (manager.release_dataset)
+        )
         self.segment_size = segment_size
         self.secret = secret
         self.high_watermark = high_watermark if high_watermark is not None else 2 * segment_size
@@ -243,6 +249,8 @@ class PartitionRequestServerProtocol(asyncio.Protocol):
                 self.queue.cancel(rid)
             case CloseRequest():
                 self.close()
+            case ReleaseDataset(dataset_id=ds):
+                self.send(Released(self._server.release_dataset(ds)))
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from a client")
 

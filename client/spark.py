@@ -1,0 +1,401 @@
+"""PySpark integration: daemon discovery, the embedded default, ``exchange_shuffle``.
+
+Discovery, on each executor: the Spark conf ``spark.exchange.daemon.address`` (a local
+socket path, the same on every host) if the driver set it; else ``$EXCHANGE_DAEMON`` as
+the executor's environment gives it (per worker: the way to point each executor at its
+own daemon); else the embedded daemon of a ``local[*]`` run; else the default socket.
+
+``exchange_shuffle(rdd, n, partition_func, mode)`` moves an RDD of ``(key, value)`` pairs
+through the daemons so that output partition *i* holds exactly the pairs
+``rdd.partitionBy(n, partition_func)`` puts there:
+
+* ``mode="blocking"``: a producer job writes one BLOCKING partition per input partition
+  (identified by its ``taskAttemptId()``, so a retried task never mixes with its failed
+  attempt: only the attempts whose results Spark collected are read); the returned RDD's
+  tasks read them, any number of times. ``release_exchange`` frees them (a time to live
+  frees forgotten ones).
+* ``mode="pipelined"``: one barrier stage; every task writes its input partition (from a
+  background thread) while it reads its output partition, so data streams between running
+  tasks with bounded memory. The tasks find each other with one ``allGather``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+from client.consumer import PartitionLocation, PartitionReader
+from client.local_connection import fetch_daemon_info, release_dataset, resolve_daemon_socket
+from client.producer import PartitionWriter
+from client.runtime import get_runtime
+from exchange.errors import ExchangeError, TransportError, UsageError
+from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.serialization.codec import MsgpackCodec, RecordCodec
+from exchange.writer.hashing import deterministic_hash
+
+if TYPE_CHECKING:
+    from pyspark import RDD, SparkContext
+
+__all__ = [
+    "CONF_DAEMON_ADDRESS",
+    "EmbeddedDaemon",
+    "exchange_hash",
+    "exchange_shuffle",
+    "get_embedded_daemon",
+    "release_exchange",
+]
+
+CONF_DAEMON_ADDRESS: Final = "spark.exchange.daemon.address"
+MODES: Final = ("blocking", "pipelined")
+
+
+def exchange_hash(key: Any) -> int:
+    """The partitioner ``exchange_shuffle`` uses by default (stable across processes).
+
+    Pass it to ``rdd.partitionBy(n, exchange_hash)`` to get the same placement.
+    """
+    return deterministic_hash(key)
+
+
+# -- the embedded daemon -------------------------------------------------------------------
+
+
+class EmbeddedDaemon:
+    """A daemon subprocess started for a local Spark run, stopped at exit."""
+
+    def __init__(self, extra_args: Iterable[str] = (), spill_dir: str | None = None) -> None:
+        self.spill_dir = spill_dir or tempfile.mkdtemp(prefix="exchange-embedded-")
+        self.socket = os.path.join(self.spill_dir, "exchange-daemon.sock")
+        cmd = [
+            sys.executable,
+            "-m",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--data-port",
+            "0",
+            "--http-port",
+            "0",
+            "--spill-dir",
+            self.spill_dir,
+            "--local-socket",
+            self.socket,
+            "--log-level",
+            "WARNING",
+            *extra_args,
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        try:
+            self.info: dict[str, Any] = json.loads(line)
+        except json.JSONDecodeError:
+            self.proc.kill()
+            raise TransportError(
+                f"the embedded exchange daemon did not start (exit {self.proc.wait()})"
+            ) from None
+        self.data_address: str = self.info["data"]
+        self.http_address: str = self.info["http"]
+        self.daemon_id: str = self.info["daemon_id"]
+        atexit.register(self.stop)
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://{self.http_address}/"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.http_address}/metrics"
+
+    def stop(self, timeout: float = 15.0) -> bool:
+        """SIGTERM the daemon; True if it reported every segment back in its pool."""
+        if self.proc.poll() is not None:
+            return False
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            return False
+        with contextlib.suppress(ValueError):
+            for line in out.splitlines():
+                msg = json.loads(line)
+                if msg.get("event") == "stopped":
+                    return bool(msg.get("pool_whole"))
+        return False
+
+
+_embedded: EmbeddedDaemon | None = None
+_embedded_lock = threading.Lock()
+
+
+def get_embedded_daemon(extra_args: Iterable[str] = ()) -> EmbeddedDaemon:
+    """The driver's embedded daemon, started on first use."""
+    global _embedded
+    with _embedded_lock:
+        if _embedded is None or _embedded.proc.poll() is not None:
+            _embedded = EmbeddedDaemon(extra_args)
+        return _embedded
+
+
+def stop_embedded_daemon() -> bool:
+    global _embedded
+    with _embedded_lock:
+        d, _embedded = _embedded, None
+    return d.stop() if d is not None else True
+
+
+def _daemon_hint(sc: SparkContext) -> str | None:
+    """The daemon address tasks should use, as decided on the driver (None: their env)."""
+    conf = sc.getConf().get(CONF_DAEMON_ADDRESS, None)
+    if conf:
+        return str(conf)
+    master = sc.master or ""
+    if master.startswith("local") and not os.environ.get("EXCHANGE_DAEMON"):
+        return get_embedded_daemon().socket
+    return None
+
+
+def _slots(sc: SparkContext) -> int:
+    m = re.fullmatch(r"local\[(\d+|\*)(?:,\s*\d+)?\]", sc.master or "")
+    if m:
+        return os.cpu_count() or 1 if m.group(1) == "*" else int(m.group(1))
+    if sc.master == "local":
+        return 1
+    return int(sc.defaultParallelism)
+
+
+# -- task-side helpers -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Produced:
+    index: int
+    attempt: int
+    daemon_id: str
+    data_address: str
+    local_socket: str
+    segment_size: int
+    records: int
+
+
+_info_cache: dict[str, Any] = {}
+
+
+def _local_daemon(hint: str | None) -> tuple[str, Any]:
+    sock = resolve_daemon_socket(hint)
+    info = _info_cache.get(sock)
+    if info is None:
+        info = get_runtime().run(fetch_daemon_info(sock))
+        _info_cache[sock] = info
+    return sock, info
+
+
+def _write_partition(
+    exchange_id: str,
+    index: int,
+    attempt: int,
+    records: Iterable[Any],
+    num_partitions: int,
+    partition_func: Callable[[Any], int] | None,
+    hint: str | None,
+    codec: RecordCodec,
+    blocking: bool,
+) -> _Produced:
+    sock, info = _local_daemon(hint)
+    pid = ResultPartitionID(exchange_id, index, attempt)
+    with PartitionWriter(
+        pid,
+        num_partitions,
+        blocking=blocking,
+        daemon_socket=sock,
+        codec=codec,
+        buffer_timeout=-1 if blocking else 0.05,
+    ) as writer:
+        n = writer.emit_all(records, partition_func)
+    return _Produced(index, attempt, info.daemon_id, info.data_address, sock, info.segment_size, n)
+
+
+def _read_subpartition(
+    exchange_id: str,
+    producers: list[_Produced],
+    subpartition: int,
+    hint: str | None,
+    codec: RecordCodec,
+) -> Iterator[Any]:
+    if not producers:
+        return
+    _, info = _local_daemon(hint)
+    locations = [
+        PartitionLocation(
+            ResultPartitionID(exchange_id, p.index, p.attempt),
+            subpartition,
+            p.data_address,
+            p.daemon_id,
+            p.local_socket,
+        )
+        for p in producers
+    ]
+    reader = PartitionReader(
+        locations,
+        local_daemon_id=info.daemon_id,
+        codec=codec,
+        segment_size=producers[0].segment_size,
+    )
+    try:
+        yield from reader.records()
+    finally:
+        reader.close()
+
+
+# -- exchange_shuffle --------------------------------------------------------------------
+
+
+def exchange_shuffle(
+    rdd: RDD[Any],
+    num_partitions: int,
+    partition_func: Callable[[Any], int] | None = None,
+    mode: str = "blocking",
+    *,
+    codec: RecordCodec | None = None,
+) -> RDD[Any]:
+    """Repartition an RDD of ``(key, value)`` pairs through the exchange daemons.
+
+    Output partition ``i`` holds the pairs whose ``partition_func(key) % num_partitions``
+    is ``i`` (default: ``exchange_hash``). Pairs come back as tuples; with the default
+    msgpack codec every array inside a value comes back as a tuple too (pass
+    ``codec=PickleCodec()`` for exact Python types). The returned RDD has an
+    ``exchange_id`` attribute for ``release_exchange``.
+    """
+    if not isinstance(num_partitions, int) or isinstance(num_partitions, bool):
+        raise UsageError(f"num_partitions must be an int, got {num_partitions!r}")
+    if num_partitions <= 0:
+        raise UsageError(f"num_partitions must be positive, got {num_partitions}")
+    if mode not in MODES:
+        raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
+    if partition_func is not None and not callable(partition_func):
+        raise UsageError("partition_func must be callable")
+    sc = rdd.context
+    the_codec: RecordCodec = codec if codec is not None else MsgpackCodec(tuples=True)
+    hint = _daemon_hint(sc)
+    exchange_id = f"x-{uuid.uuid4().hex[:16]}"
+    if mode == "blocking":
+        out = _blocking(rdd, num_partitions, partition_func, hint, exchange_id, the_codec)
+    else:
+        out = _pipelined(rdd, num_partitions, partition_func, hint, exchange_id, the_codec)
+    out.exchange_id = exchange_id  # type: ignore[attr-defined]
+    return out
+
+
+_exchanges: dict[str, set[str]] = {}
+
+
+def _blocking(
+    rdd: RDD[Any],
+    n: int,
+    partition_func: Callable[[Any], int] | None,
+    hint: str | None,
+    exchange_id: str,
+    codec: RecordCodec,
+) -> RDD[Any]:
+    from pyspark import TaskContext
+
+    def write(index: int, records: Iterable[Any]) -> Iterator[_Produced]:
+        ctx = TaskContext.get()
+        attempt = ctx.taskAttemptId() if ctx is not None else 0
+        yield _write_partition(
+            exchange_id, index, attempt, records, n, partition_func, hint, codec, True
+        )
+
+    sc = rdd.context
+    sc.setJobDescription(f"exchange {exchange_id}: write {rdd.getNumPartitions()} partitions")
+    produced = sorted(rdd.mapPartitionsWithIndex(write).collect(), key=lambda p: p.index)
+    sc.setJobDescription(None)  # type: ignore[arg-type]
+    _exchanges[exchange_id] = {p.data_address for p in produced}
+
+    def read(index: int, _: Iterable[Any]) -> Iterator[Any]:
+        return _read_subpartition(exchange_id, produced, index, hint, codec)
+
+    return sc.parallelize(range(n), n).mapPartitionsWithIndex(read)
+
+
+def _pipelined(
+    rdd: RDD[Any],
+    n: int,
+    partition_func: Callable[[Any], int] | None,
+    hint: str | None,
+    exchange_id: str,
+    codec: RecordCodec,
+) -> RDD[Any]:
+    from pyspark import BarrierTaskContext
+
+    sc = rdd.context
+    n_in = rdd.getNumPartitions()
+    tasks = max(n_in, n)
+    slots = _slots(sc)
+    if tasks > slots:
+        raise UsageError(
+            f"a pipelined exchange runs all its tasks at once: it needs {tasks} task slots "
+            f"(max of {n_in} input and {n} output partitions) but only {slots} are "
+            "available; use mode='blocking', fewer partitions, or more executor cores"
+        )
+    src = rdd if n_in >= tasks else rdd.union(sc.parallelize([], tasks - n_in))
+
+    def run(records: Iterable[Any]) -> Iterator[Any]:
+        ctx = BarrierTaskContext.get()
+        t = ctx.partitionId()
+        attempt = ctx.taskAttemptId()
+        sock, info = _local_daemon(hint)
+        me = [t, attempt, info.daemon_id, info.data_address, sock, info.segment_size]
+        everyone = [json.loads(m) for m in ctx.allGather(json.dumps(me))]
+        producers = [_Produced(p[0], p[1], p[2], p[3], p[4], p[5], 0) for p in everyone]
+        failure: list[BaseException] = []
+
+        def produce() -> None:
+            try:
+                _write_partition(
+                    exchange_id, t, attempt, records, n, partition_func, hint, codec, False
+                )
+            except BaseException as e:
+                failure.append(e)
+
+        writer = threading.Thread(target=produce, name=f"exchange-writer-{t}", daemon=True)
+        writer.start()
+        try:
+            if t < n:
+                yield from _read_subpartition(exchange_id, producers, t, hint, codec)
+        finally:
+            writer.join()
+        if failure:
+            raise failure[0]
+
+    return src.barrier().mapPartitions(run)
+
+
+def release_exchange(rdd_or_id: Any) -> int:
+    """Release the blocking partitions of an exchange on every daemon holding them."""
+    exchange_id = getattr(rdd_or_id, "exchange_id", rdd_or_id)
+    if not isinstance(exchange_id, str):
+        raise UsageError(f"expected an exchanged RDD or an exchange id, got {rdd_or_id!r}")
+    addresses = _exchanges.pop(exchange_id, set())
+    rt = get_runtime()
+    released = 0
+    for address in addresses:
+        try:
+            released += rt.run(release_dataset(address, exchange_id))
+        except ExchangeError:
+            continue  # that daemon is gone; its partitions went with it
+    return released
