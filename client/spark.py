@@ -14,9 +14,11 @@ through the daemons so that output partition *i* holds exactly the pairs
   attempt: only the attempts whose results Spark collected are read); the returned RDD's
   tasks read them, any number of times. ``release_exchange`` frees them (a time to live
   frees forgotten ones).
-* ``mode="pipelined"``: one barrier stage; every task writes its input partition (from a
-  background thread) while it reads its output partition, so data streams between running
-  tasks with bounded memory. The tasks find each other with one ``allGather``.
+* ``mode="pipelined"``: one barrier stage; task *i* writes input partition *i* (from a
+  background thread) while it reads output partition *i*, so data streams between running
+  tasks with bounded memory. The tasks find each other with one ``allGather``. The input
+  must have ``n`` partitions (barrier stages cannot change the partition count) and the
+  cluster ``n`` free task slots.
 """
 
 from __future__ import annotations
@@ -344,15 +346,23 @@ def _pipelined(
 
     sc = rdd.context
     n_in = rdd.getNumPartitions()
-    tasks = max(n_in, n)
-    slots = _slots(sc)
-    if tasks > slots:
+    if n_in != n:
+        # Spark's barrier mode refuses stages whose RDD chain changes the partition count
+        # (union, coalesce), so the input cannot be padded or merged inside the stage.
         raise UsageError(
-            f"a pipelined exchange runs all its tasks at once: it needs {tasks} task slots "
-            f"(max of {n_in} input and {n} output partitions) but only {slots} are "
-            "available; use mode='blocking', fewer partitions, or more executor cores"
+            f"a pipelined exchange runs one barrier stage where task i writes input partition "
+            f"i and reads output partition i: it needs as many input partitions as output "
+            f"partitions, got {n_in} and {n}; use mode='blocking' or give the input {n} "
+            "partitions"
         )
-    src = rdd if n_in >= tasks else rdd.union(sc.parallelize([], tasks - n_in))
+    slots = _slots(sc)
+    if n > slots:
+        raise UsageError(
+            f"a pipelined exchange runs all its tasks at once: it needs {n} task slots but "
+            f"only {slots} are available; use mode='blocking', fewer partitions, or more "
+            "executor cores"
+        )
+    src = rdd
 
     def run(records: Iterable[Any]) -> Iterator[Any]:
         ctx = BarrierTaskContext.get()

@@ -1,0 +1,148 @@
+"""exchange_shuffle versus Spark's own shuffles, on the same data, in one local[2] run.
+
+Measures records/s for:
+
+* ``rdd.partitionBy(n, exchange_hash).count()`` (Spark's RDD shuffle, the baseline)
+* ``exchange_shuffle(rdd, n, mode="blocking").count()``
+* ``df.repartition(n, "k").count()`` (Spark SQL's shuffle on a cached DataFrame)
+* with 2 output partitions (all tasks at once in local[2]): ``partitionBy`` again and
+  ``exchange_shuffle(..., mode="pipelined")``
+
+The input RDD is generated once and cached, so every run starts from the same
+materialized partitions. Each figure is the median of ``--repeat`` runs. The last line
+is one JSON object with every figure and the ratios to ``partitionBy``.
+
+    python bench/bench_spark_shuffle.py [--records 5000000] [--repeat 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+
+def gen(index: int, n: int) -> Iterator[tuple[int, int]]:
+    base = index * n
+    for i in range(base, base + n):
+        yield (i * 2654435761 % 1_000_003, i)
+
+
+def timed(fn: Callable[[], int], repeat: int, expect: int) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        got = fn()
+        times.append(time.perf_counter() - t)
+        if got != expect:
+            raise SystemExit(f"wrong count: {got} != {expect}")
+    return statistics.median(times), times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    ap.add_argument("--records", type=int, default=5_000_000)
+    ap.add_argument("--partitions", type=int, default=8)
+    ap.add_argument("--slices", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="1M records, one repetition")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.records, args.repeat = 1_000_000, 1
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+    from pyspark.sql import SparkSession
+
+    from client.spark import exchange_hash, exchange_shuffle, release_exchange, stop_embedded_daemon
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("bench-spark-shuffle")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.memory", "3g")
+        .config("spark.sql.adaptive.enabled", "false")
+        .getOrCreate()
+    )
+    sc = spark.sparkContext
+    sc.setLogLevel("ERROR")
+    n_rec, slices, parts, rep = args.records, args.slices, args.partitions, args.repeat
+    per = n_rec // slices
+    total = per * slices
+
+    def make(index: int, _: Iterable[int]) -> Iterator[tuple[int, int]]:
+        return gen(index, per)
+
+    rdd = sc.parallelize(range(slices), slices).mapPartitionsWithIndex(make).cache()
+    assert rdd.count() == total
+    per2 = n_rec // 2
+
+    def make2(index: int, _: Iterable[int]) -> Iterator[tuple[int, int]]:
+        return gen(index, per2)
+
+    rdd2 = sc.parallelize(range(2), 2).mapPartitionsWithIndex(make2).cache()
+    assert rdd2.count() == per2 * 2 == total
+    df = spark.createDataFrame(rdd, "k long, v long").cache()
+    assert df.count() == total
+
+    def exchange(src: Any, n: int, mode: str) -> int:
+        out = exchange_shuffle(src, n, mode=mode)
+        try:
+            return int(out.count())
+        finally:
+            release_exchange(out)
+
+    results: dict[str, float] = {}
+    runs: dict[str, list[float]] = {}
+    cases: list[tuple[str, Callable[[], int]]] = [
+        ("rdd_partitionBy", lambda: rdd.partitionBy(parts, exchange_hash).count()),
+        ("exchange_blocking", lambda: exchange(rdd, parts, "blocking")),
+        ("df_repartition", lambda: df.repartition(parts, "k").count()),
+        ("rdd_partitionBy_2", lambda: rdd2.partitionBy(2, exchange_hash).count()),
+        ("exchange_pipelined_2", lambda: exchange(rdd2, 2, "pipelined")),
+        ("exchange_blocking_2", lambda: exchange(rdd2, 2, "blocking")),
+    ]
+    print(f"{total:,} records (int, int), {slices} input partitions, local[2], median of {rep}")
+    # one warm-up pass of each path (JIT, Python worker start-up, daemon start)
+    for name, fn in cases:
+        fn() if name != "df_repartition" else None
+    for name, fn in cases:
+        med, ts = timed(fn, rep, total)
+        results[name] = total / med
+        runs[name] = ts
+        print(f"  {name:<22} {total / med:>12,.0f} rec/s   ({med:.2f} s)", flush=True)
+    ratios = {
+        "blocking_vs_partitionBy": results["exchange_blocking"] / results["rdd_partitionBy"],
+        "blocking_vs_df_repartition": results["exchange_blocking"] / results["df_repartition"],
+        "pipelined_vs_partitionBy_2": results["exchange_pipelined_2"]
+        / results["rdd_partitionBy_2"],
+        "blocking_vs_partitionBy_2": results["exchange_blocking_2"] / results["rdd_partitionBy_2"],
+    }
+    for k, v in ratios.items():
+        print(f"  {k:<30} {v:5.2f}x")
+    spark.stop()
+    stop_embedded_daemon()
+    print(
+        json.dumps(
+            {
+                "bench": "spark_shuffle",
+                "records": total,
+                "partitions": parts,
+                "repeat": rep,
+                "records_per_s": {k: round(v) for k, v in results.items()},
+                "seconds": {k: [round(t, 3) for t in v] for k, v in runs.items()},
+                "ratios": {k: round(v, 3) for k, v in ratios.items()},
+                "target_blocking_vs_partitionBy": 1.5,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
