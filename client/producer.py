@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from client.local_connection import LocalConnection, resolve_daemon_socket
 from client.runtime import ClientRuntime, get_runtime
-from exchange.errors import UsageError, WriterClosedError
+from exchange.errors import RecordTooLargeError, UsageError, WriterClosedError
 from exchange.events.events import AbstractEvent, EventSerializer
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.local_messages import (
@@ -39,6 +39,7 @@ __all__ = ["AsyncPartitionWriter", "PartitionWriter", "SubpartitionChunker"]
 DEFAULT_BUFFER_TIMEOUT: Final = 0.1
 _NO_KEY: Final[Any] = object()
 _BATCH_BYTES: Final = 256 * 1024
+_KEY_CACHE: Final = 1 << 16
 
 Chunk = tuple[int, bytes]
 
@@ -52,7 +53,17 @@ class SubpartitionChunker:
         self._bufs = [bytearray() for _ in range(num_subpartitions)]
         enc = codec.new_encoder()
         self._encode_into = enc.encode_into
+        self.max_record_size = enc.max_record_size
+        fast = enc.encode
+        self.pack: Callable[[Any], bytes | bytearray | memoryview] = (
+            fast if fast is not None else self._encode_slow
+        )
         self.records = 0
+
+    def _encode_slow(self, record: Any) -> bytes:
+        tmp = bytearray()
+        self._encode_into(record, tmp)
+        return bytes(tmp)
 
     def add(self, index: int, record: Any, out: list[Chunk]) -> None:
         buf = self._bufs[index]
@@ -332,27 +343,59 @@ class PartitionWriter:
         key_func: Callable[[Any], Any] | None = None,
     ) -> int:
         """Emit many records; each goes to ``partition_func(key) % n`` (default: the
-        deterministic hash of the key), the key being ``key_func(record)`` or ``record[0]``."""
+        deterministic hash of the key), the key being ``key_func(record)`` or ``record[0]``.
+
+        The hot loop of every PySpark producer: per record one key lookup in a bounded
+        key-to-subpartition cache (skewed keys repeat), one ``Packer.pack`` and one append.
+        """
         self._check_open()
         n = self.num_subpartitions
-        add = self._chunker.add
+        chunker = self._chunker
+        bufs = chunker._bufs
+        pack = chunker.pack
+        max_record = chunker.max_record_size
+        seg = self.segment_size
         out = self._out
+        cache: dict[Any, int] = {}
+        cache_get = cache.get
+        cacheable = True
         count = 0
         check_every = 1 if self._timeout == 0 else 512
         for record in records:
             key = record[0] if key_func is None else key_func(record)
-            if partition_func is None:
-                index = deterministic_hash(key) % n
-            else:
-                p = partition_func(key)
-                if not isinstance(p, int):
-                    raise UsageError(f"partition function returned {p!r}, not an int")
-                index = p % n
-            add(index, record, out)
+            index = None
+            if cacheable:
+                try:
+                    index = cache_get(key)
+                except TypeError:  # unhashable keys (lists, dicts): no caching
+                    cacheable = False
+            if index is None:
+                if partition_func is None:
+                    index = deterministic_hash(key) % n
+                else:
+                    p = partition_func(key)
+                    if not isinstance(p, int):
+                        raise UsageError(f"partition function returned {p!r}, not an int")
+                    index = p % n
+                if cacheable and len(cache) < _KEY_CACHE:
+                    cache[key] = index
+            data = pack(record)
+            buf = bufs[index]
+            buf += data
             count += 1
-            if count % check_every == 0 or len(out) * self.segment_size >= _BATCH_BYTES:
+            if len(buf) >= seg:
+                # every record larger than a segment passes here, so this check suffices
+                if len(data) > max_record:
+                    del buf[len(buf) - len(data) :]
+                    raise RecordTooLargeError(len(data), max_record)
+                chunker._cut(index, out)
+                if len(out) * seg >= _BATCH_BYTES:
+                    self._tick()
+                    out = self._out
+            if count % check_every == 0:
                 self._tick()
                 out = self._out
+        chunker.records += count
         self._tick()
         return count
 
