@@ -84,7 +84,7 @@ class ExchangeDaemon:
         cfg = self.config
         cfg.validate_paths()
         host, port = await self.data_server.start(cfg.host, cfg.data_port)
-        self.data_address = f"{_fmt_host(host)}:{port}"
+        self.data_address = f"{_fmt_host(_advertised_host(host))}:{port}"
         self.local_socket = await self.local_endpoint.start_unix(cfg.resolved_local_socket())
         self.http = HttpServer(self)
         hh, hp = await self.http.start(cfg.host, cfg.http_port)
@@ -217,6 +217,20 @@ class ExchangeDaemon:
             "back_pressured_seconds": self._released_back_pressure
             + sum(s.back_pressured_seconds for s in live),
         }
+
+
+#: Overrides the host name the daemon tells consumers to connect to.
+ADVERTISE_HOST_ENV = "EXCHANGE_ADVERTISE_HOST"
+
+
+def _advertised_host(bound: str) -> str:
+    """The host remote consumers should dial: a wildcard bind advertises this host's name."""
+    explicit = os.environ.get(ADVERTISE_HOST_ENV)
+    if explicit:
+        return explicit
+    if bound in ("0.0.0.0", "::", ""):
+        return socket.getfqdn()
+    return bound
 
 
 def _fmt_host(host: str) -> str:
