@@ -15,6 +15,7 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     ├── InsufficientBuffersError   not enough network buffers: says required, available, setting
     ├── BufferRequestTimeoutError  a batch request for segments timed out
     ├── CorruptRecordError         bytes in a data buffer do not form valid records
+    │   └── RecordTooLargeError    a record exceeds max_record_size; carries size and limit
     ├── PartitionError             per-stream failures; carry the partition id
     │   ├── PartitionNotFoundError       no such partition (yet) on that daemon
     │   ├── PartitionReleasedError       the partition was released while in use
@@ -55,6 +56,7 @@ __all__ = [
     "PoolDestroyedError",
     "ProducerFailedError",
     "ProtocolError",
+    "RecordTooLargeError",
     "SegmentFreedError",
     "SequenceNumberError",
     "SubpartitionIndexError",
@@ -132,6 +134,21 @@ class BufferRequestTimeoutError(ExchangeError, TimeoutError):
 
 class CorruptRecordError(ExchangeError):
     """The bytes of a data stream do not decode to whole records."""
+
+
+class RecordTooLargeError(CorruptRecordError):
+    """A record is larger than ``max_record_size``.
+
+    ``size`` is the record's size in bytes, or a lower bound of it when ``at_least`` is
+    true (a decoder that stops reading a record as soon as it is too large).
+    """
+
+    def __init__(self, size: int, limit: int, *, at_least: bool = False) -> None:
+        what = f"at least {size}" if at_least else f"{size}"
+        super().__init__(f"record of {what} bytes exceeds the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+        self.at_least = at_least
 
 
 class PartitionError(ExchangeError):

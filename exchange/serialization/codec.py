@@ -1,0 +1,712 @@
+"""Record codecs: how records become the byte stream that data buffers carry.
+
+A data buffer carries a slice of one byte stream per channel; records follow each other
+with no padding and may span any number of buffers. A codec gives each writer an
+*encoder* that appends records to the stream and each input channel a *decoder* that is
+fed the stream in arbitrary pieces and hands back every whole record it has seen.
+
+Two stream formats:
+
+* ``MsgpackCodec`` (the default): plain concatenated msgpack objects. msgpack is
+  self-delimiting, so there is no length prefix; a streaming ``msgpack.Unpacker`` finds
+  the record boundaries in C, which is what makes this path fast.
+* ``FramedCodec``: ``u32 big-endian length | payload`` per record, for payload codecs that
+  are not self-delimiting (``PickleCodec``, ``BytesCodec``, a user's functions). A length
+  above ``max_record_size`` is rejected before anything is allocated for it.
+
+Decoders decode eagerly in ``feed``. A decode error does not surface from ``feed``: the
+records before the bad bytes are delivered first, then ``take`` (or iteration) raises a
+``CorruptRecordError``, and so does every later call. Decoders never raise msgpack,
+struct, pickle or Unicode exceptions.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import struct
+from collections.abc import Callable, Iterator
+from typing import Any, Final, Protocol
+
+import msgpack
+
+from exchange.errors import CorruptRecordError, RecordTooLargeError, UsageError
+
+__all__ = [
+    "DEFAULT_MAX_RECORD_SIZE",
+    "BytesCodec",
+    "BytesLike",
+    "FramedCodec",
+    "MsgpackCodec",
+    "PickleCodec",
+    "RecordCodec",
+    "RecordDecoder",
+    "RecordEncoder",
+]
+
+BytesLike = bytes | bytearray | memoryview
+
+#: Largest encoded record accepted by default (encoder and decoder side).
+DEFAULT_MAX_RECORD_SIZE: Final = 64 * 1024 * 1024
+#: Largest record a u32 length prefix can describe.
+MAX_FRAMED_RECORD_SIZE: Final = 0xFFFFFFFF
+
+#: Feeds larger than this go to the Unpacker in pieces, so that its buffer never holds
+#: more than ``max_record_size + _FEED_PIECE`` bytes.
+_FEED_PIECE: Final = 64 * 1024
+#: Initial Unpacker buffer (msgpack's default would be 1 MiB per channel).
+_UNPACKER_READ_SIZE: Final = 64 * 1024
+#: After a record larger than this, the Unpacker (whose buffer never shrinks) is replaced
+#: at the next record boundary.
+_UNPACKER_RENEW_ABOVE: Final = 4 * _UNPACKER_READ_SIZE
+
+#: The batch encoder moves packed bytes out once it holds this much, and checks the size
+#: at least every _STREAM_MAX_GROUP records; with a smaller max_record_size it checks
+#: every record. A Packer that grew beyond _STREAM_KEEP is replaced.
+_STREAM_CHUNK: Final = 1024 * 1024
+_STREAM_MAX_GROUP: Final = 32
+_STREAM_MIN_LIMIT: Final = 4 * _STREAM_CHUNK
+_STREAM_KEEP: Final = 4 * _STREAM_CHUNK
+
+_LEN: Final = struct.Struct(">I")
+_LIMIT_MESSAGE: Final = re.compile(r"(\d+) exceeds max_(str|bin|ext|array|map)_len")
+
+
+class RecordEncoder(Protocol):
+    """Appends records to one writer's byte stream."""
+
+    @property
+    def max_record_size(self) -> int: ...
+
+    @property
+    def encode(self) -> Callable[[Any], BytesLike] | None:
+        """A function returning one record's stream bytes, or None.
+
+        Offered when it is cheaper than ``encode_into`` (a C function such as
+        ``msgpack.Packer.pack`` saves a Python call per record). It does not check
+        ``max_record_size``; its caller does.
+        """
+        ...
+
+    def encode_into(self, record: Any, out: bytearray) -> None:
+        """Append one record's bytes to ``out``, checking ``max_record_size``.
+
+        On error ``out`` is left unchanged.
+        """
+        ...
+
+    def encode_until(self, records: Iterator[Any], out: bytearray, until: int) -> None:
+        """Append records from ``records`` until ``len(out) >= until`` or they run out.
+
+        The batch path: it may take several records from the iterator before it looks at
+        the size. If one fails to encode (or is too large), every other record taken
+        from the iterator is appended, whole, and then the error is raised.
+        """
+        ...
+
+
+class RecordDecoder(Protocol):
+    """Turns one channel's byte stream, fed in arbitrary pieces, back into records."""
+
+    def feed(self, data: BytesLike) -> None:
+        """Decode the next piece of the stream; ``data`` is copied, not kept."""
+        ...
+
+    def take(self) -> list[Any]:
+        """Every whole record decoded so far and not yet taken (a new list, maybe empty).
+
+        Raises the decoder's CorruptRecordError once the records before it are taken.
+        """
+        ...
+
+    def __iter__(self) -> Iterator[Any]:
+        """Yield the records ``take`` would return."""
+        ...
+
+    @property
+    def has_partial_record(self) -> bool:
+        """True while the bytes of an incomplete record are buffered, or after an error.
+
+        A stream that ends while this is true ended inside a record or was corrupt.
+        """
+        ...
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of the incomplete record held by the decoder."""
+        ...
+
+    def clear(self) -> None:
+        """Forget everything: partial record, undelivered records, error."""
+        ...
+
+
+class RecordCodec(Protocol):
+    """A stream format: one encoder per writer, one decoder per input channel."""
+
+    @property
+    def max_record_size(self) -> int: ...
+
+    def new_encoder(self) -> RecordEncoder: ...
+
+    def new_decoder(self) -> RecordDecoder: ...
+
+
+def _check_limit(max_record_size: int, ceiling: int) -> int:
+    if (
+        not isinstance(max_record_size, int)
+        or isinstance(max_record_size, bool)
+        or not 0 < max_record_size <= ceiling
+    ):
+        raise UsageError(
+            f"max_record_size must be an int in (0, {ceiling}], got {max_record_size!r}"
+        )
+    return max_record_size
+
+
+def _nbytes(data: BytesLike) -> int:
+    return data.nbytes if isinstance(data, memoryview) else len(data)
+
+
+class _DecoderBase:
+    """Delivery of decoded records and of a deferred error."""
+
+    __slots__ = ("_error", "_ready")
+
+    def __init__(self) -> None:
+        self._ready: list[Any] = []
+        self._error: CorruptRecordError | None = None
+
+    def take(self) -> list[Any]:
+        ready = self._ready
+        if ready:
+            self._ready = []
+            return ready
+        if self._error is not None:
+            raise self._error
+        return []
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            records = self.take()
+            if not records:
+                return
+            yield from records
+
+    def _fail(self, error: CorruptRecordError) -> None:
+        self._error = error
+
+
+# -- msgpack -------------------------------------------------------------------------------
+
+
+class MsgpackCodec:
+    """The default codec: records are concatenated msgpack objects.
+
+    Records may be None, bool, int (-2**63 .. 2**64-1), float, str, bytes, lists, tuples
+    and dicts of these (dict keys of any hashable type). Arrays decode as lists, so a
+    tuple comes back as a list; with ``tuples=True`` every array decodes as a tuple
+    instead (lists come back as tuples). Strings are UTF-8, bytes stay bytes.
+    """
+
+    __slots__ = ("_max_record_size", "tuples")
+
+    def __init__(
+        self, *, tuples: bool = False, max_record_size: int = DEFAULT_MAX_RECORD_SIZE
+    ) -> None:
+        self.tuples = tuples
+        # Beyond 2**31 the Unpacker's own buffer limit would overflow.
+        self._max_record_size = _check_limit(max_record_size, 2**31 - 1 - _FEED_PIECE)
+
+    @property
+    def max_record_size(self) -> int:
+        return self._max_record_size
+
+    def new_encoder(self) -> MsgpackEncoder:
+        return MsgpackEncoder(self._max_record_size)
+
+    def new_decoder(self) -> MsgpackDecoder:
+        return MsgpackDecoder(self._max_record_size, use_list=not self.tuples)
+
+    def __repr__(self) -> str:
+        return f"MsgpackCodec(tuples={self.tuples}, max_record_size={self._max_record_size})"
+
+
+class MsgpackEncoder:
+    """Encodes with reused ``msgpack.Packer`` objects (cheaper than ``packb`` per record).
+
+    ``encode`` is an ``autoreset`` Packer's ``pack``: it returns each record's bytes. The
+    batch path ``encode_until`` packs into a second Packer's own buffer instead (no bytes
+    object per record) and looks at the size only every few records, moving the bytes
+    to ``out`` in one copy. That Packer drops everything it holds when a record fails to
+    pack, so the records since the last move are kept aside to be encoded again.
+    """
+
+    __slots__ = ("_max_record_size", "_stream", "encode")
+
+    def __init__(self, max_record_size: int) -> None:
+        self._max_record_size = max_record_size
+        # autoreset=True: pack() returns the bytes and also resets after an error.
+        self.encode: Callable[[Any], bytes] = msgpack.Packer(autoreset=True).pack
+        self._stream = msgpack.Packer(autoreset=False)
+
+    @property
+    def max_record_size(self) -> int:
+        return self._max_record_size
+
+    def encode_into(self, record: Any, out: bytearray) -> None:
+        data = self.encode(record)
+        if len(data) > self._max_record_size:
+            raise RecordTooLargeError(len(data), self._max_record_size)
+        out += data
+
+    def encode_until(self, records: Iterator[Any], out: bytearray, until: int) -> None:
+        limit = self._max_record_size
+        if limit < _STREAM_MIN_LIMIT:
+            # Groups of records would often exceed so small a limit: check each one.
+            for record in records:
+                self.encode_into(record, out)
+                if len(out) >= until:
+                    return
+            return
+        packer = self._stream
+        pack = packer.pack
+        group: list[Any] = []  # the records in the Packer, to encode again after an error
+        keep = group.append
+        n = 0
+        check_at = 1
+        for record in records:
+            keep(record)
+            try:
+                pack(record)
+            except Exception:
+                # pack() emptied the Packer: encode the group, this record too, one by one
+                # (which raises the error again).
+                self._encode_group(group, out)
+                size = 0  # it encoded after all: carry on
+            else:
+                n += 1
+                if n < check_at:
+                    continue
+                view = packer.getbuffer()
+                size = view.nbytes
+                room = until - len(out)
+                if size > limit:
+                    # Some record in the group may be over the limit: one at a time.
+                    view.release()
+                    packer.reset()
+                    self._encode_group(group, out)
+                elif size >= room or size >= _STREAM_CHUNK:
+                    out += view
+                    view.release()
+                    packer.reset()
+                else:
+                    view.release()
+                    # Look again about when the room should be full, within bounds.
+                    check_at = n + min(_STREAM_MAX_GROUP, max(1, (room - size) * n // size))
+                    continue
+            if size > _STREAM_KEEP:  # do not keep a buffer that grew for huge records
+                packer = self._stream = msgpack.Packer(autoreset=False)
+                pack = packer.pack
+            if len(out) >= until:
+                return
+            group.clear()
+            n = 0
+            check_at = 1
+        view = packer.getbuffer()
+        size = view.nbytes
+        try:
+            if size <= limit:
+                out += view
+        finally:
+            view.release()
+            packer.reset()
+        if size > limit:
+            self._encode_group(group, out)
+        if size > _STREAM_KEEP:
+            self._stream = msgpack.Packer(autoreset=False)
+
+    def _encode_group(self, group: list[Any], out: bytearray) -> None:
+        """Encode ``group`` record by record; raise the first error after the others.
+
+        The batch Packer must be empty (``pack`` empties it on error).
+        """
+        error: BaseException | None = None
+        for record in group:
+            try:
+                self.encode_into(record, out)
+            except Exception as exc:
+                if error is None:
+                    error = exc
+        if error is not None:
+            raise error
+
+
+class MsgpackDecoder(_DecoderBase):
+    """One streaming ``msgpack.Unpacker`` per channel.
+
+    Every feed is decoded at once with ``list.extend(unpacker)`` (a loop in C). The
+    Unpacker does not say where records end, and parses containers element by element,
+    so the decoder keeps bounds on where the incomplete record starts:
+
+    * The last byte of each feed is fed on its own: a record comes out of it exactly
+      when the feed ends on a record boundary (``has_partial_record`` is exact).
+    * ``_start_lo <= start <= _start_hi``: once ``fed - _start_hi`` (a lower bound of the
+      incomplete record's size) exceeds ``max_record_size``, the record is rejected,
+      at most one feed after it crossed the limit.
+    * When a record completing in a feed could be over the limit (``fed - _start_lo``
+      exceeds it), that feed is decoded record by record, measuring each with ``tell``.
+
+    A record header claiming more elements or bytes than the limit allows is rejected
+    at once; an array header still makes msgpack allocate 8 bytes per claimed element.
+    """
+
+    __slots__ = ("_fed", "_grown", "_limit", "_start_hi", "_start_lo", "_unpacker", "_use_list")
+
+    def __init__(self, max_record_size: int, *, use_list: bool = True) -> None:
+        super().__init__()
+        self._limit = max_record_size
+        self._use_list = use_list
+        self._unpacker = self._new_unpacker()
+        self._fed = 0  # bytes fed to the current Unpacker
+        self._start_lo = 0  # bounds of the incomplete record's start; == _fed at a boundary
+        self._start_hi = 0
+        self._grown = False  # the Unpacker's buffer grew for a large record
+
+    def _new_unpacker(self) -> msgpack.Unpacker:
+        limit = self._limit
+        return msgpack.Unpacker(
+            use_list=self._use_list,
+            raw=False,
+            strict_map_key=False,
+            max_buffer_size=limit + _FEED_PIECE,
+            read_size=min(_UNPACKER_READ_SIZE, limit + _FEED_PIECE),
+            max_str_len=limit,
+            max_bin_len=limit,
+            max_ext_len=limit,
+            max_array_len=limit,  # each element takes at least one byte
+            max_map_len=limit // 2,  # each entry at least two
+        )
+
+    @property
+    def has_partial_record(self) -> bool:
+        return self._start_hi < self._fed or self._error is not None
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of the incomplete record (a lower bound)."""
+        return self._fed - self._start_hi
+
+    def feed(self, data: BytesLike) -> None:
+        if self._error is not None:
+            raise self._error
+        if type(data) is memoryview and data.itemsize == 1 and data.c_contiguous:
+            n = data.nbytes
+            if 0 < n <= _FEED_PIECE:
+                self._feed(data, n)
+                return
+        view = memoryview(data)
+        try:
+            with view.cast("B") as flat:
+                n = flat.nbytes
+                for start in range(0, n, _FEED_PIECE):
+                    self._feed(flat[start : start + _FEED_PIECE], min(_FEED_PIECE, n - start))
+                    if self._error is not None:
+                        return
+        finally:
+            view.release()
+
+    def _feed(self, data: memoryview, n: int) -> None:
+        """Decode ``n`` (> 0) more bytes."""
+        unpacker = self._unpacker
+        ready = self._ready
+        limit = self._limit
+        lo = self._start_lo
+        hi = self._start_hi
+        fed_before = self._fed
+        fed = self._fed = fed_before + n
+        try:
+            if fed - lo <= limit:
+                # Fast: no record that completes here can be over the limit.
+                done_before = len(ready)
+                unpacker.feed(data[:-1])
+                ready.extend(unpacker)
+                done_head = len(ready)
+                unpacker.feed(data[-1:])
+                ready.extend(unpacker)
+                if len(ready) > done_head:  # a record ended with the last byte
+                    lo = hi = fed
+                elif done_head > done_before:  # the incomplete one started in here
+                    lo = fed_before
+                    hi = unpacker.tell()
+                    if hi >= fed:
+                        hi = fed - 1
+                self._start_lo = lo
+                self._start_hi = hi
+            else:
+                unpacker.feed(data)
+                self._decode_measured(unpacker)
+                lo = self._start_lo
+                hi = self._start_hi
+        except CorruptRecordError as exc:
+            self._fail(exc)
+            return
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            self._fail(self._translate(exc))
+            return
+        if fed - hi > limit:
+            self._fail(RecordTooLargeError(fed - hi, limit, at_least=True))
+        elif fed - lo > _UNPACKER_RENEW_ABOVE:
+            self._grown = True
+        if hi == fed and self._grown:
+            self._renew()
+
+    def _decode_measured(self, unpacker: msgpack.Unpacker) -> None:
+        limit = self._limit
+        ready = self._ready
+        start_lo = self._start_lo
+        start_hi = self._start_hi
+        for record in unpacker:
+            end = unpacker.tell()
+            if end - start_hi > limit:
+                raise RecordTooLargeError(end - start_hi, limit, at_least=start_lo != start_hi)
+            ready.append(record)
+            start_lo = start_hi = self._start_lo = self._start_hi = end
+
+    def _translate(self, exc: Exception) -> CorruptRecordError:
+        error: CorruptRecordError
+        m = _LIMIT_MESSAGE.match(str(exc)) if type(exc) is ValueError else None
+        if m is not None:
+            size = int(m.group(1)) * (2 if m.group(2) == "map" else 1)
+            error = RecordTooLargeError(size, self._limit, at_least=True)
+        elif isinstance(exc, msgpack.BufferFull):
+            error = RecordTooLargeError(self._limit + 1, self._limit, at_least=True)
+        else:
+            error = CorruptRecordError(f"invalid msgpack data: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        return error
+
+    def _renew(self) -> None:
+        """Replace the Unpacker, dropping its grown buffer (Flink's prune, reading side)."""
+        self._unpacker = self._new_unpacker()
+        self._fed = self._start_lo = self._start_hi = 0
+        self._grown = False
+
+    def clear(self) -> None:
+        self._renew()
+        self._ready = []
+        self._error = None
+
+
+# -- length-framed ------------------------------------------------------------------------
+
+
+class FramedCodec:
+    """Records framed as ``u32 big-endian length | payload``.
+
+    ``encode`` turns a record into its payload (bytes-like); ``decode`` turns a payload
+    back into a record. ``decode`` gets a memoryview that is valid only during the call:
+    it must copy what it keeps. An exception from ``decode`` becomes a
+    CorruptRecordError. ``encode=None`` sends bytes-like records as they are.
+    """
+
+    __slots__ = ("_decode", "_encode", "_max_record_size")
+
+    def __init__(
+        self,
+        encode: Callable[[Any], BytesLike] | None,
+        decode: Callable[[memoryview], Any],
+        *,
+        max_record_size: int = DEFAULT_MAX_RECORD_SIZE,
+    ) -> None:
+        self._encode = encode
+        self._decode = decode
+        self._max_record_size = _check_limit(max_record_size, MAX_FRAMED_RECORD_SIZE)
+
+    @property
+    def max_record_size(self) -> int:
+        return self._max_record_size
+
+    def new_encoder(self) -> FramedEncoder:
+        return FramedEncoder(self._encode, self._max_record_size)
+
+    def new_decoder(self) -> FramedDecoder:
+        return FramedDecoder(self._decode, self._max_record_size)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(max_record_size={self._max_record_size})"
+
+
+class PickleCodec(FramedCodec):
+    """Any picklable record, as a framed pickle. Only for streams from trusted peers."""
+
+    __slots__ = ()
+
+    def __init__(
+        self,
+        *,
+        protocol: int = pickle.HIGHEST_PROTOCOL,
+        max_record_size: int = DEFAULT_MAX_RECORD_SIZE,
+    ) -> None:
+        def dumps(record: Any) -> bytes:
+            return pickle.dumps(record, protocol)
+
+        super().__init__(dumps, pickle.loads, max_record_size=max_record_size)
+
+
+class BytesCodec(FramedCodec):
+    """Records are bytes-like objects, sent as they are and decoded as ``bytes``."""
+
+    __slots__ = ()
+
+    def __init__(self, *, max_record_size: int = DEFAULT_MAX_RECORD_SIZE) -> None:
+        super().__init__(None, bytes, max_record_size=max_record_size)
+
+
+class FramedEncoder:
+    """Appends ``length | payload``; the payload is never concatenated with its header."""
+
+    __slots__ = ("_inner", "_max_record_size")
+
+    encode = None  # a header-plus-payload bytes object would cost a copy of the payload
+
+    def __init__(self, inner: Callable[[Any], BytesLike] | None, max_record_size: int) -> None:
+        self._inner = inner
+        self._max_record_size = max_record_size
+
+    @property
+    def max_record_size(self) -> int:
+        return self._max_record_size
+
+    def encode_into(self, record: Any, out: bytearray) -> None:
+        inner = self._inner
+        payload = record if inner is None else inner(record)
+        if isinstance(payload, memoryview):
+            n = payload.nbytes
+        elif isinstance(payload, bytes | bytearray):
+            n = len(payload)
+        else:
+            raise TypeError(f"record payload must be bytes-like, got {type(payload).__name__}")
+        if n > self._max_record_size:
+            raise RecordTooLargeError(n, self._max_record_size)
+        start = len(out)
+        try:
+            out += _LEN.pack(n)
+            out += payload
+        except BaseException:
+            del out[start:]
+            raise
+
+    def encode_until(self, records: Iterator[Any], out: bytearray, until: int) -> None:
+        encode_into = self.encode_into
+        for record in records:
+            encode_into(record, out)
+            if len(out) >= until:
+                return
+
+
+class FramedDecoder(_DecoderBase):
+    """Decodes whole frames straight from the fed bytes; only a partial frame is copied.
+
+    The partial frame waits in ``_partial`` until its last byte arrives; ``_need`` is its
+    full size (header included) once the header is known, else -1.
+    """
+
+    __slots__ = ("_decode", "_limit", "_need", "_partial")
+
+    def __init__(self, decode: Callable[[memoryview], Any], max_record_size: int) -> None:
+        super().__init__()
+        self._decode = decode
+        self._limit = max_record_size
+        self._partial = bytearray()
+        self._need = -1
+
+    @property
+    def has_partial_record(self) -> bool:
+        return len(self._partial) > 0 or self._error is not None
+
+    @property
+    def buffered_bytes(self) -> int:
+        return len(self._partial)
+
+    def feed(self, data: BytesLike) -> None:
+        if self._error is not None:
+            raise self._error
+        with memoryview(data) as view, view.cast("B") as flat:
+            try:
+                self._feed(flat)
+            except CorruptRecordError as exc:
+                self._fail(exc)
+
+    def _feed(self, data: memoryview) -> None:
+        end = data.nbytes
+        pos = 0
+        if self._partial:
+            pos = self._complete_partial(data)
+            if pos < 0:
+                return
+        ready = self._ready
+        decode = self._decode
+        limit = self._limit
+        unpack_from = _LEN.unpack_from
+        while end - pos >= 4:
+            (n,) = unpack_from(data, pos)
+            if n > limit:
+                raise RecordTooLargeError(n, limit)
+            stop = pos + 4 + n
+            if stop > end:
+                break
+            try:
+                ready.append(decode(data[pos + 4 : stop]))
+            except Exception as exc:
+                raise CorruptRecordError(
+                    f"cannot decode a record of {n} bytes: {type(exc).__name__}: {exc}"
+                ) from exc
+            pos = stop
+        if pos < end:
+            self._partial = bytearray(data[pos:])
+            self._need = -1
+            self._read_header()
+
+    def _complete_partial(self, data: memoryview) -> int:
+        """Move bytes of ``data`` into the partial frame; its end in ``data``, or -1."""
+        partial = self._partial
+        pos = 0
+        if self._need < 0:
+            take = 4 - len(partial)
+            partial += data[:take]
+            pos = min(take, data.nbytes)
+            if not self._read_header():
+                return -1
+        take = self._need - len(partial)
+        partial += data[pos : pos + take]
+        if len(partial) < self._need:
+            return -1
+        pos += take
+        self._partial = bytearray()
+        self._need = -1
+        with memoryview(partial) as view:
+            try:
+                self._ready.append(self._decode(view[4:]))
+            except Exception as exc:
+                raise CorruptRecordError(
+                    f"cannot decode a record of {len(partial) - 4} bytes: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        return pos
+
+    def _read_header(self) -> bool:
+        """Parse the partial frame's header once it is complete; False if it is not."""
+        if len(self._partial) < 4:
+            return False
+        (n,) = _LEN.unpack_from(self._partial, 0)
+        if n > self._limit:
+            raise RecordTooLargeError(n, self._limit)
+        self._need = 4 + n
+        return True
+
+    def clear(self) -> None:
+        self._partial = bytearray()
+        self._need = -1
+        self._ready = []
+        self._error = None
