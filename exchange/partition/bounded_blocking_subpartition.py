@@ -224,7 +224,8 @@ class BoundedBlockingSubpartitionReader:
         return available, self._data_backlog
 
     def resume_consumption(self) -> None:
-        raise IllegalStateError("blocking subpartitions are never blocked by barriers")
+        """Nothing to resume: a blocking subpartition never blocks on a barrier, but a
+        consumer cannot tell and resumes after every aligned barrier it reads."""
 
     def notify_new_buffer_size(self, size: int) -> None:
         pass  # data was already written with its buffer sizes

@@ -7,8 +7,10 @@ well mixed even for sequential integers:
 
 * ``bytes``/``bytearray``/``memoryview``: the bytes;
 * ``str``: its UTF-8 encoding;
-* ``int`` in [-2**63, 2**63): 8 bytes little-endian two's complement;
-* ``bool``, ``None``, ``float``, bigger ints, tuples, lists, ...: ``msgpack.packb(key)``
+* ``int`` in [-2**63, 2**63): 8 bytes little-endian two's complement; any other ``int``:
+  its shortest little-endian two's complement of more than 8 bytes (msgpack cannot pack
+  ints outside [-2**63, 2**64));
+* ``bool``, ``None``, ``float``, tuples, lists, ...: ``msgpack.packb(key)``
   (tuples and lists of equal items hash equally).
 """
 
@@ -32,8 +34,11 @@ def deterministic_hash(key: Any) -> int:
         h = crc32(key.encode("utf-8", "surrogatepass"))
     elif t is bytes or t is bytearray or t is memoryview:
         h = crc32(key)
-    elif t is int and -(2**63) <= key < 2**63:
-        h = crc32(key.to_bytes(8, "little", signed=True))
+    elif t is int:
+        if -(2**63) <= key < 2**63:
+            h = crc32(key.to_bytes(8, "little", signed=True))
+        else:
+            h = crc32(key.to_bytes(key.bit_length() // 8 + 1, "little", signed=True))
     else:
         h = crc32(_packb(key))
     h ^= h >> 16

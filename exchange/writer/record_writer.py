@@ -73,8 +73,8 @@ class RecordWriter:
 
     async def emit_to(self, record: Any, target: int) -> None:
         """Emit to subpartition ``target``."""
-        if self._closed:
-            raise WriterClosedError("RecordWriter is closed")
+        if self._closed or self.partition.is_released:
+            self._raise_not_writable()
         if self._flusher is None and self.buffer_timeout > 0:
             self._start_flusher()
         ser = self._serializers[target]
@@ -86,8 +86,8 @@ class RecordWriter:
 
     async def emit_all(self, records: Iterable[Any]) -> int:
         """Emit many records through the selector; returns how many."""
-        if self._closed:
-            raise WriterClosedError("RecordWriter is closed")
+        if self._closed or self.partition.is_released:
+            self._raise_not_writable()
         if self._flush_always:
             n = 0
             for r in records:
@@ -110,8 +110,8 @@ class RecordWriter:
 
     async def broadcast_emit(self, record: Any) -> None:
         """Emit one record to every subpartition (serialized and copied once)."""
-        if self._closed:
-            raise WriterClosedError("RecordWriter is closed")
+        if self._closed or self.partition.is_released:
+            self._raise_not_writable()
         await self._copy_all_unicast()
         self._broadcast_serializer.serialize_record(record)
         self.records_out += 1
@@ -121,13 +121,19 @@ class RecordWriter:
 
     async def broadcast_event(self, event: AbstractEvent) -> None:
         """Send ``event`` to every subpartition after every record emitted so far."""
-        if self._closed:
-            raise WriterClosedError("RecordWriter is closed")
+        if self._closed or self.partition.is_released:
+            self._raise_not_writable()
         await self._copy_all_unicast()
         await self._copy_broadcast()
         self.partition.broadcast_event(event)
         if self._flush_always:
             self.partition.flush_all()
+
+    def _raise_not_writable(self) -> None:
+        if self._closed:
+            raise WriterClosedError("RecordWriter is closed")
+        # released, e.g. by a consumer that left early: say so now, not a buffer later
+        self.partition.check_writable()
 
     # -- copying into buffers ------------------------------------------------------------
 
@@ -171,8 +177,11 @@ class RecordWriter:
         """The output flusher's pass: move pending bytes where a buffer is at hand."""
         if self._busy or self._closed or self.partition.is_released:
             return
+        subpartitions = self.partition.subpartitions
         for i, ser in enumerate(self._serializers):
-            if ser.has_serialized_data:
+            # A subpartition whose consumer left is the writer's to report (at its next
+            # copy into it), not a reason for the flusher to die and stop flushing the rest.
+            if ser.has_serialized_data and not subpartitions[i].is_released:
                 self.partition.emit_nowait(i, ser)
         if self._broadcast_serializer.has_serialized_data:
             self.partition.broadcast_nowait(self._broadcast_serializer)

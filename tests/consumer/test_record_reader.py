@@ -1,0 +1,247 @@
+"""RecordReader: events in order with records, barrier resumption, failures never short."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from exchange.consumer import RecordReader
+from exchange.errors import CorruptRecordError, PartitionReleasedError, ProducerFailedError
+from exchange.events import (
+    AbstractEvent,
+    CancelCheckpointMarker,
+    CheckpointBarrier,
+    CheckpointOptions,
+    EndOfPartitionEvent,
+)
+from exchange.partition import ResultPartition, ResultPartitionType
+from exchange.writer import RecordWriter
+
+pytestmark = pytest.mark.timeout(10)
+
+PIPELINED = ResultPartitionType.PIPELINED
+PartitionFactory = Callable[..., ResultPartition]
+GateOpener = Callable[..., Any]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("buffer_timeout", [-1, 0, 0.005])
+async def test_events_arrive_in_order_with_records_on_every_channel(
+    make_partition: PartitionFactory, open_gate: GateOpener, buffer_timeout: float
+) -> None:
+    n = 3
+    part = make_partition("events", PIPELINED, n)
+    gate = await open_gate([(part.partition_id, s) for s in range(n)])
+    log: list[tuple[int, Any]] = []  # (channel, record or event)
+
+    def handler(event: AbstractEvent, channel: int) -> None:
+        log.append((channel, event))
+
+    reader = RecordReader(gate, event_handler=handler)
+    expected: list[list[Any]] = [[] for _ in range(n)]
+    writer = RecordWriter(part, buffer_timeout=buffer_timeout)
+
+    async def produce() -> None:
+        seq = 0
+        for cp in range(1, 4):
+            for _ in range(40):
+                target = seq % n if cp != 2 else 0  # checkpoint 2: only channel 0 has data
+                record = [target, seq, "p" * (seq * 31 % 900)]
+                await writer.emit_to(record, target)
+                expected[target].append(record)
+                seq += 1
+            barrier = CheckpointBarrier(cp, 1000 + cp, CheckpointOptions(exactly_once=cp != 3))
+            await writer.broadcast_event(barrier)
+            for ch in range(n):
+                expected[ch].append(barrier)
+            if cp == 2:
+                await writer.broadcast_event(CancelCheckpointMarker(cp))
+                for ch in range(n):
+                    expected[ch].append(CancelCheckpointMarker(cp))
+            await asyncio.sleep(0)
+        await writer.close()
+        for ch in range(n):
+            expected[ch].append(EndOfPartitionEvent.INSTANCE)
+
+    async def consume() -> None:
+        while (batch := await reader.next_batch()) is not None:
+            log.extend((rec[0], rec) for rec in batch)
+
+    await asyncio.wait_for(asyncio.gather(produce(), consume()), 8)
+    for ch in range(n):
+        assert [item for c, item in log if c == ch] == expected[ch], ch
+    assert reader.records_in == 120
+
+
+@pytest.mark.asyncio
+async def test_barrier_handler_returning_true_keeps_the_channel_blocked(
+    make_partition: PartitionFactory, open_gate: GateOpener
+) -> None:
+    part = make_partition("aligned", PIPELINED, 2)
+    gate = await open_gate([(part.partition_id, 0), (part.partition_id, 1)])
+    seen: list[tuple[int, AbstractEvent]] = []
+
+    def aligner(event: AbstractEvent, channel: int) -> bool:
+        seen.append((channel, event))
+        return isinstance(event, CheckpointBarrier)  # "I resume consumption myself"
+
+    reader = RecordReader(gate, event_handler=aligner)
+    writer = RecordWriter(part, buffer_timeout=-1)
+    await writer.emit_to(("before", 0), 0)
+    await writer.broadcast_event(CheckpointBarrier(1, 0))
+    await writer.emit_to(("after", 0), 0)
+    await writer.emit_to(("after", 1), 1)
+    await writer.flush()
+
+    assert await asyncio.wait_for(reader.next_batch(), 1) == [["before", 0]]
+    pending = asyncio.create_task(reader.next_batch())
+    await asyncio.sleep(0.2)
+    assert not pending.done()  # both channels are blocked behind their barrier
+    assert sorted(ch for ch, _ in seen) == [0, 1]
+    gate.resume_consumption(1)
+    assert await asyncio.wait_for(pending, 1) == [["after", 1]]
+    pending = asyncio.create_task(reader.next_batch())
+    await asyncio.sleep(0.1)
+    assert not pending.done()  # channel 0 still blocked
+    gate.resume_consumption(0)
+    assert await asyncio.wait_for(pending, 1) == [["after", 0]]
+    await writer.close()
+    assert await asyncio.wait_for(reader.read_all(), 1) == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("answer", [None, False])
+async def test_reader_resumes_by_itself_when_the_handler_does_not_take_charge(
+    make_partition: PartitionFactory, open_gate: GateOpener, answer: bool | None
+) -> None:
+    part = make_partition("auto", PIPELINED, 1, (1, 8))  # room for 5 buffers unread
+    gate = await open_gate([(part.partition_id, 0)])
+    barriers: list[AbstractEvent] = []
+
+    def handler(event: AbstractEvent, channel: int) -> bool | None:
+        barriers.append(event)
+        return answer
+
+    reader = RecordReader(gate, event_handler=handler)
+    async with RecordWriter(part, buffer_timeout=-1) as writer:
+        for cp in range(5):
+            await writer.emit((cp,))
+            await writer.broadcast_event(CheckpointBarrier(cp, 0))
+    assert await asyncio.wait_for(reader.read_all(), 1) == [[cp] for cp in range(5)]
+    assert barriers[:-1] == [CheckpointBarrier(cp, 0) for cp in range(5)]
+
+
+@pytest.mark.asyncio
+async def test_reader_without_handler_passes_barriers(
+    make_partition: PartitionFactory, open_gate: GateOpener
+) -> None:
+    part = make_partition("nohandler", PIPELINED, 1)
+    gate = await open_gate([(part.partition_id, 0)])
+    async with RecordWriter(part, buffer_timeout=-1) as writer:
+        await writer.emit((1,))
+        await writer.broadcast_event(CheckpointBarrier(1, 0))
+        await writer.emit((2,))
+    got = [r async for r in RecordReader(gate)]
+    assert got == [[1], [2]]
+
+
+@pytest.mark.asyncio
+async def test_producer_failure_is_an_error_not_a_short_read(
+    make_partition: PartitionFactory, open_gate: GateOpener
+) -> None:
+    part = make_partition("dies", PIPELINED, 2)
+    gate = await open_gate([(part.partition_id, 0), (part.partition_id, 1)])
+    reader = RecordReader(gate)
+    writer = RecordWriter(part, buffer_timeout=0.01)
+    await writer.emit_all((i,) for i in range(100))
+    await writer.flush()
+    got = await asyncio.wait_for(reader.next_batch(), 1)
+    assert got
+    waiting = asyncio.create_task(reader.read_all())
+    await asyncio.sleep(0.05)
+    await writer.fail(MemoryError("task killed"))
+    with pytest.raises(ProducerFailedError, match="task killed") as info:
+        await asyncio.wait_for(waiting, 1)
+    assert isinstance(info.value.__cause__, MemoryError)
+    assert info.value.partition_id == part.partition_id
+    reader.close()
+
+
+@pytest.mark.asyncio
+async def test_producer_failure_after_all_data_but_before_end(
+    make_partition: PartitionFactory, open_gate: GateOpener
+) -> None:
+    part = make_partition("almost", PIPELINED, 1)
+    gate = await open_gate([(part.partition_id, 0)])
+    reader = RecordReader(gate)
+    writer = RecordWriter(part, buffer_timeout=0)
+    await writer.emit(("all there is",))
+    assert await asyncio.wait_for(reader.next_batch(), 1) == [["all there is"]]
+    await writer.fail(None)
+    with pytest.raises(ProducerFailedError):
+        await asyncio.wait_for(reader.next_batch(), 1)
+    reader.close()
+
+
+@pytest.mark.asyncio
+async def test_consumer_closing_early_fails_the_writer(
+    make_partition: PartitionFactory, open_gate: GateOpener
+) -> None:
+    part = make_partition("quits", PIPELINED, 1)
+    gate = await open_gate([(part.partition_id, 0)])
+    reader = RecordReader(gate)
+    writer = RecordWriter(part, buffer_timeout=0)
+    await writer.emit((1,))
+    assert await asyncio.wait_for(reader.next_batch(), 1) == [[1]]
+    reader.close()
+    with pytest.raises(PartitionReleasedError):
+        await writer.emit((2,))
+    await writer.fail(None)
+
+
+class _RawBytes:
+    """A serializer stand-in that copies fixed bytes (for malformed streams)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @property
+    def has_serialized_data(self) -> bool:
+        return bool(self.data)
+
+    def copy_to_buffer_builder(self, builder: Any) -> None:
+        n = builder.append(self.data)
+        self.data = self.data[n:]
+
+
+@pytest.mark.asyncio
+async def test_stream_ending_inside_a_record_is_corrupt(
+    make_partition: PartitionFactory, open_gate: GateOpener
+) -> None:
+    part = make_partition("torn", PIPELINED, 1)
+    gate = await open_gate([(part.partition_id, 0)])
+    # a whole record [1, 2], then an array of 3 with only one element
+    await part.emit(0, _RawBytes(b"\x92\x01\x02\x93\x01"))  # type: ignore[arg-type]
+    part.finish()
+    reader = RecordReader(gate)
+    assert await asyncio.wait_for(reader.next_batch(), 1) == [[1, 2]]
+    with pytest.raises(CorruptRecordError, match="ended inside a record"):
+        await asyncio.wait_for(reader.next_batch(), 1)
+    reader.close()
+
+
+@pytest.mark.asyncio
+async def test_garbage_bytes_are_corrupt_records(
+    make_partition: PartitionFactory, open_gate: GateOpener
+) -> None:
+    part = make_partition("garbage", PIPELINED, 1)
+    gate = await open_gate([(part.partition_id, 0)])
+    await part.emit(0, _RawBytes(b"\x01\xc1\x02"))  # type: ignore[arg-type]  # 0xc1: never used
+    part.finish()
+    reader = RecordReader(gate)
+    with pytest.raises(CorruptRecordError):
+        await asyncio.wait_for(reader.read_all(), 1)
+    reader.close()

@@ -1,0 +1,184 @@
+"""BoundedData: file and mmap storage of a blocking subpartition's buffers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from exchange.buffers import Buffer, DataType
+from exchange.errors import CorruptRecordError, IllegalStateError
+from exchange.partition import BoundedData, create_bounded_data
+from exchange.partition.bounded_data import HEADER
+
+SEGMENT = 4096
+KINDS = ["file", "mmap"]
+
+
+def _payloads() -> list[tuple[DataType, bytes, bool]]:
+    return [
+        (DataType.DATA_BUFFER, b"a" * SEGMENT, False),
+        (DataType.EVENT_BUFFER, b"\x02" + b"\x00" * 8, False),
+        (DataType.DATA_BUFFER, bytes(range(256)) * 3, True),
+        (DataType.ALIGNED_CHECKPOINT_BARRIER, b"\x01" * 19, False),
+        (DataType.DATA_BUFFER, b"z", False),
+    ]
+
+
+def _write(kind: str, path: Path) -> BoundedData:
+    data = create_bounded_data(kind, path, SEGMENT)
+    for data_type, payload, compressed in _payloads():
+        buf = Buffer.wrap(payload, data_type)
+        buf.compressed = compressed
+        data.write_buffer(buf)
+        buf.release()
+    data.finish_write()
+    return data
+
+
+def _read_all(data: BoundedData) -> list[tuple[DataType, bytes, bool]]:
+    reader = data.create_reader()
+    out = []
+    while (buf := reader.next_buffer()) is not None:
+        out.append((buf.data_type, buf.to_bytes(), buf.compressed))
+        buf.release()
+    assert reader.at_end
+    reader.close()
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_round_trip_any_number_of_times(kind: str, tmp_path: Path) -> None:
+    data = _write(kind, tmp_path / "sub.bin")
+    expected = _payloads()
+    assert data.size == sum(HEADER.size + len(p) for _, p, _ in expected)
+    assert (tmp_path / "sub.bin").stat().st_size == data.size
+    assert _read_all(data) == expected
+    assert _read_all(data) == expected
+    data.close()
+    assert not (tmp_path / "sub.bin").exists()
+    data.close()  # idempotent
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_readers_interleave_independently(kind: str, tmp_path: Path) -> None:
+    data = _write(kind, tmp_path / "sub.bin")
+    a, b = data.create_reader(), data.create_reader()
+    got_a: list[bytes] = []
+    got_b: list[bytes] = []
+    for _ in range(len(_payloads())):
+        for reader, got in ((a, got_a), (b, got_b)):
+            buf = reader.next_buffer()
+            assert buf is not None
+            got.append(buf.to_bytes())
+            buf.release()
+    assert got_a == got_b == [p for _, p, _ in _payloads()]
+    assert a.next_buffer() is None and b.next_buffer() is None
+    a.close()
+    b.close()
+    data.close()
+
+
+def test_file_reader_reads_into_a_bounded_number_of_segments(tmp_path: Path) -> None:
+    data = _write("file", tmp_path / "sub.bin")
+    reader = data.create_reader()
+    calls: list[int] = []
+    reader.set_on_memory_available(lambda: calls.append(1))
+    first, second = reader.next_buffer(), reader.next_buffer()
+    assert first is not None and second is not None
+    assert reader.next_buffer() is None  # both read segments are out
+    assert not reader.at_end
+    first.release()
+    assert calls == [1]  # memory is back: the reader can go on
+    third = reader.next_buffer()
+    assert third is not None and third.data_type is DataType.DATA_BUFFER
+    second.release()
+    third.release()
+    reader.close()
+    data.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_mmap_slice_outliving_close_is_safe(kind: str, tmp_path: Path) -> None:
+    data = _write(kind, tmp_path / "sub.bin")
+    reader = data.create_reader()
+    buf = reader.next_buffer()
+    assert buf is not None
+    data.close()  # a buffer is still out
+    assert not (tmp_path / "sub.bin").exists()
+    assert buf.to_bytes() == b"a" * SEGMENT
+    buf.release()
+    reader.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lifecycle_errors(kind: str, tmp_path: Path) -> None:
+    data = create_bounded_data(kind, tmp_path / "sub.bin", SEGMENT)
+    with pytest.raises(IllegalStateError, match="still being written"):
+        data.create_reader()
+    data.finish_write()
+    buf = Buffer.wrap(b"late", DataType.DATA_BUFFER)
+    with pytest.raises(IllegalStateError, match="no longer writable"):
+        data.write_buffer(buf)
+    buf.release()
+    assert _read_all(data) == []  # an empty file reads as nothing
+    data.close()
+
+
+def test_unknown_kind_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(IllegalStateError, match="unknown bounded data kind"):
+        create_bounded_data("tape", tmp_path / "x.bin", SEGMENT)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_file_is_never_overwritten(tmp_path: Path) -> None:
+    (tmp_path / "taken.bin").write_bytes(b"precious")
+    with pytest.raises(FileExistsError):
+        create_bounded_data("file", tmp_path / "taken.bin", SEGMENT)
+    assert (tmp_path / "taken.bin").read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    ("tail", "message"),
+    [
+        (b"\x00\x00", "truncated buffer header"),
+        (HEADER.pack(7, 0, 1) + b"x", "bad data type"),
+        (HEADER.pack(0, 0, 100) + b"short", "truncated buffer"),
+    ],
+)
+def test_corrupt_file_is_a_typed_error(
+    kind: str, tail: bytes, message: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "sub.bin"
+    data = _write(kind, path) if kind == "file" else None
+    if data is None:
+        data = create_bounded_data(kind, path, SEGMENT)
+        buf = Buffer.wrap(b"ok", DataType.DATA_BUFFER)
+        data.write_buffer(buf)
+        buf.release()
+        # corrupt the file before it is mapped
+        data._file.write(tail)  # type: ignore[attr-defined]
+        data.finish_write()
+    else:
+        with path.open("ab") as f:
+            f.write(tail)
+    reader = data.create_reader()
+    with pytest.raises(CorruptRecordError, match=message):
+        while (polled := reader.next_buffer()) is not None:
+            polled.release()
+    reader.close()
+    data.close()
+
+
+def test_oversized_buffer_in_file_is_a_typed_error(tmp_path: Path) -> None:
+    path = tmp_path / "sub.bin"
+    data = _write("file", path)
+    with path.open("ab") as f:
+        f.write(HEADER.pack(0, 0, SEGMENT + 1) + b"x" * (SEGMENT + 1))
+    reader = data.create_reader()
+    with pytest.raises(CorruptRecordError, match="spilled buffer of"):
+        while (buf := reader.next_buffer()) is not None:
+            buf.release()
+    reader.close()
+    data.close()
