@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from client.consumer import AsyncPartitionReader, PartitionLocation, PartitionReader
+from client.producer import AsyncPartitionWriter, PartitionWriter
 from exchange.errors import (
     AuthenticationError,
     ConfigError,
@@ -26,9 +28,6 @@ from exchange.errors import (
     WriterClosedError,
 )
 from exchange.partition.result_partition_id import ResultPartitionID
-
-from client.consumer import AsyncPartitionReader, PartitionLocation, PartitionReader
-from client.producer import AsyncPartitionWriter, PartitionWriter
 
 __all__ = [
     "AsyncPartitionReader",
