@@ -71,6 +71,7 @@ class DataServer:
         handshake_timeout: float = 10.0,
         max_frame_size: int | None = None,
         release_dataset: Callable[[str], int] | None = None,
+        close_timeout: float = 1.0,
     ) -> None:
         self.manager = manager
         self.release_dataset = (
@@ -87,6 +88,10 @@ class DataServer:
             )
         self.max_connections = max_connections
         self.handshake_timeout = handshake_timeout
+        # How long a closing connection may take to flush its last bytes (an error, the
+        # shutdown notice) before it is aborted: a peer that stopped reading must not
+        # keep a closed connection, and the buffers it holds, forever.
+        self.close_timeout = close_timeout
         # Control frames only arrive here; a small limit keeps hostile lengths cheap.
         self.max_frame_size = max_frame_size if max_frame_size is not None else 4096
         self.connections: set[PartitionRequestServerProtocol] = set()
@@ -117,10 +122,20 @@ class DataServer:
             self._server.close()
 
     async def close(self) -> None:
-        """Stop accepting and close every connection (its views are released)."""
+        """Stop accepting and close every connection (its views are released).
+
+        Returns once every connection is gone: one whose peer does not read its last bytes
+        is aborted after ``close_timeout``.
+        """
         self.stop_accepting()
         for conn in list(self.connections):
             conn.close_with_error(ErrorCode.SERVER_SHUTDOWN, "daemon is shutting down")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.close_timeout
+        while self.connections and loop.time() < deadline:
+            await asyncio.sleep(0.005)
+        for conn in list(self.connections):
+            conn.abort()
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
@@ -157,6 +172,7 @@ class PartitionRequestServerProtocol(asyncio.Protocol):
         self._bytes_written = 0
         self._in_flight: deque[tuple[int, Buffer]] = deque()
         self._reap_timer: asyncio.TimerHandle | None = None
+        self._abort_timer: asyncio.TimerHandle | None = None
         self.paused_count = 0
         self.peer = "?"
 
@@ -213,7 +229,7 @@ class PartitionRequestServerProtocol(asyncio.Protocol):
         self._closing = True
         self._writable = False
         self._server.connections.discard(self)
-        for timer in (self._handshake_timer, self._reap_timer):
+        for timer in (self._handshake_timer, self._reap_timer, self._abort_timer):
             if timer is not None:
                 timer.cancel()
         self.queue.release_all()
@@ -336,9 +352,20 @@ class PartitionRequestServerProtocol(asyncio.Protocol):
         self.close()
 
     def close(self) -> None:
+        """Close once the bytes already written are out; the readers are released now."""
         if self._closing:
             return
         self._closing = True
+        # Nothing more will be sent: the views go now, not when the peer has read the rest.
+        self.queue.release_all()
         transport = self._transport
         if transport is not None:
             transport.close()
+            self._abort_timer = self._loop.call_later(self._server.close_timeout, self.abort)
+
+    def abort(self) -> None:
+        """Drop the connection without flushing (connection_lost releases its buffers)."""
+        self._closing = True
+        transport = self._transport
+        if transport is not None:
+            transport.abort()

@@ -30,6 +30,7 @@ from exchange.consumer.input_channel import (
     backoff_delays,
 )
 from exchange.errors import (
+    ExchangeError,
     IllegalStateError,
     PartitionNotFoundError,
     SequenceNumberError,
@@ -188,8 +189,13 @@ class RemoteInputChannel(InputChannel):
         return True
 
     def _retrigger(self) -> None:
-        if not self._released and self._client is not None:
-            self._client.request_subpartition(self)
+        client = self._client
+        if self._released or client is None:
+            return
+        try:
+            client.request_subpartition(self)
+        except ExchangeError as e:  # the connection died during the backoff
+            self.set_error(e)
 
     # -- receiving -----------------------------------------------------------------------
 

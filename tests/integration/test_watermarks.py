@@ -1,0 +1,249 @@
+"""Netty's write watermarks on the data port, against a client that stops reading.
+
+The DataServer runs in this process (so its transport can be sampled); the client is a
+raw asyncio protocol that completes the handshake, asks for a subpartition with far more
+credit than it has memory for, and then pauses reading its socket. Credit no longer
+stops the server: only writability does. The server must pause (``pause_writing``), keep
+its transport's buffer below the high watermark plus one frame, and so block the producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Iterator
+from typing import Any, cast
+
+import pytest
+
+from exchange.memory import NetworkBufferPool
+from exchange.partition import (
+    ResultPartition,
+    ResultPartitionID,
+    ResultPartitionManager,
+    ResultPartitionType,
+)
+from exchange.protocol.codec import (
+    BUFFER_RESPONSE_HEADER_SIZE,
+    FrameDecoder,
+    encode,
+    max_frame_size_for,
+)
+from exchange.protocol.handshake import ClientHandshake
+from exchange.protocol.messages import BufferResponse, DataType, PartitionRequest
+from exchange.serialization.codec import BytesCodec
+from exchange.writer import RecordWriter
+from server.partition_request_server import DataServer, PartitionRequestServerProtocol
+
+SEG = 32 * 1024
+FRAME = SEG + BUFFER_RESPONSE_HEADER_SIZE
+HIGH, LOW = 2 * SEG, SEG + 1
+RECORD = 4096
+TOTAL = 20 * 1024 * 1024
+POOL_MAX = 16
+
+
+class RawClient(asyncio.Protocol):
+    """Handshake by hand, then PartitionRequests; counts what arrives."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.decoder = FrameDecoder(max_frame_size_for(SEG))
+        self.handshake = ClientHandshake(None)
+        self.established: asyncio.Future[None] = loop.create_future()
+        self.closed: asyncio.Future[None] = loop.create_future()
+        self.end_of_partition: asyncio.Future[None] = loop.create_future()
+        self.transport: asyncio.Transport | None = None
+        self.bytes_received = 0
+        self.payload_bytes = 0
+        self.sequence: list[int] = []
+        self.others: list[Any] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport = cast(asyncio.Transport, transport)
+        for msg in self.handshake.start():
+            transport.writelines(encode(msg))
+
+    def data_received(self, data: bytes) -> None:
+        self.bytes_received += len(data)
+        for msg in self.decoder.feed(data):
+            if not self.handshake.is_established:
+                assert self.handshake.receive(msg) == []
+                self.established.set_result(None)
+            elif isinstance(msg, BufferResponse):
+                self.sequence.append(msg.sequence_number)
+                if msg.data_type is DataType.DATA_BUFFER:
+                    self.payload_bytes += msg.size
+                elif not self.end_of_partition.done():
+                    self.end_of_partition.set_result(None)
+            else:
+                self.others.append(msg)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def request(self, pid: ResultPartitionID, credit: int) -> None:
+        assert self.transport is not None
+        self.transport.writelines(encode(PartitionRequest(pid, 0, 1, credit)))
+
+
+@pytest.fixture
+def server_pool() -> Iterator[NetworkBufferPool]:
+    pool = NetworkBufferPool(64, SEG)
+    yield pool
+    try:
+        pool.check_consistency()
+        assert pool.is_whole(), pool.stats()
+    finally:
+        pool.destroy()
+
+
+async def cleanup(
+    server: DataServer,
+    manager: ResultPartitionManager,
+    producer: asyncio.Task[None],
+    client: RawClient | None,
+) -> None:
+    """Whatever happened: nothing may stay open (a uvloop loop with open handles can hang
+    on close)."""
+    if client is not None and client.transport is not None:
+        client.transport.abort()
+        await asyncio.wait_for(client.closed, 5)
+    await asyncio.wait_for(server.close(), 5)
+    producer.cancel()
+    await asyncio.gather(producer, return_exceptions=True)
+    manager.release_all()
+
+
+async def produce(part: ResultPartition, total: int) -> None:
+    async with RecordWriter(part, codec=BytesCodec(), buffer_timeout=-1) as writer:
+        record = bytes(RECORD)
+        for _ in range(total // RECORD):
+            await writer.emit_to(record, 0)
+
+
+async def stalled_client(
+    server: DataServer, host: str, port: int, pid: ResultPartitionID
+) -> tuple[RawClient, PartitionRequestServerProtocol, list[int]]:
+    """Connect with a small receive buffer, request with huge credit, stop reading.
+
+    Returns the client, the server's protocol for it, and a list that collects the
+    server transport's buffer size right after every BufferResponse written.
+    """
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, (host, port))
+    _, client = await loop.create_connection(RawClient, sock=sock)
+    await asyncio.wait_for(client.established, 5)
+    [proto] = server.connections
+    transport = proto._transport
+    assert transport is not None
+    # The server's socket buffer is small too, so the watermark is reached soon.
+    transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    after_write: list[int] = []
+    send_buffer = proto.send_buffer
+
+    def recording_send_buffer(*args: Any) -> None:
+        send_buffer(*args)
+        if proto._transport is not None:
+            after_write.append(proto._transport.get_write_buffer_size())
+
+    proto.send_buffer = recording_send_buffer  # type: ignore[method-assign]
+    client.request(pid, credit=1_000_000)
+    assert client.transport is not None
+    client.transport.pause_reading()
+    return client, proto, after_write
+
+
+async def wait_until_stalled(
+    proto: PartitionRequestServerProtocol, part: ResultPartition, timeout: float = 20
+) -> int:
+    """Sample the write buffer until the server is paused and nothing moves for 0.3 s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    max_sampled = 0
+    last_sent, since = -1, loop.time()
+    while True:
+        transport = proto._transport
+        assert transport is not None, "the server dropped the stalled connection"
+        max_sampled = max(max_sampled, transport.get_write_buffer_size())
+        sent = proto.queue.bytes_sent
+        if sent != last_sent:
+            last_sent, since = sent, loop.time()
+        elif proto.paused_count > 0 and loop.time() - since > 0.3:
+            return max_sampled
+        assert loop.time() < deadline, f"no stall: paused {proto.paused_count}, sent {sent}"
+        await asyncio.sleep(0.001 if proto.paused_count == 0 else 0.01)
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+async def test_stalled_reader_pauses_the_server_and_blocks_the_producer(
+    server_pool: NetworkBufferPool,
+) -> None:
+    manager = ResultPartitionManager()
+    server = DataServer(manager, segment_size=SEG, high_watermark=HIGH, low_watermark=LOW)
+    host, port = await server.start("127.0.0.1", 0)
+    pid = ResultPartitionID("wm", 0)
+    part = ResultPartition(
+        pid, ResultPartitionType.PIPELINED, 1, server_pool.create_buffer_pool(1, POOL_MAX)
+    )
+    manager.register_result_partition(part)
+    producer = asyncio.create_task(produce(part, TOTAL))
+    client: RawClient | None = None
+    try:
+        client, proto, after_write = await stalled_client(server, host, port, pid)
+        max_sampled = await wait_until_stalled(proto, part)
+        assert proto.paused_count > 0
+        assert not proto.is_writable
+        assert max_sampled <= HIGH + FRAME, max_sampled
+        assert after_write and max(after_write) <= HIGH + FRAME, max(after_write)
+        assert not producer.done(), "the producer should be blocked by backpressure"
+        assert part.stats().out_pool_usage == 1.0
+        assert server_pool.num_in_use <= POOL_MAX  # the daemon holds no more than the pool
+        assert proto.queue.bytes_sent < TOTAL // 2
+
+        assert client.transport is not None
+        client.transport.resume_reading()  # reading again: everything arrives, in order
+        await asyncio.wait_for(client.end_of_partition, 30)
+        await asyncio.wait_for(producer, 5)
+        assert client.payload_bytes == TOTAL + 4 * (TOTAL // RECORD)
+        assert client.sequence == list(range(len(client.sequence)))
+        assert client.others == []
+        assert max(after_write) <= HIGH + FRAME
+    finally:
+        await cleanup(server, manager, producer, client)
+    assert server.connections == set()
+    assert len(manager) == 0
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+async def test_close_with_a_stalled_client_releases_everything(
+    server_pool: NetworkBufferPool,
+) -> None:
+    """Shutting the daemon down must not wait for a client that never reads again."""
+    manager = ResultPartitionManager()
+    server = DataServer(manager, segment_size=SEG, high_watermark=HIGH, low_watermark=LOW)
+    host, port = await server.start("127.0.0.1", 0)
+    pid = ResultPartitionID("wm", 1)
+    part = ResultPartition(
+        pid, ResultPartitionType.PIPELINED, 1, server_pool.create_buffer_pool(1, POOL_MAX)
+    )
+    manager.register_result_partition(part)
+    producer = asyncio.create_task(produce(part, TOTAL))
+    client: RawClient | None = None
+    try:
+        client, proto, _ = await stalled_client(server, host, port, pid)
+        await wait_until_stalled(proto, part)
+
+        await asyncio.wait_for(server.close(), 5)
+        assert server.connections == set()
+        assert proto.queue.num_readers == 0
+        with pytest.raises(Exception, match="released"):
+            await asyncio.wait_for(producer, 5)  # its consumer is gone
+        assert len(manager) == 0
+        assert server_pool.num_in_use == 0, server_pool.stats()
+    finally:
+        await cleanup(server, manager, producer, client)

@@ -1,0 +1,504 @@
+"""RemoteInputChannel credit accounting against real pools, with a recording client double.
+
+The ``Sender`` below plays the server: it keeps the credit the channel announced (initial
+credit + AddCredits - data buffers sent), refuses to send without credit, and numbers
+buffers. The key invariant of credit-based flow control, checked after every step of a
+randomized run, is
+
+    sender's credit + channel's unannounced credit == channel's free buffers
+
+so the sender never sends a buffer the receiver has no room for, and no free buffer goes
+unannounced for long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import struct
+from typing import Any
+
+import pytest
+
+from exchange.buffers.buffer import Buffer, DataType
+from exchange.consumer.remote_input_channel import (
+    AvailableBufferQueue,
+    RemoteInputChannel,
+)
+from exchange.consumer.single_input_gate import SingleInputGate
+from exchange.errors import (
+    IllegalStateError,
+    PartitionNotFoundError,
+    SequenceNumberError,
+    TransportError,
+    UsageError,
+)
+from exchange.events.events import EndOfPartitionEvent, EventSerializer
+from exchange.memory import NetworkBufferPool
+from exchange.partition import ResultPartitionID
+
+PID = ResultPartitionID("remote-test", 0)
+
+
+class RecordingClient:
+    """A PartitionRequestClient that records what the channel asks it to send."""
+
+    address = "127.0.0.1:1"
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.requests: list[RemoteInputChannel] = []
+        self.credit_pending: list[RemoteInputChannel] = []
+        self.add_credits: list[tuple[int, int]] = []
+        self.resumed: list[int] = []
+        self.buffer_sizes: list[tuple[int, int]] = []
+        self.cancelled: list[int] = []
+
+    def request_subpartition(self, channel: RemoteInputChannel) -> None:
+        if channel.receiver_id < 0:
+            channel.receiver_id = next(self._ids)
+        self.requests.append(channel)
+
+    def notify_credit_available(self, channel: RemoteInputChannel) -> None:
+        self.credit_pending.append(channel)
+
+    def flush_credits(self) -> dict[int, int]:
+        """Write AddCredit for every channel that asked (what the handler does in call_soon)."""
+        out: dict[int, int] = {}
+        pending, self.credit_pending = self.credit_pending, []
+        for ch in pending:
+            credit = ch.get_and_reset_unannounced_credit()
+            if credit > 0:
+                self.add_credits.append((ch.receiver_id, credit))
+                out[ch.receiver_id] = out.get(ch.receiver_id, 0) + credit
+        return out
+
+    def resume_consumption(self, channel: RemoteInputChannel) -> None:
+        self.resumed.append(channel.receiver_id)
+
+    def notify_new_buffer_size(self, channel: RemoteInputChannel, size: int) -> None:
+        self.buffer_sizes.append((channel.receiver_id, size))
+
+    def cancel_request(self, channel: RemoteInputChannel) -> None:
+        self.cancelled.append(channel.receiver_id)
+
+
+class Provider:
+    def __init__(self, client: RecordingClient) -> None:
+        self.client = client
+
+    async def create_partition_request_client(self, address: str) -> RecordingClient:
+        return self.client
+
+
+class Sender:
+    """The server's side of one channel: credit, sequence numbers, backlog."""
+
+    def __init__(self, channel: RemoteInputChannel, total: int) -> None:
+        self.channel = channel
+        self.credit = channel.initial_credit
+        self.seq = 0
+        self.sent = 0
+        self.total = total
+
+    def can_send(self) -> bool:
+        return self.credit > 0 and self.sent < self.total
+
+    def send_data(self) -> None:
+        assert self.credit > 0, "the sender must not send without credit"
+        buf = self.channel.request_buffer()
+        assert buf is not None, "credit was announced but the channel has no free buffer"
+        payload = struct.pack(">II", self.channel.channel_index, self.sent)
+        buf.segment.view()[: len(payload)] = payload
+        buf.set_size(len(payload))
+        self.credit -= 1
+        self.sent += 1
+        self.deliver(buf)
+
+    def send_end_of_partition(self) -> None:
+        data = EventSerializer.to_bytes(EndOfPartitionEvent.INSTANCE)
+        self.deliver(self.channel.receive_event(data, DataType.EVENT_BUFFER))
+
+    def deliver(self, buf: Buffer) -> None:
+        seq = self.seq
+        self.seq += 1
+        self.channel.on_buffer(buf, seq, self.total - self.sent)
+
+
+def make_gate(
+    nbp: NetworkBufferPool,
+    n: int,
+    client: RecordingClient,
+    *,
+    floating: int = 4,
+    exclusive: int = 2,
+    backoff: tuple[float, float] = (0.01, 0.04),
+) -> tuple[SingleInputGate, list[RemoteInputChannel]]:
+    gate = SingleInputGate("g", nbp.create_buffer_pool(0, floating))
+    channels = [
+        RemoteInputChannel(
+            gate,
+            i,
+            ResultPartitionID("remote-test", i),
+            0,
+            client.address,
+            Provider(client),
+            nbp,
+            num_exclusive=exclusive,
+            backoff_initial=backoff[0],
+            backoff_max=backoff[1],
+        )
+        for i in range(n)
+    ]
+    gate.set_input_channels(channels)
+    return gate, channels
+
+
+def check_credit_invariant(sender: Sender) -> None:
+    ch = sender.channel
+    assert sender.credit + ch.unannounced_credit == ch.num_available_buffers, (
+        f"sender credit {sender.credit} + unannounced {ch.unannounced_credit} "
+        f"!= free buffers {ch.num_available_buffers}"
+    )
+
+
+def test_num_exclusive_must_be_positive(nbp: NetworkBufferPool) -> None:
+    gate = SingleInputGate("g")
+    client = RecordingClient()
+    with pytest.raises(UsageError):
+        RemoteInputChannel(gate, 0, PID, 0, client.address, Provider(client), nbp, num_exclusive=0)
+
+
+@pytest.mark.asyncio
+async def test_request_takes_exclusive_buffers_as_initial_credit(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client, exclusive=3)
+    await gate.request_partitions()
+    assert client.requests == [ch]
+    assert ch.initial_credit == 3 and ch.num_available_buffers == 3
+    assert nbp.num_required >= 3
+    assert ch.unannounced_credit == 0  # the initial credit travels in the PartitionRequest
+    await ch.request_subpartition()  # a second request is a no-op
+    assert len(client.requests) == 1
+    gate.close()
+    assert client.cancelled == [ch.receiver_id]
+    assert nbp.num_available == nbp.total_segments
+
+
+@pytest.mark.asyncio
+async def test_backlog_asks_for_floating_buffers_and_announces_them_once(
+    nbp: NetworkBufferPool,
+) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client, floating=4, exclusive=2)
+    await gate.request_partitions()
+    sender = Sender(ch, total=10)
+    sender.send_data()  # backlog 9: wants 9 + 2 buffers, the floating pool has 4
+    assert ch.num_available_buffers == 1 + 4
+    assert ch.unannounced_credit == 4
+    assert client.credit_pending == [ch]  # 0 -> positive: one notification
+    sender.send_data()  # the new floating buffers do not notify again
+    assert client.credit_pending == [ch]
+    assert client.flush_credits() == {ch.receiver_id: 4}
+    sender.credit += 4
+    check_credit_invariant(sender)
+    gate.close()
+
+
+@pytest.mark.asyncio
+async def test_returning_exclusive_buffer_gives_a_floating_one_back(
+    nbp: NetworkBufferPool,
+) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client, floating=4, exclusive=2)
+    pool = gate.buffer_pool
+    assert pool is not None
+    await gate.request_partitions()
+    sender = Sender(ch, total=4)
+    sender.send_data()  # takes an exclusive buffer; backlog 3 -> 4 floating requested
+    sender.credit += client.flush_credits()[ch.receiver_id]
+    check_credit_invariant(sender)
+    sender.total = sender.sent + 1  # the producer has one more buffer: backlog 0 next
+    sender.send_data()  # takes a floating buffer; backlog 0 -> needs 2 buffers
+    check_credit_invariant(sender)
+    assert len(ch._queue.floating) == 3 and len(ch._queue.exclusive) == 1
+    in_pool = pool.num_available
+
+    first = gate.poll_next()
+    assert first is not None and first.buffer is not None
+    first.buffer.release()  # an exclusive buffer comes back: a floating one is returned
+    assert pool.num_available == in_pool + 1
+    assert ch.unannounced_credit == 0  # net gain zero: nothing to announce
+    check_credit_invariant(sender)
+    second = gate.poll_next()
+    assert second is not None and second.buffer is not None
+    second.buffer.release()  # a floating buffer goes back to the gate's pool
+    check_credit_invariant(sender)
+    gate.close()
+
+
+@pytest.mark.asyncio
+async def test_channel_waits_for_floating_buffers_as_a_listener(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    gate, (a, b) = make_gate(nbp, 2, client, floating=2, exclusive=1)
+    await gate.request_partitions()
+    sa, sb = Sender(a, total=3), Sender(b, total=5)
+    sa.send_data()  # backlog 2: a wants 3 buffers, takes both floating ones and waits
+    assert a.unannounced_credit == 2
+    sb.send_data()  # backlog 4, but the pool is empty: b waits as a listener too
+    assert b.unannounced_credit == 0 and b.num_available_buffers == 0
+    sa.credit += client.flush_credits()[a.receiver_id]
+    sa.send_data()
+    sa.send_data()  # backlog 0: a needs only its exclusive buffer from now on
+    check_credit_invariant(sa)
+    got: dict[int, list[Buffer]] = {0: [], 1: []}
+    while (boe := gate.poll_next()) is not None:
+        assert boe.buffer is not None
+        got[boe.channel_index].append(boe.buffer)
+    assert len(got[0]) == 3 and len(got[1]) == 1
+    # First a's exclusive buffer comes back to a; then its floating ones are offered to
+    # the listeners: a needs none, so b gets them.
+    for buf in got[0]:
+        buf.release()
+    assert b.unannounced_credit == 2
+    assert b in client.credit_pending
+    credits = client.flush_credits()
+    sa.credit += credits.get(a.receiver_id, 0)
+    sb.credit += credits.get(b.receiver_id, 0)
+    check_credit_invariant(sa)
+    check_credit_invariant(sb)
+    got[1][0].release()
+    gate.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("seed", range(6))
+async def test_randomized_credit_invariant_and_order(nbp: NetworkBufferPool, seed: int) -> None:
+    """Random interleavings of sending, announcing, reading and releasing."""
+    rng = random.Random(seed)
+    client = RecordingClient()
+    n = 3
+    floating = rng.randint(1, 5)
+    exclusive = rng.randint(1, 3)
+    gate, channels = make_gate(nbp, n, client, floating=floating, exclusive=exclusive)
+    await gate.request_partitions()
+    senders = [Sender(ch, total=rng.randint(20, 60)) for ch in channels]
+    held: list[Buffer] = []
+    seen: dict[int, list[int]] = {i: [] for i in range(n)}
+    ended = [False] * n
+
+    for _ in range(20_000):
+        if gate.is_finished:
+            break
+        op = rng.random()
+        if op < 0.35:
+            s = rng.choice(senders)
+            if s.can_send():
+                s.send_data()
+            elif s.sent == s.total and not ended[s.channel.channel_index]:
+                ended[s.channel.channel_index] = True
+                s.send_end_of_partition()
+        elif op < 0.5:
+            for rid, credit in client.flush_credits().items():
+                senders[rid - 1].credit += credit
+        elif op < 0.8:
+            boe = gate.poll_next()
+            if boe is not None and boe.buffer is not None:
+                ch_index, seq = struct.unpack(">II", boe.buffer.memoryview())
+                assert ch_index == boe.channel_index
+                seen[ch_index].append(seq)
+                held.append(boe.buffer)
+        elif held:
+            held.pop(rng.randrange(len(held))).release()
+        for s in senders:
+            if not s.channel.is_released:
+                check_credit_invariant(s)
+        # Bounded memory: the channels never own more than their exclusive buffers plus
+        # the gate's floating ones (queued EndOfPartition events are unpooled).
+        owned = len(held) + sum(
+            ch.num_available_buffers + ch.num_queued_buffers - ended[i]
+            for i, ch in enumerate(channels)
+            if not ch.is_released
+        )
+        assert owned <= n * exclusive + floating
+    assert gate.is_finished, "the run did not finish: credit was lost somewhere"
+    for i, s in enumerate(senders):
+        assert seen[i] == list(range(s.total))
+    for buf in held:
+        buf.release()
+    gate.close()
+    assert sorted(client.cancelled) == [1, 2, 3]
+
+
+@pytest.mark.asyncio
+async def test_sequence_gap_fails_the_channel(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client)
+    await gate.request_partitions()
+    sender = Sender(ch, total=5)
+    sender.send_data()
+    sender.seq += 1  # buffer 1 is lost on the way
+    sender.send_data()
+    # The error wins over data still queued (Flink's checkError comes first).
+    with pytest.raises(SequenceNumberError) as info:
+        gate.poll_next()
+    assert (info.value.received, info.value.expected) == (2, 1)
+    assert info.value.receiver_id == ch.receiver_id
+    gate.close()
+
+
+@pytest.mark.asyncio
+async def test_repeated_sequence_number_fails_the_channel(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client)
+    await gate.request_partitions()
+    sender = Sender(ch, total=5)
+    sender.send_data()
+    sender.seq -= 1  # buffer 0 again
+    sender.send_data()
+    with pytest.raises(SequenceNumberError):
+        gate.poll_next()
+    gate.close()
+
+
+@pytest.mark.asyncio
+async def test_buffers_after_release_are_recycled(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client)
+    await gate.request_partitions()
+    sender = Sender(ch, total=5)
+    sender.send_data()
+    boe = gate.poll_next()
+    assert boe is not None and boe.buffer is not None
+    late = ch.request_buffer()
+    assert late is not None
+    gate.close()  # the channel goes away while the reader holds one buffer ...
+    late.set_size(0)
+    ch.on_buffer(late, 1, 0)  # ... and one more arrives: both go back to the pool
+    boe.buffer.release()
+    with pytest.raises(IllegalStateError):
+        await ch.request_subpartition()
+
+
+@pytest.mark.asyncio
+async def test_partition_not_found_retries_with_backoff_then_fails(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client, backoff=(0.01, 0.04))
+    await gate.request_partitions()
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    retries = 0
+    while ch.on_partition_not_found():  # the server answered PARTITION_NOT_FOUND
+        retries += 1
+        before = len(client.requests)
+        async with asyncio.timeout(2):
+            while len(client.requests) == before:
+                await asyncio.sleep(0.002)
+    # Delays 0.01, 0.02, 0.04 (doubling to the max), then the channel gives up.
+    assert retries == 3
+    assert len(client.requests) == 4
+    assert loop.time() - start >= 0.01 + 0.02 + 0.04
+    with pytest.raises(PartitionNotFoundError):
+        await asyncio.wait_for(gate.get_next(), 1)
+    gate.close()
+
+
+@pytest.mark.asyncio
+async def test_partition_found_on_retry(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client, backoff=(0.005, 0.1))
+    await gate.request_partitions()
+    assert ch.on_partition_not_found()
+    async with asyncio.timeout(2):
+        while len(client.requests) < 2:
+            await asyncio.sleep(0.002)
+    sender = Sender(ch, total=1)
+    sender.send_data()
+    sender.send_end_of_partition()
+    boe = await asyncio.wait_for(gate.get_next(), 1)
+    assert boe is not None and boe.buffer is not None
+    boe.buffer.release()
+    assert await asyncio.wait_for(gate.get_next(), 1) is not None  # EndOfPartition
+    assert await asyncio.wait_for(gate.get_next(), 1) is None
+    gate.close()
+
+
+@pytest.mark.asyncio
+async def test_no_retry_after_release(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client, backoff=(0.005, 0.1))
+    await gate.request_partitions()
+    assert ch.on_partition_not_found()
+    gate.close()
+    await asyncio.sleep(0.02)
+    assert len(client.requests) == 1
+
+
+@pytest.mark.asyncio
+async def test_resume_and_buffer_size_go_to_the_client(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client)
+    await gate.request_partitions()
+    ch.resume_consumption()
+    ch.notify_new_buffer_size(1024)
+    assert client.resumed == [ch.receiver_id]
+    assert client.buffer_sizes == [(ch.receiver_id, 1024)]
+    gate.close()
+    ch.notify_new_buffer_size(512)  # ignored once released
+    assert len(client.buffer_sizes) == 1
+    with pytest.raises(IllegalStateError):
+        ch.resume_consumption()
+
+
+def test_available_buffer_queue_hands_out_floating_first(nbp: NetworkBufferPool) -> None:
+    pool = nbp.create_buffer_pool(0, 4)
+    q = AvailableBufferQueue()
+    excl_segments = nbp.request_memory_segments_nowait(2)
+    recycled: list[object] = []
+
+    class Recycler:
+        def recycle(self, segment: object) -> None:
+            recycled.append(segment)
+
+    e1, e2 = (Buffer(s, Recycler()) for s in excl_segments)  # type: ignore[arg-type]
+    f1 = pool.request_buffer()
+    assert f1 is not None
+    q.exclusive.append(e1)
+    q.add_floating(f1)
+    assert len(q) == 2
+    assert q.take() is f1
+    f1.release()
+    f2 = pool.request_buffer()
+    assert f2 is not None
+    q.add_floating(f2)
+    assert q.add_exclusive(e2, num_required=1) == 0  # over what is needed: f2 returned
+    assert len(q) == 2 and pool.num_available == 1
+    assert q.take() is e1 and q.take() is e2 and q.take() is None
+    nbp.recycle_memory_segments(excl_segments)
+    pool.destroy()
+
+
+@pytest.mark.asyncio
+async def test_retry_on_a_dead_connection_fails_the_channel(nbp: NetworkBufferPool) -> None:
+    """The connection died during the backoff: the retry must fail the channel, not the
+    event loop's exception handler."""
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client, backoff=(0.005, 0.1))
+    await gate.request_partitions()
+    loop = asyncio.get_running_loop()
+    unhandled: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: unhandled.append(context))
+
+    def dead(channel: RemoteInputChannel) -> None:
+        raise TransportError("connection to daemon 127.0.0.1:1 is closed")
+
+    client.request_subpartition = dead  # type: ignore[method-assign]
+    try:
+        assert ch.on_partition_not_found()
+        with pytest.raises(TransportError):
+            await asyncio.wait_for(gate.get_next(), 1)
+    finally:
+        loop.set_exception_handler(None)
+        gate.close()
+    assert unhandled == []
