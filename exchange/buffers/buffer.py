@@ -2,8 +2,9 @@
 
 A buffer owns one reference to its segment. ``retain`` adds one, ``release`` drops one,
 and the last release hands the segment to the buffer's recycler exactly once. Read-only
-slices share the segment: creating a slice retains the parent, releasing the slice
-releases the parent, so every slice must be released exactly once.
+slices share the segment and its count: creating or retaining a slice retains the root,
+releasing the slice releases the root, so every slice must be released exactly once per
+reference it holds.
 """
 
 from __future__ import annotations
@@ -152,6 +153,9 @@ class Buffer:
     def retain(self) -> Buffer:
         self._check_alive()
         self._refs += 1
+        if self._parent is not None:
+            # a slice shares its root's count (Flink's retainBuffer on a sliced buffer)
+            self._parent._refs += 1
         return self
 
     def release(self) -> None:
@@ -160,12 +164,11 @@ class Buffer:
         if refs <= 0:
             raise IllegalReferenceCountError("buffer released more often than retained")
         self._refs = refs - 1
-        if refs == 1:
-            parent = self._parent
-            if parent is None:
-                self._recycler.recycle(self._segment)
-            else:
-                parent.release()
+        parent = self._parent
+        if parent is not None:
+            parent.release()  # every reference a slice holds is one on its root
+        elif refs == 1:
+            self._recycler.recycle(self._segment)
 
     def read_only_slice(self, offset: int = 0, length: int | None = None) -> Buffer:
         """A slice sharing this buffer's segment; it holds one reference on this buffer."""

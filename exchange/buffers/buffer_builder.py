@@ -69,7 +69,11 @@ class BufferBuilder:
             n = room
             data = memoryview(data)[:n]
         if n:
-            self._view[pos : pos + n] = data
+            try:
+                self._view[pos : pos + n] = data
+            except ValueError:
+                self._buffer.segment.view()  # SegmentFreedError if its pool was destroyed
+                raise
             self._pos = pos + n
             self._buffer._size = pos + n
         return n

@@ -101,16 +101,23 @@ class LocalBufferPool:
 
     def request_buffer_builder(self, capacity: int | None = None) -> BufferBuilder | None:
         """A BufferBuilder, or None if the pool has no segment right now."""
+        self._check_capacity(capacity)
         seg = self._request_segment()
         return None if seg is None else BufferBuilder(seg, self, capacity)
 
     async def request_buffer_builder_blocking(self, capacity: int | None = None) -> BufferBuilder:
         """A BufferBuilder, waiting as long as the pool is exhausted (backpressure)."""
+        self._check_capacity(capacity)
         while True:
             seg = self._request_segment()
             if seg is not None:
                 return BufferBuilder(seg, self, capacity)
             await self._availability.get_available_future()
+
+    def _check_capacity(self, capacity: int | None) -> None:
+        # before a segment is taken: a builder that cannot be built must not leak it
+        if capacity is not None and not 0 < capacity <= self.segment_size:
+            raise UsageError(f"builder capacity {capacity} outside (0, {self.segment_size}]")
 
     def _request_segment(self) -> MemorySegment | None:
         if self._destroyed:
@@ -155,9 +162,7 @@ class LocalBufferPool:
     def _on_global_available(self) -> None:
         """The global pool has segments again: serve listeners first, then wake writers."""
         while (
-            self._listeners
-            and not self._destroyed
-            and self._num_requested < self.current_pool_size
+            self._listeners and not self._destroyed and self._num_requested < self.current_pool_size
         ):
             seg = self._network_pool.request_memory_segment()
             if seg is None:

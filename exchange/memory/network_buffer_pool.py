@@ -96,6 +96,8 @@ class NetworkBufferPool:
         self._waiting_pools: dict[int, LocalBufferPool] = {}
         self._availability = AvailabilityHelper(available=True)
         self._destroyed = False
+        self._redistributing = False
+        self._wakeup_deferred = False
 
     # -- statistics ----------------------------------------------------------------------
 
@@ -228,6 +230,12 @@ class NetworkBufferPool:
     def recycle_memory_segments(self, segments: Iterable[MemorySegment]) -> None:
         """Return a batch of exclusive segments; they stop counting as required."""
         segs = list(segments)
+        if not self._destroyed:
+            # validate the whole batch first: a refused batch changes nothing
+            for seg in segs:
+                self._check_in_use(seg)
+            if len({seg.index for seg in segs}) != len(segs):
+                raise IllegalStateError("a segment recycled twice in one batch")
         for seg in segs:
             self._take_back(seg)
         if self._destroyed:
@@ -299,6 +307,18 @@ class NetworkBufferPool:
 
     def _redistribute(self) -> None:
         """Flink's redistributeBuffers: spare segments in proportion to excess capacity."""
+        # Segments a shrinking pool gives back are handed to waiting pools only once every
+        # size is final; otherwise a pool not resized yet could take them above its share.
+        self._redistributing = True
+        try:
+            self._set_pool_sizes()
+        finally:
+            self._redistributing = False
+        if self._wakeup_deferred:
+            self._wakeup_deferred = False
+            self._after_return()
+
+    def _set_pool_sizes(self) -> None:
         spare = self.total_segments - self._num_required
         pools = list(self._pools.values())
         if spare == 0:
@@ -370,19 +390,25 @@ class NetworkBufferPool:
     def _hand_out(self, seg: MemorySegment) -> None:
         self._in_use.add(seg.index)
 
-    def _take_back(self, segment: MemorySegment) -> None:
-        if self._destroyed:
-            return
+    def _check_in_use(self, segment: MemorySegment) -> None:
         idx = segment.index
         if idx < 0 or idx >= self.total_segments or self._segments[idx] is not segment:
             raise UsageError(f"{segment!r} does not belong to this pool")
         if idx not in self._in_use:
             raise IllegalStateError(f"segment {idx} recycled twice")
-        self._in_use.discard(idx)
+
+    def _take_back(self, segment: MemorySegment) -> None:
+        if self._destroyed:
+            return
+        self._check_in_use(segment)
+        self._in_use.discard(segment.index)
         self._available.append(segment)
 
     def _after_return(self) -> None:
         if not self._available:
+            return
+        if self._redistributing:
+            self._wakeup_deferred = True
             return
         self._availability.set_available()
         if self._waiting_pools:

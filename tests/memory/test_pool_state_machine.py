@@ -1,0 +1,321 @@
+"""Any interleaving of pool operations keeps every segment accounted for exactly once.
+
+A hypothesis state machine drives one NetworkBufferPool through local pool creation and
+destruction, buffer and builder requests, releases in random order, exclusive batches and
+BufferListeners that take, decline or ask for more. After every step it recounts the
+segments itself (held by the test + queued in local pools + free globally == total, every
+index exactly once) and checks the redistribution arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from exchange.buffers import Buffer, BufferBuilder
+from exchange.errors import InsufficientBuffersError, PoolDestroyedError
+from exchange.memory import LocalBufferPool, MemorySegment, NetworkBufferPool, NotificationResult
+
+TOTAL = 24
+SEG = 4096
+
+
+@dataclass
+class Held:
+    """One segment the test holds: as a Buffer (or a slice of one) or a BufferBuilder."""
+
+    pool: LocalBufferPool
+    segment: MemorySegment
+    buffer: Buffer | None = None
+    builder: BufferBuilder | None = None
+
+    def release(self) -> None:
+        if self.builder is not None:
+            self.builder.close()
+        else:
+            assert self.buffer is not None
+            self.buffer.release()
+
+
+@dataclass(eq=False)
+class MachineListener:
+    """take: use one buffer; decline: use none; more: use up to ``budget``, asking for more."""
+
+    machine: PoolMachine
+    pool: LocalBufferPool
+    mode: str
+    budget: int
+    registered: bool = True
+    offers: int = 0
+    destroyed: int = 0
+    taken: list[int] = field(default_factory=list)
+
+    def notify_buffer_available(self, buffer: Buffer) -> NotificationResult:
+        assert self.registered, "offered a buffer after it was unregistered"
+        assert not self.pool.is_destroyed
+        self.offers += 1
+        if self.mode == "decline":
+            self.registered = False
+            return NotificationResult.BUFFER_NOT_USED
+        assert buffer.ref_count == 1
+        self.machine.held.append(Held(self.pool, buffer.segment, buffer=buffer))
+        self.taken.append(buffer.segment.index)
+        if self.mode == "more" and len(self.taken) < self.budget:
+            return NotificationResult.BUFFER_USED_NEED_MORE
+        self.registered = False
+        return NotificationResult.BUFFER_USED_NO_NEED_MORE
+
+    def notify_buffer_destroyed(self) -> None:
+        assert self.registered
+        self.registered = False
+        self.destroyed += 1
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.nbp = NetworkBufferPool(TOTAL, SEG)
+        self.live: list[LocalBufferPool] = []
+        self.dead: list[LocalBufferPool] = []
+        self.held: list[Held] = []
+        self.exclusive: list[list[MemorySegment]] = []
+        self.listeners: list[MachineListener] = []
+        self.last_requested: dict[int, int] = {}
+        self.size_before: dict[int, int] = {}
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def pick_live(self, i: int) -> LocalBufferPool:
+        return self.live[i % len(self.live)]
+
+    def held_from(self, pool: LocalBufferPool) -> int:
+        return sum(1 for h in self.held if h.pool is pool)
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @rule(
+        required=st.integers(0, 6),
+        extra=st.one_of(st.integers(0, 12), st.just(1000)),
+    )
+    def create_pool(self, required: int, extra: int) -> None:
+        max_segments = max(required, 1) + extra
+        if self.nbp.num_required + required > TOTAL:
+            before = [p.current_pool_size for p in self.live]
+            with pytest.raises(InsufficientBuffersError) as err:
+                self.nbp.create_buffer_pool(required, max_segments)
+            assert err.value.required == required
+            assert err.value.available == TOTAL - self.nbp.num_required
+            assert [p.current_pool_size for p in self.live] == before
+            return
+        pool = self.nbp.create_buffer_pool(required, max_segments)
+        assert pool.num_requested == 0
+        assert pool.current_pool_size <= max_segments
+        self.live.append(pool)
+        self.last_requested[id(pool)] = 0
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 1000))
+    def destroy_pool(self, i: int) -> None:
+        pool = self.pick_live(i)
+        registered = [x for x in self.listeners if x.pool is pool and x.registered]
+        # As in Flink's lazyDestroy, the pool gives back its queued segments before the
+        # redistribution: a waiting pool may take one at its old size, then be shrunk.
+        self.size_before = {id(p): p.current_pool_size for p in self.live}
+        pool.destroy()
+        assert pool.is_destroyed
+        assert pool.num_available == 0
+        assert all(x.destroyed == 1 and not x.registered for x in registered)
+        self.live.remove(pool)
+        self.dead.append(pool)
+        with pytest.raises(PoolDestroyedError):
+            pool.request_buffer()
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 1000), kind=st.sampled_from(["buffer", "builder", "capacity"]))
+    def request(self, i: int, kind: str) -> None:
+        pool = self.pick_live(i)
+        from_queue = pool.num_available > 0
+        from_global = (
+            not from_queue
+            and pool.num_requested < pool.current_pool_size
+            and self.nbp.num_available > 0
+        )
+        global_before = self.nbp.num_available
+        if kind == "buffer":
+            buf = pool.request_buffer()
+            got = None if buf is None else Held(pool, buf.segment, buffer=buf)
+        else:
+            builder = pool.request_buffer_builder(100 if kind == "capacity" else None)
+            if builder is None:
+                got = None
+            else:
+                # find the builder's segment through the public API: a consumer's slice
+                consumer = builder.create_buffer_consumer_from_beginning()
+                builder.append(b"abc")
+                piece = consumer.build()
+                assert piece.to_bytes() == b"abc"
+                segment = piece.segment
+                piece.release()
+                consumer.close()
+                got = Held(pool, segment, builder=builder)
+        assert (got is not None) == (from_queue or from_global)
+        if got is not None:
+            assert not got.segment.is_freed
+            self.held.append(got)
+        assert self.nbp.num_available == global_before - (1 if from_global else 0)
+
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 10_000))
+    def release(self, i: int) -> None:
+        h = self.held.pop(i % len(self.held))
+        pool = h.pool
+        stays_local = (
+            not pool.is_destroyed
+            and pool.num_requested <= pool.current_pool_size
+            and pool.stats().num_listeners == 0
+        )
+        queued_before = pool.num_available
+        h.release()
+        if stays_local:
+            assert pool.num_available == queued_before + 1
+
+    @precondition(lambda self: any(h.buffer is not None for h in self.held))
+    @rule(i=st.integers(0, 10_000))
+    def replace_by_slice(self, i: int) -> None:
+        """Hold a read-only slice instead of the buffer: the slice's release recycles."""
+        with_buffer = [h for h in self.held if h.buffer is not None]
+        h = with_buffer[i % len(with_buffer)]
+        assert h.buffer is not None
+        piece = h.buffer.read_only_slice(0, 0)
+        h.buffer.release()
+        assert piece.ref_count == 1
+        h.buffer = piece
+
+    @rule(num=st.integers(1, 8))
+    def request_exclusive(self, num: int) -> None:
+        required_before = self.nbp.num_required
+        if required_before + num > TOTAL:
+            with pytest.raises(InsufficientBuffersError):
+                self.nbp.request_memory_segments_nowait(num)
+            assert self.nbp.num_required == required_before
+            return
+        try:
+            segs = self.nbp.request_memory_segments_nowait(num)
+        except InsufficientBuffersError as err:
+            assert err.required == num
+            assert err.available < num
+            assert self.nbp.num_required == required_before
+            return
+        assert len(segs) == num
+        assert self.nbp.num_required == required_before + num
+        self.exclusive.append(segs)
+
+    @precondition(lambda self: self.exclusive)
+    @rule(i=st.integers(0, 1000))
+    def recycle_exclusive(self, i: int) -> None:
+        segs = self.exclusive.pop(i % len(self.exclusive))
+        required_before = self.nbp.num_required
+        self.nbp.recycle_memory_segments(segs)
+        assert self.nbp.num_required == required_before - len(segs)
+
+    @precondition(lambda self: self.live)
+    @rule(
+        i=st.integers(0, 1000),
+        mode=st.sampled_from(["take", "decline", "more"]),
+        budget=st.integers(1, 3),
+    )
+    def add_listener(self, i: int, mode: str, budget: int) -> None:
+        pool = self.pick_live(i)
+        listener = MachineListener(self, pool, mode, budget)
+        assert pool.add_buffer_listener(listener)
+        self.listeners.append(listener)
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def every_segment_is_somewhere_exactly_once(self) -> None:
+        self.nbp.check_consistency()
+        assert self.nbp.num_available + self.nbp.num_in_use == TOTAL
+        held = [h.segment.index for h in self.held]
+        held += [s.index for segs in self.exclusive for s in segs]
+        assert len(set(held)) == len(held), "a segment was handed out twice"
+        # read-only peeks at the queues, to name every segment by index
+        queued = [s.index for p in self.live for s in p._available]
+        free = [s.index for s in self.nbp._available]
+        everywhere = held + queued + free
+        assert len(everywhere) == TOTAL
+        assert sorted(everywhere) == list(range(TOTAL))
+        assert len(held) + sum(p.num_available for p in self.live) + self.nbp.num_available == (
+            TOTAL
+        )
+
+    @invariant()
+    def pools_count_what_they_lent(self) -> None:
+        for p in self.live + self.dead:
+            assert p.num_requested == self.held_from(p) + p.num_available
+            assert p.num_in_use == self.held_from(p)
+            last = self.last_requested[id(p)]
+            if p.is_destroyed:
+                assert p.num_available == 0
+                assert p.num_requested <= last
+            else:
+                # it grows only while below its size; shrunk, it only gives back
+                held_when_shrunk = max(last, self.size_before.get(id(p), 0))
+                assert p.num_requested <= max(p.current_pool_size, held_when_shrunk)
+                if p.num_requested > p.current_pool_size:
+                    # excess segments are not kept queued: they went back to the global pool
+                    assert p.num_available == 0
+            self.last_requested[id(p)] = p.num_requested
+        self.dead = [p for p in self.dead if p.num_requested > 0]
+        self.size_before.clear()
+
+    @invariant()
+    def sizes_follow_the_redistribution_formula(self) -> None:
+        assert self.nbp.local_pools == self.live
+        num_exclusive = sum(len(segs) for segs in self.exclusive)
+        assert self.nbp.num_required == num_exclusive + sum(p.num_required for p in self.live)
+        assert sum(p.current_pool_size for p in self.live) <= TOTAL - num_exclusive
+        spare = TOTAL - self.nbp.num_required
+        shares = [p.current_pool_size - p.num_required for p in self.live]
+        caps = [min(spare, p.max_segments - p.num_required) for p in self.live]
+        assert all(0 <= s <= c for s, c in zip(shares, caps, strict=True))
+        expected = 0 if spare == 0 else min(spare, sum(caps))
+        assert sum(shares) == expected
+        for share, cap in zip(shares, caps, strict=True):
+            if expected:
+                assert abs(share - Fraction(expected * cap, sum(caps))) < 1
+
+    @invariant()
+    def listeners_are_counted(self) -> None:
+        for p in self.live:
+            mine = [x for x in self.listeners if x.pool is p and x.registered]
+            assert p.stats().num_listeners == len(mine)
+        for x in self.listeners:
+            assert x.destroyed <= 1
+            if x.destroyed:
+                assert x.pool.is_destroyed
+        self.listeners = [x for x in self.listeners if x.registered]
+
+    def teardown(self) -> None:
+        # segments coming back may be handed to listeners of other pools: drain until empty
+        while self.held or self.exclusive or self.live:
+            if self.held:
+                self.held.pop().release()
+            elif self.exclusive:
+                self.nbp.recycle_memory_segments(self.exclusive.pop())
+            else:
+                self.live.pop().destroy()
+        self.nbp.check_consistency()
+        assert self.nbp.num_required == 0
+        assert self.nbp.num_available == TOTAL
+        assert self.nbp.is_whole()
+        self.nbp.destroy()
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=120, stateful_step_count=50, deadline=None)
