@@ -490,3 +490,16 @@ async def test_a_blocked_writer_is_woken_when_its_pool_grows() -> None:
     a.destroy()
     assert_whole(nbp)
     nbp.destroy()
+
+
+@pytest.mark.asyncio
+async def test_available_future_after_destroy_fails_at_once() -> None:
+    nbp = NetworkBufferPool(8, 4096)
+    pool = nbp.create_buffer_pool(1, 2)
+    pool.destroy()
+    fut = pool.get_available_future()
+    assert fut.done()
+    with pytest.raises(PoolDestroyedError):
+        fut.result()
+    assert nbp.is_whole()
+    nbp.destroy()
