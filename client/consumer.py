@@ -275,7 +275,14 @@ class PartitionReader:
         return self.records()
 
     def records(self) -> Iterator[Any]:
-        """Every record, in order per channel; raises the stream's error if it fails."""
+        """Every record, in order per channel; raises the stream's error if it fails.
+
+        A reader closed before the end (an early ``break`` closes it) raises
+        IllegalStateError: nothing would ever arrive, and an empty read would pass for
+        a short one.
+        """
+        if self._closed and not self._done:
+            raise IllegalStateError("the PartitionReader was closed before the end of its input")
         decoders = self._decoders
         get = self._handoff.get
         try:

@@ -356,19 +356,17 @@ class PartitionWriter:
         max_record = chunker.max_record_size
         seg = self.segment_size
         out = self._out
+        # Only keys of exactly these types are cached: keys Python finds equal but the
+        # hash tells apart (1, True, 1.0, or tuples of them) must not share an entry.
         cache: dict[Any, int] = {}
         cache_get = cache.get
-        cacheable = True
         count = 0
         check_every = 1 if self._timeout == 0 else 512
         for record in records:
             key = record[0] if key_func is None else key_func(record)
-            index = None
-            if cacheable:
-                try:
-                    index = cache_get(key)
-                except TypeError:  # unhashable keys (lists, dicts): no caching
-                    cacheable = False
+            t = type(key)
+            cacheable = t is int or t is str or t is bytes
+            index = cache_get(key) if cacheable else None
             if index is None:
                 if partition_func is None:
                     index = deterministic_hash(key) % n

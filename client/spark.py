@@ -194,15 +194,28 @@ class _Produced:
     records: int
 
 
-_info_cache: dict[str, Any] = {}
+_info_cache: dict[str, tuple[tuple[int, int], Any]] = {}
+
+
+def _socket_identity(sock: str) -> tuple[int, int]:
+    """Changes when a daemon (re)creates its socket file (a restart on the same path)."""
+    try:
+        st = os.stat(sock)
+    except OSError:
+        return (0, 0)
+    return (st.st_ino, st.st_mtime_ns)
 
 
 def _local_daemon(hint: str | None) -> tuple[str, Any]:
+    """The local daemon's socket and DaemonInfo, cached per Python worker (workers are
+    reused across tasks) for as long as the same daemon owns the socket."""
     sock = resolve_daemon_socket(hint)
-    info = _info_cache.get(sock)
-    if info is None:
-        info = get_runtime().run(fetch_daemon_info(sock))
-        _info_cache[sock] = info
+    identity = _socket_identity(sock)
+    cached = _info_cache.get(sock)
+    if cached is not None and cached[0] == identity:
+        return sock, cached[1]
+    info = get_runtime().run(fetch_daemon_info(sock))
+    _info_cache[sock] = (identity, info)
     return sock, info
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
+import socket
 from collections import deque
 from typing import TYPE_CHECKING, Final
 
@@ -71,6 +73,10 @@ class LocalEndpoint(DataServer):
         return LocalEndpointProtocol(self)
 
     async def start_unix(self, path: str) -> str:
+        # A socket file left by a crashed daemon is replaced; one a live daemon listens on
+        # is not (unlinking it would silently cut that daemon off from its tasks).
+        if _is_listening(path):
+            raise OSError(errno.EADDRINUSE, f"local socket {path!r} is in use by a running daemon")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         loop = asyncio.get_running_loop()
@@ -99,6 +105,23 @@ class LocalEndpoint(DataServer):
             producer_failures=self.producer_failures,
         )
         return base
+
+
+def _is_listening(path: str) -> bool:
+    """True if something accepts connections on the Unix socket ``path``."""
+    if not os.path.exists(path):
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except TimeoutError:
+        return True  # a full backlog: someone listens
+    except OSError:
+        return False  # refused (stale file) or not a socket
+    finally:
+        probe.close()
+    return True
 
 
 class ProducerSession:

@@ -1,0 +1,256 @@
+"""``exchange_shuffle`` in PySpark local mode equals ``rdd.partitionBy(n, exchange_hash)``.
+
+One ``local[2]`` session for the module (the ``spark`` fixture, with the embedded daemon).
+Every dataset goes through both modes and is compared with ``partitionBy`` partition by
+partition, as multisets of ``repr`` (so types must match too: values come back as tuples).
+Pipelined runs one barrier stage of ``n`` tasks, so there ``n`` is 2 with 2 input
+partitions (``local[2]`` has 2 slots). The retry test runs ``local[2,2]`` in a process
+of its own (``_retry_job.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pyspark")
+
+from client.spark import (
+    exchange_hash,
+    exchange_shuffle,
+    get_embedded_daemon,
+    release_exchange,
+)
+from exchange.errors import UsageError
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
+
+HERE = Path(__file__).resolve().parent
+MiB = 1024 * 1024
+
+
+def _zipf_keys(count: int, num_keys: int, s: float, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    weights = [1.0 / (rank**s) for rank in range(1, num_keys + 1)]
+    return rng.choices(range(num_keys), weights=weights, k=count)
+
+
+def _sizes() -> list[tuple[Any, bytes]]:
+    sizes = [0, 1, 2, 100, 32 * 1024 - 1, 32 * 1024, 32 * 1024 + 1, 100_000, MiB, 2 * MiB]
+    return [(f"k{i}", bytes([i % 251]) * n) for i, n in enumerate(sizes)] + [
+        (i, bytes(range(256)) * (n // 256)) for i, n in enumerate(sizes)
+    ]
+
+
+def _odd_keys() -> list[tuple[Any, Any]]:
+    keys: list[Any] = [
+        "",
+        "ascii",
+        "ключ",
+        "键",
+        "😀 emoji",
+        "a\x00b",
+        "e\u0301",  # combining accent: not the same key as "é"
+        "é",
+        b"",
+        b"\x00",
+        b"\xff\xfe\x00binary",
+        bytes(range(256)),
+        0,
+        -1,
+        2**63 - 1,
+        -(2**63),
+        1.5,
+        None,
+        True,
+        (1, "tuple"),
+    ]
+    return [(k, (i, repr(k))) for i, k in enumerate(keys) for _ in range(3)]
+
+
+# name -> (records, input partitions and output partitions for blocking mode)
+DATASETS: dict[str, tuple[Callable[[], list[Any]], int, int]] = {
+    "empty": (lambda: [], 2, 3),
+    "one-record": (lambda: [("only", 1)], 2, 3),
+    "200k": (lambda: [(i % 7919, (i, i * 0.5)) for i in range(200_000)], 2, 4),
+    "zipf-skew": (
+        lambda: [(k, i) for i, k in enumerate(_zipf_keys(50_000, 2000, 1.3, seed=11))],
+        3,
+        4,
+    ),
+    "value-sizes-0-to-2MiB": (_sizes, 2, 3),
+    "unicode-and-binary-keys": (_odd_keys, 2, 5),
+    # equal in Python (1 == True == 1.0), yet hashed apart by exchange_hash
+    "equal-keys-of-different-types": (
+        lambda: (
+            [(k, i) for i in range(4) for k in (1, True, 1.0, 0, False, 0.0, (1, 2), (True, 2))]
+            + [(k, -i) for i in range(4) for k in (0.0, False, 0, (True, 2), (1, 2), 1.0, True, 1)]
+        ),
+        2,
+        4,
+    ),
+    "none-values": (lambda: [(i % 10, None) for i in range(1000)] + [(None, None)], 2, 3),
+    "more-partitions-than-records": (lambda: [(k, k) for k in ("a", "b", "c")], 3, 8),
+}
+
+_records_cache: dict[str, list[Any]] = {}
+_reference_cache: dict[tuple[str, int, int], list[list[Any]]] = {}
+
+
+def records_of(name: str) -> list[Any]:
+    if name not in _records_cache:
+        _records_cache[name] = DATASETS[name][0]()
+    return _records_cache[name]
+
+
+def reference(spark: Any, name: str, slices: int, n: int) -> list[list[Any]]:
+    key = (name, slices, n)
+    if key not in _reference_cache:
+        rdd = spark.sparkContext.parallelize(records_of(name), slices)
+        _reference_cache[key] = rdd.partitionBy(n, exchange_hash).glom().collect()
+    return _reference_cache[key]
+
+
+def daemon_stats() -> dict[str, Any]:
+    from urllib.request import urlopen
+
+    with urlopen(f"http://{get_embedded_daemon().http_address}/api/stats", timeout=10) as r:
+        stats: dict[str, Any] = json.loads(r.read())
+        return stats
+
+
+@pytest.mark.parametrize("mode", ["blocking", "pipelined"])
+@pytest.mark.parametrize("name", list(DATASETS))
+def test_exchange_shuffle_equals_partition_by(
+    spark: Any, sx: ModuleType, name: str, mode: str
+) -> None:
+    _, slices, n = DATASETS[name]
+    if mode == "pipelined":
+        slices, n = 2, 2
+    sc = spark.sparkContext
+    rdd = sc.parallelize(records_of(name), slices)
+    out = exchange_shuffle(rdd, n, mode=mode)
+    assert out.getNumPartitions() == n
+    got = out.glom().collect()
+    sx.assert_same_partitions(got, reference(spark, name, slices, n))
+    if mode == "blocking":
+        # a blocking exchange is read again, with the same result, until it is released
+        sx.assert_same_partitions(out.glom().collect(), got)
+        assert release_exchange(out) == slices
+    else:
+        assert release_exchange(out) == 0  # pipelined partitions go once they are read
+
+
+def test_values_come_back_as_tuples_with_exact_types(spark: Any) -> None:
+    rows = [(1, [1, [2, 3]]), (2, {"a": [1]}), (3, b"\x00"), (4, "s"), (5, 1.0), (6, True)]
+    out = exchange_shuffle(spark.sparkContext.parallelize(rows, 2), 2)
+    got = sorted(out.collect())
+    assert got == [(1, (1, (2, 3))), (2, {"a": (1,)}), (3, b"\x00"), (4, "s"), (5, 1.0), (6, True)]
+    assert [type(v) for _, v in got] == [tuple, dict, bytes, str, float, bool]
+    release_exchange(out)
+
+
+def test_release_exchange_frees_partitions_and_rereading_fails_typed(spark: Any) -> None:
+    sc = spark.sparkContext
+    records = [(i % 31, f"r{i}") for i in range(5000)]
+    out = exchange_shuffle(sc.parallelize(records, 3), 4, mode="blocking")
+    assert sorted(out.collect()) == sorted(records)
+    before = daemon_stats()
+    ours = [p for p in before["partitions"]["items"] if out.exchange_id in str(p)]
+    assert len(ours) == 3, before["partitions"]
+
+    assert release_exchange(out) == 3
+    assert release_exchange(out) == 0  # already released: nothing left, no error
+    after = daemon_stats()
+    assert not [p for p in after["partitions"]["items"] if out.exchange_id in str(p)]
+
+    with pytest.raises(Exception) as excinfo:
+        out.count()
+    assert "PartitionReleasedError" in str(excinfo.value), str(excinfo.value)[-2000:]
+    assert "exchange.errors" in str(excinfo.value)
+    net = daemon_stats()["network"]
+    assert net["available_segments"] == net["total_segments"], net
+
+
+def test_pipelined_needs_as_many_slots_as_partitions(spark: Any) -> None:
+    sc = spark.sparkContext
+    with pytest.raises(UsageError) as excinfo:
+        exchange_shuffle(sc.parallelize(range(30), 3).map(lambda i: (i, i)), 3, mode="pipelined")
+    msg = str(excinfo.value)
+    assert "3 task slots" in msg and "only 2" in msg, msg
+    assert "blocking" in msg  # says what to do instead
+
+    with pytest.raises(UsageError) as excinfo:
+        exchange_shuffle(sc.parallelize(range(30), 2).map(lambda i: (i, i)), 3, mode="pipelined")
+    assert "got 2 and 3" in str(excinfo.value), str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(0, "blocking"), (-1, "blocking"), (2.0, "blocking"), (True, "blocking"), (2, "eager")],
+)
+def test_bad_arguments_are_usage_errors(spark: Any, args: tuple[Any, str]) -> None:
+    rdd = spark.sparkContext.parallelize([(1, 1)], 1)
+    with pytest.raises(UsageError):
+        exchange_shuffle(rdd, args[0], mode=args[1])
+
+
+def test_failing_pipelined_producer_fails_the_job_never_a_short_result(spark: Any) -> None:
+    sc = spark.sparkContext
+
+    def explode(index: int, it: Iterator[Any]) -> Iterator[Any]:
+        for k, rec in enumerate(it):
+            if index == 0 and k == 2000:
+                raise RuntimeError("producer 0 breaks mid-stream")
+            yield rec
+
+    rdd = sc.parallelize([(i % 13, i) for i in range(20_000)], 2).mapPartitionsWithIndex(explode)
+    out = exchange_shuffle(rdd, 2, mode="pipelined")
+    with pytest.raises(Exception) as excinfo:
+        out.collect()
+    text = str(excinfo.value)
+    assert "producer 0 breaks mid-stream" in text or "ProducerFailedError" in text, text[-2000:]
+    # the session is still usable and the daemon's memory came back
+    assert sc.parallelize([1, 2], 2).sum() == 3
+    deadline = time.monotonic() + 10
+    while True:
+        stats = daemon_stats()
+        net = stats["network"]
+        if net["available_segments"] == net["total_segments"] and not [
+            p for p in stats["partitions"]["items"] if out.exchange_id in str(p)
+        ]:
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+
+
+def test_retried_producer_task_leaves_no_duplicates(tmp_path: Path, sx: ModuleType) -> None:
+    """local[2,2] in its own process: producer 0 fails its first attempt mid-partition."""
+    res = subprocess.run(
+        [sys.executable, str(HERE / "_retry_job.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=sx.ROOT,
+        env=sx.child_env(),
+        timeout=240,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [p.name[:7] for p in tmp_path.iterdir()] == ["failed-"], "no attempt failed once"
+    assert result["equal"] == [True] * 4, result
+    assert result["counts"] == result["expected_counts"]
+    assert sum(result["counts"]) == 20_000
+    # the failed attempt wrote a partition that the daemon failed; only 3 are read
+    assert result["totals"]["partitions_failed"] == 1, result["totals"]
+    assert result["totals"]["partitions_created"] == 4, result["totals"]
+    assert result["released"] == 3
+    assert result["pool_whole"] is True
