@@ -98,6 +98,9 @@ class DataServer:
         self._server: asyncio.Server | None = None
         self.total_connections = 0
         self.rejected_connections = 0
+        # what connections sent before they closed (the counters are cumulative)
+        self.closed_bytes_sent = 0
+        self.closed_buffers_sent = 0
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
@@ -151,8 +154,10 @@ class DataServer:
             "total_connections": self.total_connections,
             "rejected_connections": self.rejected_connections,
             "readers": sum(c.queue.num_readers for c in self.connections),
-            "bytes_sent": sum(c.queue.bytes_sent for c in self.connections),
-            "buffers_sent": sum(c.queue.buffers_sent for c in self.connections),
+            "bytes_sent": self.closed_bytes_sent
+            + sum(c.queue.bytes_sent for c in self.connections),
+            "buffers_sent": self.closed_buffers_sent
+            + sum(c.queue.buffers_sent for c in self.connections),
         }
 
 
@@ -228,7 +233,10 @@ class PartitionRequestServerProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
         self._writable = False
-        self._server.connections.discard(self)
+        if self in self._server.connections:
+            self._server.connections.discard(self)
+            self._server.closed_bytes_sent += self.queue.bytes_sent
+            self._server.closed_buffers_sent += self.queue.buffers_sent
         for timer in (self._handshake_timer, self._reap_timer, self._abort_timer):
             if timer is not None:
                 timer.cancel()

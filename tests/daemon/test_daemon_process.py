@@ -497,11 +497,6 @@ def test_partition_needing_more_buffers_than_the_daemon_has_is_refused(
     d.wait_pool_whole()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DataServer.stats() sums bytes_sent over open connections only, so traffic of "
-    "connections closed before a scrape is lost (server/partition_request_server.py)",
-)
 def test_bytes_sent_counter_keeps_traffic_of_closed_connections(start_daemon: Any) -> None:
     d = start_daemon()
     pid = ResultPartitionID("counted", 0, 0)
