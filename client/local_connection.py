@@ -15,6 +15,7 @@ from typing import Final, cast
 from client.network import parse_address
 from exchange.buffers.buffer import DataType
 from exchange.errors import (
+    ConfigError,
     ExchangeError,
     ProtocolError,
     TransportError,
@@ -37,11 +38,13 @@ from server.config import DEFAULT_SOCKET_NAME
 
 __all__ = [
     "DAEMON_ENV",
+    "SECRET_FILE_ENV",
     "LocalConnection",
     "default_socket_path",
     "fetch_daemon_info",
     "release_dataset",
     "resolve_daemon_socket",
+    "resolve_secret",
 ]
 
 #: Environment variable naming this host's daemon (its local socket path).
@@ -54,6 +57,28 @@ def default_socket_path() -> str:
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), "exchange-spill", DEFAULT_SOCKET_NAME)
+
+
+#: Environment variable naming a file that holds the daemons' shared secret.
+SECRET_FILE_ENV: Final = "EXCHANGE_SECRET_FILE"
+
+
+def resolve_secret(secret_file: str | None = None) -> bytes | None:
+    """The shared secret from ``secret_file``, else from $EXCHANGE_SECRET_FILE, else None.
+
+    Trailing newlines are stripped; an empty or unreadable file is a ConfigError.
+    """
+    path = secret_file or os.environ.get(SECRET_FILE_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            secret = f.read(64 * 1024 + 1).rstrip(b"\r\n")
+    except OSError as e:
+        raise ConfigError("secret_file", f"cannot read {path!r}: {e}") from e
+    if not secret or len(secret) > 64 * 1024:
+        raise ConfigError("secret_file", f"{path!r} must hold 1 byte to 64 KiB of secret")
+    return secret
 
 
 def resolve_daemon_socket(hint: str | None = None) -> str:

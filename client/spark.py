@@ -39,7 +39,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from client.consumer import PartitionLocation, PartitionReader
-from client.local_connection import fetch_daemon_info, release_dataset, resolve_daemon_socket
+from client.local_connection import (
+    fetch_daemon_info,
+    release_dataset,
+    resolve_daemon_socket,
+    resolve_secret,
+)
 from client.producer import PartitionWriter
 from client.runtime import get_runtime
 from exchange.errors import ExchangeError, TransportError, UsageError
@@ -206,15 +211,28 @@ def _socket_identity(sock: str) -> tuple[int, int]:
     return (st.st_ino, st.st_mtime_ns)
 
 
-def _local_daemon(hint: str | None) -> tuple[str, Any]:
+@dataclass(frozen=True, slots=True)
+class _DaemonSpec:
+    """How tasks reach their daemon: a socket hint (None: their environment) and the path
+    of the shared-secret file (None: $EXCHANGE_SECRET_FILE). Never the secret itself."""
+
+    hint: str | None
+    secret_file: str | None
+
+    @property
+    def secret(self) -> bytes | None:
+        return resolve_secret(self.secret_file)
+
+
+def _local_daemon(spec: _DaemonSpec) -> tuple[str, Any]:
     """The local daemon's socket and DaemonInfo, cached per Python worker (workers are
     reused across tasks) for as long as the same daemon owns the socket."""
-    sock = resolve_daemon_socket(hint)
+    sock = resolve_daemon_socket(spec.hint)
     identity = _socket_identity(sock)
     cached = _info_cache.get(sock)
     if cached is not None and cached[0] == identity:
         return sock, cached[1]
-    info = get_runtime().run(fetch_daemon_info(sock))
+    info = get_runtime().run(fetch_daemon_info(sock, secret=spec.secret))
     _info_cache[sock] = (identity, info)
     return sock, info
 
@@ -226,11 +244,11 @@ def _write_partition(
     records: Iterable[Any],
     num_partitions: int,
     partition_func: Callable[[Any], int] | None,
-    hint: str | None,
+    spec: _DaemonSpec,
     codec: RecordCodec,
     blocking: bool,
 ) -> _Produced:
-    sock, info = _local_daemon(hint)
+    sock, info = _local_daemon(spec)
     pid = ResultPartitionID(exchange_id, index, attempt)
     with PartitionWriter(
         pid,
@@ -238,6 +256,7 @@ def _write_partition(
         blocking=blocking,
         daemon_socket=sock,
         codec=codec,
+        secret=spec.secret,
         buffer_timeout=-1 if blocking else 0.05,
     ) as writer:
         n = writer.emit_all(records, partition_func)
@@ -248,12 +267,12 @@ def _read_subpartition(
     exchange_id: str,
     producers: list[_Produced],
     subpartition: int,
-    hint: str | None,
+    spec: _DaemonSpec,
     codec: RecordCodec,
 ) -> Iterator[Any]:
     if not producers:
         return
-    _, info = _local_daemon(hint)
+    _, info = _local_daemon(spec)
     locations = [
         PartitionLocation(
             ResultPartitionID(exchange_id, p.index, p.attempt),
@@ -268,6 +287,7 @@ def _read_subpartition(
         locations,
         local_daemon_id=info.daemon_id,
         codec=codec,
+        secret=spec.secret,
         segment_size=producers[0].segment_size,
     )
     try:
@@ -286,6 +306,7 @@ def exchange_shuffle(
     mode: str = "blocking",
     *,
     codec: RecordCodec | None = None,
+    secret_file: str | None = None,
 ) -> RDD[Any]:
     """Repartition an RDD of ``(key, value)`` pairs through the exchange daemons.
 
@@ -294,6 +315,10 @@ def exchange_shuffle(
     msgpack codec every array inside a value comes back as a tuple too (pass
     ``codec=PickleCodec()`` for exact Python types). The returned RDD has an
     ``exchange_id`` attribute for ``release_exchange``.
+
+    ``secret_file``: where the daemons' shared secret lies on every host (default:
+    ``$EXCHANGE_SECRET_FILE`` in the executors' environment); the path travels to the
+    tasks, the secret does not.
     """
     if not isinstance(num_partitions, int) or isinstance(num_partitions, bool):
         raise UsageError(f"num_partitions must be an int, got {num_partitions!r}")
@@ -305,12 +330,12 @@ def exchange_shuffle(
         raise UsageError("partition_func must be callable")
     sc = rdd.context
     the_codec: RecordCodec = codec if codec is not None else MsgpackCodec(tuples=True)
-    hint = _daemon_hint(sc)
+    spec = _DaemonSpec(_daemon_hint(sc), secret_file)
     exchange_id = f"x-{uuid.uuid4().hex[:16]}"
     if mode == "blocking":
-        out = _blocking(rdd, num_partitions, partition_func, hint, exchange_id, the_codec)
+        out = _blocking(rdd, num_partitions, partition_func, spec, exchange_id, the_codec)
     else:
-        out = _pipelined(rdd, num_partitions, partition_func, hint, exchange_id, the_codec)
+        out = _pipelined(rdd, num_partitions, partition_func, spec, exchange_id, the_codec)
     out.exchange_id = exchange_id  # type: ignore[attr-defined]
     return out
 
@@ -322,7 +347,7 @@ def _blocking(
     rdd: RDD[Any],
     n: int,
     partition_func: Callable[[Any], int] | None,
-    hint: str | None,
+    spec: _DaemonSpec,
     exchange_id: str,
     codec: RecordCodec,
 ) -> RDD[Any]:
@@ -332,7 +357,7 @@ def _blocking(
         ctx = TaskContext.get()
         attempt = ctx.taskAttemptId() if ctx is not None else 0
         yield _write_partition(
-            exchange_id, index, attempt, records, n, partition_func, hint, codec, True
+            exchange_id, index, attempt, records, n, partition_func, spec, codec, True
         )
 
     sc = rdd.context
@@ -342,7 +367,7 @@ def _blocking(
     _exchanges[exchange_id] = {p.data_address for p in produced}
 
     def read(index: int, _: Iterable[Any]) -> Iterator[Any]:
-        return _read_subpartition(exchange_id, produced, index, hint, codec)
+        return _read_subpartition(exchange_id, produced, index, spec, codec)
 
     return sc.parallelize(range(n), n).mapPartitionsWithIndex(read)
 
@@ -351,7 +376,7 @@ def _pipelined(
     rdd: RDD[Any],
     n: int,
     partition_func: Callable[[Any], int] | None,
-    hint: str | None,
+    spec: _DaemonSpec,
     exchange_id: str,
     codec: RecordCodec,
 ) -> RDD[Any]:
@@ -381,7 +406,7 @@ def _pipelined(
         ctx = BarrierTaskContext.get()
         t = ctx.partitionId()
         attempt = ctx.taskAttemptId()
-        sock, info = _local_daemon(hint)
+        sock, info = _local_daemon(spec)
         me = [t, attempt, info.daemon_id, info.data_address, sock, info.segment_size]
         everyone = [json.loads(m) for m in ctx.allGather(json.dumps(me))]
         producers = [_Produced(p[0], p[1], p[2], p[3], p[4], p[5], 0) for p in everyone]
@@ -390,7 +415,7 @@ def _pipelined(
         def produce() -> None:
             try:
                 _write_partition(
-                    exchange_id, t, attempt, records, n, partition_func, hint, codec, False
+                    exchange_id, t, attempt, records, n, partition_func, spec, codec, False
                 )
             except BaseException as e:
                 failure.append(e)
@@ -399,7 +424,7 @@ def _pipelined(
         writer.start()
         try:
             if t < n:
-                yield from _read_subpartition(exchange_id, producers, t, hint, codec)
+                yield from _read_subpartition(exchange_id, producers, t, spec, codec)
         finally:
             writer.join()
         if failure:
@@ -408,7 +433,7 @@ def _pipelined(
     return src.barrier().mapPartitions(run)
 
 
-def release_exchange(rdd_or_id: Any) -> int:
+def release_exchange(rdd_or_id: Any, *, secret_file: str | None = None) -> int:
     """Release the blocking partitions of an exchange on every daemon holding them."""
     exchange_id = getattr(rdd_or_id, "exchange_id", rdd_or_id)
     if not isinstance(exchange_id, str):
@@ -418,7 +443,9 @@ def release_exchange(rdd_or_id: Any) -> int:
     released = 0
     for address in addresses:
         try:
-            released += rt.run(release_dataset(address, exchange_id))
+            released += rt.run(
+                release_dataset(address, exchange_id, secret=resolve_secret(secret_file))
+            )
         except ExchangeError:
             continue  # that daemon is gone; its partitions went with it
     return released

@@ -470,13 +470,13 @@ def test_restart_after_a_crash_reuses_the_socket_and_tasks_find_the_new_daemon(
 
     sock = str(tmp_path / "d.sock")
     a = start_daemon("--local-socket", sock)
-    _, info = xs._local_daemon(sock)  # what a reused PySpark worker remembers
+    _, info = xs._local_daemon(xs._DaemonSpec(sock, None))  # what a reused PySpark worker remembers
     assert info.daemon_id == a.daemon_id
     a.kill()  # a crash leaves the socket file behind
     assert os.path.exists(sock)
 
     b = start_daemon("--local-socket", sock)
-    _, info = xs._local_daemon(sock)
+    _, info = xs._local_daemon(xs._DaemonSpec(sock, None))
     assert (info.daemon_id, info.data_address) == (b.daemon_id, b.data_address)
     pid = ResultPartitionID("restarted", 0, 0)
     write_blocking(b, pid, [(1, "x")])
