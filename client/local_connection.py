@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import deque
-from typing import Final, cast
+from typing import Final
 
+from client.connection_base import HandshakingClientProtocol
 from client.network import parse_address
 from exchange.buffers.buffer import DataType
 from exchange.errors import (
@@ -21,8 +22,7 @@ from exchange.errors import (
     TransportError,
     UsageError,
 )
-from exchange.protocol.codec import FrameDecoder, encode, max_frame_size_for
-from exchange.protocol.handshake import ClientHandshake
+from exchange.protocol.codec import max_frame_size_for
 from exchange.protocol.local_messages import (
     AddProducerCredit,
     DaemonInfo,
@@ -89,22 +89,14 @@ def resolve_daemon_socket(hint: str | None = None) -> str:
     return default_socket_path()
 
 
-class LocalConnection(asyncio.Protocol):
+class LocalConnection(HandshakingClientProtocol):
     """Client side of one local-endpoint connection."""
 
     def __init__(self, address: str, secret: bytes | None, max_frame_size: int) -> None:
-        self.address = address
-        self._loop = asyncio.get_running_loop()
-        self._decoder = FrameDecoder(max_frame_size)
-        self._handshake = ClientHandshake(secret, address=address)
-        self._transport: asyncio.Transport | None = None
-        self.ready: asyncio.Future[None] = self._loop.create_future()
+        super().__init__(address, secret, max_frame_size)
         self._replies: deque[asyncio.Future[Message]] = deque()
         self.credit = 0
         self._credit_waiter: asyncio.Future[None] | None = None
-        self.error: ExchangeError | None = None
-        self._closed_by_us = False
-        self.closed: asyncio.Future[None] = self._loop.create_future()
 
     @classmethod
     async def connect(
@@ -146,46 +138,14 @@ class LocalConnection(asyncio.Protocol):
             raise
         return conn
 
-    # -- asyncio.Protocol ----------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)
-        for m in self._handshake.start():
-            self.send(m)
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            for msg in self._decoder.feed(data):
-                self._dispatch(msg)
-        except ExchangeError as e:
-            self._fail(e)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._transport = None
-        if self.error is None and not self._closed_by_us:
-            self.error = TransportError(
-                f"connection to daemon {self.address} lost" + (f": {exc}" if exc else "")
-            )
-        err = self.error or TransportError(f"connection to daemon {self.address} closed")
-        if not self.ready.done():
-            self.ready.set_exception(err)
-            self.ready.exception()
+    def on_connection_lost(self, error: ExchangeError) -> None:
         while self._replies:
             fut = self._replies.popleft()
             if not fut.done():
-                fut.set_exception(err)
+                fut.set_exception(error)
         self._wake_credit()
-        if not self.closed.done():
-            self.closed.set_result(None)
 
-    def _dispatch(self, msg: Message) -> None:
-        hs = self._handshake
-        if not hs.is_established:
-            for out in hs.receive(msg):
-                self.send(out)
-            if hs.is_established and not self.ready.done():
-                self.ready.set_result(None)
-            return
+    def on_message(self, msg: Message) -> None:
         if type(msg) is AddProducerCredit:
             self.credit += msg.credit
             self._wake_credit()
@@ -198,15 +158,9 @@ class LocalConnection(asyncio.Protocol):
             if type(msg) is PartitionCreated:
                 self.credit += msg.credit
         elif isinstance(msg, ErrorResponse):
-            self._fail(error_for_response(msg, self.address))
+            self.fail(error_for_response(msg, self.address))
         else:
             raise ProtocolError(f"unexpected {type(msg).__name__} from {self.address}")
-
-    def _fail(self, err: ExchangeError) -> None:
-        if self.error is None:
-            self.error = err
-        if self._transport is not None:
-            self._transport.close()
 
     def _wake_credit(self) -> None:
         w = self._credit_waiter
@@ -214,17 +168,6 @@ class LocalConnection(asyncio.Protocol):
             w.set_result(None)
 
     # -- calls ---------------------------------------------------------------------------
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-        if self._transport is None:
-            raise TransportError(f"connection to daemon {self.address} is closed")
-
-    def send(self, msg: Message) -> None:
-        t = self._transport
-        if t is not None and not t.is_closing():
-            t.writelines(encode(msg))
 
     async def request(self, msg: Message) -> Message:
         """Send ``msg`` and wait for its reply (replies come in request order)."""
@@ -250,16 +193,6 @@ class LocalConnection(asyncio.Protocol):
         if data_type is DataType.DATA_BUFFER:
             raise UsageError("push_event takes an event data type")
         self.send(PushBuffer(subpartition, data_type, payload))
-
-    def close(self) -> None:
-        self._closed_by_us = True
-        t = self._transport
-        if t is not None:
-            t.close()
-
-    async def aclose(self) -> None:
-        self.close()
-        await self.closed
 
 
 async def fetch_daemon_info(socket_path: str, *, secret: bytes | None = None) -> DaemonInfo:

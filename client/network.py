@@ -16,8 +16,9 @@ import contextlib
 import functools
 import itertools
 import logging
-from typing import Final, cast
+from typing import Final
 
+from client.connection_base import HandshakingClientProtocol
 from exchange.buffers.buffer import Buffer
 from exchange.consumer.remote_input_channel import RemoteInputChannel
 from exchange.errors import (
@@ -27,8 +28,7 @@ from exchange.errors import (
     TransportError,
     UsageError,
 )
-from exchange.protocol.codec import FrameDecoder, encode, max_frame_size_for
-from exchange.protocol.handshake import ClientHandshake
+from exchange.protocol.codec import max_frame_size_for
 from exchange.protocol.messages import (
     AddCredit,
     BufferResponse,
@@ -81,65 +81,26 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, port
 
 
-class PartitionRequestClientHandler(asyncio.Protocol):
+class PartitionRequestClientHandler(HandshakingClientProtocol):
     """One connection to a remote daemon's data port."""
 
     def __init__(self, address: str, secret: bytes | None, max_frame_size: int) -> None:
-        self.address = address
-        self._loop = asyncio.get_running_loop()
-        self._decoder = FrameDecoder(max_frame_size)
-        self._handshake = ClientHandshake(secret, address=address)
-        self._transport: asyncio.Transport | None = None
+        super().__init__(address, secret, max_frame_size)
         self._channels: dict[int, RemoteInputChannel] = {}
         self._ids = itertools.count(1)
         self._credit_pending: list[RemoteInputChannel] = []
         self._credit_scheduled = False
-        self.ready: asyncio.Future[None] = self._loop.create_future()
-        self.closed: asyncio.Future[None] = self._loop.create_future()
-        self._error: ExchangeError | None = None
-        self.bytes_received = 0
 
-    # -- asyncio.Protocol ----------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport = cast(asyncio.Transport, transport)
-        for msg in self._handshake.start():
-            self._send(msg)
-
-    def data_received(self, data: bytes) -> None:
-        self.bytes_received += len(data)
-        try:
-            for msg in self._decoder.feed(data):
-                self._dispatch(msg)
-        except ExchangeError as e:
-            self._fail(e)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._transport = None
-        err = self._error or TransportError(
-            f"connection to daemon {self.address} lost" + (f": {exc}" if exc else "")
-        )
-        if not self.ready.done():
-            self.ready.set_exception(err)
-            self.ready.exception()  # mark retrieved; the connector re-raises it
+    def on_connection_lost(self, error: ExchangeError) -> None:
         channels = list(self._channels.values())
         self._channels.clear()
         for ch in channels:
             if not ch.finished and not ch.is_released:
-                ch.set_error(err)
-        if not self.closed.done():
-            self.closed.set_result(None)
+                ch.set_error(error)
 
     # -- receiving -----------------------------------------------------------------------
 
-    def _dispatch(self, msg: Message) -> None:
-        hs = self._handshake
-        if not hs.is_established:
-            for out in hs.receive(msg):
-                self._send(out)
-            if hs.is_established and not self.ready.done():
-                self.ready.set_result(None)
-            return
+    def on_message(self, msg: Message) -> None:
         if type(msg) is BufferResponse:
             self._on_buffer_response(msg)
         elif isinstance(msg, ErrorResponse):
@@ -179,7 +140,7 @@ class PartitionRequestClientHandler(asyncio.Protocol):
             err = error_for_response(msg, self.address)
             if msg.code is ErrorCode.AUTH_FAILED and not isinstance(err, AuthenticationError):
                 err = AuthenticationError(str(err))
-            self._fail(err)
+            self.fail(err)
             return
         rid = msg.receiver_id
         assert rid is not None
@@ -194,32 +155,14 @@ class PartitionRequestClientHandler(asyncio.Protocol):
         self._channels.pop(rid, None)
         ch.set_error(error_for_response(msg, self.address, ch.partition_id))
 
-    def _fail(self, err: ExchangeError) -> None:
-        """A connection-level failure: every channel of this connection fails."""
-        if self._error is None:
-            self._error = err
-            log.warning("connection to %s failed: %s", self.address, err)
-        transport = self._transport
-        if transport is not None:
-            transport.close()
-
     # -- PartitionRequestClient ----------------------------------------------------------
 
-    def _send(self, msg: Message) -> None:
-        transport = self._transport
-        if transport is not None and not transport.is_closing():
-            transport.writelines(encode(msg))
-
-    def _check_open(self) -> None:
-        if self._transport is None or self._error is not None:
-            raise self._error or TransportError(f"connection to daemon {self.address} is closed")
-
     def request_subpartition(self, channel: RemoteInputChannel) -> None:
-        self._check_open()
+        self.check()
         if channel.receiver_id < 0:
             channel.receiver_id = next(self._ids)
         self._channels[channel.receiver_id] = channel
-        self._send(
+        self.send(
             PartitionRequest(
                 channel.partition_id,
                 channel.subpartition_index,
@@ -240,36 +183,30 @@ class PartitionRequestClientHandler(asyncio.Protocol):
         for ch in pending:
             credit = ch.get_and_reset_unannounced_credit()
             if credit > 0 and self._channels.get(ch.receiver_id) is ch:
-                self._send(AddCredit(ch.receiver_id, credit))
+                self.send(AddCredit(ch.receiver_id, credit))
 
     def resume_consumption(self, channel: RemoteInputChannel) -> None:
         if self._channels.get(channel.receiver_id) is channel:
-            self._send(ResumeConsumption(channel.receiver_id))
+            self.send(ResumeConsumption(channel.receiver_id))
 
     def notify_new_buffer_size(self, channel: RemoteInputChannel, size: int) -> None:
         if self._channels.get(channel.receiver_id) is channel:
-            self._send(NewBufferSize(channel.receiver_id, size))
+            self.send(NewBufferSize(channel.receiver_id, size))
 
     def cancel_request(self, channel: RemoteInputChannel) -> None:
         if self._channels.pop(channel.receiver_id, None) is not None:
-            self._send(CancelPartitionRequest(channel.receiver_id))
+            self.send(CancelPartitionRequest(channel.receiver_id))
 
     # -- lifecycle -----------------------------------------------------------------------
-
-    @property
-    def is_open(self) -> bool:
-        return self._transport is not None and self._error is None
 
     @property
     def num_channels(self) -> int:
         return len(self._channels)
 
-    async def close(self) -> None:
-        transport = self._transport
-        if transport is not None:
-            self._send(CloseRequest())
-            transport.close()
-        await self.closed
+    async def aclose(self) -> None:
+        """Say goodbye (CloseRequest) and wait until the connection is gone."""
+        self.send(CloseRequest())
+        await super().aclose()
 
 
 class ConnectionManager:
@@ -331,10 +268,10 @@ class ConnectionManager:
             try:
                 await asyncio.wait_for(asyncio.shield(handler.ready), self._timeout)
             except TimeoutError:
-                await handler.close()
+                await handler.aclose()
                 raise TransportError(f"handshake with daemon {address} timed out") from None
             except ExchangeError:
-                await handler.close()
+                await handler.aclose()
                 raise
             self._clients[address] = handler
             handler.closed.add_done_callback(functools.partial(self._forget, address, handler))
@@ -359,5 +296,5 @@ class ConnectionManager:
             with contextlib.suppress(BaseException):
                 await task
         for client in list(self._clients.values()):
-            await client.close()
+            await client.aclose()
         self._clients.clear()
