@@ -66,7 +66,7 @@ def decode_pieces(codec: RecordCodec, pieces: list[bytes]) -> list[Any]:
 # -- round trips in arbitrary pieces -------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(items=st.lists(records, max_size=20), points=st.lists(st.integers(0, 10**6)))
 def test_msgpack_any_split(items: list[Any], points: list[int]) -> None:
     codec = MsgpackCodec()
@@ -75,7 +75,7 @@ def test_msgpack_any_split(items: list[Any], points: list[int]) -> None:
     assert decode_pieces(codec, cut(data, points)) == items
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     items=st.lists(records, min_size=1, max_size=10),
     points=st.lists(st.integers(0, 10**6), max_size=8),

@@ -157,7 +157,7 @@ def unpooled_builder(capacity: int) -> BufferBuilder:
 # -- round trips ---------------------------------------------------------------------------
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     records=st.lists(msgpack_records, max_size=40),
     capacity=st.sampled_from(FIXED_CAPACITIES),
@@ -170,7 +170,7 @@ def test_msgpack_round_trip_fixed_capacities(
         assert round_trip(records, MsgpackCodec(), pool, [capacity], flush_points) == records
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     records=st.lists(msgpack_records | sized_blobs | sized_texts, max_size=12),
     caps=capacities.map(lambda cs: [max(c, 48) for c in cs]),
@@ -185,7 +185,7 @@ def test_msgpack_round_trip_any_split(
         assert got == records
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(records=st.lists(msgpack_records, min_size=1, max_size=5), caps=capacities)
 def test_tiny_builders(records: list[Any], caps: list[int]) -> None:
     caps = [1 + c % 7 for c in caps]  # builders of 1 to 7 bytes
@@ -193,7 +193,7 @@ def test_tiny_builders(records: list[Any], caps: list[int]) -> None:
         assert round_trip(records, MsgpackCodec(), pool, caps) == records
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(
     records=st.lists(
         msgpack_records.map(lambda r: (r, {"t": (r,)}, frozenset([1, 2]))), max_size=20
@@ -206,7 +206,7 @@ def test_pickle_round_trip(records: list[Any], caps: list[int], flush_points: li
         assert round_trip(records, PickleCodec(), pool, caps, flush_points) == records
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     records=st.lists(st.binary(max_size=5000) | sized_blobs, max_size=20),
     caps=capacities.map(lambda cs: [max(c, 48) for c in cs])
