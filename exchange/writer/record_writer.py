@@ -221,8 +221,8 @@ class RecordWriter:
         self._closed = True
         await self._stop_flusher()
         for ser in self._serializers:
-            ser.reset()
-        self._broadcast_serializer.reset()
+            ser.clear()
+        self._broadcast_serializer.clear()
         self.partition.fail(cause)
 
     @property
