@@ -16,13 +16,16 @@ Config keys (defaults in ``DEFAULTS``); ``streams`` is a list of partitions to w
 
     {"dataset": "ds", "producers": 1, "subpartitions": 1, "records": 1000,
      "payload": 100, "pool_max": 16, "start_delay": 0.0, "fail_after": null,
-     "sleep_every": 0, "sleep": 0.0, "buffer_timeout": 0.1, "await_readers": 0}
+     "sleep_every": 0, "sleep": 0.0, "buffer_timeout": 0.1, "await_readers": 0,
+     "barrier_every": 0}
 
 Producer ``p`` writes ``records`` records to each subpartition ``s``, interleaved; record
 ``i`` of ``(p, s)`` is the msgpack list ``[p, s, i, payload]`` where ``payload`` is
 ``payload`` bytes of value ``i % 251``. With ``fail_after`` the producer calls
 ``writer.fail`` after that many records in all; ``sleep_every`` / ``sleep`` throttle it;
-``await_readers`` makes it wait, once registered, until the server has that many readers.
+``await_readers`` makes it wait, once registered, until the server has that many readers;
+``barrier_every`` broadcasts ``CheckpointBarrier(k)`` after ``k * barrier_every`` records
+of each subpartition (exactly once, so aligned: the subpartition blocks until resumed).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from typing import Any
 
 import uvloop
 
+from exchange.events import CheckpointBarrier
 from exchange.memory import NetworkBufferPool
 from exchange.partition import (
     ResultPartition,
@@ -66,6 +70,7 @@ STREAM_DEFAULTS: dict[str, Any] = {
     "sleep": 0.0,
     "buffer_timeout": 0.1,
     "await_readers": 0,
+    "barrier_every": 0,
 }
 
 
@@ -111,9 +116,12 @@ class Daemon:
             payloads = [bytes([i]) * s["payload"] for i in range(251)]
             fail_after = s["fail_after"]
             sleep_every = s["sleep_every"]
+            barrier_every = s["barrier_every"]
             written = 0
             try:
                 for i in range(s["records"]):
+                    if barrier_every and i and i % barrier_every == 0:
+                        await writer.broadcast_event(CheckpointBarrier(i // barrier_every, 0))
                     for sub in range(n_sub):
                         if fail_after is not None and written >= fail_after:
                             await writer.flush()

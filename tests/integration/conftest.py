@@ -77,16 +77,23 @@ class ChildProcess:
         self.events.append(event)
         return event
 
-    async def expect(self, name: str, timeout: float = LINE_TIMEOUT) -> dict[str, Any]:
-        """The oldest event called ``name`` not returned yet, waiting for it if need be."""
+    async def expect(
+        self, name: str, timeout: float = LINE_TIMEOUT, **fields: Any
+    ) -> dict[str, Any]:
+        """The oldest event called ``name`` (with these ``fields``) not returned yet,
+        waiting for it if need be."""
+
+        def match(event: dict[str, Any]) -> bool:
+            return event["event"] == name and all(event.get(k) == v for k, v in fields.items())
+
         for i, event in enumerate(self._unclaimed):
-            if event["event"] == name:
+            if match(event):
                 return self._unclaimed.pop(i)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
             event = await self.next_event(max(deadline - loop.time(), 0.01))
-            if event["event"] == name:
+            if match(event):
                 return event
             self._unclaimed.append(event)
 

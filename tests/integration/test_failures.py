@@ -122,7 +122,7 @@ async def test_producer_failure_reaches_the_consumer(
 
 @pytest.mark.asyncio(loop_factories=["asyncio"])
 async def test_killed_consumer_releases_the_daemons_views_and_buffers(
-    spawn_server: Spawn, spawn_client: Spawn
+    spawn_server: Spawn, spawn_client: Spawn, net: Any
 ) -> None:
     daemon = await spawn_server(
         segments=128,
@@ -152,6 +152,7 @@ async def test_killed_consumer_releases_the_daemons_views_and_buffers(
     done = await daemon.expect("producer_done", timeout=1.0)
     assert "released" in done["error"]  # the producer learned that its consumer left
     await daemon.quit()
+    await net.assert_no_other_tasks()
 
 
 @pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
@@ -206,5 +207,85 @@ async def test_no_daemon_is_a_transport_error(
     gate = net.make_gate(address, [ResultPartitionID("x", 0)], 0, cm, nbp)
     with pytest.raises(TransportError, match="cannot connect"):
         await net.read_all(gate, timeout=10)
+    await cm.close()
+    await net.assert_no_other_tasks()
+
+
+@pytest.mark.asyncio(loop_factories=["uvloop"])
+async def test_consumer_leaving_early_cancels_only_its_stream(
+    spawn_server: Spawn, client_pool: PoolFactory, net: Any
+) -> None:
+    """A gate closed mid-stream sends CancelPartitionRequest: the daemon releases that
+    view (its producer learns) while another stream on the same connection goes on."""
+    n, payload = 3_000, 100
+    daemon = await spawn_server(
+        streams=[
+            {"dataset": "quits", "records": 10**7, "payload": payload},
+            {"dataset": "stays", "records": n, "payload": payload}
+            | {"sleep_every": 500, "sleep": 0.02},
+        ]
+    )
+    nbp = client_pool(32, SEG)
+    cm = ConnectionManager(segment_size=SEG)
+    quitter = net.make_gate(daemon.address, [ResultPartitionID("quits", 0)], 0, cm, nbp)
+    stayer = net.make_gate(daemon.address, [ResultPartitionID("stays", 0)], 0, cm, nbp)
+    staying = asyncio.create_task(net.read_all(stayer))
+    reader = RecordReader(quitter)
+    records: list[Any] = []
+    try:
+        async with asyncio.timeout(10):
+            await quitter.request_partitions()
+            while len(records) < 1000:
+                batch = await reader.next_batch()
+                assert batch is not None
+                records.extend(batch)
+    finally:
+        reader.close()  # leaves early
+    assert_in_order_prefix(records)
+    # The producer learns that its consumer left, while the connection is still open.
+    quits = await daemon.expect("producer_done", timeout=5, dataset="quits")
+    assert "released" in quits["error"]
+    net.check_records(await staying, [0], 0, n, payload)
+    assert len(cm.connections) == 1  # one connection served both, and survived the cancel
+    await cm.close()
+    stays = await daemon.expect("producer_done", timeout=5, dataset="stays")
+    assert stays["error"] is None
+    await daemon.quit()
+    await net.assert_no_other_tasks()
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_daemon_shutdown_mid_stream_is_a_transport_error(
+    spawn_server: Spawn, client_pool: PoolFactory, net: Any
+) -> None:
+    daemon = await spawn_server(
+        streams=[
+            {"dataset": "bye", "records": 10**7, "payload": 100}
+            | {"sleep_every": 200, "sleep": 0.005}
+        ]
+    )
+    nbp = client_pool(16, SEG)
+    cm = ConnectionManager(segment_size=SEG)
+    gate = net.make_gate(daemon.address, [ResultPartitionID("bye", 0)], 0, cm, nbp)
+    reader = RecordReader(gate)
+    records: list[Any] = []
+    try:
+        async with asyncio.timeout(10):
+            await gate.request_partitions()
+            while len(records) < 1000:
+                batch = await reader.next_batch()
+                assert batch is not None
+                records.extend(batch)
+        daemon.send("quit")  # the daemon closes every connection with SERVER_SHUTDOWN
+        with pytest.raises(TransportError, match="shutting down"):
+            async with asyncio.timeout(5):
+                while (batch := await reader.next_batch()) is not None:
+                    records.extend(batch)
+    finally:
+        reader.close()
+    assert_in_order_prefix(records)
+    bye = await daemon.expect("bye")
+    assert bye["whole"] and bye["connections"] == 0, bye
+    assert await daemon.wait() == 0
     await cm.close()
     await net.assert_no_other_tasks()

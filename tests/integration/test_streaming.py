@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 
 from client.network import ConnectionManager
+from exchange.consumer import RecordReader
+from exchange.events import AbstractEvent, CheckpointBarrier
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartitionID
 
@@ -157,5 +159,43 @@ async def test_credit_stops_the_sender_and_backpressures_the_producer(
     await cm.close()
     st = await daemon.wait_for_stats(lambda s: s["producers_done"] == 1, 10)
     assert st["producer_errors"] == []
+    await daemon.quit()
+    await net.assert_no_other_tasks()
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+async def test_aligned_barriers_block_and_resume_over_the_wire(
+    spawn_server: Spawn, client_pool: PoolFactory, net: Any
+) -> None:
+    """Each aligned barrier blocks its subpartition on the daemon until the reader sends
+    ResumeConsumption; the stream would stall at the first one otherwise."""
+    n, every, payload = 5_000, 500, 50
+    daemon = await spawn_server(
+        streams=[
+            {"dataset": "cp", "records": n, "payload": payload, "barrier_every": every}
+            | {"buffer_timeout": -1}
+        ]
+    )
+    nbp = client_pool(16, SEG)
+    cm = ConnectionManager(segment_size=SEG)
+    gate = net.make_gate(daemon.address, [ResultPartitionID("cp", 0)], 0, cm, nbp)
+    seen: list[tuple[int, int]] = []
+
+    def on_event(event: AbstractEvent, channel: int) -> None:
+        if isinstance(event, CheckpointBarrier):  # None: the reader resumes consumption
+            seen.append((event.checkpoint_id, reader.records_in))
+
+    reader = RecordReader(gate, event_handler=on_event)
+    try:
+        async with asyncio.timeout(20):
+            await gate.request_partitions()
+            records = await reader.read_all()
+    finally:
+        reader.close()
+    net.check_records(records, [0], 0, n, payload)
+    # In band: barrier k comes after exactly k * every records, none lost or reordered.
+    assert seen == [(k, k * every) for k in range(1, n // every)]
+    await cm.close()
+    assert (await daemon.expect("producer_done"))["error"] is None
     await daemon.quit()
     await net.assert_no_other_tasks()

@@ -181,7 +181,7 @@ async def wait_until_stalled(
 
 @pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 async def test_stalled_reader_pauses_the_server_and_blocks_the_producer(
-    server_pool: NetworkBufferPool,
+    server_pool: NetworkBufferPool, net: Any
 ) -> None:
     manager = ResultPartitionManager()
     server = DataServer(manager, segment_size=SEG, high_watermark=HIGH, low_watermark=LOW)
@@ -217,11 +217,12 @@ async def test_stalled_reader_pauses_the_server_and_blocks_the_producer(
         await cleanup(server, manager, producer, client)
     assert server.connections == set()
     assert len(manager) == 0
+    await net.assert_no_other_tasks()
 
 
 @pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
 async def test_close_with_a_stalled_client_releases_everything(
-    server_pool: NetworkBufferPool,
+    server_pool: NetworkBufferPool, net: Any
 ) -> None:
     """Shutting the daemon down must not wait for a client that never reads again."""
     manager = ResultPartitionManager()
@@ -247,3 +248,4 @@ async def test_close_with_a_stalled_client_releases_everything(
         assert server_pool.num_in_use == 0, server_pool.stats()
     finally:
         await cleanup(server, manager, producer, client)
+    await net.assert_no_other_tasks()
