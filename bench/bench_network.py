@@ -292,6 +292,15 @@ def _profile_text(prof: cProfile.Profile | None, limit: int = 25) -> str | None:
     return out.getvalue()
 
 
+def _receive(conn: Connection, timeout: float, what: str) -> Any:
+    try:
+        if conn.poll(timeout):
+            return conn.recv()
+    except EOFError:
+        pass
+    raise RuntimeError(f"{what} (see its traceback above)")
+
+
 def run_pair(
     server: Callable[..., None],
     server_args: tuple[Any, ...],
@@ -307,22 +316,18 @@ def run_pair(
     sp = ctx.Process(target=server, args=(s_child, *server_args))
     procs = [sp]
     sp.start()
+    s_child.close()  # so that a child that dies reads as EOF here, not as a long wait
     try:
-        if not s_parent.poll(60):
-            raise RuntimeError("server process did not start")
-        port = s_parent.recv()
+        port = _receive(s_parent, 60, "server process did not start")
         cp = ctx.Process(target=client, args=(c_child, port, *client_args))
         procs.append(cp)
         cp.start()
-        if not c_parent.poll(600):
-            raise RuntimeError("client process gave no result")
-        result = c_parent.recv()
+        c_child.close()
+        result = _receive(c_parent, 600, "client process gave no result")
         cp.join(30)
         if stop_server:
             s_parent.send("stop")
-        if not s_parent.poll(60):
-            raise RuntimeError("server process gave no result")
-        server_result = s_parent.recv()
+        server_result = _receive(s_parent, 60, "server process gave no result")
         sp.join(30)
         return result, server_result
     finally:
