@@ -12,6 +12,7 @@ Producer-side notifications are deferred through ``schedule`` (the event loop's
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -108,10 +109,8 @@ class PartitionRequestQueue:
     def _drop(self, reader: CreditBasedSequenceNumberingViewReader) -> None:
         if reader.registered_as_available:
             reader.registered_as_available = False
-            try:
+            with contextlib.suppress(ValueError):
                 self._available.remove(reader)
-            except ValueError:
-                pass
         reader.release_all_resources()
 
     # -- sending -------------------------------------------------------------------------

@@ -12,6 +12,7 @@ Files live in the spill directory and are deleted by ``close``.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import mmap
 import os
@@ -104,10 +105,8 @@ class _FileWriterBase:
         if self._file is not None:
             self._file.close()
             self._file = None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def _parse_header(header: bytes | memoryview, path: Path) -> tuple[DataType, bool, int]:
