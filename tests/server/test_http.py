@@ -600,7 +600,7 @@ async def test_dashboard_renders_live_values_in_chromium(
             *common,
             f"--user-data-dir={tmp_path / 'profile-shot'}",
             "--virtual-time-budget=30000",
-            "--window-size=1280,1000",
+            "--window-size=1280,720",
             f"--screenshot={shot}",
             url,
         )
@@ -614,7 +614,6 @@ async def test_dashboard_renders_live_values_in_chromium(
     assert f'<tr data-id="{BLOCKING_ID}">' in dom
     assert f'<tr data-id="{PIPELINED_ID}">' in dom
     assert '<span id="status" class="pill live">live</span>' in dom
-    assert '<span id="producers">' not in dom  # a <dd>, filled
     assert '<dd id="producers">2</dd>' in dom
     assert "<polyline" in dom  # the throughput chart has at least two samples
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
