@@ -22,6 +22,7 @@ from exchange.buffers.buffer import Buffer
 from exchange.errors import (
     ExchangeError,
     PartitionError,
+    PartitionReleasedError,
     ProducerFailedError,
     ProtocolError,
 )
@@ -133,6 +134,28 @@ class ProducerSession:
         self._reserved: deque[Buffer] = deque()
         self._waiter: asyncio.Task[None] | None = None
         self.finished = False
+        inner = partition.on_release
+
+        def on_release(part: ResultPartition) -> None:
+            if inner is not None:
+                inner(part)
+            self._on_partition_released()
+
+        partition.on_release = on_release
+
+    def _on_partition_released(self) -> None:
+        """Released under a producer still writing (its consumer left, the daemon stops):
+        tell the task now, since one waiting for credit would otherwise wait forever."""
+        if self.finished:
+            return
+        self._drop_reserved()
+        cause = self.partition.failure_cause
+        if not isinstance(cause, PartitionError):
+            cause = PartitionReleasedError(
+                "partition was released while its producer was writing",
+                self.partition.partition_id,
+            )
+        self.proto._close_with(error_response_for(cause))
 
     def _reserve_nowait(self) -> int:
         """Reserve free segments up to the credit limit; returns how many were added."""

@@ -572,3 +572,37 @@ def _outcome(fn: Callable[[], Any]) -> Any:
         return fn()
     except BaseException as e:
         return e
+
+
+def test_producer_waiting_for_credit_fails_when_its_consumer_leaves(start_daemon: Any) -> None:
+    """The producer is stalled with zero credit (its pool is full and nobody reads) when
+    its consumer attaches and leaves without reading: the daemon must tell the producer,
+    which would otherwise wait for credit forever."""
+    d = start_daemon()
+    pid = ResultPartitionID("stalled", 0, 0)
+    generated = [0]
+
+    def records() -> Iterator[tuple[int, bytes]]:
+        for i in range(200_000):
+            generated[0] = i
+            yield (i, b"s" * 1000)
+
+    producer = Producer(d, pid, records(), n=1, buffer_timeout=-1)
+    producer.start()
+    assert producer.opened.wait(10)
+    last, stable_since = -1, time.monotonic()
+    deadline = time.monotonic() + 20
+    while time.monotonic() - stable_since < 0.5:  # stalled on backpressure
+        assert time.monotonic() < deadline, "producer never stalled"
+        if generated[0] != last:
+            last, stable_since = generated[0], time.monotonic()
+        time.sleep(0.05)
+    assert producer.is_alive()
+
+    reader = PartitionReader([location(d, pid, 0)], **FAST_BACKOFF)
+    reader.close()  # attached, then gone without reading a record
+
+    producer.join(20)
+    assert not producer.is_alive(), "producer waits for credit forever after its consumer left"
+    assert isinstance(producer.error, PartitionReleasedError), repr(producer.error)
+    d.wait_pool_whole()
