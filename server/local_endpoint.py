@@ -43,7 +43,7 @@ from exchange.protocol.local_messages import (
     Released,
     ReleaseDataset,
 )
-from exchange.protocol.messages import Message, error_response_for
+from exchange.protocol.messages import ErrorResponse, Message, error_response_for
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
 
 if TYPE_CHECKING:
@@ -55,6 +55,8 @@ log = logging.getLogger("exchange.server.local")
 
 #: Buffers a producer may have in flight (credit) at most.
 MAX_PRODUCER_CREDIT: Final = 8
+#: How long a producer whose partition is gone may take to read why and close.
+_FAILED_PRODUCER_GRACE: Final = 2.0
 
 
 class LocalEndpoint(DataServer):
@@ -155,7 +157,7 @@ class ProducerSession:
                 "partition was released while its producer was writing",
                 self.partition.partition_id,
             )
-        self.proto._close_with(error_response_for(cause))
+        self.proto.fail_producer(error_response_for(cause))
 
     def _reserve_nowait(self) -> int:
         """Reserve free segments up to the credit limit; returns how many were added."""
@@ -256,16 +258,36 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         self.endpoint = endpoint
         self.daemon = endpoint.daemon
         self.session: ProducerSession | None = None
+        self._producer_failed = False
+
+    def fail_producer(self, resp: ErrorResponse) -> None:
+        """Tell the producer task why its partition is gone, then let *it* close.
+
+        Closing first would make the pushes it still has in flight fail with EPIPE before
+        it reads the reason; so pushes are dropped from now on, and the connection is
+        closed after a grace period if the task does not close it.
+        """
+        if self._producer_failed:
+            return
+        self._producer_failed = True
+        if self.session is not None:
+            self.session._drop_reserved()
+        self.send(resp)
+        self._loop.call_later(_FAILED_PRODUCER_GRACE, self.close)
 
     def on_message(self, msg: Message) -> None:
         if type(msg) is PushBuffer:
+            if self._producer_failed:
+                return  # in flight before the task learned its partition is gone
             if self.session is None or self.session.finished:
                 raise ProtocolError("PushBuffer before CreatePartition")
             try:
                 self.session.on_push(msg)
             except PartitionError as e:
                 # The partition is gone (released, or a consumer failed): tell the task.
-                self._close_with(error_response_for(e))
+                self.fail_producer(error_response_for(e))
+            return
+        if self._producer_failed and isinstance(msg, (FinishPartition, FailPartition)):
             return
         match msg:
             case CreatePartition():
@@ -276,7 +298,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 try:
                     self.send(self.session.finish())
                 except PartitionError as e:
-                    self._close_with(error_response_for(e))
+                    self.fail_producer(error_response_for(e))
             case FailPartition(reason=reason):
                 if self.session is not None and not self.session.finished:
                     self.session.fail(f"producer task failed: {reason}")

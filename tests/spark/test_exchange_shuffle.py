@@ -221,7 +221,9 @@ def test_failing_pipelined_producer_fails_the_job_never_a_short_result(spark: An
     assert "producer 0 breaks mid-stream" in text or "ProducerFailedError" in text, text[-2000:]
     # the session is still usable and the daemon's memory came back
     assert sc.parallelize([1, 2], 2).sum() == 3
-    deadline = time.monotonic() + 10
+    # A killed barrier task's Python worker may hold its reader until Spark tears the
+    # worker down; the memory must come back once it does.
+    deadline = time.monotonic() + 60
     while True:
         stats = daemon_stats()
         net = stats["network"]
@@ -229,7 +231,7 @@ def test_failing_pipelined_producer_fails_the_job_never_a_short_result(spark: An
             p for p in stats["partitions"]["items"] if out.exchange_id in str(p)
         ]:
             break
-        assert time.monotonic() < deadline, stats
+        assert time.monotonic() < deadline, (stats["network"], stats["partitions"])
         time.sleep(0.1)
 
 
