@@ -144,6 +144,13 @@ class ProducerSession:
             self._on_partition_released()
 
         partition.on_release = on_release
+        partition.on_consumer_failure = self._on_consumer_failure
+
+    def _on_consumer_failure(self, cause: BaseException) -> None:
+        """A reader left a subpartition early: the stream cannot complete, so the task must
+        hear it now (it may be waiting for credit that only that reader would free)."""
+        if not self.finished and isinstance(cause, PartitionError):
+            self.proto.fail_producer(error_response_for(cause))
 
     def _on_partition_released(self) -> None:
         """Released under a producer still writing (its consumer left, the daemon stops):

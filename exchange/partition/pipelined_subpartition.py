@@ -249,12 +249,12 @@ class PipelinedSubpartition:
         self._view = None
         if not self._consumed and not self._released:
             # The reader left before the end: a consumer failure the producer must see.
-            self.release(
-                PartitionReleasedError(
-                    f"subpartition {self.index} was released by its consumer before the end",
-                    self._parent.partition_id,
-                )
+            cause = PartitionReleasedError(
+                f"subpartition {self.index} was released by its consumer before the end",
+                self._parent.partition_id,
             )
+            self.release(cause)
+            self._parent._on_consumer_failure(cause)
         self._parent._on_subpartition_consumed(self.index)
 
     @property

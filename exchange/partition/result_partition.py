@@ -108,6 +108,9 @@ class ResultPartition:
         self._buffers_out = 0
         self._back_pressured = 0.0
         self.on_release: Callable[[ResultPartition], None] | None = None
+        #: Told when a reader leaves a pipelined subpartition before its end: a producer
+        #: that is not writing into that subpartition right now would not notice otherwise.
+        self.on_consumer_failure: Callable[[BaseException], None] | None = None
 
     @property
     def num_subpartitions(self) -> int:
@@ -394,6 +397,10 @@ class ResultPartition:
         if self._released:
             raise PartitionReleasedError("partition was released", self.partition_id)
         return self.subpartitions[index].create_read_view(listener)
+
+    def _on_consumer_failure(self, cause: BaseException) -> None:
+        if self.on_consumer_failure is not None:
+            self.on_consumer_failure(cause)
 
     def _on_subpartition_consumed(self, index: int) -> None:
         """Pipelined partitions are released once every subpartition was consumed."""
