@@ -218,7 +218,13 @@ def test_failing_pipelined_producer_fails_the_job_never_a_short_result(spark: An
     with pytest.raises(Exception) as excinfo:
         out.collect()
     text = str(excinfo.value)
-    assert "producer 0 breaks mid-stream" in text or "ProducerFailedError" in text, text[-2000:]
+    # Spark reports whichever task failed first: producer 0 itself, a reader of its
+    # partition, or the other producer, told that a reader left its stream early.
+    assert (
+        "producer 0 breaks mid-stream" in text
+        or "ProducerFailedError" in text
+        or "released by its consumer before the end" in text
+    ), text[-2000:]
     # the session is still usable and the daemon's memory came back
     assert sc.parallelize([1, 2], 2).sum() == 3
     # A killed barrier task's Python worker may hold its reader until Spark tears the
