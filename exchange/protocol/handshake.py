@@ -15,8 +15,9 @@ closing in ``error_response``, and raises::
 
 Fresh nonces on both sides make every MAC valid for one connection only (no replay), and
 the distinct labels keep a server's proof from being reflected as a client's MAC. A server
-without a secret accepts every client, including one that has a secret: the client then
-learns ``auth_required=False`` and goes on unauthenticated (``authenticated`` is False).
+without a secret accepts every client without a secret. A client *with* a secret refuses a
+server that does not ask for authentication (``auth_required=False``) with an
+``AuthenticationError``: anyone could pose as such a daemon (no downgrade).
 """
 
 from __future__ import annotations
@@ -169,6 +170,15 @@ class ClientHandshake:
             raise self._fail(VersionMismatchError(msg.version, self._version))
         self._server_nonce = msg.server_nonce
         if not msg.auth_required:
+            if self._secret is not None:
+                # No downgrade: a peer that skips authentication could be anyone.
+                raise self._fail(
+                    AuthenticationError(
+                        "the server does not authenticate, but this client holds a secret; "
+                        "configure the daemon with the same secret"
+                        + (f" (daemon={self._address})" if self._address else "")
+                    )
+                )
             self.state = ClientHandshakeState.ESTABLISHED
             return []
         if self._secret is None:

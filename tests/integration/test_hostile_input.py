@@ -377,3 +377,23 @@ async def test_live_socket_fuzz(spawn_server: Spawn, client_pool: PoolFactory, n
     await daemon.quit()
     assert "Traceback" not in await daemon.read_stderr()
     await net.assert_no_other_tasks()
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_client_with_a_secret_refuses_a_daemon_without_one(
+    spawn_server: Spawn, client_pool: PoolFactory, net: Any
+) -> None:
+    """Defect 9 (auth downgrade): a daemon that does not authenticate could be anyone; a
+    client holding a secret must refuse it instead of reading unauthenticated data."""
+    daemon = await spawn_server(streams=[GOOD_STREAM])  # no secret
+    nbp = client_pool(32, SEG)
+    cm = ConnectionManager(segment_size=SEG, secret=SECRET.encode())
+    gate = net.make_gate(daemon.address, [ResultPartitionID(GOOD, 0)], 0, cm, nbp)
+    with pytest.raises(AuthenticationError, match="does not authenticate"):
+        await net.read_all(gate, timeout=10)
+    assert cm.connections == []
+    await cm.close()
+    good = GoodConsumer(daemon.address, nbp, None)  # the daemon itself is fine
+    await good.finish(net)
+    await daemon.quit()
+    await net.assert_no_other_tasks()

@@ -115,11 +115,15 @@ def test_right_secret_authenticates_both_ways() -> None:
     assert c.error_response is None and s.error_response is None
 
 
-def test_client_with_secret_accepts_a_server_without_one() -> None:
+def test_client_with_secret_refuses_a_server_without_one() -> None:
+    """Defect 9 (auth downgrade): a client configured with a secret must not talk to a
+    peer that does not prove it knows the secret (anyone could impersonate a daemon)."""
     c, s = client(b"secret"), server(None)
-    run(c, s)
-    assert c.is_established and s.is_established
+    with pytest.raises(AuthenticationError, match="does not authenticate"):
+        run(c, s)
+    assert c.state is ClientHandshakeState.FAILED
     assert not c.authenticated
+    assert c.error_response is not None and c.error_response.code is ErrorCode.AUTH_FAILED
 
 
 def test_default_nonces_are_random() -> None:
