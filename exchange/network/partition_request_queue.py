@@ -8,11 +8,19 @@ watermark) resumes it. New data, new credit and ResumeConsumption re-queue a rea
 
 Producer-side notifications are deferred through ``schedule`` (the event loop's
 ``call_soon``) so a producer's ``add`` never re-enters the send loop.
+
+Errors: whatever a reader's view raises (a truncated spill file, an I/O error, a bug in a
+view) fails *that* channel: an ``ErrorResponse`` with its receiver id, the reader released,
+the other readers served on. Anything else (the channel failing to send) propagates to the
+caller; the caller that runs ``schedule``'s callbacks must treat it as fatal for the
+connection (the server connection closes with an ``ErrorResponse``), since an exception
+escaping an event-loop callback is only logged and would leave every channel stalled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
@@ -21,9 +29,11 @@ from exchange.buffers.buffer import Buffer
 from exchange.errors import PartitionReleasedError, ProducerFailedError
 from exchange.events.events import EventSerializer
 from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberingViewReader
-from exchange.protocol.messages import ErrorCode, ErrorResponse, Message
+from exchange.protocol.messages import ErrorCode, ErrorResponse, Message, error_response_for
 
 __all__ = ["OutboundChannel", "PartitionRequestQueue"]
+
+log = logging.getLogger("exchange.network.queue")
 
 
 class OutboundChannel(Protocol):
@@ -49,7 +59,7 @@ class PartitionRequestQueue:
         self._schedule = schedule
         self._available: deque[CreditBasedSequenceNumberingViewReader] = deque()
         self._readers: dict[int, CreditBasedSequenceNumberingViewReader] = {}
-        self._fatal = False
+        self._released = False
         self.buffers_sent = 0
         self.bytes_sent = 0
 
@@ -69,13 +79,17 @@ class PartitionRequestQueue:
         self._schedule(lambda: self.enqueue_available_reader(reader))
 
     def enqueue_available_reader(self, reader: CreditBasedSequenceNumberingViewReader) -> None:
-        if self._fatal or reader.registered_as_available:
+        if self._released or reader.registered_as_available:
             return
         if self._readers.get(reader.receiver_id) is not reader:
             return
-        if not reader.is_available():
-            if reader.is_released:
-                self._send_release_error(reader)
+        try:
+            if not reader.is_available():
+                if reader.is_released:
+                    self._send_release_error(reader)
+                return
+        except Exception as exc:
+            self._fail_reader(reader, exc)
             return
         trigger = not self._available
         reader.registered_as_available = True
@@ -92,13 +106,20 @@ class PartitionRequestQueue:
     def resume_consumption(self, receiver_id: int) -> None:
         reader = self._readers.get(receiver_id)
         if reader is not None:
-            reader.resume_consumption()
+            try:
+                reader.resume_consumption()
+            except Exception as exc:
+                self._fail_reader(reader, exc)
+                return
             self.enqueue_available_reader(reader)
 
     def notify_new_buffer_size(self, receiver_id: int, size: int) -> None:
         reader = self._readers.get(receiver_id)
         if reader is not None:
-            reader.notify_new_buffer_size(size)
+            try:
+                reader.notify_new_buffer_size(size)
+            except Exception as exc:
+                self._fail_reader(reader, exc)
 
     def cancel(self, receiver_id: int) -> None:
         """The receiver is gone: release its view (consumption failure if not done)."""
@@ -106,12 +127,30 @@ class PartitionRequestQueue:
         if reader is not None:
             self._drop(reader)
 
+    def fail_reader(self, receiver_id: int, cause: BaseException) -> None:
+        """Fail one channel for an error raised on its behalf outside the queue (e.g. by
+        the view's memory callback when a sent buffer was recycled)."""
+        reader = self._readers.get(receiver_id)
+        if reader is not None:
+            self._fail_reader(reader, cause)
+
+    def _fail_reader(
+        self, reader: CreditBasedSequenceNumberingViewReader, cause: BaseException
+    ) -> None:
+        """The reader's view raised: end that channel with an error, release its view."""
+        if self._readers.get(reader.receiver_id) is not reader:
+            return  # already dropped
+        del self._readers[reader.receiver_id]
+        log.warning("%r failed: %s: %s", reader, type(cause).__name__, cause)
+        self._drop(reader)
+        self._channel.send(error_response_for(cause, reader.receiver_id))
+
     def _drop(self, reader: CreditBasedSequenceNumberingViewReader) -> None:
         if reader.registered_as_available:
             reader.registered_as_available = False
             with contextlib.suppress(ValueError):
                 self._available.remove(reader)
-        reader.release_all_resources()
+        _release_reader(reader)
 
     # -- sending -------------------------------------------------------------------------
 
@@ -119,13 +158,17 @@ class PartitionRequestQueue:
         """Send buffers while the channel is writable and a reader has something."""
         channel = self._channel
         available = self._available
-        while not self._fatal and channel.is_writable and available:
+        while not self._released and channel.is_writable and available:
             reader = available.popleft()
             reader.registered_as_available = False
-            nxt = reader.get_next_buffer()
-            if nxt is None:
-                if reader.is_released:
-                    self._send_release_error(reader)
+            try:
+                nxt = reader.get_next_buffer()
+                if nxt is None:
+                    if reader.is_released:
+                        self._send_release_error(reader)
+                    continue
+            except Exception as exc:
+                self._fail_reader(reader, exc)
                 continue
             if nxt.more_available:
                 reader.registered_as_available = True
@@ -159,14 +202,23 @@ class PartitionRequestQueue:
 
     def release_all(self) -> None:
         """The connection is gone: release every view (pools whole again)."""
-        self._fatal = True
+        self._released = True
         readers = list(self._readers.values())
         self._readers.clear()
         self._available.clear()
         for reader in readers:
             reader.registered_as_available = False
-            reader.release_all_resources()
+            _release_reader(reader)
 
     @property
     def num_readers(self) -> int:
         return len(self._readers)
+
+
+def _release_reader(reader: CreditBasedSequenceNumberingViewReader) -> None:
+    """Release a reader's view; an error doing so is logged (the reader is dropped anyway,
+    and nobody is left to tell)."""
+    try:
+        reader.release_all_resources()
+    except Exception:
+        log.exception("releasing %r failed", reader)

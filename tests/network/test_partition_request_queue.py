@@ -20,6 +20,7 @@ from exchange.events.events import CheckpointBarrier, EventSerializer
 from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberingViewReader
 from exchange.network.partition_request_queue import PartitionRequestQueue
 from exchange.partition import ResultPartition, ResultPartitionManager
+from exchange.partition.bounded_data import HEADER as BOUNDED_DATA_HEADER
 from exchange.protocol.messages import ErrorCode, ErrorResponse, Message
 from exchange.serialization.codec import BytesCodec
 from exchange.serialization.spanning_record_serializer import SpanningRecordSerializer
@@ -395,3 +396,126 @@ def test_stats_count_what_was_sent(
     assert queue.buffers_sent == 4
     assert queue.bytes_sent == sum(len(s.payload) for s in channel.sent)
     assert EventSerializer.from_bytes(channel.sent[-1].payload) is not None
+
+
+# -- defect 3: a reader's error fails its channel, never the queue ----------------------
+
+
+def truncate_spill_file(part: ResultPartition, index: int, keep_buffers: int) -> None:
+    """Cut subpartition ``index``'s spill file in the middle of buffer ``keep_buffers``."""
+    path = part.subpartitions[index].data.path  # type: ignore[union-attr]
+    per_buffer = BOUNDED_DATA_HEADER.size + part.segment_size
+    with open(path, "r+b") as f:
+        f.truncate(keep_buffers * per_buffer + BOUNDED_DATA_HEADER.size + 100)
+
+
+def test_a_truncated_spill_file_fails_only_its_channel(
+    make_partition: PartitionFactory,
+    manager: ResultPartitionManager,
+    queue: PartitionRequestQueue,
+    channel: RecordingChannel,
+    loop: Loop,
+) -> None:
+    """Defect 3: the reader's error used to escape the scheduled callback (asyncio logged
+    and dropped it) and every channel of the connection stalled silently."""
+    part = make_partition(1, "blocking", 2, (2, 4))
+    add_full_buffers(part, 0, 6, start=0)
+    add_full_buffers(part, 1, 6, start=100)
+    part.finish()
+    truncate_spill_file(part, 0, keep_buffers=2)
+    broken = attach(queue, manager, part, 10, credit=20, index=0)
+    attach(queue, manager, part, 20, credit=20, index=1)
+    loop.run()  # must not raise: the error is routed to its channel
+
+    [err] = channel.messages
+    assert isinstance(err, ErrorResponse)
+    assert err.receiver_id == 10 and not err.is_fatal
+    assert err.code is ErrorCode.INTERNAL and "truncated" in err.message
+    assert broken.is_released  # its view (and the file reader) released
+    # An in-order prefix of the intact buffers (the reader reads one ahead).
+    tags = [s.tag for s in channel.data(10)]
+    assert tags == list(range(len(tags))) and len(tags) <= 2
+    # The other channel of the same connection goes on to its end.
+    assert [s.tag for s in channel.data(20)] == list(range(100, 106))
+    assert channel.sent[-1].receiver_id == 20
+    assert channel.sent[-1].data_type is DataType.EVENT_BUFFER
+    assert queue.num_readers == 0
+    queue.add_credit(10, 5)  # late credit for the failed channel is ignored
+    loop.run()
+    assert len(channel.messages) == 1
+
+
+class FailingView:
+    """A ResultSubpartitionView whose every call raises ``error`` once ``armed``."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.armed = False
+        self.released = False
+
+    def _check(self) -> None:
+        if self.armed:
+            raise self.error
+
+    def get_next_buffer(self) -> None:
+        self._check()
+
+    def get_availability_and_backlog(self, num_credits: int) -> tuple[bool, int]:
+        self._check()
+        return False, 0
+
+    def resume_consumption(self) -> None:
+        self._check()
+
+    def notify_new_buffer_size(self, size: int) -> None:
+        self._check()
+
+    def release_all_resources(self) -> None:
+        self.released = True
+        self._check()  # even the release may fail: the reader is dropped all the same
+
+    @property
+    def is_released(self) -> bool:
+        return self.released
+
+    @property
+    def failure_cause(self) -> BaseException | None:
+        return None
+
+
+@pytest.mark.parametrize("trigger", ["notify", "add_credit", "resume", "buffer_size"])
+def test_any_view_error_fails_that_channel_and_nothing_else(
+    trigger: str,
+    make_partition: PartitionFactory,
+    manager: ResultPartitionManager,
+    queue: PartitionRequestQueue,
+    channel: RecordingChannel,
+    loop: Loop,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    view = FailingView(OSError(5, "Input/output error"))
+    bad = CreditBasedSequenceNumberingViewReader(7, 1, queue)
+    monkeypatch.setattr(bad, "_view", view)
+    queue.add_reader(bad)
+    part = make_partition(1, "pipelined", 1, (1, 8))
+    attach(queue, manager, part, 8, credit=4)
+    add_full_buffers(part, 0, 2)
+    view.armed = True
+    match trigger:
+        case "notify":
+            bad.notify_data_available()
+        case "add_credit":
+            queue.add_credit(7, 1)
+        case "resume":
+            queue.resume_consumption(7)
+        case "buffer_size":
+            queue.notify_new_buffer_size(7, 1024)
+    loop.run()
+    [err] = channel.messages
+    assert isinstance(err, ErrorResponse) and err.receiver_id == 7
+    assert err.code is ErrorCode.INTERNAL and "Input/output error" in err.message
+    assert view.released and queue.get_reader(7) is None
+    assert [s.tag for s in channel.data(8)] == [0, 1]  # the healthy channel was served
+    part.finish()
+    loop.run()
+    assert queue.num_readers == 0
