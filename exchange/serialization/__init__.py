@@ -12,6 +12,12 @@ from exchange.serialization.codec import (
     RecordCodec,
     RecordDecoder,
     RecordEncoder,
+    default_codec,
+)
+from exchange.serialization.pickle_batch import (
+    PickleBatchCodec,
+    PickleBatchDecoder,
+    PickleBatchEncoder,
 )
 from exchange.serialization.record_deserializer import RecordDeserializer
 from exchange.serialization.spanning_record_serializer import (
@@ -27,6 +33,9 @@ __all__ = [
     "BytesLike",
     "FramedCodec",
     "MsgpackCodec",
+    "PickleBatchCodec",
+    "PickleBatchDecoder",
+    "PickleBatchEncoder",
     "PickleCodec",
     "RecordCodec",
     "RecordDecoder",
@@ -34,4 +43,5 @@ __all__ = [
     "RecordEncoder",
     "SerializationResult",
     "SpanningRecordSerializer",
+    "default_codec",
 ]

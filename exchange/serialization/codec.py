@@ -5,14 +5,25 @@ with no padding and may span any number of buffers. A codec gives each writer an
 *encoder* that appends records to the stream and each input channel a *decoder* that is
 fed the stream in arbitrary pieces and hands back every whole record it has seen.
 
-Two stream formats:
+Three stream formats:
 
-* ``MsgpackCodec`` (the default): plain concatenated msgpack objects. msgpack is
-  self-delimiting, so there is no length prefix; a streaming ``msgpack.Unpacker`` finds
-  the record boundaries in C, which is what makes this path fast.
+* ``PickleBatchCodec`` (the default, ``default_codec()``, in ``pickle_batch.py``): frames
+  ``u32 big-endian length | pickle of a list of records``. Records come back exactly as
+  pickle round-trips them; batching makes pickle fast. Trusted peers only.
+* ``MsgpackCodec``: plain concatenated msgpack objects, for data shared with other
+  languages. msgpack is self-delimiting, so there is no length prefix; a streaming
+  ``msgpack.Unpacker`` finds the record boundaries in C. It changes values: tuples and
+  lists come back as one of the two, and it refuses datetimes, ``Decimal``, sets, ints
+  outside -2**63 .. 2**64-1 and user classes.
 * ``FramedCodec``: ``u32 big-endian length | payload`` per record, for payload codecs that
   are not self-delimiting (``PickleCodec``, ``BytesCodec``, a user's functions). A length
   above ``max_record_size`` is rejected before anything is allocated for it.
+
+Writers call ``encode_batch`` with the records of one channel: it returns one chunk to
+append to the channel's stream, or raises (``RecordTooLargeError``, or ``UsageError``
+naming the type of a record the format cannot encode) and nothing is to be appended. The
+per-record ``encode``/``encode_into``/``encode_until`` serve the SpanningRecordSerializer
+and raise the underlying library's errors (``TypeError``, ``PicklingError``...) as before.
 
 Decoders decode eagerly in ``feed``. A decode error does not surface from ``feed``: the
 records before the bad bytes are delivered first, then ``take`` (or iteration) raises a
@@ -34,6 +45,7 @@ from exchange.errors import CorruptRecordError, RecordTooLargeError, UsageError
 
 __all__ = [
     "DEFAULT_MAX_RECORD_SIZE",
+    "MAX_FRAMED_RECORD_SIZE",
     "BytesCodec",
     "BytesLike",
     "FramedCodec",
@@ -42,6 +54,8 @@ __all__ = [
     "RecordCodec",
     "RecordDecoder",
     "RecordEncoder",
+    "default_codec",
+    "unencodable_record",
 ]
 
 BytesLike = bytes | bytearray | memoryview
@@ -85,6 +99,16 @@ class RecordEncoder(Protocol):
         Offered when it is cheaper than ``encode_into`` (a C function such as
         ``msgpack.Packer.pack`` saves a Python call per record). It does not check
         ``max_record_size``; its caller does.
+        """
+        ...
+
+    def encode_batch(self, records: list[Any]) -> bytes | bytearray:
+        """One contiguous chunk appending ``records``, in order, to the stream.
+
+        A decoder fed the concatenation of chunks, cut anywhere, yields the records in
+        order. Raises ``RecordTooLargeError(size, limit)`` for a record over
+        ``max_record_size`` and ``UsageError`` (naming the record's type) for a record
+        the format cannot encode; then nothing is to be appended.
         """
         ...
 
@@ -164,6 +188,28 @@ def _check_limit(max_record_size: int, ceiling: int) -> int:
     return max_record_size
 
 
+def default_codec() -> RecordCodec:
+    """The codec used when none is given: exact Python values (``PickleBatchCodec``)."""
+    from exchange.serialization.pickle_batch import PickleBatchCodec  # imports this module
+
+    return PickleBatchCodec()
+
+
+def unencodable_record(record: Any, fmt: str, exc: BaseException) -> UsageError:
+    """The typed error for a record ``fmt`` cannot encode; ``exc`` becomes its cause."""
+    kind = type(record)
+    name = (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+    error = UsageError(
+        f"cannot encode a record of type {name} with {fmt}: {type(exc).__name__}: {exc}"
+    )
+    error.__cause__ = exc
+    return error
+
+
 def _nbytes(data: BytesLike) -> int:
     return data.nbytes if isinstance(data, memoryview) else len(data)
 
@@ -201,12 +247,16 @@ class _DecoderBase:
 
 
 class MsgpackCodec:
-    """The default codec: records are concatenated msgpack objects.
+    """Records as concatenated msgpack objects: for data shared with other languages.
 
     Records may be None, bool, int (-2**63 .. 2**64-1), float, str, bytes, lists, tuples
-    and dicts of these (dict keys of any hashable type). Arrays decode as lists, so a
-    tuple comes back as a list; with ``tuples=True`` every array decodes as a tuple
-    instead (lists come back as tuples). Strings are UTF-8, bytes stay bytes.
+    and dicts of these (dict keys of any hashable type). Values change on the way:
+    arrays decode as lists, so a tuple, a namedtuple or a ``pyspark.sql.Row`` comes back
+    as a plain list; with ``tuples=True`` every array decodes as a tuple instead (lists
+    come back as tuples). A ``bytearray`` comes back as ``bytes``. Strings are UTF-8.
+    ``encode_batch`` refuses anything else (datetimes, ``Decimal``, sets, larger ints,
+    user classes) with a ``UsageError``. For exact Python values use the default
+    ``PickleBatchCodec``.
     """
 
     __slots__ = ("_max_record_size", "tuples")
@@ -253,6 +303,29 @@ class MsgpackEncoder:
     @property
     def max_record_size(self) -> int:
         return self._max_record_size
+
+    def encode_batch(self, records: list[Any]) -> bytes:
+        packer = self._stream
+        pack = packer.pack
+        for record in records:
+            try:
+                pack(record)
+            except Exception as exc:
+                packer.reset()
+                raise unencodable_record(record, "msgpack", exc) from exc
+        data: bytes = packer.bytes()
+        packer.reset()
+        limit = self._max_record_size
+        if len(data) > limit:
+            # Only a record over the limit is an error; find it.
+            encode = self.encode
+            for record in records:
+                size = len(encode(record))
+                if size > limit:
+                    raise RecordTooLargeError(size, limit)
+        if len(data) > _STREAM_KEEP:
+            self._stream = msgpack.Packer(autoreset=False)
+        return data
 
     def encode_into(self, record: Any, out: bytearray) -> None:
         data = self.encode(record)
@@ -512,6 +585,9 @@ class FramedCodec:
 
     __slots__ = ("_decode", "_encode", "_max_record_size")
 
+    #: Names the payload format in errors.
+    format_name: str = "a framed codec"
+
     def __init__(
         self,
         encode: Callable[[Any], BytesLike] | None,
@@ -528,7 +604,7 @@ class FramedCodec:
         return self._max_record_size
 
     def new_encoder(self) -> FramedEncoder:
-        return FramedEncoder(self._encode, self._max_record_size)
+        return FramedEncoder(self._encode, self._max_record_size, self.format_name)
 
     def new_decoder(self) -> FramedDecoder:
         return FramedDecoder(self._decode, self._max_record_size)
@@ -538,9 +614,14 @@ class FramedCodec:
 
 
 class PickleCodec(FramedCodec):
-    """Any picklable record, as a framed pickle. Only for streams from trusted peers."""
+    """Any picklable record, as a framed pickle per record. Only for trusted peers.
+
+    Slower than the default ``PickleBatchCodec`` (one pickle call per record).
+    """
 
     __slots__ = ()
+
+    format_name = "pickle"
 
     def __init__(
         self,
@@ -559,24 +640,58 @@ class BytesCodec(FramedCodec):
 
     __slots__ = ()
 
+    format_name = "BytesCodec (records must be bytes-like)"
+
     def __init__(self, *, max_record_size: int = DEFAULT_MAX_RECORD_SIZE) -> None:
         super().__init__(None, bytes, max_record_size=max_record_size)
+
+
+def _payload_size(payload: object) -> int:
+    """The size of a bytes-like payload; TypeError for anything else."""
+    if isinstance(payload, memoryview):
+        return payload.nbytes
+    if isinstance(payload, bytes | bytearray):
+        return len(payload)
+    raise TypeError(f"record payload must be bytes-like, got {type(payload).__name__}")
 
 
 class FramedEncoder:
     """Appends ``length | payload``; the payload is never concatenated with its header."""
 
-    __slots__ = ("_inner", "_max_record_size")
+    __slots__ = ("_format_name", "_inner", "_max_record_size")
 
     encode = None  # a header-plus-payload bytes object would cost a copy of the payload
 
-    def __init__(self, inner: Callable[[Any], BytesLike] | None, max_record_size: int) -> None:
+    def __init__(
+        self,
+        inner: Callable[[Any], BytesLike] | None,
+        max_record_size: int,
+        format_name: str = "a framed codec",
+    ) -> None:
         self._inner = inner
         self._max_record_size = max_record_size
+        self._format_name = format_name
 
     @property
     def max_record_size(self) -> int:
         return self._max_record_size
+
+    def encode_batch(self, records: list[Any]) -> bytearray:
+        out = bytearray()
+        inner = self._inner
+        limit = self._max_record_size
+        pack = _LEN.pack
+        for record in records:
+            try:
+                payload = record if inner is None else inner(record)
+                n = _payload_size(payload)
+            except Exception as exc:
+                raise unencodable_record(record, self._format_name, exc) from exc
+            if n > limit:
+                raise RecordTooLargeError(n, limit)
+            out += pack(n)
+            out += payload
+        return out
 
     def encode_into(self, record: Any, out: bytearray) -> None:
         inner = self._inner
