@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import itertools
 import pickle
 from typing import Any
@@ -11,13 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exchange.errors import CorruptRecordError, RecordTooLargeError
+from exchange.errors import CorruptRecordError, RecordTooLargeError, UsageError
 from exchange.serialization import (
+    DEFAULT_MAX_RECORD_SIZE,
     BytesCodec,
     FramedCodec,
     MsgpackCodec,
+    PickleBatchCodec,
     PickleCodec,
     RecordCodec,
+    default_codec,
 )
 
 scalars = (
@@ -272,3 +277,99 @@ def test_msgpack_limit_is_exact_for_whole_records() -> None:
     with pytest.raises(RecordTooLargeError) as info:
         decoder.take()
     assert (info.value.size, info.value.at_least) == (1000, False)
+
+
+# -- encode_batch: the writer's path, on every codec ----------------------------------------
+
+
+def all_codecs(limit: int = DEFAULT_MAX_RECORD_SIZE) -> list[RecordCodec]:
+    return [
+        MsgpackCodec(max_record_size=limit),
+        MsgpackCodec(tuples=True, max_record_size=limit),
+        PickleCodec(max_record_size=limit),
+        BytesCodec(max_record_size=limit),
+        PickleBatchCodec(max_record_size=limit),
+    ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    items=st.lists(records, max_size=30),
+    sizes=st.lists(st.integers(0, 8), max_size=6),
+    points=st.lists(st.integers(0, 10**6), max_size=8),
+)
+def test_encode_batch_chunks_decode_in_order_at_any_cut(
+    items: list[Any], sizes: list[int], points: list[int]
+) -> None:
+    for codec in all_codecs():
+        records_in = [msgpack.packb(i) for i in items] if isinstance(codec, BytesCodec) else items
+        encoder = codec.new_encoder()
+        chunks = []
+        pos = 0
+        for size in [*sizes, len(records_in)]:
+            chunk = encoder.encode_batch(records_in[pos : pos + size])
+            assert isinstance(chunk, bytes | bytearray)
+            chunks.append(bytes(chunk))
+            pos += size
+        data = b"".join(chunks)
+        expected = decode_pieces(codec, [encode(codec, records_in)])
+        assert decode_pieces(codec, cut(data, points)) == expected, codec
+
+
+@pytest.mark.parametrize(
+    ("codec", "bad", "name"),
+    [
+        (MsgpackCodec(), datetime.datetime(2020, 1, 1), "datetime.datetime"),
+        (MsgpackCodec(), decimal.Decimal("1.5"), "decimal.Decimal"),
+        (MsgpackCodec(), {1, 2}, "set"),
+        (MsgpackCodec(), 2**64, "int"),
+        (MsgpackCodec(), -(2**63) - 1, "int"),
+        (MsgpackCodec(), (1, [object()]), "tuple"),
+        (PickleCodec(), lambda: None, "function"),
+        (BytesCodec(), "not bytes", "str"),
+        (BytesCodec(), 12, "int"),
+        (PickleBatchCodec(), lambda: None, "function"),
+    ],
+)
+def test_encode_batch_refuses_with_a_typed_error_naming_the_type(
+    codec: RecordCodec, bad: Any, name: str
+) -> None:
+    encoder = codec.new_encoder()
+    with pytest.raises(UsageError) as info:
+        encoder.encode_batch([b"ok", bad, b"ok2"])
+    assert not isinstance(info.value, TypeError)
+    assert f"record of type {name} with" in str(info.value)
+    assert isinstance(info.value.__cause__, Exception)
+    # The encoder is still usable and appends nothing of the failed batch.
+    assert decode_pieces(codec, [bytes(encoder.encode_batch([b"next"]))]) == [b"next"]
+
+
+@pytest.mark.parametrize("codec", all_codecs(limit=1000), ids=repr)
+def test_encode_batch_refuses_a_record_over_the_limit(codec: RecordCodec) -> None:
+    encoder = codec.new_encoder()
+    batch = [b"s%d" % i for i in range(200)]  # together over the limit: fine
+    data = bytes(encoder.encode_batch(batch))
+    assert len(data) > 1000
+    assert decode_pieces(codec, cut(data, [999, 1500])) == batch
+    big = b"b" * 1200
+    with pytest.raises(RecordTooLargeError) as info:
+        encoder.encode_batch([b"a", big, b"c"])
+    assert info.value.size > 1000 and info.value.limit == 1000 and not info.value.at_least
+    assert decode_pieces(codec, [bytes(encoder.encode_batch([b"d"]))]) == [b"d"]
+
+
+def test_msgpack_changes_values_as_documented() -> None:
+    from pyspark.sql import Row
+
+    items = [(1, [2]), Row(a=1), bytearray(b"x")]
+    for codec, want in [
+        (MsgpackCodec(), [[1, [2]], [1], b"x"]),
+        (MsgpackCodec(tuples=True), [(1, (2,)), (1,), b"x"]),
+    ]:
+        got = decode_pieces(codec, [codec.new_encoder().encode_batch(items)])
+        assert got == want
+        assert [type(g) for g in got] == [type(w) for w in want]
+
+
+def test_default_codec() -> None:
+    assert isinstance(default_codec(), PickleBatchCodec)
