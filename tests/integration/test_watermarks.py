@@ -139,19 +139,21 @@ async def stalled_client(
     _, client = await loop.create_connection(RawClient, sock=sock)
     await asyncio.wait_for(client.established, 5)
     [proto] = server.connections
-    transport = proto._transport
+    transport = proto.transport
     assert transport is not None
     # The server's socket buffer is small too, so the watermark is reached soon.
     transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     after_write: list[int] = []
-    send_buffer = proto.send_buffer
+    conn = proto.connection
+    assert conn is not None
+    send_buffer = conn.send_buffer
 
     def recording_send_buffer(*args: Any) -> None:
         send_buffer(*args)
-        if proto._transport is not None:
-            after_write.append(proto._transport.get_write_buffer_size())
+        if proto.transport is not None:
+            after_write.append(proto.transport.get_write_buffer_size())
 
-    proto.send_buffer = recording_send_buffer  # type: ignore[method-assign]
+    conn.send_buffer = recording_send_buffer  # type: ignore[method-assign]
     client.request(pid, credit=1_000_000)
     assert client.transport is not None
     client.transport.pause_reading()
@@ -167,7 +169,7 @@ async def wait_until_stalled(
     max_sampled = 0
     last_sent, since = -1, loop.time()
     while True:
-        transport = proto._transport
+        transport = proto.transport
         assert transport is not None, "the server dropped the stalled connection"
         max_sampled = max(max_sampled, transport.get_write_buffer_size())
         sent = proto.queue.bytes_sent

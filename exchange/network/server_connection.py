@@ -1,0 +1,477 @@
+"""ServerConnection: the server side of one data-port connection, sans I/O.
+
+Flink's PartitionRequestServerHandler plus the Netty channel it runs on, without a socket
+or an event loop. The asyncio protocol in ``server/`` hands it received bytes
+(``receive_data``) and writability changes (``pause_writing`` / ``resume_writing``) and
+nothing else; this object runs the handshake, decodes frames, refuses messages its role
+does not accept, drives the connection's ``PartitionRequestQueue`` and recycles sent
+buffers. The transport and the timers are injected (``ServerTransport``, ``Timers``: an
+asyncio transport and event loop fit), so tests drive it with fakes.
+
+Lifecycle, every transition in ``_transition``::
+
+    HANDSHAKE --(handshake done)--> ESTABLISHED --(close / error)--> CLOSING --> CLOSED
+        \\__________________(close / error)__________________/          ^
+         \\_____________________(connection lost)_______________________/
+
+Recycling: buffers are written zero-copy (``writelines([header, memoryview])``), so a
+buffer may only be recycled once the transport no longer holds its bytes. The transport
+always holds the *last* ``get_write_buffer_size()`` bytes written, so a buffer whose frame
+ended at or before ``bytes_written - get_write_buffer_size()`` is out: it is recycled on the
+next write, on ``resume_writing``, or by a short timer while any are left.
+
+Errors: a reader's view error fails that channel only (the queue's rule). A protocol
+violation, and any unexpected error, in whatever callback it surfaces (received bytes, the
+queue's deferred notifications, ``resume_writing``, the recycling timer), closes the
+connection with a fatal ``ErrorResponse``: never an error swallowed by the event loop and a
+connection that silently stops sending.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Final, NamedTuple, Protocol
+
+from exchange.buffers.buffer import Buffer
+from exchange.errors import IllegalStateError, PartitionError, ProtocolError, UsageError
+from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberingViewReader
+from exchange.network.partition_request_queue import PartitionRequestQueue
+from exchange.partition.result_partition_manager import ResultPartitionManager
+from exchange.protocol.codec import (
+    MAX_CONTROL_FRAME_SIZE,
+    FrameDecoder,
+    encode,
+    encode_buffer_response_header,
+)
+from exchange.protocol.handshake import NonceFactory, ServerHandshake
+from exchange.protocol.local_messages import Released, ReleaseDataset
+from exchange.protocol.messages import (
+    AddCredit,
+    CancelPartitionRequest,
+    CloseRequest,
+    ErrorCode,
+    ErrorResponse,
+    Message,
+    NewBufferSize,
+    PartitionRequest,
+    ResumeConsumption,
+    error_response_for,
+)
+
+__all__ = [
+    "DATA_PORT_MESSAGES",
+    "Cancellable",
+    "ServerConnection",
+    "ServerConnectionSettings",
+    "ServerConnectionState",
+    "ServerConnectionStatistics",
+    "ServerTransport",
+    "Timers",
+]
+
+log = logging.getLogger("exchange.network.server")
+
+#: What a client may send on the data port once the handshake is done.
+DATA_PORT_MESSAGES: Final[frozenset[type[Message]]] = frozenset(
+    {
+        PartitionRequest,
+        AddCredit,
+        ResumeConsumption,
+        NewBufferSize,
+        CancelPartitionRequest,
+        CloseRequest,
+        ReleaseDataset,
+    }
+)
+
+
+class ServerTransport(Protocol):
+    """The byte sink of a connection (an ``asyncio.Transport`` is one)."""
+
+    def writelines(self, list_of_data: Iterable[bytes | memoryview], /) -> None: ...
+
+    def get_write_buffer_size(self) -> int: ...
+
+    def is_closing(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+class Cancellable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class Timers(Protocol):
+    """Deferred calls (an asyncio event loop is one)."""
+
+    def call_soon(self, callback: Callable[[], object], /) -> object: ...
+
+    def call_later(self, delay: float, callback: Callable[[], object], /) -> Cancellable: ...
+
+
+class ServerConnectionState(Enum):
+    HANDSHAKE = "handshake"
+    ESTABLISHED = "established"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+_S = ServerConnectionState
+_TRANSITIONS: Final[dict[ServerConnectionState, frozenset[ServerConnectionState]]] = {
+    _S.HANDSHAKE: frozenset({_S.ESTABLISHED, _S.CLOSING, _S.CLOSED}),
+    _S.ESTABLISHED: frozenset({_S.CLOSING, _S.CLOSED}),
+    _S.CLOSING: frozenset({_S.CLOSED}),
+    _S.CLOSED: frozenset(),
+}
+_OPEN: Final = frozenset({_S.HANDSHAKE, _S.ESTABLISHED})
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConnectionSettings:
+    """Per-connection settings, shared by every connection of a server.
+
+    ``close_timeout``: how long a closing connection may take to flush its last bytes (an
+    error, the shutdown notice) before it is aborted, so that a peer that stopped reading
+    cannot keep a closed connection, and the buffers it holds, forever.
+    ``max_frame_size``: only control frames arrive on the server side; a small limit keeps
+    hostile lengths cheap.
+    """
+
+    secret: bytes | None = None
+    handshake_timeout: float = 10.0
+    close_timeout: float = 1.0
+    max_frame_size: int = MAX_CONTROL_FRAME_SIZE
+    reap_interval: float = 0.005
+
+    def __post_init__(self) -> None:
+        for name in ("handshake_timeout", "close_timeout", "reap_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise UsageError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+class ServerConnectionStatistics(NamedTuple):
+    state: ServerConnectionState
+    readers: int
+    buffers_sent: int
+    bytes_sent: int
+    bytes_written: int
+    in_flight_buffers: int
+    paused_count: int
+
+
+class ServerConnection:
+    """One data-port connection: bytes in, frames out, sent buffers recycled.
+
+    ``on_message`` handles every accepted message after the handshake; by default it is
+    ``handle_message`` (the data protocol). A role that accepts more (the daemon's local
+    endpoint) passes its own handler and ``accepted_messages`` and delegates the data
+    protocol's messages to ``handle_message``.
+    """
+
+    def __init__(
+        self,
+        transport: ServerTransport,
+        timers: Timers,
+        manager: ResultPartitionManager,
+        settings: ServerConnectionSettings | None = None,
+        *,
+        on_message: Callable[[Message], None] | None = None,
+        accepted_messages: frozenset[type[Message]] = DATA_PORT_MESSAGES,
+        release_dataset: Callable[[str], int] | None = None,
+        nonce_factory: NonceFactory = os.urandom,
+        peer: str = "?",
+    ) -> None:
+        self._settings = settings = settings if settings is not None else _DEFAULT_SETTINGS
+        self._transport = transport
+        self._timers = timers
+        self._manager = manager
+        self._on_message = on_message if on_message is not None else self.handle_message
+        self._accepted = accepted_messages
+        self._release_dataset = (
+            release_dataset if release_dataset is not None else manager.release_dataset
+        )
+        self.peer = peer
+        self._state = ServerConnectionState.HANDSHAKE
+        self._decoder = FrameDecoder(settings.max_frame_size)
+        self._handshake = ServerHandshake(settings.secret, nonce_factory=nonce_factory)
+        self._writable = True
+        self.queue = PartitionRequestQueue(self, self._schedule)
+        self._bytes_written = 0
+        # (end offset of the frame in the byte stream, receiver id, buffer)
+        self._in_flight: deque[tuple[int, int, Buffer]] = deque()
+        self._reap_timer: Cancellable | None = None
+        self._abort_timer: Cancellable | None = None
+        self._handshake_timer: Cancellable | None = timers.call_later(
+            settings.handshake_timeout, self._on_handshake_timeout
+        )
+        self.paused_count = 0
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def state(self) -> ServerConnectionState:
+        return self._state
+
+    def _transition(self, to: ServerConnectionState) -> None:
+        if to not in _TRANSITIONS[self._state]:
+            raise IllegalStateError(f"connection {self.peer}: {self._state.name} -> {to.name}")
+        self._state = to
+
+    # -- input ---------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed received bytes: frames are decoded and handled at once."""
+        if self._state not in _OPEN:
+            return  # closing: nothing the peer says matters any more
+        try:
+            for msg in self._decoder.feed(data):
+                self._receive(msg)
+                if self._state not in _OPEN:
+                    return
+        except ProtocolError as e:
+            log.warning("protocol error from %s: %s", self.peer, e)
+            resp = self._handshake.error_response
+            self.close_with(resp if resp is not None else error_response_for(e))
+        except Exception as e:
+            self._fail(e)
+
+    def _receive(self, msg: Message) -> None:
+        if self._state is ServerConnectionState.HANDSHAKE:
+            hs = self._handshake
+            for out in hs.receive(msg):
+                self.send(out)
+            if hs.is_established:
+                self._cancel_handshake_timer()
+                self._transition(ServerConnectionState.ESTABLISHED)
+            return
+        if type(msg) not in self._accepted:
+            raise ProtocolError(f"{type(msg).__name__} is not accepted on this connection")
+        self._on_message(msg)
+
+    def handle_message(self, msg: Message) -> None:
+        """The data protocol: requests, credit, cancellation, close, dataset release."""
+        match msg:
+            case PartitionRequest():
+                self._on_partition_request(msg)
+            case AddCredit(receiver_id=rid, credit=credit):
+                self.queue.add_credit(rid, credit)
+            case ResumeConsumption(receiver_id=rid):
+                self.queue.resume_consumption(rid)
+            case NewBufferSize(receiver_id=rid, buffer_size=size):
+                self.queue.notify_new_buffer_size(rid, size)
+            case CancelPartitionRequest(receiver_id=rid):
+                self.queue.cancel(rid)
+            case CloseRequest():
+                self.close()
+            case ReleaseDataset(dataset_id=ds):
+                self.send(Released(self._release_dataset(ds)))
+            case _:
+                raise ProtocolError(f"unexpected {type(msg).__name__} from a client")
+
+    def _on_partition_request(self, req: PartitionRequest) -> None:
+        rid = req.receiver_id
+        if self.queue.get_reader(rid) is not None:
+            raise ProtocolError(f"receiver id {rid} is already in use on this connection")
+        reader = CreditBasedSequenceNumberingViewReader(rid, req.initial_credit, self.queue)
+        self.queue.add_reader(reader)
+        try:
+            reader.request_subpartition_view(
+                self._manager, req.partition_id, req.subpartition_index
+            )
+        except Exception as e:
+            # That one channel fails; typed errors keep their code for the client.
+            if not isinstance(e, PartitionError):
+                log.exception("%s: opening %s failed", self.peer, req.partition_id)
+            self.queue.cancel(rid)
+            self.send(error_response_for(e, rid))
+            return
+        log.debug("%s requested %s[%d]", self.peer, req.partition_id, req.subpartition_index)
+
+    # -- writability ---------------------------------------------------------------------
+
+    @property
+    def is_writable(self) -> bool:
+        return self._writable
+
+    def pause_writing(self) -> None:
+        """The transport crossed its high watermark: the queue stops."""
+        self._writable = False
+        self.paused_count += 1
+
+    def resume_writing(self) -> None:
+        """Below the low watermark again: recycle what went out, send on."""
+        self._writable = True
+        self._guarded(self._on_writable)
+
+    def _on_writable(self) -> None:
+        self._reap()
+        self.queue.write_and_flush_next()
+
+    # -- output (the queue's OutboundChannel) --------------------------------------------
+
+    def send_buffer(
+        self, receiver_id: int, sequence_number: int, backlog: int, buf: Buffer
+    ) -> None:
+        """Write one BufferResponse, zero-copy; ``buf`` is recycled once written out."""
+        if self._state is not ServerConnectionState.ESTABLISHED:
+            self._recycle(receiver_id, buf)
+            return
+        transport = self._transport
+        size = buf.size
+        header = encode_buffer_response_header(
+            receiver_id, sequence_number, backlog, buf.data_type, buf.compressed, size
+        )
+        transport.writelines((header, buf.memoryview()))
+        self._bytes_written += len(header) + size
+        if transport.get_write_buffer_size() == 0:
+            self._recycle(receiver_id, buf)
+            if self._in_flight:
+                self._reap()
+        else:
+            self._in_flight.append((self._bytes_written, receiver_id, buf))
+            self._reap()
+
+    def send(self, message: Message) -> None:
+        """Write a control message (dropped once the transport is closing)."""
+        transport = self._transport
+        if self._state is ServerConnectionState.CLOSED or transport.is_closing():
+            return
+        pieces = encode(message)
+        transport.writelines(pieces)
+        self._bytes_written += sum(len(p) for p in pieces)
+
+    def _reap(self) -> None:
+        """Recycle the buffers whose bytes the transport has sent."""
+        in_flight = self._in_flight
+        sent = self._bytes_written - self._transport.get_write_buffer_size()
+        while in_flight and in_flight[0][0] <= sent:
+            _, rid, buf = in_flight.popleft()
+            self._recycle(rid, buf)
+        if in_flight and self._reap_timer is None and self._state is not _S.CLOSED:
+            self._reap_timer = self._timers.call_later(
+                self._settings.reap_interval, self._on_reap_timer
+            )
+
+    def _on_reap_timer(self) -> None:
+        self._reap_timer = None
+        self._guarded(self._reap)
+
+    def _recycle(self, receiver_id: int, buf: Buffer) -> None:
+        # Recycling runs the view's memory callback (a blocking partition's file reader
+        # reads ahead into the freed segment), which may raise: that is the channel's error.
+        try:
+            buf.release()
+        except Exception as e:
+            self.queue.fail_reader(receiver_id, e)
+
+    # -- deferred work -------------------------------------------------------------------
+
+    def _schedule(self, callback: Callable[[], None]) -> None:
+        """The queue's ``schedule``: later, and an error there is fatal, not swallowed."""
+        self._timers.call_soon(lambda: self._guarded(callback))
+
+    def _guarded(self, callback: Callable[[], None]) -> None:
+        if self._state is ServerConnectionState.CLOSED:
+            return
+        try:
+            callback()
+        except Exception as e:
+            self._fail(e)
+
+    def _fail(self, exc: Exception) -> None:
+        """An unexpected error: fatal for the connection, and the peer is told."""
+        log.error("connection %s failed", self.peer, exc_info=exc)
+        self.close_with(ErrorResponse(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+
+    def _on_handshake_timeout(self) -> None:
+        self._handshake_timer = None
+        if self._state is ServerConnectionState.HANDSHAKE:
+            self.close_with_error(ErrorCode.PROTOCOL_ERROR, "handshake timed out")
+
+    def _cancel_handshake_timer(self) -> None:
+        timer, self._handshake_timer = self._handshake_timer, None
+        if timer is not None:
+            timer.cancel()
+
+    # -- closing -------------------------------------------------------------------------
+
+    def close_with_error(self, code: ErrorCode, message: str) -> None:
+        self.close_with(ErrorResponse(code, message))
+
+    def close_with(self, resp: ErrorResponse) -> None:
+        """Send ``resp`` (best effort), then close."""
+        self.send(resp)
+        self.close()
+
+    def close(self) -> None:
+        """Close once the bytes already written are out; the readers are released now.
+
+        A peer that does not read those bytes within ``close_timeout`` is aborted.
+        """
+        if self._state not in _OPEN:
+            return
+        self._transition(ServerConnectionState.CLOSING)
+        self._cancel_handshake_timer()
+        # Nothing more will be sent: the views go now, not when the peer has read the rest.
+        self.queue.release_all()
+        self._transport.close()
+        self._abort_timer = self._timers.call_later(self._settings.close_timeout, self.abort)
+
+    def abort(self) -> None:
+        """Drop the connection without flushing (``connection_lost`` releases the rest)."""
+        self._abort_timer = None
+        if self._state is ServerConnectionState.CLOSED:
+            return
+        if self._state is not ServerConnectionState.CLOSING:
+            self._transition(ServerConnectionState.CLOSING)
+            self._cancel_handshake_timer()
+            self.queue.release_all()
+        self._transport.abort()
+
+    def connection_lost(self, exc: BaseException | None = None) -> None:
+        """The transport is gone: release every view and every buffer still in flight."""
+        if self._state is ServerConnectionState.CLOSED:
+            return
+        self._transition(ServerConnectionState.CLOSED)
+        self._writable = False
+        for timer in (self._handshake_timer, self._reap_timer, self._abort_timer):
+            if timer is not None:
+                timer.cancel()
+        self._handshake_timer = self._reap_timer = self._abort_timer = None
+        self.queue.release_all()
+        in_flight = self._in_flight
+        while in_flight:
+            _, rid, buf = in_flight.popleft()
+            try:
+                buf.release()
+            except Exception:
+                log.exception("%s: recycling a buffer of receiver %d failed", self.peer, rid)
+
+    # -- statistics ----------------------------------------------------------------------
+
+    def statistics(self) -> ServerConnectionStatistics:
+        q = self.queue
+        return ServerConnectionStatistics(
+            self._state,
+            q.num_readers,
+            q.buffers_sent,
+            q.bytes_sent,
+            self._bytes_written,
+            len(self._in_flight),
+            self.paused_count,
+        )
+
+    def __repr__(self) -> str:
+        readers = self.queue.num_readers
+        return f"ServerConnection({self.peer}, {self._state.name}, readers={readers})"
+
+
+_DEFAULT_SETTINGS: Final = ServerConnectionSettings()
