@@ -78,7 +78,9 @@ def test_ema_refuses_bad_arguments(total: int, buffers: int) -> None:
     ("start", "max_size", "min_size", "samples"),
     [(5, 200, 10, 3), (300, 200, 10, 3), (100, 200, 0, 3), (100, 200, 10, 0)],
 )
-def test_ema_refuses_bad_construction(start: int, max_size: int, min_size: int, samples: int) -> None:
+def test_ema_refuses_bad_construction(
+    start: int, max_size: int, min_size: int, samples: int
+) -> None:
     with pytest.raises(UsageError):
         BufferSizeEMA(start, max_size, min_size, samples)
 

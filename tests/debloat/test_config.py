@@ -152,7 +152,9 @@ def test_from_settings_empty_gives_defaults() -> None:
         ({"debloat_initial_buffer_size": 3.5}, "debloat_initial_buffer_size"),
     ],
 )
-def test_from_settings_refuses_naming_the_setting(settings: dict[str, object], setting: str) -> None:
+def test_from_settings_refuses_naming_the_setting(
+    settings: dict[str, object], setting: str
+) -> None:
     with pytest.raises(ConfigError) as info:
         DebloatConfig.from_settings(settings)
     assert info.value.setting == setting

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 
 from exchange.debloat import ThroughputCalculator
 from exchange.errors import UsageError
-from tests.debloat.conftest import ManualClock
+
+if TYPE_CHECKING:
+    from tests.debloat.conftest import ManualClock
 
 
 def test_bytes_over_measured_time(clock: ManualClock) -> None:
