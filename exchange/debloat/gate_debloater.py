@@ -3,10 +3,10 @@
 The gate (or the reader driving it) reports what it returns and when it runs empty; the
 asyncio code wakes up at ``next_deadline`` and calls ``tick``; a returned size goes to every
 open channel as NewBufferSize. Flink's ``SingleInputGate.triggerDebloating`` plus the
-``StreamTask`` timer that calls it. States::
+``StreamTask`` timer that calls it. States (the table ``_TRANSITIONS`` has them all)::
 
-    DISABLED ──close──▶ CLOSED ◀──close── IDLE ◀──no open channel── RUNNING
-                                            └────open channels─────▶ │ ──close──▶ CLOSED
+    enabled ─▶ IDLE ──channels open──▶ RUNNING ──no channel open──▶ IDLE
+    disabled ─▶ DISABLED                     any ──close──▶ CLOSED (for good)
 """
 
 from __future__ import annotations
