@@ -1,0 +1,115 @@
+"""Checkpoint barrier handlers: what the task sees of an input gate around checkpoints.
+
+Sans I/O: the handler is fed what the gate returns and calls back into the task
+(``trigger_checkpoint`` / ``abort_checkpoint``) and upstream (``resume(channel)``, which
+sends ResumeConsumption). Time comes from an injected clock. Usage, in the task's thread::
+
+    handler = create_barrier_handler(
+        CheckpointingMode.EXACTLY_ONCE, gate.num_channels, task, time.monotonic,
+        resume=gate.resume_consumption,
+        blocker=None,                 # or CachedBufferBlocker() / BufferSpiller(dir, page)
+        max_aligned_bytes=limit,      # checkpoint_alignment_limit; None/0 = unlimited
+    )
+    while True:
+        boe = handler.poll_next()     # parked input first (parking strategy only)
+        if boe is None:
+            raw = gate.poll_next()    # or await gate.get_next()
+            if raw is None:
+                break
+            boe = handler.process(raw)
+            if boe is None:
+                continue              # a barrier or marker was consumed, or input parked
+        deliver(boe)                  # deserialize records, recycle the buffer
+    handler.close()
+
+Everything delivered before ``task.trigger_checkpoint(n, ...)`` runs is before barrier
+``n``, everything after it is after (see ``barrier_handler`` for the full contract).
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+
+from exchange.checkpointing.aligner import AlignedBarrierHandler, AlignmentState, AlignmentStrategy
+from exchange.checkpointing.barrier_handler import (
+    BarrierHandlerStats,
+    ChannelBlockedError,
+    CheckpointBarrierHandler,
+    CheckpointFailureReason,
+    CheckpointListener,
+    Clock,
+    ResumeConsumption,
+)
+from exchange.checkpointing.barrier_tracker import (
+    MAX_CHECKPOINTS_TO_TRACK,
+    CheckpointBarrierTracker,
+)
+from exchange.checkpointing.buffer_blocker import (
+    BufferBlocker,
+    BufferOrEventSequence,
+    BufferSpiller,
+    CachedBufferBlocker,
+)
+from exchange.errors import UsageError
+
+__all__ = [
+    "MAX_CHECKPOINTS_TO_TRACK",
+    "AlignedBarrierHandler",
+    "AlignmentState",
+    "AlignmentStrategy",
+    "BarrierHandlerStats",
+    "BufferBlocker",
+    "BufferOrEventSequence",
+    "BufferSpiller",
+    "CachedBufferBlocker",
+    "ChannelBlockedError",
+    "CheckpointBarrierHandler",
+    "CheckpointBarrierTracker",
+    "CheckpointFailureReason",
+    "CheckpointListener",
+    "CheckpointingMode",
+    "Clock",
+    "ResumeConsumption",
+    "create_barrier_handler",
+]
+
+
+class CheckpointingMode(Enum):
+    EXACTLY_ONCE = "exactly_once"
+    AT_LEAST_ONCE = "at_least_once"
+
+
+def create_barrier_handler(
+    mode: CheckpointingMode,
+    num_channels: int,
+    listener: CheckpointListener,
+    clock: Clock,
+    resume: ResumeConsumption | None = None,
+    *,
+    blocker: BufferBlocker | None = None,
+    spill_dir: str | os.PathLike[str] | None = None,
+    page_size: int | None = None,
+    max_aligned_bytes: int | None = None,
+) -> CheckpointBarrierHandler:
+    """The handler for ``mode`` (Flink's ``InputProcessorUtil.createCheckpointBarrierHandler``).
+
+    Exactly once blocks upstream unless a ``blocker`` is given, or ``spill_dir`` and
+    ``page_size`` (a BufferSpiller), which select parking.
+    """
+    if mode is CheckpointingMode.AT_LEAST_ONCE:
+        return CheckpointBarrierTracker(num_channels, listener, clock, resume)
+    if blocker is None and spill_dir is not None:
+        if page_size is None:
+            raise UsageError("spilling alignment needs the page size")
+        blocker = BufferSpiller(spill_dir, page_size)
+    strategy = AlignmentStrategy.BLOCKING_UPSTREAM if blocker is None else AlignmentStrategy.PARKING
+    return AlignedBarrierHandler(
+        num_channels,
+        listener,
+        clock,
+        resume,
+        strategy=strategy,
+        blocker=blocker,
+        max_aligned_bytes=max_aligned_bytes,
+    )
