@@ -12,8 +12,9 @@ limit is refused (``RecordTooLargeError``). A record pickle refuses is reported 
 ``UsageError`` naming its type.
 
 Decoding: a frame lying entirely inside a fed piece is unpickled straight from it (no
-copy); only a frame cut by the end of a piece is copied, into a ``bytearray`` of the
-frame's size allocated once its header (checked against the limit first) is complete.
+copy); only a frame cut by the end of a piece is copied, once its header (checked against
+the limit first) is complete, into a scratch ``bytearray`` the decoder reuses (frames up
+to ``_SCRATCH_KEEP``) or one of the frame's size.
 Unpickled objects never refer to the fed memory (pickle copies what it reads), so the
 caller may recycle it as soon as ``feed`` returns.
 
@@ -52,6 +53,9 @@ PICKLE_PROTOCOL: Final = 5
 
 #: ``encode_until`` pickles at most this many records per frame.
 _MAX_GROUP: Final = 4096
+#: A cut frame up to this size is gathered in a reused scratch buffer (no allocation);
+#: a larger one in a buffer of its own, dropped once decoded.
+_SCRATCH_KEEP: Final = 256 * 1024
 
 _LEN: Final = struct.Struct(">I")
 
@@ -182,17 +186,20 @@ class PickleBatchDecoder(_DecoderBase):
     """Unpickles whole frames straight from the fed memory; copies only a cut frame.
 
     A cut frame waits as ``_head`` (its first 1-3 header bytes) or, once the header is
-    known, as ``_frame`` (a bytearray of the payload's size) filled up to ``_have``.
+    known, in ``_frame`` (at least ``_need`` bytes: the payload's size) filled up to
+    ``_have``.
     """
 
-    __slots__ = ("_frame", "_have", "_head", "_limit")
+    __slots__ = ("_frame", "_have", "_head", "_limit", "_need", "_scratch")
 
     def __init__(self, max_record_size: int) -> None:
         super().__init__()
         self._limit = max_record_size
         self._head = bytearray()
         self._frame: bytearray | None = None
+        self._need = 0
         self._have = 0
+        self._scratch = bytearray()
 
     @property
     def has_partial_record(self) -> bool:
@@ -233,7 +240,7 @@ class PickleBatchDecoder(_DecoderBase):
             stop = pos + 4 + n
             if stop > end:
                 # The header is known and within the limit: hold the frame's start.
-                frame = self._frame = bytearray(n)
+                frame = self._start_frame(n)
                 have = self._have = end - pos - 4
                 frame[:have] = data[pos + 4 : end]
                 return
@@ -257,19 +264,32 @@ class PickleBatchDecoder(_DecoderBase):
             if n > self._limit:
                 raise RecordTooLargeError(n, self._limit)
             self._head = bytearray()
-            frame = self._frame = bytearray(n)
+            frame = self._start_frame(n)
             self._have = 0
         have = self._have
-        take = min(len(frame) - have, end - pos)
+        need = self._need
+        take = min(need - have, end - pos)
         frame[have : have + take] = data[pos : pos + take]
         have += take
-        if have < len(frame):
+        if have < need:
             self._have = have
             return -1
         self._frame = None
         self._have = 0
-        self._deliver(frame)
+        with memoryview(frame) as view, view[:need] as payload:
+            self._deliver(payload)
         return pos + take
+
+    def _start_frame(self, n: int) -> bytearray:
+        """The buffer for a cut frame of ``n`` payload bytes (``n`` within the limit)."""
+        self._need = n
+        if n > _SCRATCH_KEEP:
+            frame = self._frame = bytearray(n)
+            return frame
+        if len(self._scratch) < n:
+            self._scratch = bytearray(_SCRATCH_KEEP if n > 4096 else 4096)
+        frame = self._frame = self._scratch
+        return frame
 
     def _deliver(self, payload: BytesLike) -> None:
         """Unpickle one frame's payload and queue its records."""
@@ -291,6 +311,7 @@ class PickleBatchDecoder(_DecoderBase):
     def clear(self) -> None:
         self._head = bytearray()
         self._frame = None
+        self._need = 0
         self._have = 0
         self._ready = []
         self._error = None
