@@ -465,7 +465,7 @@ def test_non_byte_memoryviews_are_fed_as_bytes() -> None:
 
 
 # Garbage payloads leave out the memo-store opcodes PUT (p) and LONG_BINPUT (r): a random
-# 4-byte memo index makes CPython's unpickler allocate and clear up to 32 GB, a denial of
+# 4-byte memo index makes CPython's unpickler allocate and clear up to 64 GB, a denial of
 # service that an authenticated peer could cause on purpose (docs/serialization.md).
 garbage = st.binary(max_size=120).map(lambda b: b.replace(b"r", b"s").replace(b"p", b"q"))
 
@@ -505,3 +505,19 @@ def test_garbage_decodes_or_raises_corrupt_record(
 def test_max_record_size_is_checked(bad: Any) -> None:
     with pytest.raises(UsageError):
         PickleBatchCodec(max_record_size=bad)
+
+
+def test_a_large_cut_frame_is_not_kept_after_decoding() -> None:
+    codec = PickleBatchCodec()
+    record = b"L" * (3 * MiB)
+    data = codec.new_encoder().encode_batch([record, b"small"])
+    small = codec.new_encoder().encode_batch([b"s" * 40_000])
+    decoder = codec.new_decoder()
+    for i in range(0, len(data), 32 * 1024):
+        decoder.feed(data[i : i + 32 * 1024])
+    assert decoder.take() == [record, b"small"]
+    decoder.feed(small[:100])  # a cut frame of a usual size goes to the scratch buffer
+    decoder.feed(small[100:])
+    assert decoder.take() == [b"s" * 40_000]
+    assert decoder._frame is None
+    assert len(decoder._scratch) <= 256 * 1024  # the 3 MiB frame's buffer was dropped
