@@ -147,11 +147,11 @@ def test_iteration_and_take() -> None:
 def test_unpacker_is_renewed_after_a_large_record() -> None:
     decoder = MsgpackCodec().new_decoder()
     data = msgpack.packb(b"z" * 2_000_000)
-    first = decoder._unpacker  # type: ignore[attr-defined]
+    first = decoder._unpacker
     for piece in cut(data, list(range(0, len(data), 32 * 1024))):
         decoder.feed(piece)
     assert decoder.take() == [b"z" * 2_000_000]
-    assert decoder._unpacker is not first  # type: ignore[attr-defined]
+    assert decoder._unpacker is not first
     decoder.feed(b"\x05")
     assert decoder.take() == [5]
 
