@@ -1,9 +1,14 @@
-"""The client end of a daemon connection: handshake first, then messages.
+"""The asyncio side of a client connection: moves bytes, wakes futures, nothing else.
 
 Both client connections (``PartitionRequestClientHandler`` for reading, ``LocalConnection``
-for producing and control calls) share this: the sans-I/O decoder and handshake, a
-``ready`` future that resolves once the handshake is done (or fails with its typed
-error), a ``closed`` future, and one place that turns a lost connection into an error.
+for producing and control calls) share this ``asyncio.BufferedProtocol`` around a sans-I/O
+``ClientConnection`` (``exchange.protocol.client_connection``), which owns the handshake,
+the decoding and what to send. The transport receives straight into the buffer the
+connection asks for (``get_buffer``), so a BufferResponse payload lands in its segment.
+
+Hooks for subclasses: ``on_message`` (messages the core hands over), ``on_connection_lost``;
+and ``ready`` (the handshake is done, or failed with its typed error), ``closed``, ``send``,
+``fail``, ``check``, ``close``/``aclose``.
 """
 
 from __future__ import annotations
@@ -11,64 +16,92 @@ from __future__ import annotations
 import asyncio
 from typing import cast
 
-from exchange.errors import ExchangeError, TransportError
-from exchange.protocol.codec import FrameDecoder, encode
-from exchange.protocol.handshake import ClientHandshake
+from exchange.errors import ExchangeError
+from exchange.protocol.client_connection import (
+    ClientConnection,
+    ConnectionEvent,
+    ConnectionFailed,
+    HandshakeComplete,
+    MessageReceived,
+)
 from exchange.protocol.messages import Message
 
 __all__ = ["HandshakingClientProtocol"]
 
 
-class HandshakingClientProtocol(asyncio.Protocol):
+class HandshakingClientProtocol(asyncio.BufferedProtocol):
     """Subclasses implement ``on_message`` and may extend ``on_connection_lost``."""
 
     def __init__(self, address: str, secret: bytes | None, max_frame_size: int) -> None:
         self.address = address
         self._loop = asyncio.get_running_loop()
-        self._decoder = FrameDecoder(max_frame_size)
-        self._handshake = ClientHandshake(secret, address=address)
+        self.connection = self._new_connection(secret, max_frame_size)
         self._transport: asyncio.Transport | None = None
         self.ready: asyncio.Future[None] = self._loop.create_future()
         self.closed: asyncio.Future[None] = self._loop.create_future()
-        self.error: ExchangeError | None = None
-        self._closed_by_us = False
-        self.bytes_received = 0
 
-    # -- asyncio.Protocol ----------------------------------------------------------------
+    def _new_connection(self, secret: bytes | None, max_frame_size: int) -> ClientConnection:
+        return ClientConnection(self.address, secret, max_frame_size)
+
+    @property
+    def error(self) -> ExchangeError | None:
+        return self.connection.error
+
+    @property
+    def bytes_received(self) -> int:
+        return self.connection.bytes_received
+
+    # -- asyncio.BufferedProtocol --------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
-        for msg in self._handshake.start():
-            self.send(msg)
+        self.connection.start()
+        self._flush()
 
-    def data_received(self, data: bytes) -> None:
-        self.bytes_received += len(data)
-        try:
-            hs = self._handshake
-            for msg in self._decoder.feed(data):
-                if hs.is_established:
-                    self.on_message(msg)
-                    continue
-                for out in hs.receive(msg):
-                    self.send(out)
-                if hs.is_established and not self.ready.done():
-                    self.ready.set_result(None)
-        except ExchangeError as e:
-            self.fail(e)
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.connection.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        conn = self.connection
+        conn.buffer_updated(nbytes)
+        if conn.has_events:
+            self._handle(conn.events_received())
+        self._flush()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost reports it
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
-        if self.error is None and not self._closed_by_us:
-            self.error = TransportError(
-                f"connection to daemon {self.address} lost" + (f": {exc}" if exc else "")
-            )
-        err = self.error or TransportError(f"connection to daemon {self.address} closed")
+        err = self.connection.connection_lost(exc)
         if not self.ready.done():
             self.ready.set_exception(err)
             self.ready.exception()  # retrieved here; whoever awaits it re-raises it
         self.on_connection_lost(err)
         if not self.closed.done():
             self.closed.set_result(None)
+
+    def _handle(self, events: list[ConnectionEvent]) -> None:
+        for event in events:
+            match event:
+                case MessageReceived(message=msg):
+                    try:
+                        self.on_message(msg)
+                    except ExchangeError as e:
+                        self.fail(e)
+                case HandshakeComplete():
+                    if not self.ready.done():
+                        self.ready.set_result(None)
+                case ConnectionFailed():
+                    if self._transport is not None:
+                        self._transport.close()
+
+    def _flush(self) -> None:
+        t = self._transport
+        if t is not None:
+            data = self.connection.data_to_send()
+            if data and not t.is_closing():
+                t.writelines(data)
 
     # -- for subclasses ------------------------------------------------------------------
 
@@ -82,29 +115,23 @@ class HandshakingClientProtocol(asyncio.Protocol):
 
     @property
     def is_open(self) -> bool:
-        return self._transport is not None and self.error is None
+        return self._transport is not None and self.connection.is_open
 
     def send(self, msg: Message) -> None:
-        t = self._transport
-        if t is not None and not t.is_closing():
-            t.writelines(encode(msg))
+        self.connection.send(msg)
+        self._flush()
 
     def check(self) -> None:
         """Raise the connection's error, or TransportError if it is closed."""
-        if self.error is not None:
-            raise self.error
-        if self._transport is None:
-            raise TransportError(f"connection to daemon {self.address} is closed")
+        self.connection.check()
 
     def fail(self, err: ExchangeError) -> None:
         """A connection-level failure: remember it and close."""
-        if self.error is None:
-            self.error = err
-        if self._transport is not None:
-            self._transport.close()
+        self.connection.fail(err)
+        self._handle(self.connection.events_received())
 
     def close(self) -> None:
-        self._closed_by_us = True
+        self.connection.close()
         if self._transport is not None:
             self._transport.close()
 

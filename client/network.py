@@ -2,11 +2,12 @@
 
 ``ConnectionManager`` creates connections lazily (with connect retries) and hands every
 RemoteInputChannel of the process the same ``PartitionRequestClientHandler`` for a given
-address. The handler (Flink's NettyPartitionRequestClient plus
-CreditBasedPartitionRequestClientHandler) routes BufferResponses by receiver id into the
-channel's own buffers, turns ErrorResponses into typed errors on the right channel (or on
-all of them when fatal), and writes PartitionRequest / AddCredit / ResumeConsumption /
-NewBufferSize / CancelPartitionRequest for the channels.
+address. The handler only moves bytes: its sans-I/O ``PartitionRequestClientConnection``
+(Flink's NettyPartitionRequestClient plus CreditBasedPartitionRequestClientHandler) routes
+BufferResponses by receiver id (each payload received straight into a credited buffer of
+its channel), turns ErrorResponses into typed errors on the right channel (or on all of
+them when fatal), batches AddCredit (one per channel per loop iteration) and writes
+PartitionRequest / ResumeConsumption / NewBufferSize / CancelPartitionRequest.
 """
 
 from __future__ import annotations
@@ -14,34 +15,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
 from typing import Final
 
 from client.connection_base import HandshakingClientProtocol
-from exchange.buffers.buffer import Buffer
 from exchange.consumer.remote_input_channel import RemoteInputChannel
 from exchange.errors import (
-    AuthenticationError,
     ExchangeError,
     ProtocolError,
     TransportError,
     UsageError,
 )
+from exchange.protocol.client_connection import PartitionRequestClientConnection
 from exchange.protocol.codec import max_frame_size_for
-from exchange.protocol.messages import (
-    AddCredit,
-    BufferResponse,
-    CancelPartitionRequest,
-    CloseRequest,
-    ErrorCode,
-    ErrorResponse,
-    Message,
-    NewBufferSize,
-    PartitionRequest,
-    ResumeConsumption,
-    error_for_response,
-)
+from exchange.protocol.messages import Message
 
 __all__ = [
     "UNIX_PREFIX",
@@ -82,130 +69,58 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 class PartitionRequestClientHandler(HandshakingClientProtocol):
-    """One connection to a remote daemon's data port."""
+    """One connection to a remote daemon's data port: the asyncio side of a
+    ``PartitionRequestClientConnection``, which does the routing and the accounting."""
+
+    connection: PartitionRequestClientConnection
 
     def __init__(self, address: str, secret: bytes | None, max_frame_size: int) -> None:
         super().__init__(address, secret, max_frame_size)
-        self._channels: dict[int, RemoteInputChannel] = {}
-        self._ids = itertools.count(1)
-        self._credit_pending: list[RemoteInputChannel] = []
-        self._credit_scheduled = False
 
-    def on_connection_lost(self, error: ExchangeError) -> None:
-        channels = list(self._channels.values())
-        self._channels.clear()
-        for ch in channels:
-            if not ch.finished and not ch.is_released:
-                ch.set_error(error)
+    def _new_connection(
+        self, secret: bytes | None, max_frame_size: int
+    ) -> PartitionRequestClientConnection:
+        return PartitionRequestClientConnection(self.address, secret, max_frame_size)
 
-    # -- receiving -----------------------------------------------------------------------
-
-    def on_message(self, msg: Message) -> None:
-        if type(msg) is BufferResponse:
-            self._on_buffer_response(msg)
-        elif isinstance(msg, ErrorResponse):
-            self._on_error_response(msg)
-        else:
-            raise ProtocolError(f"unexpected {type(msg).__name__} from daemon {self.address}")
-
-    def _on_buffer_response(self, msg: BufferResponse) -> None:
-        ch = self._channels.get(msg.receiver_id)
-        if ch is None:
-            return  # cancelled meanwhile: the bytes are dropped, no buffer was taken
-        payload = msg.payload
-        n = len(payload)
-        if msg.data_type.is_buffer:
-            buf = ch.request_buffer()
-            if buf is None:
-                raise ProtocolError(
-                    f"daemon {self.address} sent a buffer to receiver {msg.receiver_id} "
-                    "without credit"
-                )
-            seg = buf.segment
-            if n > seg.size:
-                buf.release()
-                raise ProtocolError(
-                    f"buffer of {n} bytes exceeds the receiver's {seg.size}-byte segments; "
-                    "all daemons and clients must use the same segment size"
-                )
-            seg.view()[:n] = payload
-            buf.set_size(n)
-            buf.compressed = msg.compressed
-        else:
-            buf = Buffer.wrap(payload, msg.data_type)
-        ch.on_buffer(buf, msg.sequence_number, msg.backlog)
-
-    def _on_error_response(self, msg: ErrorResponse) -> None:
-        if msg.is_fatal:
-            err = error_for_response(msg, self.address)
-            if msg.code is ErrorCode.AUTH_FAILED and not isinstance(err, AuthenticationError):
-                err = AuthenticationError(str(err))
-            self.fail(err)
-            return
-        rid = msg.receiver_id
-        assert rid is not None
-        ch = self._channels.get(rid)
-        if ch is None:
-            return
-        if msg.code is ErrorCode.PARTITION_NOT_FOUND:
-            if ch.on_partition_not_found():
-                return
-            self._channels.pop(rid, None)
-            return
-        self._channels.pop(rid, None)
-        ch.set_error(error_for_response(msg, self.address, ch.partition_id))
+    def on_message(self, msg: Message) -> None:  # the connection handles every message
+        raise ProtocolError(f"unexpected {type(msg).__name__} from daemon {self.address}")
 
     # -- PartitionRequestClient ----------------------------------------------------------
 
     def request_subpartition(self, channel: RemoteInputChannel) -> None:
-        self.check()
-        if channel.receiver_id < 0:
-            channel.receiver_id = next(self._ids)
-        self._channels[channel.receiver_id] = channel
-        self.send(
-            PartitionRequest(
-                channel.partition_id,
-                channel.subpartition_index,
-                channel.receiver_id,
-                channel.initial_credit,
-            )
-        )
+        self.connection.request_subpartition(channel)
+        self._flush()
 
     def notify_credit_available(self, channel: RemoteInputChannel) -> None:
-        self._credit_pending.append(channel)
-        if not self._credit_scheduled:
-            self._credit_scheduled = True
+        if self.connection.notify_credit_available(channel):
             self._loop.call_soon(self._flush_credits)
 
     def _flush_credits(self) -> None:
-        self._credit_scheduled = False
-        pending, self._credit_pending = self._credit_pending, []
-        for ch in pending:
-            credit = ch.get_and_reset_unannounced_credit()
-            if credit > 0 and self._channels.get(ch.receiver_id) is ch:
-                self.send(AddCredit(ch.receiver_id, credit))
+        self.connection.flush_credits()
+        self._flush()
 
     def resume_consumption(self, channel: RemoteInputChannel) -> None:
-        if self._channels.get(channel.receiver_id) is channel:
-            self.send(ResumeConsumption(channel.receiver_id))
+        self.connection.resume_consumption(channel)
+        self._flush()
 
     def notify_new_buffer_size(self, channel: RemoteInputChannel, size: int) -> None:
-        if self._channels.get(channel.receiver_id) is channel:
-            self.send(NewBufferSize(channel.receiver_id, size))
+        self.connection.notify_new_buffer_size(channel, size)
+        self._flush()
 
     def cancel_request(self, channel: RemoteInputChannel) -> None:
-        if self._channels.pop(channel.receiver_id, None) is not None:
-            self.send(CancelPartitionRequest(channel.receiver_id))
+        self.connection.cancel_request(channel)
+        self._flush()
 
     # -- lifecycle -----------------------------------------------------------------------
 
     @property
     def num_channels(self) -> int:
-        return len(self._channels)
+        return self.connection.num_channels
 
     async def aclose(self) -> None:
         """Say goodbye (CloseRequest) and wait until the connection is gone."""
-        self.send(CloseRequest())
+        self.connection.send_close_request()
+        self._flush()
         await super().aclose()
 
 

@@ -839,6 +839,14 @@ class InPlaceFrameDecoder:
             out.extend(self.buffer_updated(k))
         return out
 
+    def abort(self, error: ProtocolError | None = None) -> None:
+        """Stop decoding (the connection died): forget any sink view, discard all input.
+
+        A view the sink handed out is never written again after this returns.
+        """
+        if self._error is None:
+            self._poison(error or ProtocolError("the connection was aborted"))
+
     def _poison(self, exc: ProtocolError) -> None:
         self._error = exc
         self._target = None

@@ -1,0 +1,483 @@
+"""The client end of a daemon connection, sans I/O (python-websockets style).
+
+``ClientConnection`` owns the client handshake, the in-place frame decoder and the bytes
+to send. The I/O side feeds it (``get_buffer``/``buffer_updated``, the
+``asyncio.BufferedProtocol`` pair, or ``receive_data``), writes ``data_to_send()`` and
+acts on ``events_received()``: ``HandshakeComplete``, ``MessageReceived`` (messages the
+connection does not handle itself) and ``ConnectionFailed`` (close the transport).
+Received bytes never raise: a failure is recorded (``error``), the state becomes FAILED
+and a ``ConnectionFailed`` event is queued.
+
+``PartitionRequestClientConnection`` is the data-port client (Flink's
+NettyPartitionRequestClient + CreditBasedPartitionRequestClientHandler): it routes
+BufferResponses by receiver id, receiving each data payload straight into a buffer the
+channel has credit for; turns ErrorResponses into typed errors on one channel or, without
+a receiver id, on the whole connection; batches AddCredit announcements (one per channel
+and ``flush_credits``); and writes PartitionRequest / ResumeConsumption / NewBufferSize /
+CancelPartitionRequest / CloseRequest for its channels.
+
+The lifecycle is one enum; ``_TRANSITIONS`` is the only place that says which state may
+follow which::
+
+    CONNECTING -> HANDSHAKING -> ESTABLISHED -> CLOSING -> CLOSED
+                       \\______________\\____________\\-> FAILED -> CLOSED
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Collection
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Final
+
+from exchange.buffers.buffer import Buffer
+from exchange.errors import (
+    AuthenticationError,
+    ExchangeError,
+    IllegalStateError,
+    ProtocolError,
+    TransportError,
+)
+from exchange.protocol.codec import (
+    BufferResponseHeader,
+    InPlaceFrameDecoder,
+    PayloadReceived,
+    Piece,
+    encode,
+)
+from exchange.protocol.handshake import ClientHandshake
+from exchange.protocol.messages import (
+    AddCredit,
+    BufferResponse,
+    CancelPartitionRequest,
+    CloseRequest,
+    ErrorCode,
+    ErrorResponse,
+    Message,
+    MessageId,
+    NewBufferSize,
+    PartitionRequest,
+    ResumeConsumption,
+    error_for_response,
+)
+
+if TYPE_CHECKING:
+    from exchange.consumer.remote_input_channel import RemoteInputChannel
+
+__all__ = [
+    "DATA_PORT_CLIENT_MESSAGE_IDS",
+    "ClientConnection",
+    "ClientConnectionState",
+    "ConnectionEvent",
+    "ConnectionFailed",
+    "HandshakeComplete",
+    "MessageReceived",
+    "PartitionRequestClientConnection",
+]
+
+
+class ClientConnectionState(Enum):
+    CONNECTING = "connecting"  # no transport yet
+    HANDSHAKING = "handshaking"  # ClientHello sent
+    ESTABLISHED = "established"
+    CLOSING = "closing"  # we are done (CloseRequest sent or transport closing)
+    FAILED = "failed"  # an error ended it; the transport must be closed
+    CLOSED = "closed"  # the transport is gone
+
+
+_S = ClientConnectionState
+_TRANSITIONS: Final[dict[ClientConnectionState, frozenset[ClientConnectionState]]] = {
+    _S.CONNECTING: frozenset({_S.HANDSHAKING, _S.CLOSING, _S.FAILED, _S.CLOSED}),
+    _S.HANDSHAKING: frozenset({_S.ESTABLISHED, _S.CLOSING, _S.FAILED, _S.CLOSED}),
+    _S.ESTABLISHED: frozenset({_S.CLOSING, _S.FAILED, _S.CLOSED}),
+    _S.CLOSING: frozenset({_S.FAILED, _S.CLOSED}),
+    _S.FAILED: frozenset({_S.CLOSED}),
+    _S.CLOSED: frozenset(),
+}
+_SENDING: Final = frozenset({_S.HANDSHAKING, _S.ESTABLISHED})
+_RECEIVING: Final = frozenset({_S.HANDSHAKING, _S.ESTABLISHED, _S.CLOSING})
+_LANDING: Final = frozenset({_S.ESTABLISHED, _S.CLOSING})
+
+#: What a data-port client decodes; anything else from the daemon is a protocol error.
+DATA_PORT_CLIENT_MESSAGE_IDS: Final = frozenset(
+    {
+        MessageId.SERVER_HELLO,
+        MessageId.AUTH_OK,
+        MessageId.BUFFER_RESPONSE,
+        MessageId.ERROR_RESPONSE,
+    }
+)
+
+
+# -- events -------------------------------------------------------------------------------
+
+
+class ConnectionEvent:
+    """Base of what ``events_received()`` returns."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeComplete(ConnectionEvent):
+    authenticated: bool
+
+
+@dataclass(frozen=True, slots=True)
+class MessageReceived(ConnectionEvent):
+    """A message after the handshake that this connection leaves to its user."""
+
+    message: Message
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionFailed(ConnectionEvent):
+    """The connection is dead: write ``data_to_send()`` (best effort) and close."""
+
+    error: ExchangeError
+
+
+# -- the generic client connection --------------------------------------------------------
+
+
+class ClientConnection:
+    """Handshake, framing and output of one client connection; no I/O."""
+
+    def __init__(
+        self,
+        address: str,
+        secret: bytes | None,
+        max_frame_size: int,
+        *,
+        accept: Collection[int] | None = None,
+    ) -> None:
+        self.address = address
+        self._handshake = ClientHandshake(secret, address=address)
+        self._decoder = self._new_decoder(max_frame_size, accept)
+        self._out: list[Piece] = []
+        self._events: list[ConnectionEvent] = []
+        self.state = ClientConnectionState.CONNECTING
+        self.error: ExchangeError | None = None
+
+    def _new_decoder(
+        self, max_frame_size: int, accept: Collection[int] | None
+    ) -> InPlaceFrameDecoder:
+        return InPlaceFrameDecoder(max_frame_size, accept=accept)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _set_state(self, new: ClientConnectionState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise IllegalStateError(
+                f"connection to {self.address}: {self.state.name} -> {new.name}"
+            )
+        self.state = new
+
+    @property
+    def is_open(self) -> bool:
+        """Handshaking or established, with no error."""
+        return self.state in _SENDING
+
+    @property
+    def is_established(self) -> bool:
+        return self.state is ClientConnectionState.ESTABLISHED
+
+    @property
+    def authenticated(self) -> bool:
+        return self._handshake.authenticated
+
+    @property
+    def bytes_received(self) -> int:
+        return self._decoder.bytes_received
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of an incomplete frame (non-zero at EOF: the peer stopped mid-frame)."""
+        return self._decoder.buffered
+
+    # -- input ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """The transport is up: queue the ClientHello."""
+        self._set_state(ClientConnectionState.HANDSHAKING)
+        for msg in self._handshake.start():
+            self._out.extend(encode(msg))
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        return self._decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """``nbytes`` arrived in the last ``get_buffer()``; never raises an ExchangeError."""
+        try:
+            items = self._decoder.buffer_updated(nbytes)
+            if self.state not in _RECEIVING:
+                return  # failed or closed: what still arrives is dropped
+            for item in items:
+                if type(item) is PayloadReceived:
+                    self._on_payload(item)
+                else:
+                    assert isinstance(item, Message)
+                    self._on_message(item)
+        except ExchangeError as e:
+            self.fail(e)
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Plain-``Protocol`` and test entry: copy ``data`` in as a transport would."""
+        src = memoryview(data).cast("B")
+        pos, n = 0, src.nbytes
+        while pos < n and self.state in _RECEIVING:
+            buf = self.get_buffer()
+            k = min(buf.nbytes, n - pos)
+            buf[:k] = src[pos : pos + k]
+            pos += k
+            self.buffer_updated(k)
+
+    def _on_message(self, msg: Message) -> None:
+        hs = self._handshake
+        if not hs.is_established:
+            for out in hs.receive(msg):
+                self.send(out)
+            if hs.is_established:
+                self._set_state(ClientConnectionState.ESTABLISHED)
+                self._events.append(HandshakeComplete(hs.authenticated))
+            return
+        self.on_message(msg)
+
+    def on_message(self, msg: Message) -> None:
+        """A message after the handshake; by default handed to the user as an event."""
+        self._events.append(MessageReceived(msg))
+
+    def _on_payload(self, item: PayloadReceived) -> None:
+        raise ProtocolError(f"unexpected data frame from {self.address}")  # pragma: no cover
+
+    # -- output --------------------------------------------------------------------------
+
+    def send(self, msg: Message) -> None:
+        """Queue ``msg`` (dropped once the connection is closing, failed or closed)."""
+        if self.state in _SENDING:
+            self._out.extend(encode(msg))
+
+    def data_to_send(self) -> list[Piece]:
+        """Pieces for ``transport.writelines`` (payloads are not copied)."""
+        out, self._out = self._out, []
+        return out
+
+    def events_received(self) -> list[ConnectionEvent]:
+        events, self._events = self._events, []
+        return events
+
+    @property
+    def has_events(self) -> bool:
+        return bool(self._events)
+
+    def check(self) -> None:
+        """Raise the connection's error, or TransportError if it cannot send."""
+        if self.error is not None:
+            raise self.error
+        if self.state not in _SENDING:
+            raise TransportError(f"connection to daemon {self.address} is {self.state.value}")
+
+    # -- ending --------------------------------------------------------------------------
+
+    def fail(self, error: ExchangeError) -> None:
+        """A connection-level failure: remember the first error and ask for a close."""
+        if self.state in (ClientConnectionState.FAILED, ClientConnectionState.CLOSED):
+            return
+        if self.error is None:
+            self.error = error
+        self._decoder.abort()
+        self._set_state(ClientConnectionState.FAILED)
+        self._events.append(ConnectionFailed(error))
+
+    def close(self) -> None:
+        """We are done with the connection (the transport is being closed)."""
+        if self.state in _SENDING or self.state is ClientConnectionState.CONNECTING:
+            self._set_state(ClientConnectionState.CLOSING)
+
+    def connection_lost(self, exc: BaseException | None = None) -> ExchangeError:
+        """The transport is gone; returns the error whoever waits should get."""
+        if self.state is ClientConnectionState.CLOSED:
+            return self.error or TransportError(f"connection to daemon {self.address} closed")
+        if self.error is None and self.state is not ClientConnectionState.CLOSING:
+            self.error = TransportError(
+                f"connection to daemon {self.address} lost" + (f": {exc}" if exc else "")
+            )
+        self._decoder.abort()
+        self._set_state(ClientConnectionState.CLOSED)
+        err = self.error or TransportError(f"connection to daemon {self.address} closed")
+        self.on_connection_lost(err)
+        return err
+
+    def on_connection_lost(self, error: ExchangeError) -> None:
+        """Fail whatever waits on this connection."""
+
+
+# -- the data-port client -----------------------------------------------------------------
+
+
+class PartitionRequestClientConnection(ClientConnection):
+    """One connection to a daemon's data port, shared by RemoteInputChannels."""
+
+    def __init__(self, address: str, secret: bytes | None, max_frame_size: int) -> None:
+        super().__init__(address, secret, max_frame_size, accept=DATA_PORT_CLIENT_MESSAGE_IDS)
+        self._channels: dict[int, RemoteInputChannel] = {}
+        self._next_id = 1
+        self._credit_pending: list[RemoteInputChannel] = []
+        # Buffers taken for payloads not handed to their channel yet, in frame order (one
+        # chunk may complete several frames); released if the connection dies first.
+        self._landing: deque[tuple[RemoteInputChannel, Buffer]] = deque()
+
+    def _new_decoder(
+        self, max_frame_size: int, accept: Collection[int] | None
+    ) -> InPlaceFrameDecoder:
+        return InPlaceFrameDecoder(max_frame_size, accept=accept, body_sink=self._body_sink)
+
+    @property
+    def num_channels(self) -> int:
+        return len(self._channels)
+
+    def channel(self, receiver_id: int) -> RemoteInputChannel | None:
+        return self._channels.get(receiver_id)
+
+    # -- receiving -----------------------------------------------------------------------
+
+    def _body_sink(self, header: BufferResponseHeader) -> memoryview | None:
+        """Where a BufferResponse payload lands: a credited buffer of its channel."""
+        if not header.data_type.is_buffer or self.state not in _LANDING:
+            return None  # events are decoded whole; a frame before the handshake is refused
+        ch = self._channels.get(header.receiver_id)
+        if ch is None:
+            return None  # cancelled meanwhile: read through scratch, then dropped
+        buf = ch.request_buffer()
+        if buf is None:
+            raise ProtocolError(
+                f"daemon {self.address} sent a buffer to receiver {header.receiver_id} "
+                "without credit"
+            )
+        seg = buf.segment
+        if header.size > seg.size:
+            buf.release()
+            raise ProtocolError(
+                f"buffer of {header.size} bytes exceeds the receiver's {seg.size}-byte segments; "
+                "all daemons and clients must use the same segment size"
+            )
+        self._landing.append((ch, buf))
+        return seg.view()[: header.size]
+
+    def _on_payload(self, item: PayloadReceived) -> None:
+        ch, buf = self._landing.popleft()
+        h: BufferResponseHeader = item.header
+        buf.set_size(h.size)
+        buf.compressed = h.compressed
+        ch.on_buffer(buf, h.sequence_number, h.backlog)
+
+    def on_message(self, msg: Message) -> None:
+        if type(msg) is BufferResponse:
+            self._on_buffer_response(msg)
+        elif type(msg) is ErrorResponse:
+            self._on_error_response(msg)
+        else:
+            raise ProtocolError(f"unexpected {type(msg).__name__} from daemon {self.address}")
+
+    def _on_buffer_response(self, msg: BufferResponse) -> None:
+        """An event (or a data buffer for a receiver no longer here: dropped)."""
+        ch = self._channels.get(msg.receiver_id)
+        if ch is None:
+            return
+        if msg.data_type.is_buffer:  # only if the sink declined it, which it does not
+            raise ProtocolError(f"data buffer for receiver {msg.receiver_id} not received in place")
+        ch.on_buffer(Buffer.wrap(msg.payload, msg.data_type), msg.sequence_number, msg.backlog)
+
+    def _on_error_response(self, msg: ErrorResponse) -> None:
+        if msg.is_fatal:
+            err = error_for_response(msg, self.address)
+            if msg.code is ErrorCode.AUTH_FAILED and not isinstance(err, AuthenticationError):
+                err = AuthenticationError(str(err))  # pragma: no cover - mapped already
+            self.fail(err)
+            return
+        rid = msg.receiver_id
+        assert rid is not None
+        ch = self._channels.get(rid)
+        if ch is None:
+            return
+        if msg.code is ErrorCode.PARTITION_NOT_FOUND:
+            if ch.on_partition_not_found():
+                return  # retried after the channel's backoff
+            self._channels.pop(rid, None)
+            return
+        self._channels.pop(rid, None)
+        ch.set_error(error_for_response(msg, self.address, ch.partition_id))
+
+    # -- PartitionRequestClient (what channels ask) ---------------------------------------
+
+    def request_subpartition(self, channel: RemoteInputChannel) -> None:
+        """Register ``channel`` (assigning its receiver id once) and ask for its data."""
+        self.check()
+        if not self.is_established:
+            raise IllegalStateError(f"connection to {self.address} is not established yet")
+        if channel.receiver_id < 0:
+            channel.receiver_id = self._next_id
+            self._next_id += 1
+        self._channels[channel.receiver_id] = channel
+        self.send(
+            PartitionRequest(
+                channel.partition_id,
+                channel.subpartition_index,
+                channel.receiver_id,
+                channel.initial_credit,
+            )
+        )
+
+    def notify_credit_available(self, channel: RemoteInputChannel) -> bool:
+        """Note that ``channel`` has credit to announce; True if a flush must be scheduled
+        (the first note since the last ``flush_credits``)."""
+        first = not self._credit_pending
+        self._credit_pending.append(channel)
+        return first
+
+    def flush_credits(self) -> None:
+        """One AddCredit per channel with all its unannounced credit."""
+        pending, self._credit_pending = self._credit_pending, []
+        channels = self._channels
+        for ch in pending:
+            credit = ch.get_and_reset_unannounced_credit()
+            if credit > 0 and channels.get(ch.receiver_id) is ch:
+                self.send(AddCredit(ch.receiver_id, credit))
+
+    def resume_consumption(self, channel: RemoteInputChannel) -> None:
+        if self._channels.get(channel.receiver_id) is channel:
+            self.send(ResumeConsumption(channel.receiver_id))
+
+    def notify_new_buffer_size(self, channel: RemoteInputChannel, size: int) -> None:
+        if self._channels.get(channel.receiver_id) is channel:
+            self.send(NewBufferSize(channel.receiver_id, size))
+
+    def cancel_request(self, channel: RemoteInputChannel) -> None:
+        if self._channels.pop(channel.receiver_id, None) is not None:
+            self.send(CancelPartitionRequest(channel.receiver_id))
+
+    def send_close_request(self) -> None:
+        """Say goodbye: the daemon releases this connection's readers."""
+        self.send(CloseRequest())
+        self.close()
+
+    # -- ending --------------------------------------------------------------------------
+
+    def fail(self, error: ExchangeError) -> None:
+        super().fail(error)
+        self._release_landing()
+
+    def on_connection_lost(self, error: ExchangeError) -> None:
+        self._release_landing()
+        channels = list(self._channels.values())
+        self._channels.clear()
+        self._credit_pending.clear()
+        for ch in channels:
+            if not ch.finished and not ch.is_released:
+                ch.set_error(error)
+
+    def _release_landing(self) -> None:
+        landing = self._landing
+        while landing:
+            landing.popleft()[1].release()
