@@ -303,6 +303,31 @@ def test_nested_alignment_while_replaying_keeps_order(
     h.close()
 
 
+def test_alignment_completing_inside_a_replay_replays_its_parked_input_first(
+    task: Task, clock: FakeClock, blocker: BufferBlocker, pool: NetworkBufferPool
+) -> None:
+    """Flink's stack of sequences: the newer parked input goes before the older rest."""
+    h = parking(3, task, clock, blocker)
+    feed(h, task, [barrier(0, 1), barrier(1, 1), data(0, b"x0", pool), barrier(0, 2)])
+    feed(h, task, [data(0, b"y0", pool), data(1, b"x1", pool), barrier(1, 2)])
+    feed(h, task, [data(0, b"z0", pool), data(1, b"y1", pool)])
+    task.clear()
+    feed(h, task, [eop(2)])  # aborts 1; replay: 2 aligns, y0 parks again, 2 completes
+    assert task.log == [
+        ("abort", 1, R.END_OF_INPUT),
+        ("eop", 2),
+        ("rec", 0, b"x0"),
+        ("resume", 0),
+        ("rec", 1, b"x1"),
+        ("resume", 1),
+        ("trigger", 2),
+        ("rec", 0, b"y0"),
+        ("rec", 0, b"z0"),
+        ("rec", 1, b"y1"),
+    ]
+    h.close()
+
+
 def test_parked_end_of_partition_does_not_abort_until_replayed(
     task: Task, clock: FakeClock, blocker: BufferBlocker
 ) -> None:
