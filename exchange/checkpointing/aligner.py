@@ -111,6 +111,8 @@ class AlignedBarrierHandler(CheckpointBarrierHandler):
         blocker: BufferBlocker | None = None,
         max_aligned_bytes: int | None = None,
     ) -> None:
+        if resume is None:
+            raise UsageError("the aligned handler needs resume= to resume blocked channels")
         super().__init__(num_channels, listener, clock, resume)
         if (strategy is AlignmentStrategy.PARKING) != (blocker is not None):
             raise UsageError("the parking strategy needs a BufferBlocker, blocking upstream none")

@@ -13,7 +13,8 @@ nothing was parked); the blocker then parks into a fresh sequence. Two kinds:
   malformed record raises CorruptRecordError), replays data as new unpooled buffers, and
   deletes the file once consumed or cleaned up.
 
-Sizes are payload bytes (a buffer's size, an event's serialized size) for both kinds, so
+Replayed items carry ``more_available=True`` (the reader polls the handler until None
+anyway). Sizes are payload bytes (a buffer's size, an event's serialized size) for both kinds, so
 the alignment limit decides the same whichever kind parks.
 """
 
@@ -109,7 +110,8 @@ class CachedBufferOrEventSequence(BufferOrEventSequence):
         self._items = items
 
     def get_next(self) -> BufferOrEvent | None:
-        return self._items.popleft() if self._items else None
+        # replayed items say more_available=True whichever blocker parked them
+        return self._items.popleft()._replace(more_available=True) if self._items else None
 
     def cleanup(self) -> None:
         while self._items:

@@ -379,6 +379,8 @@ def test_configuration_is_checked(task: Task, clock: FakeClock, tmp_path: Path) 
         AlignedBarrierHandler(2, task, clock, task.resume, strategy=AlignmentStrategy.PARKING)
     with pytest.raises(UsageError, match="BufferBlocker"):
         AlignedBarrierHandler(2, task, clock, task.resume, blocker=CachedBufferBlocker())
+    with pytest.raises(UsageError, match="resume"):
+        AlignedBarrierHandler(2, task, clock)
     with pytest.raises(ConfigError, match="checkpoint_alignment_limit"):
         AlignedBarrierHandler(2, task, clock, task.resume, max_aligned_bytes=-1)
     with pytest.raises(UsageError, match="page size"):

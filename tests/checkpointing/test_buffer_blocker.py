@@ -21,6 +21,7 @@ def replay_all(blocker: BufferBlocker) -> list[tuple[int, object]]:
     assert seq is not None
     out: list[tuple[int, object]] = []
     while (boe := seq.get_next()) is not None:
+        assert boe.more_available
         if boe.buffer is not None:
             out.append((boe.channel_index, boe.buffer.to_bytes()))
             boe.buffer.release()
