@@ -21,6 +21,7 @@ from exchange.checkpointing import (
     create_barrier_handler,
 )
 from exchange.errors import ConfigError, IllegalStateError, UsageError
+from exchange.events.events import AbstractEvent
 from exchange.memory import NetworkBufferPool
 from tests.checkpointing.conftest import (
     FakeClock,
@@ -29,6 +30,7 @@ from tests.checkpointing.conftest import (
     cancel,
     data,
     eop,
+    event,
     feed,
 )
 
@@ -407,3 +409,18 @@ def test_factory_picks_the_handler(task: Task, clock: FakeClock, tmp_path: Path)
     assert s.strategy is AlignmentStrategy.PARKING and s.max_aligned_bytes == 0
     assert "parking" in repr(s)
     s.close()
+
+
+def test_other_events_pass_through_every_handler(task: Task, clock: FakeClock) -> None:
+    class Watermark(AbstractEvent):
+        __slots__ = ()
+
+    wm = Watermark()
+    handlers = [
+        blocking(2, task, clock),
+        CheckpointBarrierTracker(2, task, clock, task.resume),
+    ]
+    for h in handlers:
+        feed(h, task, [event(0, wm)])
+        h.close()
+    assert task.log == [("event", 0, wm), ("event", 0, wm)]
