@@ -32,7 +32,7 @@ from exchange.errors import CorruptRecordError, IllegalStateError, UsageError
 from exchange.events.events import AbstractEvent, CheckpointBarrier, EndOfPartitionEvent
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.partition.result_partition_id import ResultPartitionID
-from exchange.serialization.codec import MsgpackCodec, RecordCodec
+from exchange.serialization.codec import RecordCodec, default_codec
 
 __all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader"]
 
@@ -121,7 +121,7 @@ class AsyncPartitionReader:
             for i, loc in enumerate(locations)
         ]
         gate.set_input_channels(channels)
-        self = cls(gate, pool, connections, codec or MsgpackCodec(), event_handler)
+        self = cls(gate, pool, connections, codec or default_codec(), event_handler)
         try:
             await gate.request_partitions()
         except BaseException:
@@ -215,7 +215,7 @@ class PartitionReader:
         window: int = 4,
     ) -> None:
         self._rt = runtime if runtime is not None else get_runtime()
-        self.codec: RecordCodec = codec if codec is not None else MsgpackCodec()
+        self.codec: RecordCodec = codec if codec is not None else default_codec()
         self._handler = event_handler
         self._core = self._rt.run(
             AsyncPartitionReader.open(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 from collections import deque
 from typing import Final
 
@@ -22,8 +23,9 @@ from exchange.errors import (
     TransportError,
     UsageError,
 )
-from exchange.protocol.codec import max_frame_size_for
+from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, max_frame_size_for
 from exchange.protocol.local_messages import (
+    ALL_SUBPARTITIONS,
     AddProducerCredit,
     DaemonInfo,
     DaemonInfoRequest,
@@ -34,6 +36,7 @@ from exchange.protocol.local_messages import (
     ReleaseDataset,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_for_response
+from exchange.writer.core_writer import OutputBuffer
 from server.config import DEFAULT_SOCKET_NAME
 
 __all__ = [
@@ -51,6 +54,9 @@ __all__ = [
 DAEMON_ENV: Final = "EXCHANGE_DAEMON"
 _REPLIES = (PartitionCreated, PartitionFinished, DaemonInfo, Released)
 _MAX_CONTROL_FRAME: Final = 64 * 1024
+#: A PushBuffer frame's header: frame length, magic, id | subpartition, data type.
+_PUSH_FRAME: Final = struct.Struct(">IIBIB")
+_PUSH_BODY_HEADER: Final = 5
 
 
 def default_socket_path() -> str:
@@ -96,6 +102,7 @@ class LocalConnection(HandshakingClientProtocol):
         super().__init__(address, secret, max_frame_size)
         self._replies: deque[asyncio.Future[Message]] = deque()
         self.credit = 0
+        self.bytes_pushed = 0
         self._credit_waiter: asyncio.Future[None] | None = None
 
     @classmethod
@@ -176,6 +183,39 @@ class LocalConnection(HandshakingClientProtocol):
         self._replies.append(fut)
         self.send(msg)
         return await fut
+
+    async def push_buffer(self, out: OutputBuffer) -> None:
+        """Push one buffer the RecordWriter cut (a data buffer waits for credit first;
+        events need none). Its pieces go to the socket as they are: no copy here."""
+        if out.is_event:
+            self.check()
+            self._write_push(ALL_SUBPARTITIONS, out.data_type, out.size, out.pieces)
+            return
+        while self.credit <= 0:
+            self.check()
+            self._credit_waiter = self._loop.create_future()
+            await self._credit_waiter
+            self._credit_waiter = None
+        self.check()
+        self.credit -= 1
+        self._write_push(out.target, out.data_type, out.size, out.pieces)
+
+    def _write_push(
+        self, target: int, data_type: DataType, size: int, pieces: list[memoryview | bytes]
+    ) -> None:
+        t = self._transport
+        if t is None or t.is_closing():
+            self.check()
+            raise TransportError(f"connection to daemon {self.address} is closing")
+        header = _PUSH_FRAME.pack(
+            FRAME_HEADER_SIZE + _PUSH_BODY_HEADER + size,
+            MAGIC,
+            PushBuffer.MESSAGE_ID,
+            target,
+            data_type,
+        )
+        t.writelines([header, *pieces])
+        self.bytes_pushed += size
 
     async def push(self, subpartition: int, payload: bytes | memoryview) -> None:
         """Push one data buffer, waiting for credit first (the daemon's backpressure)."""

@@ -1,135 +1,144 @@
 """Producers: write one ResultPartition on the local daemon.
 
-``AsyncPartitionWriter`` is the asyncio API; ``PartitionWriter`` is its synchronous facade
-for PySpark task code: records are serialized in the calling thread (no GIL ping-pong),
-cut into segment-sized buffers per subpartition, and handed to the process's background
-loop a batch at a time, which pushes them to the daemon as credit allows. When the
-partition's pool on the daemon is full, the push waits: the task blocks (backpressure).
+Both APIs drive the engine's one write path, ``exchange.writer.RecordWriter`` (routing,
+batching, encoding, cutting, flush policy), and push the buffers it cuts to the daemon
+over the local socket, one credit each (``client.local_connection``): when the
+partition's pool on the daemon is full, credit runs out and the producer waits
+(backpressure).
 
-Flushing follows the buffer timeout: 0 pushes after every record, -1 only full buffers
-(and on flush/close), otherwise partial buffers are pushed once ``buffer_timeout`` seconds
-passed since the last flush (checked as records are emitted).
+* ``AsyncPartitionWriter``: the asyncio API (``exchange.writer.AsyncRecordWriter`` with the
+  daemon connection as its sink).
+* ``PartitionWriter``: the synchronous facade PySpark tasks use. Records are routed,
+  batched and encoded in the calling thread (no GIL ping-pong per record); the buffers
+  are handed to the process's background loop a batch at a time *without waiting*, so
+  encoding overlaps with sending: at most ``window`` batches are in flight, and the task
+  waits only when all of them are (backpressure). A timer on the loop flushes partial
+  buffers every ``buffer_timeout`` seconds even while the task waits for input.
 """
 
 from __future__ import annotations
 
-import time
+import concurrent.futures
+import contextlib
+import itertools
+import threading
+from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, Final
 
 from client.local_connection import LocalConnection, resolve_daemon_socket
 from client.runtime import ClientRuntime, get_runtime
-from exchange.errors import RecordTooLargeError, UsageError, WriterClosedError
-from exchange.events.events import AbstractEvent, EventSerializer
+from exchange.errors import UsageError, WriterClosedError
+from exchange.events.events import AbstractEvent
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.local_messages import (
-    ALL_SUBPARTITIONS,
     CreatePartition,
     FailPartition,
     FinishPartition,
     PartitionCreated,
     PartitionFinished,
 )
-from exchange.serialization.codec import MsgpackCodec, RecordCodec
-from exchange.writer.hashing import FIBONACCI_64, deterministic_hash
+from exchange.serialization.codec import RecordCodec
+from exchange.writer.channel_selector import ChannelSelector
+from exchange.writer.core_writer import DEFAULT_BUFFER_TIMEOUT, OutputBuffer, RecordWriter
+from exchange.writer.partition_writer import AsyncRecordWriter
 
-__all__ = ["AsyncPartitionWriter", "PartitionWriter", "SubpartitionChunker"]
+__all__ = ["AsyncPartitionWriter", "DaemonSink", "PartitionWriter"]
 
-DEFAULT_BUFFER_TIMEOUT: Final = 0.1
 _NO_KEY: Final[Any] = object()
-_BATCH_BYTES: Final = 256 * 1024
-_KEY_CACHE: Final = 1 << 16
-_M64: Final = 0xFFFFFFFFFFFFFFFF
-_I63: Final = 2**63
+#: Bytes of cut buffers handed to the loop at a time.
+_SHIP_BYTES: Final = 256 * 1024
+#: Batches in flight between the task thread and the loop at most (the window).
+_WINDOW: Final = 4
+#: Records taken from an iterable at a time by ``emit_all``: at most, and at first.
+_CHUNK: Final = 4096
+_FIRST_CHUNK: Final = 64
 
-Chunk = tuple[int, bytes]
 
+class DaemonSink:
+    """The local daemon as an AsyncRecordWriter's sink: one credit per data buffer."""
 
-class SubpartitionChunker:
-    """Serializes records per subpartition and cuts the byte streams into buffers."""
-
-    def __init__(self, num_subpartitions: int, segment_size: int, codec: RecordCodec) -> None:
-        self.n = num_subpartitions
-        self.segment_size = segment_size
-        self._bufs = [bytearray() for _ in range(num_subpartitions)]
-        enc = codec.new_encoder()
-        self._encode_into = enc.encode_into
-        self.max_record_size = enc.max_record_size
-        fast = enc.encode
-        self.pack: Callable[[Any], bytes | bytearray | memoryview] = (
-            fast if fast is not None else self._encode_slow
-        )
-        self.records = 0
-
-    def _encode_slow(self, record: Any) -> bytes:
-        tmp = bytearray()
-        self._encode_into(record, tmp)
-        return bytes(tmp)
-
-    def add(self, index: int, record: Any, out: list[Chunk]) -> None:
-        buf = self._bufs[index]
-        self._encode_into(record, buf)
-        self.records += 1
-        if len(buf) >= self.segment_size:
-            self._cut(index, out)
-
-    def add_all(self, index: int, encoded: bytes, out: list[Chunk]) -> None:
-        """Append already encoded bytes (a broadcast record, encoded once)."""
-        buf = self._bufs[index]
-        buf += encoded
-        if len(buf) >= self.segment_size:
-            self._cut(index, out)
-
-    def encode(self, record: Any) -> bytes:
-        tmp = bytearray()
-        self._encode_into(record, tmp)
-        return bytes(tmp)
-
-    def _cut(self, index: int, out: list[Chunk]) -> None:
-        buf = self._bufs[index]
-        seg = self.segment_size
-        while len(buf) >= seg:
-            out.append((index, bytes(buf[:seg])))
-            del buf[:seg]
-
-    def drain(self, out: list[Chunk]) -> None:
-        """Every pending byte, as (possibly partial) buffers."""
-        for i, buf in enumerate(self._bufs):
-            if buf:
-                self._cut(i, out)
-                if buf:
-                    out.append((i, bytes(buf)))
-                    buf.clear()
+    def __init__(self, conn: LocalConnection, partition_id: ResultPartitionID) -> None:
+        self.conn = conn
+        self.partition_id = partition_id
+        self.result: PartitionFinished | None = None
 
     @property
-    def pending_bytes(self) -> int:
-        return sum(len(b) for b in self._bufs)
+    def name(self) -> str:
+        return str(self.partition_id)
+
+    def check_writable(self) -> None:
+        self.conn.check()
+
+    async def write(self, out: OutputBuffer) -> None:
+        await self.conn.push_buffer(out)
+
+    async def write_all(self, outs: list[OutputBuffer]) -> None:
+        push = self.conn.push_buffer
+        for out in outs:
+            await push(out)
+
+    async def finish(self) -> None:
+        reply = await self.conn.request(FinishPartition())
+        await self.conn.aclose()
+        assert isinstance(reply, PartitionFinished)
+        self.result = reply
+
+    async def fail(self, cause: BaseException | None) -> None:
+        if self.conn.is_open:
+            self.conn.send(FailPartition(str(cause) if cause is not None else "aborted"))
+        await self.conn.aclose()
 
 
-class AsyncPartitionWriter:
+async def _open_partition(
+    partition_id: ResultPartitionID,
+    num_subpartitions: int,
+    blocking: bool,
+    daemon_socket: str | None,
+    secret: bytes | None,
+) -> tuple[LocalConnection, PartitionCreated]:
+    if not isinstance(partition_id, ResultPartitionID):
+        raise UsageError(f"partition_id must be a ResultPartitionID, got {partition_id!r}")
+    if (
+        not isinstance(num_subpartitions, int)
+        or isinstance(num_subpartitions, bool)
+        or num_subpartitions <= 0
+    ):
+        raise UsageError(f"num_subpartitions must be a positive int, got {num_subpartitions!r}")
+    conn = await LocalConnection.connect(resolve_daemon_socket(daemon_socket), secret=secret)
+    try:
+        reply = await conn.request(CreatePartition(partition_id, blocking, num_subpartitions))
+    except BaseException:
+        await conn.aclose()
+        raise
+    assert isinstance(reply, PartitionCreated)
+    return conn, reply
+
+
+def _check_timeout(buffer_timeout: float) -> None:
+    if (
+        not isinstance(buffer_timeout, (int, float))
+        or isinstance(buffer_timeout, bool)
+        or (buffer_timeout != -1 and buffer_timeout < 0)
+    ):
+        raise UsageError(f"buffer_timeout must be >= 0 or -1, got {buffer_timeout!r}")
+
+
+class AsyncPartitionWriter(AsyncRecordWriter):
     """Writes one partition on the local daemon, from asyncio code."""
 
     def __init__(
         self,
-        conn: LocalConnection,
-        partition_id: ResultPartitionID,
-        num_subpartitions: int,
+        writer: RecordWriter,
+        sink: DaemonSink,
         segment_size: int,
-        codec: RecordCodec,
-        buffer_timeout: float,
     ) -> None:
-        self.conn = conn
-        self.partition_id = partition_id
-        self.num_subpartitions = num_subpartitions
+        super().__init__(writer, sink)
+        self.daemon_sink = sink
+        self.partition_id = sink.partition_id
+        self.num_subpartitions = writer.num_subpartitions
         self.segment_size = segment_size
-        self.codec = codec
-        self.buffer_timeout = buffer_timeout
-        self.chunker = SubpartitionChunker(num_subpartitions, segment_size, codec)
-        self._out: list[Chunk] = []
-        self._closed = False
-        self._last_flush = time.monotonic()
-        self.result: PartitionFinished | None = None
 
     @classmethod
     async def open(
@@ -140,121 +149,38 @@ class AsyncPartitionWriter:
         blocking: bool = False,
         daemon_socket: str | None = None,
         codec: RecordCodec | None = None,
+        selector: ChannelSelector | None = None,
         secret: bytes | None = None,
         buffer_timeout: float = DEFAULT_BUFFER_TIMEOUT,
     ) -> AsyncPartitionWriter:
-        if not isinstance(num_subpartitions, int) or num_subpartitions <= 0:
-            raise UsageError(f"num_subpartitions must be a positive int, got {num_subpartitions!r}")
-        if buffer_timeout != -1 and buffer_timeout < 0:
-            raise UsageError(f"buffer_timeout must be >= 0 or -1, got {buffer_timeout}")
-        path = resolve_daemon_socket(daemon_socket)
-        conn = await LocalConnection.connect(path, secret=secret)
-        try:
-            reply = await conn.request(CreatePartition(partition_id, blocking, num_subpartitions))
-        except BaseException:
-            await conn.aclose()
-            raise
-        assert isinstance(reply, PartitionCreated)
-        return cls(
-            conn,
-            partition_id,
-            num_subpartitions,
-            reply.segment_size,
-            codec if codec is not None else MsgpackCodec(),
-            buffer_timeout,
+        _check_timeout(buffer_timeout)
+        conn, created = await _open_partition(
+            partition_id, num_subpartitions, blocking, daemon_socket, secret
         )
+        writer = RecordWriter(
+            num_subpartitions,
+            buffer_size=created.segment_size,
+            codec=codec,
+            selector=selector,
+            buffer_timeout=buffer_timeout,
+        )
+        return cls(writer, DaemonSink(conn, partition_id), created.segment_size)
 
-    # -- the data path, shared with the sync facade ---------------------------------------
+    @property
+    def result(self) -> PartitionFinished | None:
+        return self.daemon_sink.result
 
-    async def push_chunks(self, chunks: list[Chunk]) -> None:
-        push = self.conn.push
-        for index, data in chunks:
-            await push(index, data)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise WriterClosedError(f"writer of {self.partition_id} is closed")
-
-    async def _after_add(self) -> None:
-        timeout = self.buffer_timeout
-        if timeout == 0:
-            self.chunker.drain(self._out)
-        elif timeout > 0:
-            now = time.monotonic()
-            if now - self._last_flush >= timeout:
-                self._last_flush = now
-                self.chunker.drain(self._out)
-        if self._out:
-            out, self._out = self._out, []
-            await self.push_chunks(out)
-
-    # -- API -------------------------------------------------------------------------------
-
-    async def emit(self, record: Any, key: Any = _NO_KEY) -> None:
-        """Emit to the subpartition of ``key`` (default: ``record[0]``)."""
-        k = record[0] if key is _NO_KEY else key
-        await self.emit_to(record, deterministic_hash(k) % self.num_subpartitions)
-
-    async def emit_to(self, record: Any, index: int) -> None:
-        self._check_open()
-        if not 0 <= index < self.num_subpartitions:
-            raise UsageError(f"subpartition {index} out of range [0, {self.num_subpartitions})")
-        self.chunker.add(index, record, self._out)
-        await self._after_add()
-
-    async def broadcast(self, record: Any) -> None:
-        self._check_open()
-        encoded = self.chunker.encode(record)
-        for i in range(self.num_subpartitions):
-            self.chunker.add_all(i, encoded, self._out)
-        await self._after_add()
-
-    async def broadcast_event(self, event: AbstractEvent) -> None:
-        """Send ``event`` to every subpartition after every record emitted so far."""
-        self._check_open()
-        await self.flush()
-        data_type = EventSerializer.to_buffer_data_type(event)
-        self.conn.push_event(ALL_SUBPARTITIONS, data_type, EventSerializer.to_bytes(event))
-
-    async def flush(self) -> None:
-        self.chunker.drain(self._out)
-        self._last_flush = time.monotonic()
-        out, self._out = self._out, []
-        await self.push_chunks(out)
-
-    async def close(self) -> PartitionFinished:
+    async def close(self) -> PartitionFinished:  # type: ignore[override]
         """Flush, finish the partition (EndOfPartition everywhere), wait for the daemon."""
-        self._check_open()
-        await self.flush()
-        reply = await self.conn.request(FinishPartition())
-        self._closed = True
-        await self.conn.aclose()
-        assert isinstance(reply, PartitionFinished)
-        self.result = reply
-        return reply
-
-    async def fail(self, cause: BaseException | str | None = None) -> None:
-        """Abort: the daemon fails the partition, its readers get ProducerFailedError."""
-        if self._closed:
-            return
-        self._closed = True
-        self.conn.send(FailPartition(str(cause) if cause is not None else "aborted"))
-        await self.conn.aclose()
-
-    async def __aenter__(self) -> AsyncPartitionWriter:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
-    ) -> None:
-        if exc is None:
-            await self.close()
-        else:
-            await self.fail(exc)
+        if self.is_closed:
+            raise WriterClosedError(f"writer of {self.partition_id} is closed")
+        await super().close()
+        assert self.daemon_sink.result is not None
+        return self.daemon_sink.result
 
 
 class PartitionWriter:
-    """Synchronous facade over AsyncPartitionWriter for PySpark task code.
+    """Synchronous facade for PySpark task code (see the module docstring).
 
     Use as a context manager: leaving it normally closes the partition; leaving it with an
     exception fails the partition, so readers never mistake a crash for the end.
@@ -268,75 +194,177 @@ class PartitionWriter:
         blocking: bool = False,
         daemon_socket: str | None = None,
         codec: RecordCodec | None = None,
+        selector: ChannelSelector | None = None,
         secret: bytes | None = None,
         buffer_timeout: float = DEFAULT_BUFFER_TIMEOUT,
         runtime: ClientRuntime | None = None,
+        window: int = _WINDOW,
     ) -> None:
+        _check_timeout(buffer_timeout)
+        if not isinstance(window, int) or window < 1:
+            raise UsageError(f"window must be a positive int, got {window!r}")
         self._rt = runtime if runtime is not None else get_runtime()
-        self._core = self._rt.run(
-            AsyncPartitionWriter.open(
-                partition_id,
+        conn, created = self._rt.run(
+            _open_partition(partition_id, num_subpartitions, blocking, daemon_socket, secret)
+        )
+        self._sink = DaemonSink(conn, partition_id)
+        try:
+            self._writer = RecordWriter(
                 num_subpartitions,
-                blocking=blocking,
-                daemon_socket=daemon_socket,
+                buffer_size=created.segment_size,
                 codec=codec,
-                secret=secret,
+                selector=selector,
                 buffer_timeout=buffer_timeout,
             )
-        )
+        except BaseException:
+            self._rt.run(conn.aclose())
+            raise
         self.partition_id = partition_id
         self.num_subpartitions = num_subpartitions
-        self.segment_size = self._core.segment_size
-        self._chunker = self._core.chunker
-        self._out: list[Chunk] = []
-        self._out_bytes = 0
-        self._timeout = buffer_timeout
-        self._last_flush = time.monotonic()
+        self.segment_size = created.segment_size
+        self.codec = self._writer.codec
+        self._timeout = float(buffer_timeout)
+        self._window = window
+        self._inflight: deque[concurrent.futures.Future[None]] = deque()
+        self._queue: deque[tuple[list[OutputBuffer], concurrent.futures.Future[None]]] = deque()
+        self._sending = False  # loop thread only
+        self._aborted = False
+        # emit_all's records gathered but not yet routed (the flush timer may take them)
+        self._gather: list[Any] | None = None
+        self._gather_taken = 0
+        self._gather_routing: tuple[Any, Any] = (None, None)
+        # Serializes the task thread and the loop's flush timer on the RecordWriter.
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
         self._closed = False
+        self._timer: concurrent.futures.Future[None] | None = None
+        if self._timeout > 0:
+            self._timer = self._rt.submit(self._flush_timer())
 
     @property
     def records_written(self) -> int:
-        return self._chunker.records
+        return self._writer.stats.records_out
+
+    @property
+    def stats(self) -> Any:
+        return self._writer.stats
+
+    # -- shipping (task thread) ------------------------------------------------------------
 
     def _check_open(self) -> None:
         if self._closed:
             raise WriterClosedError(f"writer of {self.partition_id} is closed")
+        if self._error is not None:
+            raise self._error
 
     def _ship(self, force: bool = False) -> None:
-        out = self._out
-        if out and (force or len(out) * self.segment_size >= _BATCH_BYTES):
-            self._out = []
-            self._rt.run(self._core.push_chunks(out))
+        """Hand the cut buffers to the loop; called with the lock held, so batches are
+        queued in the order they were cut, whichever thread cut them."""
+        writer = self._writer
+        if writer.has_output and (force or writer.output_bytes >= _SHIP_BYTES):
+            self._inflight.append(self._enqueue(writer.take_output()))
 
-    def _tick(self) -> None:
-        t = self._timeout
-        if t == 0:
-            self._chunker.drain(self._out)
-            self._ship(force=True)
-        elif t > 0:
-            now = time.monotonic()
-            if now - self._last_flush >= t:
-                self._last_flush = now
-                self._chunker.drain(self._out)
-                self._ship(force=True)
-            else:
-                self._ship()
-        else:
-            self._ship()
+    def _enqueue(self, outs: list[OutputBuffer]) -> concurrent.futures.Future[None]:
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._queue.append((outs, fut))
+        self._rt.call_soon(self._kick)
+        return fut
+
+    def _kick(self) -> None:
+        """Loop thread: start the one sender unless it runs."""
+        if not self._sending and self._queue:
+            self._sending = True
+            self._rt.loop.create_task(self._send_queued())
+
+    async def _send_queued(self) -> None:
+        """Loop thread: push the queued batches in order, one at a time."""
+        queue = self._queue
+        try:
+            while queue:
+                outs, fut = queue.popleft()
+                if fut.cancelled():
+                    continue
+                try:
+                    await self._sink.write_all(outs)
+                except BaseException as e:
+                    if not fut.cancelled():
+                        fut.set_exception(e)
+                    if not isinstance(e, Exception):
+                        raise
+                else:
+                    if not fut.cancelled():
+                        fut.set_result(None)
+        finally:
+            self._sending = False
+
+    def _settle(self, keep: int) -> None:
+        """Wait until at most ``keep`` batches are in flight; re-raise their errors."""
+        inflight = self._inflight
+        while inflight and (len(inflight) > keep or inflight[0].done()):
+            fut = inflight.popleft()
+            try:
+                fut.result()
+            except BaseException as e:
+                self._error = e
+                raise
+
+    def _after(self, force: bool = False) -> None:
+        with self._lock:
+            self._ship(force or self._timeout == 0)
+        self._settle(self._window)
+
+    # -- the flush timer (loop thread) -----------------------------------------------------
+
+    async def _flush_timer(self) -> None:
+        import asyncio
+
+        writer = self._writer
+        interval = self._timeout
+        while not self._closed:
+            await asyncio.sleep(interval)
+            if self._closed or not self._lock.acquire(blocking=False):
+                continue  # the task thread is writing: it checks the timeout itself
+            try:
+                if self._closed:
+                    continue
+                gathered = self._gather
+                if gathered is not None and len(gathered) > self._gather_taken:
+                    # records the task gathered before its input stalled
+                    end = len(gathered)
+                    writer.emit_all(gathered[self._gather_taken : end], *self._gather_routing)
+                    self._gather_taken = end
+                if not writer.flush_if_due():
+                    continue
+                fut = self._enqueue(writer.take_output())
+            except Exception as e:  # a user's partitioner failed: the task hears of it
+                self._error = e
+                return
+            finally:
+                self._lock.release()
+            # not part of the task's window: errors reach the task through _error
+            fut.add_done_callback(self._on_timer_batch_done)
+
+    def _on_timer_batch_done(self, fut: concurrent.futures.Future[None]) -> None:
+        if not fut.cancelled() and fut.exception() is not None and self._error is None:
+            self._error = fut.exception()
+
+    # -- API -------------------------------------------------------------------------------
 
     def emit(self, record: Any, key: Any = _NO_KEY) -> None:
-        """Emit to the subpartition of ``key`` (default: ``record[0]``)."""
+        """Emit to the subpartition of ``key`` (default: the selector, else ``record[0]``)."""
         self._check_open()
-        k = record[0] if key is _NO_KEY else key
-        self._chunker.add(deterministic_hash(k) % self.num_subpartitions, record, self._out)
-        self._tick()
+        with self._lock:
+            if key is _NO_KEY:
+                self._writer.emit(record)
+            else:
+                self._writer.emit(record, key)
+        self._after()
 
     def emit_to(self, record: Any, index: int) -> None:
         self._check_open()
-        if not isinstance(index, int) or not 0 <= index < self.num_subpartitions:
-            raise UsageError(f"subpartition {index!r} out of range [0, {self.num_subpartitions})")
-        self._chunker.add(index, record, self._out)
-        self._tick()
+        with self._lock:
+            self._writer.emit_to(record, index)
+        self._after()
 
     def emit_all(
         self,
@@ -347,92 +375,133 @@ class PartitionWriter:
         """Emit many records; each goes to ``partition_func(key) % n`` (default: the
         deterministic hash of the key), the key being ``key_func(record)`` or ``record[0]``.
 
-        The hot loop of every PySpark producer: per record one key lookup in a bounded
-        key-to-subpartition cache (skewed keys repeat), one ``Packer.pack`` and one append.
+        Records are gathered from ``records`` a chunk at a time outside the lock, then
+        routed and encoded under it. The iterable may block on slow input: meanwhile the
+        flush timer takes the records gathered so far and flushes them, so a stalled
+        input never holds back what came before it.
         """
         self._check_open()
-        n = self.num_subpartitions
-        chunker = self._chunker
-        bufs = chunker._bufs
-        pack = chunker.pack
-        max_record = chunker.max_record_size
-        seg = self.segment_size
-        out = self._out
-        # Only keys of exactly these types are cached: keys Python finds equal but the
-        # hash tells apart (1, True, 1.0, or tuples of them) must not share an entry.
-        cache: dict[Any, int] = {}
-        cache_get = cache.get
-        count = 0
-        check_every = 1 if self._timeout == 0 else 512
-        hash_ints = partition_func is None
-        for record in records:
-            key = record[0] if key_func is None else key_func(record)
-            t = type(key)
-            if t is int and hash_ints and -_I63 <= key < _I63:
-                # deterministic_hash's int path, inlined: cheaper than any cache lookup
-                index = ((((key & _M64) * FIBONACCI_64) & _M64) >> 32) % n
-            else:
-                cacheable = t is int or t is str or t is bytes
-                index = cache_get(key) if cacheable else None
-                if index is None:
-                    if partition_func is None:
-                        index = deterministic_hash(key) % n
-                    else:
-                        p = partition_func(key)
-                        if not isinstance(p, int):
-                            raise UsageError(f"partition function returned {p!r}, not an int")
-                        index = p % n
-                    if cacheable and len(cache) < _KEY_CACHE:
-                        cache[key] = index
-            data = pack(record)
-            buf = bufs[index]
-            buf += data
-            count += 1
-            if len(buf) >= seg:
-                # every record larger than a segment passes here, so this check suffices
-                if len(data) > max_record:
-                    del buf[len(buf) - len(data) :]
-                    raise RecordTooLargeError(len(data), max_record)
-                chunker._cut(index, out)
-                if len(out) * seg >= _BATCH_BYTES:
-                    self._tick()
-                    out = self._out
-            if count % check_every == 0:
-                self._tick()
-                out = self._out
-        chunker.records += count
-        self._tick()
-        return count
+        writer = self._writer
+        it = iter(records)
+        islice = itertools.islice
+        total = 0
+        self._gather_routing = (partition_func, key_func)
+        try:
+            while True:
+                chunk_size = self._chunk_size()
+                gathered: list[Any] = []
+                with self._lock:
+                    self._gather, self._gather_taken = gathered, 0
+                append = gathered.append
+                for record in islice(it, chunk_size):
+                    append(record)
+                with self._lock:
+                    self._gather = None
+                    rest = gathered[self._gather_taken :] if self._gather_taken else gathered
+                    if rest:
+                        writer.emit_all(rest, partition_func, key_func)
+                    self._ship(self._timeout == 0)
+                total += len(gathered)
+                self._settle(self._window)
+                if len(gathered) < chunk_size:
+                    return total
+        finally:
+            self._gather = None
+
+    def _chunk_size(self) -> int:
+        """Records to gather at a time: about one shipment's worth of bytes (a few large
+        records, thousands of small ones), one with a buffer timeout of 0."""
+        if self._timeout == 0:
+            return 1
+        mean = self._writer.mean_record_size
+        if mean is None:
+            return _FIRST_CHUNK
+        return max(1, min(_CHUNK, _SHIP_BYTES // max(mean, 1)))
 
     def broadcast(self, record: Any) -> None:
+        """Emit one record to every subpartition (encoded once)."""
         self._check_open()
-        encoded = self._chunker.encode(record)
-        for i in range(self.num_subpartitions):
-            self._chunker.add_all(i, encoded, self._out)
-        self._chunker.records += 1
-        self._tick()
+        with self._lock:
+            self._writer.broadcast(record)
+        self._after()
 
     def broadcast_event(self, event: AbstractEvent) -> None:
+        """Send ``event`` to every subpartition after every record emitted so far."""
         self._check_open()
-        self.flush()
-        self._rt.run(self._core.broadcast_event(event))
+        with self._lock:
+            self._writer.broadcast_event(event)
+        self._after(force=True)
+
+    def broadcast_barrier(
+        self, checkpoint_id: int, timestamp: int, *, aligned: bool = True
+    ) -> None:
+        """CheckpointBarrier on every subpartition, after every record emitted before it."""
+        self._check_open()
+        with self._lock:
+            self._writer.broadcast_barrier(checkpoint_id, timestamp, aligned=aligned)
+        self._after(force=True)
+
+    def broadcast_cancel(self, checkpoint_id: int) -> None:
+        self._check_open()
+        with self._lock:
+            self._writer.broadcast_cancel(checkpoint_id)
+        self._after(force=True)
+
+    def set_buffer_size(self, index: int, size: int) -> None:
+        """Cut the new buffers of subpartition ``index`` at ``size`` bytes."""
+        with self._lock:
+            self._writer.set_buffer_size(index, size)
 
     def flush(self) -> None:
+        """Make everything emitted so far readable (waits until it reached the daemon)."""
         self._check_open()
-        self._chunker.drain(self._out)
-        self._last_flush = time.monotonic()
-        self._ship(force=True)
+        with self._lock:
+            self._writer.flush()
+            self._ship(force=True)
+        self._settle(0)
 
     def close(self) -> PartitionFinished:
-        self.flush()
-        self._closed = True
-        return self._rt.run(self._core.close())
+        """Flush, finish the partition, wait for the daemon's acknowledgement."""
+        self._check_open()
+        try:
+            with self._lock:
+                last = self._writer.close()  # flushes: the last buffers
+                self._closed = True
+                self._inflight.append(self._enqueue(last))
+            self._settle(0)
+            self._stop_timer()
+            self._rt.run(self._sink.finish())
+        except BaseException as e:
+            self._abort(e)
+            raise
+        assert self._sink.result is not None
+        return self._sink.result
 
     def fail(self, cause: BaseException | str | None = None) -> None:
-        if self._closed:
+        """Abort: the daemon fails the partition, its readers get ProducerFailedError."""
+        self._abort(cause)
+
+    def _abort(self, cause: BaseException | str | None) -> None:
+        if self._sink.result is not None or self._aborted:
             return
+        self._aborted = True
         self._closed = True
-        self._rt.run(self._core.fail(cause))
+        with self._lock:
+            self._writer.discard()
+        self._stop_timer()
+        with self._lock:
+            for _, fut in self._queue:
+                fut.cancel()
+        self._inflight.clear()
+        with contextlib.suppress(Exception):
+            self._rt.run(self._sink.fail(cause if not isinstance(cause, str) else _Failure(cause)))
+
+    def _stop_timer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+            with contextlib.suppress(BaseException):
+                timer.result(5)
 
     def __enter__(self) -> PartitionWriter:
         return self
@@ -447,3 +516,7 @@ class PartitionWriter:
             self.close()
         else:
             self.fail(exc)
+
+
+class _Failure(Exception):
+    """A failure given as text."""

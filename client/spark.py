@@ -16,7 +16,8 @@ through the daemons so that output partition *i* holds exactly the pairs
   frees forgotten ones).
 * ``mode="pipelined"``: one barrier stage; task *i* writes input partition *i* (from a
   background thread) while it reads output partition *i*, so data streams between running
-  tasks with bounded memory. The tasks find each other with one ``allGather``. The input
+  tasks with bounded memory. The tasks find each other through a rendezvous service on
+  the driver (``client.rendezvous``; ``allGather`` costs about a second). The input
   must have ``n`` partitions (barrier stages cannot change the partition count) and the
   cluster ``n`` free task slots.
 """
@@ -46,10 +47,11 @@ from client.local_connection import (
     resolve_secret,
 )
 from client.producer import PartitionWriter
+from client.rendezvous import RendezvousServer, rendezvous
 from client.runtime import get_runtime
 from exchange.errors import ExchangeError, TransportError, UsageError
 from exchange.partition.result_partition_id import ResultPartitionID
-from exchange.serialization.codec import MsgpackCodec, RecordCodec
+from exchange.serialization.codec import RecordCodec, default_codec
 from exchange.writer.hashing import deterministic_hash
 
 if TYPE_CHECKING:
@@ -185,6 +187,61 @@ def _slots(sc: SparkContext) -> int:
     return int(sc.defaultParallelism)
 
 
+_rendezvous: dict[str, RendezvousServer] = {}
+
+
+def _rendezvous_server(sc: SparkContext) -> RendezvousServer:
+    """The driver's rendezvous service for this application (started on first use)."""
+    app = str(sc.applicationId)
+    server = _rendezvous.get(app)
+    if server is None:
+        master = sc.master or ""
+        host = "127.0.0.1"
+        if not master.startswith("local"):
+            host = str(sc.getConf().get("spark.driver.host", "127.0.0.1"))
+        server = _rendezvous[app] = RendezvousServer(host=host)
+    return server
+
+
+_checked_apps: set[str] = set()
+
+
+def check_executor_python(sc: SparkContext) -> None:
+    """Fail fast, with the fix, when the executors' Python cannot import this package.
+
+    Spark's Python workers run the ``python3`` on PATH unless ``PYSPARK_PYTHON`` is set;
+    without the package there a task would die with a bare ``ModuleNotFoundError``. A
+    one-task probe job (its function travels by value, so it runs even there) imports
+    what tasks need and reports the interpreter. Checked once per application.
+    """
+    app = str(sc.applicationId)
+    if app in _checked_apps:
+        return
+
+    def probe(_: Iterable[Any]) -> Iterator[tuple[str, str | None]]:
+        import sys as _sys
+
+        try:
+            import msgpack  # noqa: F401
+
+            import client.spark  # noqa: F401
+        except Exception as e:  # the report is the point: any import failure
+            yield (_sys.executable, f"{type(e).__name__}: {e}")
+            return
+        yield (_sys.executable, None)
+
+    results = sc.parallelize([0], 1).mapPartitions(probe).collect()
+    for exe, error in results:
+        if error is not None:
+            raise UsageError(
+                f"the executors' Python ({exe}, sc.pythonExec={sc.pythonExec!r}) cannot import "
+                f"the exchange client ({error}). Install pyspark-exchange into that "
+                "interpreter, or point Spark at one that has it: set PYSPARK_PYTHON (for "
+                "example to sys.executable) before the SparkSession is created"
+            )
+    _checked_apps.add(app)
+
+
 # -- task-side helpers -----------------------------------------------------------------
 
 
@@ -250,6 +307,7 @@ def _write_partition(
 ) -> _Produced:
     sock, info = _local_daemon(spec)
     pid = ResultPartitionID(exchange_id, index, attempt)
+    timeout = info.settings.get("buffer_timeout")
     with PartitionWriter(
         pid,
         num_partitions,
@@ -257,10 +315,22 @@ def _write_partition(
         daemon_socket=sock,
         codec=codec,
         secret=spec.secret,
-        buffer_timeout=-1 if blocking else 0.05,
+        # a blocking partition is read after it is written: only full buffers
+        buffer_timeout=-1 if blocking else (0.1 if timeout is None else float(timeout)),
     ) as writer:
         n = writer.emit_all(records, partition_func)
     return _Produced(index, attempt, info.daemon_id, info.data_address, sock, info.segment_size, n)
+
+
+def _reader_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """The reader's arguments that the local daemon's settings decide."""
+    names = {
+        "exclusive_buffers_per_channel": "num_exclusive",
+        "floating_buffers_per_gate": "num_floating",
+        "partition_request_backoff_initial": "backoff_initial",
+        "partition_request_backoff_max": "backoff_max",
+    }
+    return {arg: settings[name] for name, arg in names.items() if settings.get(name) is not None}
 
 
 def _read_subpartition(
@@ -289,6 +359,7 @@ def _read_subpartition(
         codec=codec,
         secret=spec.secret,
         segment_size=producers[0].segment_size,
+        **_reader_settings(info.settings),
     )
     try:
         yield from reader.records()
@@ -311,10 +382,10 @@ def exchange_shuffle(
     """Repartition an RDD of ``(key, value)`` pairs through the exchange daemons.
 
     Output partition ``i`` holds the pairs whose ``partition_func(key) % num_partitions``
-    is ``i`` (default: ``exchange_hash``). Pairs come back as tuples; with the default
-    msgpack codec every array inside a value comes back as a tuple too (pass
-    ``codec=PickleCodec()`` for exact Python types). The returned RDD has an
-    ``exchange_id`` attribute for ``release_exchange``.
+    is ``i`` (default: ``exchange_hash``). Records come back exactly as ``partitionBy``
+    gives them (equal and of the same types: the default codec pickles batches of
+    records); ``codec=MsgpackCodec()`` is the explicit choice for cross-language data.
+    The returned RDD has an ``exchange_id`` attribute for ``release_exchange``.
 
     ``secret_file``: where the daemons' shared secret lies on every host (default:
     ``$EXCHANGE_SECRET_FILE`` in the executors' environment); the path travels to the
@@ -329,8 +400,9 @@ def exchange_shuffle(
     if partition_func is not None and not callable(partition_func):
         raise UsageError("partition_func must be callable")
     sc = rdd.context
-    the_codec: RecordCodec = codec if codec is not None else MsgpackCodec(tuples=True)
+    the_codec: RecordCodec = codec if codec is not None else default_codec()
     spec = _DaemonSpec(_daemon_hint(sc), secret_file)
+    check_executor_python(sc)
     exchange_id = f"x-{uuid.uuid4().hex[:16]}"
     if mode == "blocking":
         out = _blocking(rdd, num_partitions, partition_func, spec, exchange_id, the_codec)
@@ -400,7 +472,7 @@ def _pipelined(
             f"only {slots} are available; use mode='blocking', fewer partitions, or more "
             "executor cores"
         )
-    src = rdd
+    ticket = _rendezvous_server(sc).open_group(exchange_id, n)
 
     def run(records: Iterable[Any]) -> Iterator[Any]:
         ctx = BarrierTaskContext.get()
@@ -408,7 +480,7 @@ def _pipelined(
         attempt = ctx.taskAttemptId()
         sock, info = _local_daemon(spec)
         me = [t, attempt, info.daemon_id, info.data_address, sock, info.segment_size]
-        everyone = [json.loads(m) for m in ctx.allGather(json.dumps(me))]
+        everyone = rendezvous(ticket, t, attempt, me)
         producers = [_Produced(p[0], p[1], p[2], p[3], p[4], p[5], 0) for p in everyone]
         failure: list[BaseException] = []
 
@@ -423,14 +495,13 @@ def _pipelined(
         writer = threading.Thread(target=produce, name=f"exchange-writer-{t}", daemon=True)
         writer.start()
         try:
-            if t < n:
-                yield from _read_subpartition(exchange_id, producers, t, spec, codec)
+            yield from _read_subpartition(exchange_id, producers, t, spec, codec)
         finally:
             writer.join()
         if failure:
             raise failure[0]
 
-    return src.barrier().mapPartitions(run)
+    return rdd.barrier().mapPartitions(run)
 
 
 def release_exchange(rdd_or_id: Any, *, secret_file: str | None = None) -> int:

@@ -84,6 +84,7 @@ class DaemonConfig:
     segment_size: int = 32 * KIB
     exclusive_buffers_per_channel: int = 2
     floating_buffers_per_gate: int = 8
+    producer_credit: int = 8
     high_watermark: int | None = None
     low_watermark: int | None = None
     partition_request_backoff_initial: float = 0.1
@@ -123,11 +124,6 @@ class DaemonConfig:
                 "exclusive_buffers_per_channel",
                 f"{self.exclusive_buffers_per_channel} exceeds the {self.num_segments} segments "
                 "of network_memory",
-            )
-        if self.exclusive_buffers_per_channel == 0 and self.floating_buffers_per_gate == 0:
-            raise ConfigError(
-                "floating_buffers_per_gate",
-                "0 with exclusive_buffers_per_channel also 0 leaves input gates without buffers",
             )
         high, low = self.effective_high_watermark, self.effective_low_watermark
         if low >= high:
@@ -373,10 +369,16 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         "size of one network buffer: a power of two from 4kb to 16mb",
     ),
     "exclusive_buffers_per_channel": _Setting(
-        _int(0), _INT, "N", "buffers each remote input channel owns"
+        _int(1), _INT, "N", "buffers each remote input channel owns (at least 1)"
     ),
     "floating_buffers_per_gate": _Setting(
         _int(0), _INT, "N", "buffers an input gate shares among its channels"
+    ),
+    "producer_credit": _Setting(
+        _int(1, 1024),
+        _INT,
+        "N",
+        "segments a producer task may have in flight to this daemon (its credit window)",
     ),
     "high_watermark": _Setting(
         _optional_size(1), _SIZE, "SIZE", "write high watermark; default 2 x segment_size"

@@ -26,6 +26,7 @@ from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.codec import max_frame_size_for
+from exchange.protocol.local_messages import DaemonInfo
 from server.config import DaemonConfig
 from server.http_server import HttpServer
 from server.local_endpoint import LocalEndpoint
@@ -104,6 +105,32 @@ class ExchangeDaemon:
             "segments": self.network_pool.total_segments,
         }
 
+    #: The settings tasks on this host take from their daemon (``DaemonInfo.settings``).
+    TASK_SETTINGS = (
+        "exclusive_buffers_per_channel",
+        "floating_buffers_per_gate",
+        "partition_request_backoff_initial",
+        "partition_request_backoff_max",
+        "buffer_timeout",
+        "debloat_enabled",
+        "debloat_target",
+        "debloat_period",
+        "debloat_samples",
+        "debloat_threshold_percent",
+        "debloat_min_buffer_size",
+        "checkpoint_alignment_limit",
+    )
+
+    def info(self) -> DaemonInfo:
+        """Who this daemon is and the settings its tasks use."""
+        cfg = self.config
+        return DaemonInfo(
+            self.daemon_id,
+            self.data_address,
+            self.segment_size,
+            {name: getattr(cfg, name) for name in self.TASK_SETTINGS},
+        )
+
     def request_stop(self) -> None:
         self._stopped.set()
 
@@ -162,22 +189,17 @@ class ExchangeDaemon:
         except BaseException:
             pool.destroy()
             raise
-        part.on_release = self._chain_release(part.on_release)
+        part.add_release_listener(self._on_partition_released)
         self.partitions_created += 1
         return part
 
-    def _chain_release(self, inner: Any) -> Any:
-        def on_release(part: ResultPartition) -> None:
-            st = part.stats()
-            self._released_bytes_out += st.bytes_out
-            self._released_buffers_out += st.buffers_out
-            self._released_back_pressure += st.back_pressured_seconds
-            self.partitions_released += 1
-            self._finished_at.pop(part.partition_id, None)
-            if inner is not None:
-                inner(part)
-
-        return on_release
+    def _on_partition_released(self, part: ResultPartition) -> None:
+        st = part.stats()
+        self._released_bytes_out += st.bytes_out
+        self._released_buffers_out += st.buffers_out
+        self._released_back_pressure += st.back_pressured_seconds
+        self.partitions_released += 1
+        self._finished_at.pop(part.partition_id, None)
 
     def release_dataset(self, dataset_id: str) -> int:
         return self.manager.release_dataset(dataset_id)

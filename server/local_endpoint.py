@@ -2,9 +2,10 @@
 
 It speaks the data protocol (a consumer on this host reads over the socket, no TCP) plus
 the producer messages of ``exchange.protocol.local_messages``. A producer connection owns
-one ResultPartition; the daemon grants it credit as segments of the partition's pool are
-reserved for it, so a task pushes at most what the pool can hold and waits (for
-AddProducerCredit) when it is full: backpressure reaching the producer task.
+one ResultPartition, driven by a sans-I/O ``exchange.local.ProducerSession``: the daemon
+grants the task credit as segments of the partition's pool are reserved for it, so a task
+pushes at most what the pool can hold and waits (for AddProducerCredit) when it is full:
+backpressure reaching the producer task. This module only moves bytes and messages.
 """
 
 from __future__ import annotations
@@ -15,30 +16,21 @@ import errno
 import logging
 import os
 import socket
-from collections import deque
 from typing import TYPE_CHECKING, Final
 
-from exchange.buffers.buffer import Buffer
 from exchange.errors import (
     ExchangeError,
     PartitionError,
-    PartitionReleasedError,
-    ProducerFailedError,
     ProtocolError,
 )
-from exchange.events.events import EventSerializer
-from exchange.partition.result_partition import ResultPartition
+from exchange.local.producer_session import ProducerSession
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.local_messages import (
-    ALL_SUBPARTITIONS,
-    AddProducerCredit,
     CreatePartition,
-    DaemonInfo,
     DaemonInfoRequest,
     FailPartition,
     FinishPartition,
     PartitionCreated,
-    PartitionFinished,
     PushBuffer,
     Released,
     ReleaseDataset,
@@ -49,12 +41,10 @@ from server.partition_request_server import DataServer, PartitionRequestServerPr
 if TYPE_CHECKING:
     from server.daemon import ExchangeDaemon
 
-__all__ = ["LocalEndpoint", "LocalEndpointProtocol", "ProducerSession"]
+__all__ = ["LocalEndpoint", "LocalEndpointProtocol"]
 
 log = logging.getLogger("exchange.server.local")
 
-#: Buffers a producer may have in flight (credit) at most.
-MAX_PRODUCER_CREDIT: Final = 8
 #: How long a producer whose partition is gone may take to read why and close.
 _FAILED_PRODUCER_GRACE: Final = 2.0
 
@@ -127,136 +117,6 @@ def _is_listening(path: str) -> bool:
     return True
 
 
-class ProducerSession:
-    """Daemon side of one producer connection: its partition and its credit."""
-
-    def __init__(self, proto: LocalEndpointProtocol, partition: ResultPartition) -> None:
-        self.proto = proto
-        self.partition = partition
-        self._reserved: deque[Buffer] = deque()
-        self._waiter: asyncio.Task[None] | None = None
-        self.finished = False
-        inner = partition.on_release
-
-        def on_release(part: ResultPartition) -> None:
-            if inner is not None:
-                inner(part)
-            self._on_partition_released()
-
-        partition.on_release = on_release
-        partition.on_consumer_failure = self._on_consumer_failure
-
-    def _on_consumer_failure(self, cause: BaseException) -> None:
-        """A reader left a subpartition early: the stream cannot complete, so the task must
-        hear it now (it may be waiting for credit that only that reader would free)."""
-        if not self.finished and isinstance(cause, PartitionError):
-            self.proto.fail_producer(error_response_for(cause))
-
-    def _on_partition_released(self) -> None:
-        """Released under a producer still writing (its consumer left, the daemon stops):
-        tell the task now, since one waiting for credit would otherwise wait forever."""
-        if self.finished:
-            return
-        self._drop_reserved()
-        cause = self.partition.failure_cause
-        if not isinstance(cause, PartitionError):
-            cause = PartitionReleasedError(
-                "partition was released while its producer was writing",
-                self.partition.partition_id,
-            )
-        self.proto.fail_producer(error_response_for(cause))
-
-    def _reserve_nowait(self) -> int:
-        """Reserve free segments up to the credit limit; returns how many were added."""
-        pool = self.partition.buffer_pool
-        added = 0
-        while len(self._reserved) < MAX_PRODUCER_CREDIT and not pool.is_destroyed:
-            buf = pool.request_buffer()
-            if buf is None:
-                break
-            self._reserved.append(buf)
-            added += 1
-        if (
-            len(self._reserved) < MAX_PRODUCER_CREDIT
-            and self._waiter is None
-            and not pool.is_destroyed
-            and not self.finished
-        ):
-            self._waiter = asyncio.get_running_loop().create_task(self._wait_for_segments())
-        return added
-
-    async def _wait_for_segments(self) -> None:
-        pool = self.partition.buffer_pool
-        try:
-            while not self.finished and not pool.is_destroyed:
-                await pool.get_available_future()
-                if self.finished:
-                    return
-                self._waiter = None
-                added = self._reserve_nowait()
-                if added:
-                    self.proto.send(AddProducerCredit(added))
-                return
-        except ExchangeError:
-            return  # pool destroyed: the partition ended
-        finally:
-            if self._waiter is asyncio.current_task():
-                self._waiter = None
-
-    def start(self) -> int:
-        return self._reserve_nowait()
-
-    def on_push(self, msg: PushBuffer) -> None:
-        payload = msg.payload
-        if msg.data_type.is_buffer:
-            if not self._reserved:
-                raise ProtocolError("PushBuffer without credit")
-            buf = self._reserved.popleft()
-            n = len(payload)
-            seg = buf.segment
-            if n > seg.size:
-                buf.release()
-                raise ProtocolError(
-                    f"pushed buffer of {n} bytes exceeds the {seg.size}-byte segment"
-                )
-            seg.view()[:n] = payload
-            buf.set_size(n)
-            self.partition.add_buffer(msg.subpartition, buf)
-            ep = self.proto.endpoint
-            ep.bytes_received += n
-            ep.buffers_received += 1
-            self.proto.daemon.bytes_in += n
-            added = self._reserve_nowait()
-            if added:
-                self.proto.send(AddProducerCredit(added))
-            return
-        event = EventSerializer.from_bytes(payload)
-        if msg.subpartition != ALL_SUBPARTITIONS:
-            raise ProtocolError("events are broadcast to all subpartitions")
-        self.partition.broadcast_event(event)
-
-    def _drop_reserved(self) -> None:
-        self.finished = True
-        if self._waiter is not None:
-            self._waiter.cancel()
-            self._waiter = None
-        while self._reserved:
-            self._reserved.popleft().release()
-
-    def finish(self) -> PartitionFinished:
-        self._drop_reserved()
-        self.partition.finish()
-        st = self.partition.stats()
-        return PartitionFinished(st.bytes_out, st.buffers_out)
-
-    def fail(self, reason: str) -> None:
-        self._drop_reserved()
-        if not self.partition.is_released:
-            self.proto.endpoint.producer_failures += 1
-            self.proto.daemon.partitions_failed += 1
-            self.partition.fail(ProducerFailedError(reason, self.partition.partition_id))
-
-
 class LocalEndpointProtocol(PartitionRequestServerProtocol):
     """A local connection: a consumer (data protocol) or a producer (one partition)."""
 
@@ -277,8 +137,6 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         if self._producer_failed:
             return
         self._producer_failed = True
-        if self.session is not None:
-            self.session._drop_reserved()
         self.send(resp)
         self._loop.call_later(_FAILED_PRODUCER_GRACE, self.close)
 
@@ -286,13 +144,21 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         if type(msg) is PushBuffer:
             if self._producer_failed:
                 return  # in flight before the task learned its partition is gone
-            if self.session is None or self.session.finished:
+            session = self.session
+            if session is None:
                 raise ProtocolError("PushBuffer before CreatePartition")
             try:
-                self.session.on_push(msg)
+                session.on_push(msg.subpartition, msg.data_type, memoryview(msg.payload))
             except PartitionError as e:
                 # The partition is gone (released, or a consumer failed): tell the task.
+                session.fail(str(e))
                 self.fail_producer(error_response_for(e))
+                return
+            if msg.data_type.is_buffer:
+                n = len(msg.payload)
+                self.endpoint.bytes_received += n
+                self.endpoint.buffers_received += 1
+                self.daemon.bytes_in += n
             return
         if self._producer_failed and isinstance(msg, (FinishPartition, FailPartition)):
             return
@@ -300,25 +166,27 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             case CreatePartition():
                 self._create(msg)
             case FinishPartition():
-                if self.session is None or self.session.finished:
+                if self.session is None:
                     raise ProtocolError("FinishPartition without an open partition")
                 try:
                     self.send(self.session.finish())
                 except PartitionError as e:
                     self.fail_producer(error_response_for(e))
             case FailPartition(reason=reason):
-                if self.session is not None and not self.session.finished:
-                    self.session.fail(f"producer task failed: {reason}")
+                if self.session is not None and self.session.fail(
+                    f"producer task failed: {reason}"
+                ):
+                    self._count_failure()
             case ReleaseDataset(dataset_id=ds):
                 self.send(Released(self.daemon.release_dataset(ds)))
             case DaemonInfoRequest():
-                self.send(
-                    DaemonInfo(
-                        self.daemon.daemon_id, self.daemon.data_address, self.daemon.segment_size
-                    )
-                )
+                self.send(self.daemon.info())
             case _:
                 super().on_message(msg)
+
+    def _count_failure(self) -> None:
+        self.endpoint.producer_failures += 1
+        self.daemon.partitions_failed += 1
 
     def _create(self, msg: CreatePartition) -> None:
         if self.session is not None:
@@ -334,7 +202,12 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             return
         self.endpoint.producers += 1
         self.endpoint.partitions_created += 1
-        self.session = ProducerSession(self, partition)
+        self.session = ProducerSession(
+            partition,
+            self.send,
+            max_credit=self.daemon.config.producer_credit,
+            on_abort=self.fail_producer,
+        )
         credit = self.session.start()
         self.send(PartitionCreated(credit, self.daemon.segment_size))
 
@@ -342,6 +215,6 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         session = self.session
         if session is not None:
             self.endpoint.producers -= 1
-            if not session.finished:
-                session.fail("producer task disconnected before closing its partition")
+            if session.fail("producer task disconnected before closing its partition"):
+                self._count_failure()
         super().connection_lost(exc)

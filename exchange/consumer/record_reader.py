@@ -18,7 +18,7 @@ from typing import Any
 from exchange.consumer.single_input_gate import SingleInputGate
 from exchange.errors import CorruptRecordError
 from exchange.events.events import AbstractEvent, CheckpointBarrier, EndOfPartitionEvent
-from exchange.serialization.codec import MsgpackCodec, RecordCodec
+from exchange.serialization.codec import RecordCodec, default_codec
 from exchange.serialization.record_deserializer import RecordDeserializer
 
 __all__ = ["EventHandler", "RecordReader"]
@@ -37,7 +37,7 @@ class RecordReader:
         event_handler: EventHandler | None = None,
     ) -> None:
         self.gate = gate
-        self.codec: RecordCodec = codec if codec is not None else MsgpackCodec()
+        self.codec: RecordCodec = codec if codec is not None else default_codec()
         self._deserializers = [RecordDeserializer(self.codec) for _ in gate.channels]
         self._handler = event_handler
         self.records_in = 0

@@ -115,12 +115,21 @@ class DaemonInfoRequest(Message):
     MESSAGE_ID: ClassVar[int] = 73
 
 
+#: What a value of ``DaemonInfo.settings`` may be.
+SettingValue = int | float | bool | None
+
+
 @dataclass(frozen=True, slots=True)
 class DaemonInfo(Message):
+    """Who the daemon is, and the settings its tasks use (exclusive and floating buffers,
+    backoff, buffer timeout, debloating, alignment limit), so that a setting given to the
+    daemon takes effect in the tasks on its host."""
+
     MESSAGE_ID: ClassVar[int] = 74
     daemon_id: str
     data_address: str
     segment_size: int
+    settings: dict[str, SettingValue] = field(default_factory=dict, compare=False)
 
 
 # -- codecs ------------------------------------------------------------------------------
@@ -259,16 +268,30 @@ def _register() -> None:
     register_message(
         74,
         DaemonInfo,
-        lambda b: _dec_info(_unpack_map(b, ("id", "data", "segment_size"))),
+        lambda b: _dec_info(_unpack_map(b, ("id", "data", "segment_size", "settings"))),
         lambda m: _pack(
-            {"id": m.daemon_id, "data": m.data_address, "segment_size": m.segment_size}
+            {
+                "id": m.daemon_id,
+                "data": m.data_address,
+                "segment_size": m.segment_size,
+                "settings": m.settings,
+            }
         ),
     )
 
 
 def _dec_info(m: dict[str, Any]) -> DaemonInfo:
+    settings = m["settings"]
+    if not isinstance(settings, dict) or len(settings) > 64:
+        raise ProtocolError("settings must be a map of at most 64 entries")
+    for k, v in settings.items():
+        if not isinstance(k, str) or not (v is None or isinstance(v, (int, float, bool))):
+            raise ProtocolError("settings must map names to numbers, booleans or nil")
     return DaemonInfo(
-        _str(m["id"], "id"), _str(m["data"], "data"), _uint(m["segment_size"], "segment_size")
+        _str(m["id"], "id"),
+        _str(m["data"], "data"),
+        _uint(m["segment_size"], "segment_size"),
+        settings,
     )
 
 

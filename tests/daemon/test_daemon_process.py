@@ -30,7 +30,6 @@ from exchange.errors import (
     ProducerFailedError,
 )
 from exchange.partition.result_partition_id import ResultPartitionID
-from exchange.serialization.codec import MsgpackCodec
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -52,9 +51,8 @@ def read(
     **kwargs: Any,
 ) -> list[Any]:
     """Every record of ``pid``'s subpartitions ``subs``, over TCP (or the Unix socket),
-    arrays decoded as tuples."""
+    exactly as written (the default codec)."""
     locations = [location(d, pid, s) for s in subs]
-    kwargs.setdefault("codec", MsgpackCodec(tuples=True))
     reader = PartitionReader(locations, local_daemon_id=d.daemon_id if local else None, **kwargs)
     with reader:
         return reader.read_all()
@@ -379,7 +377,7 @@ def test_producer_blocks_while_its_consumer_does_not_read(start_daemon: Any) -> 
     def records() -> Iterator[tuple[int, bytes]]:
         for i in range(total):
             generated[0] = i + 1
-            yield (i, pad)
+            yield (i, pad + i.to_bytes(4, "big"))  # a new object: pickle stores each
 
     producer = Producer(d, pid, records(), buffer_timeout=-1)
     producer.start()
@@ -395,7 +393,7 @@ def test_producer_blocks_while_its_consumer_does_not_read(start_daemon: Any) -> 
             if generated[0] != last:
                 last, stable_since = generated[0], time.monotonic()
             time.sleep(0.05)
-        assert producer.is_alive() and producer.error is None
+        assert producer.is_alive() and producer.error is None, (producer.error, generated)
         assert generated[0] < total // 2, generated[0]
         st = d.stats()
         # bounded by the partition's local pool (max(2 n + 8, 16) segments), not the data
@@ -500,7 +498,8 @@ def test_partition_needing_more_buffers_than_the_daemon_has_is_refused(
 def test_bytes_sent_counter_keeps_traffic_of_closed_connections(start_daemon: Any) -> None:
     d = start_daemon()
     pid = ResultPartitionID("counted", 0, 0)
-    write_blocking(d, pid, ((i, b"c" * 100) for i in range(10_000)))
+    # distinct payloads: pickle would store one shared object once
+    write_blocking(d, pid, ((i, b"c" * 96 + i.to_bytes(4, "big")) for i in range(10_000)))
     assert len(read(d, pid)) == 10_000  # over TCP; the reader closes its connection
     st = d.stats()
     assert st["data_port"]["total_connections"] == 1
@@ -527,12 +526,10 @@ def test_emit_all_routes_every_key_by_its_own_hash(start_daemon: Any) -> None:
     for sub in range(n):
         got = read(d, pid, [sub])
         want = [r for r in records if deterministic_hash(r[0]) % n == sub]
-        # msgpack gives lists back as tuples; compare by the key's hash and the value
-        assert sorted((deterministic_hash(k), v) for k, v in got) == sorted(
-            (deterministic_hash(k), v) for k, v in want
-        ), sub
-        assert sorted(map(repr, got)) == sorted(
-            repr((tuple(k) if isinstance(k, list) else k, v)) for k, v in want
+        # records come back exactly: 1, True and 1.0 (and [1] vs (1,)) stay apart
+        assert sorted(map(repr, got)) == sorted(map(repr, want)), sub
+        assert sorted((repr(k), type(k).__name__, v) for k, v in got) == sorted(
+            (repr(k), type(k).__name__, v) for k, v in want
         ), sub
     get_runtime().run(release_dataset(d.local_socket, "routing"))
 

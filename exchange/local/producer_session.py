@@ -1,0 +1,266 @@
+"""ProducerSession: the daemon's side of one producer task's connection, sans I/O.
+
+A producer task owns one ResultPartition on its local daemon and pushes the buffers its
+RecordWriter cut. Credit is Flink's idea turned around: one credit is one segment of the
+partition's LocalBufferPool that the daemon has already *reserved* for the task, so a
+push always has a segment to land in and a task can never push more than the pool holds.
+When the pool is exhausted (consumers are slow) the session registers as the pool's
+BufferListener and is handed each segment a consumer frees; credit goes back to the task
+in batches (``AddProducerCredit``), not one message per buffer: a grant is sent when a
+quarter of the window has accumulated, or at once when the task has no credit left.
+
+The session does no I/O: messages for the task go through the injected ``send``. Its
+lifecycle is one enum, with the transitions in ``_TRANSITIONS``:
+
+    OPEN --finish--> FINISHED
+    OPEN --fail (task failed / disconnected)--> FAILED
+    OPEN --partition released or a reader left early--> ABORTED
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from enum import Enum
+from typing import Final
+
+from exchange.buffers.buffer import Buffer, DataType
+from exchange.errors import (
+    IllegalStateError,
+    PartitionError,
+    PartitionReleasedError,
+    ProducerFailedError,
+    ProtocolError,
+    SubpartitionIndexError,
+)
+from exchange.events.events import EventSerializer
+from exchange.memory.buffer_listener import NotificationResult
+from exchange.partition.result_partition import ResultPartition
+from exchange.protocol.local_messages import (
+    ALL_SUBPARTITIONS,
+    AddProducerCredit,
+    PartitionFinished,
+)
+from exchange.protocol.messages import ErrorResponse, Message, error_response_for
+
+__all__ = ["DEFAULT_PRODUCER_CREDIT", "ProducerSession", "ProducerSessionState"]
+
+#: Segments a producer may have in flight (its credit window) by default.
+DEFAULT_PRODUCER_CREDIT: Final = 8
+
+
+class ProducerSessionState(Enum):
+    OPEN = "open"
+    FINISHED = "finished"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+_TRANSITIONS: Final[dict[ProducerSessionState, frozenset[ProducerSessionState]]] = {
+    ProducerSessionState.OPEN: frozenset(
+        {ProducerSessionState.FINISHED, ProducerSessionState.FAILED, ProducerSessionState.ABORTED}
+    ),
+    ProducerSessionState.FINISHED: frozenset(),
+    ProducerSessionState.FAILED: frozenset(),
+    ProducerSessionState.ABORTED: frozenset(),
+}
+
+
+class ProducerSession:
+    """Reserves segments for one producer task, grants them as credit, queues its pushes."""
+
+    def __init__(
+        self,
+        partition: ResultPartition,
+        send: Callable[[Message], None],
+        *,
+        max_credit: int = DEFAULT_PRODUCER_CREDIT,
+        on_abort: Callable[[ErrorResponse], None] | None = None,
+    ) -> None:
+        if max_credit < 1:
+            raise IllegalStateError(f"max_credit must be >= 1, got {max_credit}")
+        self.partition = partition
+        self._send = send
+        self._on_abort = on_abort
+        self.max_credit = max_credit
+        self._batch = max(1, max_credit // 4)
+        self._reserved: deque[Buffer] = deque()
+        self._granted = 0  # credit the task holds (granted, not yet used by a push)
+        self._unannounced = 0  # reserved segments not yet granted
+        self._listening = False
+        self.state = ProducerSessionState.OPEN
+        self.bytes_received = 0
+        self.buffers_received = 0
+        self.credit_messages = 0
+        partition.add_release_listener(self._on_partition_released)
+        partition.add_consumer_failure_listener(self._on_consumer_failure)
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def _transition(self, to: ProducerSessionState) -> None:
+        if to not in _TRANSITIONS[self.state]:
+            raise IllegalStateError(f"producer session: {self.state.value} -> {to.value}")
+        self.state = to
+
+    @property
+    def is_open(self) -> bool:
+        return self.state is ProducerSessionState.OPEN
+
+    # -- credit --------------------------------------------------------------------------
+
+    def start(self) -> int:
+        """Reserve what the pool has free now; returns the first grant (for
+        PartitionCreated). Later grants go out as AddProducerCredit."""
+        self._reserve_nowait()
+        credit, self._unannounced = self._unannounced, 0
+        self._granted += credit
+        return credit
+
+    def _reserve_nowait(self) -> None:
+        pool = self.partition.buffer_pool
+        while len(self._reserved) < self.max_credit and not pool.is_destroyed:
+            buf = pool.request_buffer()
+            if buf is None:
+                break
+            self._reserved.append(buf)
+            self._unannounced += 1
+        if len(self._reserved) < self.max_credit and not self._listening and self.is_open:
+            self._listening = pool.add_buffer_listener(self)
+
+    def _announce(self) -> None:
+        """Grant the reserved segments in a batch, or at once if the task has none."""
+        n = self._unannounced
+        if n and (n >= self._batch or self._granted == 0) and self.is_open:
+            self._unannounced = 0
+            self._granted += n
+            self.credit_messages += 1
+            self._send(AddProducerCredit(n))
+
+    # BufferListener: a consumer freed a segment of the partition's pool.
+    def notify_buffer_available(self, buffer: Buffer) -> NotificationResult:
+        self._listening = False
+        if not self.is_open or len(self._reserved) >= self.max_credit:
+            return NotificationResult.BUFFER_NOT_USED
+        self._reserved.append(buffer)
+        self._unannounced += 1
+        self._announce()
+        if len(self._reserved) < self.max_credit:
+            self._listening = True
+            return NotificationResult.BUFFER_USED_NEED_MORE
+        return NotificationResult.BUFFER_USED_NO_NEED_MORE
+
+    def notify_buffer_destroyed(self) -> None:
+        self._listening = False
+
+    @property
+    def credit_outstanding(self) -> int:
+        return self._granted
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    # -- pushes --------------------------------------------------------------------------
+
+    def next_segment(self, size: int) -> Buffer:
+        """The reserved buffer the next pushed data buffer of ``size`` bytes lands in
+        (the caller writes the bytes into ``buffer.segment.view()[:size]``, then calls
+        ``on_data_pushed``). ProtocolError if the task pushed without credit."""
+        if not self._reserved or self._granted <= 0:
+            raise ProtocolError("PushBuffer without credit")
+        buf = self._reserved[0]
+        if size > buf.segment.size:
+            raise ProtocolError(
+                f"pushed buffer of {size} bytes exceeds the {buf.segment.size}-byte segment"
+            )
+        return buf
+
+    def on_data_pushed(self, subpartition: int, size: int) -> None:
+        """The bytes of the next reserved buffer are in place: queue it."""
+        buf = self._reserved.popleft()
+        self._granted -= 1
+        buf.set_size(size)
+        n = self.partition.num_subpartitions
+        if not 0 <= subpartition < n:
+            buf.release()
+            raise SubpartitionIndexError(
+                f"subpartition index {subpartition} out of range [0, {n})",
+                self.partition.partition_id,
+            )
+        self.bytes_received += size
+        self.buffers_received += 1
+        self.partition.add_buffer(subpartition, buf)  # takes it over, even when it raises
+        self._reserve_nowait()
+        self._announce()
+
+    def on_push(self, subpartition: int, data_type: DataType, payload: memoryview) -> None:
+        """A pushed buffer or event whose bytes arrived outside a segment (copied once)."""
+        if not self.is_open:
+            raise ProtocolError(f"PushBuffer after the partition was {self.state.value}")
+        if data_type is DataType.DATA_BUFFER:
+            size = len(payload)
+            buf = self.next_segment(size)
+            buf.segment.view()[:size] = payload
+            self.on_data_pushed(subpartition, size)
+            return
+        if subpartition != ALL_SUBPARTITIONS:
+            raise ProtocolError("events are broadcast to all subpartitions")
+        self.partition.broadcast_event(EventSerializer.from_bytes(payload))
+
+    # -- ending --------------------------------------------------------------------------
+
+    def _drop_reserved(self) -> None:
+        while self._reserved:
+            self._reserved.popleft().release()
+        self._granted = 0
+        self._unannounced = 0
+
+    def finish(self) -> PartitionFinished:
+        """The task closed its writer: EndOfPartition to every subpartition."""
+        if not self.is_open:
+            raise ProtocolError(f"FinishPartition after the partition was {self.state.value}")
+        self._transition(ProducerSessionState.FINISHED)
+        self._drop_reserved()
+        self.partition.finish()  # a PartitionError here: released meanwhile, readers know
+        st = self.partition.stats()
+        return PartitionFinished(st.bytes_out, st.buffers_out)
+
+    def fail(self, reason: str) -> bool:
+        """The task failed or went away before finishing: readers get ProducerFailedError.
+        True if this failed the partition (False: it had ended already)."""
+        if not self.is_open:
+            return False
+        self._transition(ProducerSessionState.FAILED)
+        self._drop_reserved()
+        if self.partition.is_released:
+            return False
+        self.partition.fail(ProducerFailedError(reason, self.partition.partition_id))
+        return True
+
+    def _abort(self, cause: BaseException | None) -> None:
+        """The partition cannot complete (released, a reader left early): tell the task
+        now; one waiting for credit would otherwise wait forever."""
+        if not self.is_open:
+            return
+        self._transition(ProducerSessionState.ABORTED)
+        self._drop_reserved()
+        if not isinstance(cause, PartitionError):
+            cause = PartitionReleasedError(
+                "partition was released while its producer was writing",
+                self.partition.partition_id,
+            )
+        if self._on_abort is not None:
+            self._on_abort(error_response_for(cause))
+
+    def _on_partition_released(self, partition: ResultPartition) -> None:
+        self._abort(partition.failure_cause)
+
+    def _on_consumer_failure(self, cause: BaseException) -> None:
+        """A reader left a pipelined subpartition early: the stream cannot complete. The
+        partition itself is failed too, so readers of the *other* subpartitions get the
+        error instead of waiting for an EndOfPartition that never comes."""
+        if not self.is_open or not isinstance(cause, PartitionError):
+            return
+        self._abort(cause)
+        if not self.partition.is_released:
+            self.partition.fail(cause)

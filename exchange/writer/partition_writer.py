@@ -1,0 +1,296 @@
+"""The asyncio driver of the one write path, and its in-process sink.
+
+``AsyncRecordWriter`` drives a ``RecordWriter`` from asyncio code: it emits into the
+writer and moves the buffers the writer cuts to a ``BufferSink``, waiting there when the
+sink cannot take more (backpressure). A background task flushes every ``buffer_timeout``
+seconds (Flink's output flusher), so a producer stalled on slow input still makes its data
+readable. Two sinks exist: ``ResultPartitionSink`` (a partition in this process: each
+buffer is copied into a segment of its LocalBufferPool and queued with
+``ResultPartition.add_buffer``, exactly as the daemon queues the buffers a task pushes)
+and the daemon connection of ``client.producer`` (producer tasks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+from typing import Any, Final, Protocol
+
+from exchange.buffers.buffer import Buffer
+from exchange.errors import PoolDestroyedError, WriterClosedError
+from exchange.events.events import AbstractEvent, EventSerializer
+from exchange.partition.result_partition import ResultPartition
+from exchange.serialization.codec import RecordCodec
+from exchange.writer.channel_selector import ChannelSelector
+from exchange.writer.core_writer import (
+    DEFAULT_BUFFER_TIMEOUT,
+    OutputBuffer,
+    RecordWriter,
+)
+
+__all__ = ["AsyncRecordWriter", "BufferSink", "ResultPartitionSink", "ResultPartitionWriter"]
+
+_NO_KEY: Final[Any] = object()
+#: Records taken from ``emit_all``'s iterable between two moves of the cut buffers.
+_CHUNK: Final = 4096
+
+
+class BufferSink(Protocol):
+    """Where an AsyncRecordWriter's buffers go."""
+
+    @property
+    def name(self) -> str: ...
+
+    def check_writable(self) -> None:
+        """Raise the typed error that says why nothing may be written any more."""
+
+    async def write(self, out: OutputBuffer) -> None:
+        """Take one buffer or event, waiting while the sink is full (backpressure)."""
+
+    async def finish(self) -> None:
+        """Every buffer was written: end the partition (EndOfPartition everywhere)."""
+
+    async def fail(self, cause: BaseException | None) -> None:
+        """The producer failed: readers must get an error, never a short read."""
+
+
+class AsyncRecordWriter:
+    """Writes records through a RecordWriter into a BufferSink. One task at a time."""
+
+    def __init__(self, writer: RecordWriter, sink: BufferSink) -> None:
+        self.writer = writer
+        self.sink = sink
+        self.codec = writer.codec
+        self.num_channels = writer.num_subpartitions
+        self._flusher: asyncio.Task[None] | None = None
+        self._move_lock = asyncio.Lock()
+        self._closed = False
+
+    @property
+    def records_out(self) -> int:
+        return self.writer.stats.records_out
+
+    # -- emitting ------------------------------------------------------------------------
+
+    async def emit(self, record: Any, key: Any = _NO_KEY) -> None:
+        """Emit to the subpartition the selector (or ``key``'s hash) picks."""
+        self._check_writable()
+        if key is _NO_KEY:
+            self.writer.emit(record)
+        else:
+            self.writer.emit(record, key)
+        await self._move()
+
+    async def emit_to(self, record: Any, target: int) -> None:
+        self._check_writable()
+        self.writer.emit_to(record, target)
+        await self._move()
+
+    async def emit_all(self, records: Iterable[Any], **routing: Any) -> int:
+        """Emit many records (routed as ``RecordWriter.emit_all``); returns how many."""
+        self._check_writable()
+        writer = self.writer
+        it = iter(records)
+        n = 0
+        while True:
+            chunk = [r for _, r in zip(range(_CHUNK), it, strict=False)]
+            if not chunk:
+                return n
+            n += writer.emit_all(chunk, **routing)
+            await self._move()
+
+    async def broadcast_emit(self, record: Any) -> None:
+        """Emit one record to every subpartition (encoded once)."""
+        self._check_writable()
+        self.writer.broadcast(record)
+        await self._move()
+
+    async def broadcast_event(self, event: AbstractEvent) -> None:
+        """Send ``event`` to every subpartition after every record emitted so far."""
+        self._check_writable()
+        self.writer.broadcast_event(event)
+        await self._move()
+
+    async def broadcast_barrier(
+        self, checkpoint_id: int, timestamp: int, *, aligned: bool = True
+    ) -> None:
+        self._check_writable()
+        self.writer.broadcast_barrier(checkpoint_id, timestamp, aligned=aligned)
+        await self._move()
+
+    async def broadcast_cancel(self, checkpoint_id: int) -> None:
+        self._check_writable()
+        self.writer.broadcast_cancel(checkpoint_id)
+        await self._move()
+
+    async def flush(self) -> None:
+        """Make everything emitted so far readable (may wait for the sink)."""
+        self._check_writable()
+        self.writer.flush()
+        await self._move()
+
+    def set_buffer_size(self, target: int, size: int) -> None:
+        self.writer.set_buffer_size(target, size)
+
+    # -- moving buffers ------------------------------------------------------------------
+
+    async def _move(self) -> None:
+        if self._flusher is None and self.writer.buffer_timeout > 0 and not self._closed:
+            self._flusher = asyncio.get_running_loop().create_task(
+                self._run_flusher(), name=f"output-flusher[{self.sink.name}]"
+            )
+        # One mover at a time (the task or the flusher), in order; the task waits for the
+        # flusher's move, so backpressure still reaches it.
+        async with self._move_lock:
+            writer = self.writer
+            write = self.sink.write
+            while writer.has_output:
+                for out in writer.take_output():
+                    await write(out)
+
+    async def _run_flusher(self) -> None:
+        writer = self.writer
+        interval = writer.buffer_timeout
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            deadline = writer.next_flush_deadline
+            delay = interval if deadline is None else max(0.0, deadline - loop.time())
+            await asyncio.sleep(min(delay, interval))
+            if self._move_lock.locked() or self._closed:
+                continue
+            if writer.flush_if_due():
+                with contextlib.suppress(Exception):
+                    # an error (e.g. the partition released) surfaces at the next emit
+                    await self._move()
+
+    # -- closing -------------------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        if self._closed:
+            raise WriterClosedError(f"the writer of {self.sink.name} is closed")
+        self.sink.check_writable()
+
+    async def close(self) -> None:
+        """Flush, finish the partition (EndOfPartition everywhere), stop the flusher.
+
+        If the last buffers cannot be written the partition is failed, never left
+        unfinished: its readers get the error instead of waiting forever.
+        """
+        if self._closed:
+            return
+        try:
+            self.writer.flush()
+            await self._move()
+            self.writer.close()
+            self._closed = True
+            await self._stop_flusher()
+            await self.sink.finish()
+        except BaseException as e:
+            self._closed = True
+            self.writer.discard()
+            await self._stop_flusher()
+            with contextlib.suppress(Exception):
+                await self.sink.fail(e)
+            raise
+
+    async def fail(self, cause: BaseException | None = None) -> None:
+        """Abort: the partition is failed and its readers get a ProducerFailedError."""
+        self._closed = True
+        self.writer.discard()
+        await self._stop_flusher()
+        await self.sink.fail(cause)
+
+    async def _stop_flusher(self) -> None:
+        task, self._flusher = self._flusher, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    async def __aenter__(self) -> AsyncRecordWriter:
+        return self
+
+    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            await self.close()
+        else:
+            await self.fail(exc)
+
+
+class ResultPartitionSink:
+    """A partition in this process: buffers copied into its segments, then queued."""
+
+    def __init__(self, partition: ResultPartition) -> None:
+        self.partition = partition
+
+    @property
+    def name(self) -> str:
+        return str(self.partition.partition_id)
+
+    def check_writable(self) -> None:
+        self.partition.check_writable()
+
+    async def write(self, out: OutputBuffer) -> None:
+        partition = self.partition
+        if out.is_event:
+            partition.broadcast_event(EventSerializer.from_bytes(out.pieces[0]))
+            return
+        buf = await self._request_buffer()
+        view = buf.segment.view()
+        pos = 0
+        for piece in out.pieces:
+            n = len(piece)
+            view[pos : pos + n] = piece
+            pos += n
+        buf.set_size(pos)
+        partition.add_buffer(out.target, buf)
+
+    async def _request_buffer(self) -> Buffer:
+        partition = self.partition
+        pool = partition.buffer_pool
+        while True:
+            partition.check_writable()
+            try:
+                buf = pool.request_buffer()
+            except PoolDestroyedError:
+                partition.check_writable()
+                raise
+            if buf is not None:
+                return buf
+            await pool.get_available_future()
+
+    async def finish(self) -> None:
+        self.partition.finish()
+
+    async def fail(self, cause: BaseException | None) -> None:
+        if not self.partition.is_released:
+            self.partition.fail(cause)
+
+
+class ResultPartitionWriter(AsyncRecordWriter):
+    """The writer of an in-process ResultPartition."""
+
+    def __init__(
+        self,
+        partition: ResultPartition,
+        selector: ChannelSelector | None = None,
+        codec: RecordCodec | None = None,
+        *,
+        buffer_timeout: float = DEFAULT_BUFFER_TIMEOUT,
+    ) -> None:
+        super().__init__(
+            RecordWriter(
+                partition.num_subpartitions,
+                buffer_size=partition.segment_size,
+                codec=codec,
+                selector=selector,
+                buffer_timeout=buffer_timeout,
+            ),
+            ResultPartitionSink(partition),
+        )
+        self.partition = partition
