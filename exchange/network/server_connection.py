@@ -329,7 +329,11 @@ class ServerConnection:
         header = encode_buffer_response_header(
             receiver_id, sequence_number, backlog, buf.data_type, buf.compressed, size
         )
-        transport.writelines((header, buf.memoryview()))
+        try:
+            transport.writelines((header, buf.memoryview()))
+        except BaseException:
+            self._recycle(receiver_id, buf)  # not taken over: ours to recycle
+            raise
         self._bytes_written += len(header) + size
         if transport.get_write_buffer_size() == 0:
             self._recycle(receiver_id, buf)
@@ -387,9 +391,14 @@ class ServerConnection:
             self._fail(e)
 
     def _fail(self, exc: Exception) -> None:
-        """An unexpected error: fatal for the connection, and the peer is told."""
+        """An unexpected error: fatal for the connection, and the peer is told if the
+        transport still works (if it does not, the connection is aborted)."""
         log.error("connection %s failed", self.peer, exc_info=exc)
-        self.close_with(ErrorResponse(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        try:
+            self.close_with(ErrorResponse(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+        except Exception:
+            log.exception("connection %s: closing after an error failed", self.peer)
+            self.abort()
 
     def _on_handshake_timeout(self) -> None:
         self._handshake_timer = None

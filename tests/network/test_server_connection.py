@@ -1,0 +1,686 @@
+"""ServerConnection with no socket and no loop: bytes in, frames out, buffers recycled.
+
+``FakeTransport`` behaves like an asyncio transport in the ways that matter here: the
+"kernel" takes at most ``socket_space`` bytes at once, the rest stays in the write buffer
+*as the very memoryviews written* (so a buffer recycled too early would show up as
+corrupted bytes on the wire), and crossing the high / low watermark calls
+``pause_writing`` / ``resume_writing``. ``FakeTimers`` is a virtual clock. What the server
+wrote is decoded with the real ``FrameDecoder``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import struct
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from exchange.buffers.buffer import DataType
+from exchange.errors import IllegalStateError
+from exchange.memory import NetworkBufferPool
+from exchange.network.server_connection import (
+    DATA_PORT_MESSAGES,
+    ServerConnection,
+    ServerConnectionSettings,
+    ServerConnectionState,
+)
+from exchange.partition import ResultPartition, ResultPartitionID, ResultPartitionManager
+from exchange.partition.bounded_data import HEADER as BOUNDED_DATA_HEADER
+from exchange.protocol.codec import FrameDecoder, encode, max_frame_size_for
+from exchange.protocol.handshake import ClientHandshake
+from exchange.protocol.local_messages import (
+    CreatePartition,
+    DaemonInfoRequest,
+    FailPartition,
+    FinishPartition,
+    PushBuffer,
+    Released,
+    ReleaseDataset,
+)
+from exchange.protocol.messages import (
+    AddCredit,
+    AuthOk,
+    BufferResponse,
+    CancelPartitionRequest,
+    CloseRequest,
+    ErrorCode,
+    ErrorResponse,
+    Message,
+    PartitionRequest,
+    ServerHello,
+)
+from exchange.serialization.codec import BytesCodec
+from exchange.serialization.spanning_record_serializer import SpanningRecordSerializer
+
+PartitionFactory = Callable[..., ResultPartition]
+SECRET = b"s3cret"
+HANDSHAKE_TIMEOUT = 5.0
+CLOSE_TIMEOUT = 1.0
+REAP_INTERVAL = 0.005
+
+
+# -- fakes ------------------------------------------------------------------------------
+
+
+class Handle:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+@dataclass(order=True)
+class _Timer:
+    when: float
+    seq: int
+    callback: Callable[[], object] = field(compare=False)
+    handle: Handle = field(compare=False)
+
+
+class FakeTimers:
+    """``call_soon`` / ``call_later`` on a virtual clock; nothing runs until asked."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.soon: deque[Callable[[], object]] = deque()
+        self._timers: list[_Timer] = []
+        self._seq = 0
+
+    def call_soon(self, callback: Callable[[], object], /) -> object:
+        self.soon.append(callback)
+        return None
+
+    def call_later(self, delay: float, callback: Callable[[], object], /) -> Handle:
+        handle = Handle()
+        self._seq += 1
+        heapq.heappush(self._timers, _Timer(self.now + delay, self._seq, callback, handle))
+        return handle
+
+    def run(self) -> None:
+        """Run ready callbacks (and what they schedule) like one loop iteration after
+        another; an exception escaping one fails the test, as it would be lost in asyncio."""
+        while self.soon:
+            self.soon.popleft()()
+
+    def advance(self, seconds: float) -> None:
+        end = self.now + seconds
+        self.run()
+        while self._timers and self._timers[0].when <= end:
+            timer = heapq.heappop(self._timers)
+            self.now = timer.when
+            if not timer.handle.cancelled:
+                timer.callback()
+            self.run()
+        self.now = end
+
+    @property
+    def pending_timers(self) -> int:
+        return sum(1 for t in self._timers if not t.handle.cancelled)
+
+
+class FakeTransport:
+    """A transport whose kernel takes ``socket_space`` bytes at once (None: everything)."""
+
+    def __init__(self, socket_space: int | None = None, high: int = 1 << 62, low: int = 0) -> None:
+        self.socket_space = socket_space
+        self.high, self.low = high, low
+        self.conn: ServerConnection | None = None
+        self.wire = bytearray()  # what the peer received
+        self.held: deque[memoryview] = deque()  # the write buffer: views, never copies
+        self.held_bytes = 0
+        self.paused = False
+        self.closing = False
+        self.aborted = False
+        self.fail_buffer_writes = False
+
+    def writelines(self, list_of_data: Iterable[bytes | memoryview], /) -> None:
+        pieces = [memoryview(p).cast("B") for p in list_of_data]
+        if self.fail_buffer_writes and len(pieces) == 2:
+            raise RuntimeError("transport broke")
+        for piece in pieces:
+            if self.held or (self.socket_space is not None and len(piece) > self.socket_space):
+                take = 0 if self.held else (self.socket_space or 0)
+                self.wire += piece[:take]
+                if self.socket_space is not None:
+                    self.socket_space -= take
+                self.held.append(piece[take:])
+                self.held_bytes += len(piece) - take
+            else:
+                self.wire += piece
+                if self.socket_space is not None:
+                    self.socket_space -= len(piece)
+        if not self.paused and self.held_bytes > self.high:
+            self.paused = True
+            assert self.conn is not None
+            self.conn.pause_writing()
+
+    def get_write_buffer_size(self) -> int:
+        return self.held_bytes
+
+    def drain(self, n: int | None = None) -> None:
+        """The peer read ``n`` bytes (all if None) of the write buffer."""
+        n = self.held_bytes if n is None else min(n, self.held_bytes)
+        while n:
+            piece = self.held[0]
+            k = min(n, len(piece))
+            self.wire += piece[:k]
+            n -= k
+            self.held_bytes -= k
+            if k == len(piece):
+                self.held.popleft()
+            else:
+                self.held[0] = piece[k:]
+        if self.paused and self.held_bytes <= self.low:
+            self.paused = False
+            assert self.conn is not None
+            self.conn.resume_writing()
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def abort(self) -> None:
+        self.closing = True
+        self.aborted = True
+
+
+class Peer:
+    """The client end: encodes what it sends, decodes what the server wrote."""
+
+    def __init__(self, conn: ServerConnection, transport: FakeTransport, segment_size: int):
+        self.conn = conn
+        self.transport = transport
+        self.decoder = FrameDecoder(max_frame_size_for(segment_size))
+        self._read = 0
+        self.received: list[Message] = []
+        self.payloads: dict[int, list[bytes]] = {}
+
+    def send(self, *messages: Message, byte_by_byte: bool = False) -> None:
+        data = b"".join(b"".join(bytes(p) for p in encode(m)) for m in messages)
+        if byte_by_byte:
+            for i in range(len(data)):
+                self.conn.receive_data(data[i : i + 1])
+        else:
+            self.conn.receive_data(data)
+
+    def read(self) -> list[Message]:
+        """Decode what reached the wire since the last call."""
+        new = bytes(self.transport.wire[self._read :])
+        self._read = len(self.transport.wire)
+        out = self.decoder.feed(new)
+        for m in out:
+            if isinstance(m, BufferResponse):
+                self.payloads.setdefault(m.receiver_id, []).append(bytes(m.payload))
+        self.received.extend(out)
+        return out
+
+    def errors(self) -> list[ErrorResponse]:
+        return [m for m in self.received if isinstance(m, ErrorResponse)]
+
+    def buffers(self, receiver_id: int) -> list[BufferResponse]:
+        return [
+            m
+            for m in self.received
+            if isinstance(m, BufferResponse) and m.receiver_id == receiver_id
+        ]
+
+    def tags(self, receiver_id: int) -> list[int]:
+        """The numbers written by ``add_full_buffers`` in this receiver's data buffers."""
+        return [
+            struct.unpack_from(">I", m.payload, 4)[0]
+            for m in self.buffers(receiver_id)
+            if m.data_type is DataType.DATA_BUFFER
+        ]
+
+    def handshake(self, secret: bytes | None = None) -> None:
+        hs = ClientHandshake(secret)
+        self.send(*hs.start())
+        while not hs.is_established:
+            for m in self.read():
+                out = hs.receive(m)
+                if out:
+                    self.send(*out)
+
+
+@dataclass
+class Setup:
+    conn: ServerConnection
+    transport: FakeTransport
+    timers: FakeTimers
+    peer: Peer
+
+
+def connect(
+    manager: ResultPartitionManager,
+    segment_size: int,
+    *,
+    secret: bytes | None = None,
+    handshake: bool = True,
+    **transport_args: Any,
+) -> Setup:
+    socket_space = transport_args.pop("socket_space", None)
+    transport = FakeTransport(**transport_args)
+    timers = FakeTimers()
+    settings = ServerConnectionSettings(
+        secret=secret,
+        handshake_timeout=HANDSHAKE_TIMEOUT,
+        close_timeout=CLOSE_TIMEOUT,
+        reap_interval=REAP_INTERVAL,
+    )
+    conn = ServerConnection(transport, timers, manager, settings, peer="test")
+    transport.conn = conn
+    peer = Peer(conn, transport, segment_size)
+    if handshake:
+        peer.handshake(secret)
+        assert conn.state is ServerConnectionState.ESTABLISHED
+    transport.socket_space = socket_space  # from now on (the handshake got through)
+    return Setup(conn, transport, timers, peer)
+
+
+def add_full_buffers(part: ResultPartition, target: int, n: int, start: int = 0) -> None:
+    """Write ``n`` full data buffers to ``target``; buffer ``i`` is tagged ``start + i``."""
+    ser = SpanningRecordSerializer(BytesCodec())
+    for i in range(start, start + n):
+        record = struct.pack(">I", i) + bytes([i % 251]) * (part.segment_size - 8)
+        ser.serialize_record(record)
+        assert part.emit_nowait(target, ser), "partition pool too small for the test"
+        ser.prune()
+
+
+def expected_payload(segment_size: int, tag: int) -> bytes:
+    """What buffer ``tag`` of ``add_full_buffers`` holds on the wire."""
+    return struct.pack(">II", segment_size - 4, tag) + bytes([tag % 251]) * (segment_size - 8)
+
+
+def fatal(peer: Peer, code: ErrorCode) -> ErrorResponse:
+    peer.read()
+    *_, err = peer.errors()
+    assert err.is_fatal and err.code is code, err
+    return err
+
+
+def finish_close(s: Setup) -> None:
+    """The transport reports the connection lost (as asyncio does after close)."""
+    s.conn.connection_lost(None)
+    assert s.conn.state is ServerConnectionState.CLOSED
+    assert s.timers.pending_timers == 0
+
+
+# -- handshake and lifecycle ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("byte_by_byte", [False, True])
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_handshake_establishes_and_cancels_its_timer(
+    manager: ResultPartitionManager, byte_by_byte: bool, secret: bytes | None
+) -> None:
+    s = connect(manager, 4096, secret=secret, handshake=False)
+    assert s.conn.state is ServerConnectionState.HANDSHAKE
+    assert s.timers.pending_timers == 1  # the handshake timeout
+    hs = ClientHandshake(secret)
+    s.peer.send(*hs.start(), byte_by_byte=byte_by_byte)
+    [hello] = s.peer.read()
+    assert isinstance(hello, ServerHello) and hello.auth_required is (secret is not None)
+    if secret is not None:
+        assert s.conn.state is ServerConnectionState.HANDSHAKE
+        s.peer.send(*hs.receive(hello), byte_by_byte=byte_by_byte)
+        [ok] = s.peer.read()
+        assert isinstance(ok, AuthOk)
+    assert s.conn.state is ServerConnectionState.ESTABLISHED
+    assert s.timers.pending_timers == 0
+    s.timers.advance(2 * HANDSHAKE_TIMEOUT)
+    assert s.conn.state is ServerConnectionState.ESTABLISHED
+    finish_close(s)
+
+
+def test_silent_client_times_out_and_a_closing_peer_is_aborted(
+    manager: ResultPartitionManager,
+) -> None:
+    s = connect(manager, 4096, handshake=False)
+    s.timers.advance(HANDSHAKE_TIMEOUT - 0.01)
+    assert s.conn.state is ServerConnectionState.HANDSHAKE
+    s.timers.advance(0.02)
+    err = fatal(s.peer, ErrorCode.PROTOCOL_ERROR)
+    assert "timed out" in err.message
+    assert s.conn.state is ServerConnectionState.CLOSING and s.transport.closing
+    assert not s.transport.aborted
+    s.timers.advance(CLOSE_TIMEOUT)  # the peer never read its last bytes
+    assert s.transport.aborted
+    finish_close(s)
+
+
+def test_wrong_secret_is_auth_failed(manager: ResultPartitionManager) -> None:
+    s = connect(manager, 4096, secret=SECRET, handshake=False)
+    hs = ClientHandshake(b"wrong")
+    s.peer.send(*hs.start())
+    [hello] = s.peer.read()
+    s.peer.send(*hs.receive(hello))
+    fatal(s.peer, ErrorCode.AUTH_FAILED)
+    assert s.conn.state is ServerConnectionState.CLOSING
+    finish_close(s)
+
+
+def test_request_before_the_handshake_is_a_protocol_error(
+    manager: ResultPartitionManager,
+) -> None:
+    s = connect(manager, 4096, handshake=False)
+    s.peer.send(PartitionRequest(ResultPartitionID("x", 0), 0, 1, 2))
+    fatal(s.peer, ErrorCode.PROTOCOL_ERROR)
+    finish_close(s)
+
+
+def test_garbage_is_fatal_and_later_bytes_are_ignored(manager: ResultPartitionManager) -> None:
+    s = connect(manager, 4096)
+    s.conn.receive_data(b"GET / HTTP/1.1\r\n\r\n")
+    fatal(s.peer, ErrorCode.PROTOCOL_ERROR)
+    written = len(s.transport.wire)
+    s.peer.send(CloseRequest())  # closing: nothing the peer says matters
+    assert len(s.transport.wire) == written
+    finish_close(s)
+    s.conn.connection_lost(None)  # idempotent
+    s.conn.close()
+    s.conn.abort()
+    assert s.conn.state is ServerConnectionState.CLOSED
+
+
+def test_illegal_transitions_raise(manager: ResultPartitionManager) -> None:
+    s = connect(manager, 4096)
+    with pytest.raises(IllegalStateError, match="ESTABLISHED -> HANDSHAKE"):
+        s.conn._transition(ServerConnectionState.HANDSHAKE)
+    finish_close(s)
+    for to in ServerConnectionState:
+        with pytest.raises(IllegalStateError):
+            s.conn._transition(to)
+
+
+# -- the role's messages ----------------------------------------------------------------
+
+LOCAL_ENDPOINT_ONLY: list[Message] = [
+    CreatePartition(ResultPartitionID("sneaky", 0), False, 1),
+    PushBuffer(0, DataType.DATA_BUFFER, b"x" * 10),
+    FinishPartition(),
+    FailPartition("no"),
+    DaemonInfoRequest(),
+    ErrorResponse(ErrorCode.INTERNAL, "client says no"),
+    BufferResponse(1, 0, 0, DataType.DATA_BUFFER, False, b"x"),
+]
+
+
+@pytest.mark.parametrize("msg", LOCAL_ENDPOINT_ONLY, ids=lambda m: type(m).__name__)
+def test_the_data_port_refuses_other_roles_messages(
+    manager: ResultPartitionManager, msg: Message
+) -> None:
+    s = connect(manager, 4096)
+    s.peer.send(msg)
+    err = fatal(s.peer, ErrorCode.PROTOCOL_ERROR)
+    assert type(msg).__name__ in err.message
+    assert len(manager) == 0  # nothing was created
+    finish_close(s)
+
+
+def test_a_role_with_more_messages_gets_them_and_delegates_the_rest(
+    manager: ResultPartitionManager,
+) -> None:
+    handled: list[Message] = []
+    transport, timers = FakeTransport(), FakeTimers()
+    conn: ServerConnection
+
+    def on_message(msg: Message) -> None:
+        if isinstance(msg, DaemonInfoRequest):
+            handled.append(msg)
+        else:
+            conn.handle_message(msg)
+
+    conn = ServerConnection(
+        transport,
+        timers,
+        manager,
+        on_message=on_message,
+        accepted_messages=DATA_PORT_MESSAGES | {DaemonInfoRequest},
+    )
+    transport.conn = conn
+    peer = Peer(conn, transport, 4096)
+    peer.handshake()
+    peer.send(DaemonInfoRequest(), ReleaseDataset("nothing-here"))
+    assert handled == [DaemonInfoRequest()]
+    assert peer.read() == [Released(0)]
+    peer.send(FinishPartition())
+    fatal(peer, ErrorCode.PROTOCOL_ERROR)
+    conn.connection_lost(None)
+
+
+def test_release_dataset_on_the_data_port(
+    make_partition: PartitionFactory, manager: ResultPartitionManager
+) -> None:
+    make_partition(ResultPartitionID("gone", 0), "pipelined", 1)
+    make_partition(ResultPartitionID("gone", 1), "pipelined", 1)
+    s = connect(manager, 4096)
+    s.peer.send(ReleaseDataset("gone"))
+    assert s.peer.read() == [Released(2)]
+    assert len(manager) == 0
+    finish_close(s)
+
+
+def test_unknown_partition_is_a_channel_error_and_the_connection_stays(
+    manager: ResultPartitionManager,
+) -> None:
+    s = connect(manager, 4096)
+    s.peer.send(PartitionRequest(ResultPartitionID("nope", 0), 0, 3, 2))
+    [err] = s.peer.read()
+    assert isinstance(err, ErrorResponse) and err.receiver_id == 3
+    assert err.code is ErrorCode.PARTITION_NOT_FOUND
+    assert s.conn.state is ServerConnectionState.ESTABLISHED
+    assert s.conn.queue.num_readers == 0
+    finish_close(s)
+
+
+def test_a_receiver_id_used_twice_is_fatal(
+    make_partition: PartitionFactory, manager: ResultPartitionManager
+) -> None:
+    part = make_partition(1, "pipelined", 2)
+    s = connect(manager, 4096)
+    s.peer.send(PartitionRequest(part.partition_id, 0, 1, 2))
+    s.peer.send(PartitionRequest(part.partition_id, 1, 1, 2))
+    err = fatal(s.peer, ErrorCode.PROTOCOL_ERROR)
+    assert "already in use" in err.message
+    assert s.conn.queue.num_readers == 0  # closing released the first reader
+    finish_close(s)
+
+
+def test_an_unexpected_error_handling_a_message_is_fatal_internal(
+    manager: ResultPartitionManager,
+) -> None:
+    def broken(dataset: str) -> int:
+        raise KeyError(dataset)
+
+    transport, timers = FakeTransport(), FakeTimers()
+    conn = ServerConnection(transport, timers, manager, release_dataset=broken)
+    transport.conn = conn
+    peer = Peer(conn, transport, 4096)
+    peer.handshake()
+    peer.send(ReleaseDataset("ds"))
+    err = fatal(peer, ErrorCode.INTERNAL)
+    assert "KeyError" in err.message
+    assert conn.state is ServerConnectionState.CLOSING
+    conn.connection_lost(None)
+
+
+# -- data, writability and recycling ----------------------------------------------------
+
+
+def test_stream_with_watermarks_recycles_only_what_the_transport_sent(
+    make_partition: PartitionFactory, manager: ResultPartitionManager, nbp: NetworkBufferPool
+) -> None:
+    seg = nbp.segment_size
+    n = 12
+    part = make_partition(1, "pipelined", 1, (1, n + 1))
+    # The kernel takes one frame; the write buffer pauses above two frames.
+    s = connect(manager, seg, socket_space=seg + 100, high=2 * seg, low=seg // 2)
+    s.peer.send(PartitionRequest(part.partition_id, 0, 1, 100))
+    add_full_buffers(part, 0, n)
+    part.finish()
+    s.timers.run()
+    assert s.transport.paused and not s.conn.is_writable
+    assert s.conn.paused_count == 1
+    held = s.conn.statistics().in_flight_buffers
+    assert held >= 2  # bytes still in the transport: their segments are not recycled
+    in_use_while_held = nbp.num_in_use
+    assert in_use_while_held >= held
+
+    s.transport.drain(seg)  # the peer reads a little: still above the low watermark
+    assert s.transport.paused
+    s.timers.advance(REAP_INTERVAL)  # the reap timer recycles what went out meanwhile
+    assert s.conn.statistics().in_flight_buffers < held
+    while s.conn.queue.num_readers or s.transport.held_bytes:
+        s.transport.drain()  # below the low watermark: resume_writing sends on
+        s.timers.advance(REAP_INTERVAL)
+    s.peer.read()
+    assert s.peer.tags(1) == list(range(n))
+    # Every payload arrived intact: no segment was reused while the transport held it.
+    data = [m for m in s.peer.buffers(1) if m.data_type is DataType.DATA_BUFFER]
+    assert [bytes(m.payload) for m in data] == [expected_payload(seg, i) for i in range(n)]
+    assert [m.sequence_number for m in s.peer.buffers(1)] == list(range(n + 1))
+    assert s.peer.buffers(1)[-1].data_type is DataType.EVENT_BUFFER
+    assert s.conn.paused_count >= 1 and s.peer.errors() == []
+    assert s.conn.statistics().in_flight_buffers == 0
+    assert part.is_released  # fully consumed
+    st = s.conn.statistics()
+    assert st.buffers_sent == n + 1 and st.bytes_written == len(s.transport.wire)
+    finish_close(s)
+
+
+def test_connection_lost_recycles_buffers_still_in_flight(
+    make_partition: PartitionFactory, manager: ResultPartitionManager, nbp: NetworkBufferPool
+) -> None:
+    seg = nbp.segment_size
+    part = make_partition(1, "pipelined", 1, (1, 8))
+    s = connect(manager, seg, socket_space=0)  # the peer never reads
+    s.peer.send(PartitionRequest(part.partition_id, 0, 1, 100))
+    add_full_buffers(part, 0, 5)
+    s.timers.run()
+    assert s.conn.statistics().in_flight_buffers == 5
+    s.timers.advance(1.0)  # the reap timer finds nothing sent, and keeps looking
+    assert s.conn.statistics().in_flight_buffers == 5
+    s.conn.connection_lost(ConnectionResetError())
+    assert s.conn.statistics().in_flight_buffers == 0
+    assert s.conn.queue.num_readers == 0
+    assert part.is_released  # its consumer is gone
+    assert s.timers.pending_timers == 0
+
+
+def test_cancel_and_close_request(
+    make_partition: PartitionFactory, manager: ResultPartitionManager
+) -> None:
+    part = make_partition(1, "pipelined", 2)
+    s = connect(manager, 4096)
+    s.peer.send(
+        PartitionRequest(part.partition_id, 0, 1, 2),
+        PartitionRequest(part.partition_id, 1, 2, 2),
+    )
+    assert s.conn.queue.num_readers == 2
+    s.peer.send(CancelPartitionRequest(1), AddCredit(1, 3))  # late credit: ignored
+    assert s.conn.queue.num_readers == 1
+    s.peer.send(CloseRequest())
+    assert s.conn.state is ServerConnectionState.CLOSING and s.transport.closing
+    assert s.conn.queue.num_readers == 0
+    assert part.is_released
+    finish_close(s)
+
+
+# -- defect 3: errors in callbacks ------------------------------------------------------
+
+
+def truncate_spill_file(part: ResultPartition, index: int, keep_buffers: int) -> None:
+    path = part.subpartitions[index].data.path  # type: ignore[union-attr]
+    with open(path, "r+b") as f:
+        f.truncate(
+            keep_buffers * (BOUNDED_DATA_HEADER.size + part.segment_size)
+            + BOUNDED_DATA_HEADER.size
+            + 100
+        )
+
+
+@pytest.mark.parametrize("socket_space", [None, 0], ids=["written-at-once", "held-in-flight"])
+def test_truncated_spill_file_fails_its_channel_the_other_completes(
+    make_partition: PartitionFactory,
+    manager: ResultPartitionManager,
+    nbp: NetworkBufferPool,
+    socket_space: int | None,
+) -> None:
+    """Defect 3. Written at once, the reader's error surfaces in the send loop; held in
+    flight, it surfaces when a sent buffer is recycled (the file reader reads ahead into
+    the freed segment), i.e. inside the reap timer or ``resume_writing``."""
+    seg = nbp.segment_size
+    part = make_partition(1, "blocking", 2, (2, 4))
+    add_full_buffers(part, 0, 6, start=0)
+    add_full_buffers(part, 1, 6, start=100)
+    part.finish()
+    truncate_spill_file(part, 0, keep_buffers=2)
+    s = connect(manager, seg, socket_space=socket_space)
+    s.peer.send(
+        PartitionRequest(part.partition_id, 0, 10, 50),
+        PartitionRequest(part.partition_id, 1, 20, 50),
+    )
+    for _ in range(200):
+        s.timers.run()
+        s.transport.drain()
+        s.timers.advance(REAP_INTERVAL)
+        if s.conn.queue.num_readers == 0 and s.conn.statistics().in_flight_buffers == 0:
+            break
+    s.peer.read()
+    [err] = s.peer.errors()
+    assert err.receiver_id == 10 and err.code is ErrorCode.INTERNAL
+    assert "truncated" in err.message
+    tags = s.peer.tags(10)
+    assert tags == list(range(len(tags))) and len(tags) <= 2
+    assert s.peer.tags(20) == list(range(100, 106))
+    assert s.peer.buffers(20)[-1].data_type is DataType.EVENT_BUFFER
+    assert s.conn.state is ServerConnectionState.ESTABLISHED
+    assert s.conn.queue.num_readers == 0
+    finish_close(s)
+
+
+def test_an_unexpected_error_in_a_deferred_callback_is_fatal_not_swallowed(
+    make_partition: PartitionFactory, manager: ResultPartitionManager
+) -> None:
+    part = make_partition(1, "pipelined", 2)
+    s = connect(manager, 4096)
+    s.peer.send(
+        PartitionRequest(part.partition_id, 0, 1, 5),
+        PartitionRequest(part.partition_id, 1, 2, 5),
+    )
+    s.transport.fail_buffer_writes = True
+    add_full_buffers(part, 0, 1)  # the producer's notification runs later, and fails
+    s.timers.run()  # nothing escapes the callback
+    err = fatal(s.peer, ErrorCode.INTERNAL)
+    assert "transport broke" in err.message
+    assert s.conn.state is ServerConnectionState.CLOSING
+    assert s.conn.queue.num_readers == 0  # every reader released
+    assert part.is_released
+    finish_close(s)
+
+
+def test_an_error_in_resume_writing_is_fatal(
+    make_partition: PartitionFactory, manager: ResultPartitionManager, nbp: NetworkBufferPool
+) -> None:
+    seg = nbp.segment_size
+    part = make_partition(1, "pipelined", 1, (1, 8))
+    s = connect(manager, seg, socket_space=0, high=seg, low=0)
+    s.peer.send(PartitionRequest(part.partition_id, 0, 1, 5))
+    add_full_buffers(part, 0, 4)
+    s.timers.run()
+    assert s.transport.paused
+    s.transport.fail_buffer_writes = True
+    s.transport.drain()  # resume_writing -> the queue writes -> the transport raises
+    s.transport.drain()  # the peer reads the error
+    err = fatal(s.peer, ErrorCode.INTERNAL)
+    assert "transport broke" in err.message
+    assert s.conn.queue.num_readers == 0
+    finish_close(s)
