@@ -21,7 +21,8 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     │   ├── PartitionReleasedError       the partition was released while in use
     │   ├── SubpartitionIndexError       index out of range (also a UsageError in spirit)
     │   ├── ProducerFailedError          the producer failed: consumers never see a short read
-    │   └── ConsumerAlreadyAttachedError a pipelined subpartition is consumed once
+    │   ├── ConsumerAlreadyAttachedError a pipelined subpartition is consumed once
+    │   └── PartitionNotReadyError       a blocking partition is read before it is finished
     ├── ProtocolError              the peer sent bytes that break the protocol (fatal for the
     │   │                          connection); carries what was wrong and the limit
     │   ├── FrameTooLargeError
@@ -52,6 +53,7 @@ __all__ = [
     "InsufficientBuffersError",
     "PartitionError",
     "PartitionNotFoundError",
+    "PartitionNotReadyError",
     "PartitionReleasedError",
     "PoolDestroyedError",
     "ProducerFailedError",
@@ -183,7 +185,14 @@ class ProducerFailedError(PartitionError):
 
 
 class ConsumerAlreadyAttachedError(PartitionError):
-    """A pipelined subpartition already has its (single) reader."""
+    """A pipelined subpartition already has (or had) its single reader."""
+
+
+class PartitionNotReadyError(PartitionError):
+    """The partition exists but cannot be read yet (a blocking partition still written).
+
+    A per-channel error: the request fails, the connection and its other channels live on.
+    """
 
 
 class ProtocolError(ExchangeError):

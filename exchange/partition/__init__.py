@@ -17,6 +17,7 @@ from exchange.partition.pipelined_subpartition import (
     PipelinedSubpartitionView,
 )
 from exchange.partition.result_partition import (
+    ALL_SUBPARTITIONS,
     ResultPartition,
     ResultPartitionStats,
     ResultSubpartition,
@@ -24,6 +25,11 @@ from exchange.partition.result_partition import (
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.partition.result_partition_type import ResultPartitionType
+from exchange.partition.states import (
+    ReaderState,
+    ResultPartitionState,
+    SubpartitionState,
+)
 from exchange.partition.subpartition_view import (
     BufferAndBacklog,
     BufferAvailabilityListener,
@@ -31,6 +37,7 @@ from exchange.partition.subpartition_view import (
 )
 
 __all__ = [
+    "ALL_SUBPARTITIONS",
     "BoundedBlockingSubpartition",
     "BoundedBlockingSubpartitionReader",
     "BoundedData",
@@ -40,12 +47,15 @@ __all__ = [
     "MmapBoundedData",
     "PipelinedSubpartition",
     "PipelinedSubpartitionView",
+    "ReaderState",
     "ResultPartition",
     "ResultPartitionID",
     "ResultPartitionManager",
+    "ResultPartitionState",
     "ResultPartitionStats",
     "ResultPartitionType",
     "ResultSubpartition",
     "ResultSubpartitionView",
+    "SubpartitionState",
     "create_bounded_data",
 ]

@@ -2,8 +2,12 @@
 
 Each finished buffer is written out at once and its segment recycled, so the partition's
 memory stays at one buffer per subpartition however much is written. Readers may only
-attach once the partition is finished; each gets its own position in the data. The
-storage is deleted when the partition is released and the last reader is gone.
+attach once the partition is finished (before that a request gets PartitionNotReadyError,
+a per-channel error); each gets its own position in the data. The storage is deleted when
+the partition is released and the last reader is gone.
+
+Lifecycles (``states.py``): the subpartition WRITING -> FINISHED -> RELEASED, each reader
+READING -> CONSUMED (returned EndOfPartition) -> RELEASED.
 """
 
 from __future__ import annotations
@@ -12,9 +16,16 @@ from typing import TYPE_CHECKING
 
 from exchange.buffers.buffer import Buffer, DataType
 from exchange.buffers.buffer_builder import BufferConsumer
-from exchange.errors import IllegalStateError, PartitionReleasedError
+from exchange.errors import PartitionNotReadyError, PartitionReleasedError
 from exchange.events.events import EndOfPartitionEvent, EventSerializer
 from exchange.partition.bounded_data import BoundedData, BoundedDataReader
+from exchange.partition.states import (
+    READER_TRANSITIONS,
+    SUBPARTITION_TRANSITIONS,
+    ReaderState,
+    SubpartitionState,
+    transition,
+)
 from exchange.partition.subpartition_view import BufferAndBacklog, BufferAvailabilityListener
 
 if TYPE_CHECKING:
@@ -31,9 +42,8 @@ class BoundedBlockingSubpartition:
         self._parent = parent
         self._data = data
         self._current: BufferConsumer | None = None
-        self._finished = False
-        self._released = False
-        self._disposed = False
+        self.state = SubpartitionState.WRITING
+        self._disposed = False  # the data's storage is closed (released, no reader left)
         self._failure: BaseException | None = None
         self._readers: set[BoundedBlockingSubpartitionReader] = set()
         self.num_data_buffers = 0
@@ -41,13 +51,16 @@ class BoundedBlockingSubpartition:
         self.total_buffers = 0
         self.buffer_size = parent.segment_size
 
+    def _transition(self, to: SubpartitionState) -> None:
+        self.state = transition(SUBPARTITION_TRANSITIONS, self.state, to, self)
+
     @property
     def is_finished(self) -> bool:
-        return self._finished
+        return self.state is SubpartitionState.FINISHED
 
     @property
     def is_released(self) -> bool:
-        return self._released
+        return self.state is SubpartitionState.RELEASED
 
     @property
     def failure_cause(self) -> BaseException | None:
@@ -60,7 +73,7 @@ class BoundedBlockingSubpartition:
     # -- writing -------------------------------------------------------------------------
 
     def add(self, consumer: BufferConsumer) -> bool:
-        if self._finished or self._released:
+        if self.state is not SubpartitionState.WRITING:
             consumer.close()
             return False
         self._flush_current()
@@ -98,9 +111,9 @@ class BoundedBlockingSubpartition:
             consumer.close()
 
     def finish(self) -> None:
-        if self._finished:
+        if self.state is SubpartitionState.FINISHED:
             return
-        if self._released:
+        if self.state is SubpartitionState.RELEASED:
             raise PartitionReleasedError(
                 f"subpartition {self.index} was released", self._parent.partition_id
             )
@@ -111,12 +124,12 @@ class BoundedBlockingSubpartition:
         finally:
             eop.release()
         self._data.finish_write()
-        self._finished = True
+        self._transition(SubpartitionState.FINISHED)
 
     def release(self, cause: BaseException | None = None) -> None:
-        if self._released:
+        if self.state is SubpartitionState.RELEASED:
             return
-        self._released = True
+        self._transition(SubpartitionState.RELEASED)
         self._failure = cause
         cur, self._current = self._current, None
         if cur is not None:
@@ -137,14 +150,15 @@ class BoundedBlockingSubpartition:
     def create_read_view(
         self, listener: BufferAvailabilityListener
     ) -> BoundedBlockingSubpartitionReader:
-        if self._released:
+        if self.state is SubpartitionState.RELEASED:
             raise PartitionReleasedError(
                 f"subpartition {self.index} was released", self._parent.partition_id
             )
-        if not self._finished:
-            raise IllegalStateError(
+        if self.state is not SubpartitionState.FINISHED:
+            raise PartitionNotReadyError(
                 f"blocking subpartition {self.index} of {self._parent.partition_id} is not "
-                "finished yet; blocking partitions are read after they are fully written"
+                "finished yet; blocking partitions are read after they are fully written",
+                self._parent.partition_id,
             )
         reader = BoundedBlockingSubpartitionReader(self, self._data.create_reader(), listener)
         self._readers.add(reader)
@@ -153,7 +167,7 @@ class BoundedBlockingSubpartition:
 
     def _on_reader_released(self, reader: BoundedBlockingSubpartitionReader) -> None:
         self._readers.discard(reader)
-        if self._released and not self._readers:
+        if self.state is SubpartitionState.RELEASED and not self._readers:
             self._dispose()
 
     @property
@@ -163,7 +177,7 @@ class BoundedBlockingSubpartition:
     def __repr__(self) -> str:
         return (
             f"BoundedBlockingSubpartition(#{self.index}, buffers={self.total_buffers}, "
-            f"readers={len(self._readers)}, finished={self._finished})"
+            f"readers={len(self._readers)}, {self.state.value})"
         )
 
 
@@ -179,21 +193,24 @@ class BoundedBlockingSubpartitionReader:
         self._subpartition = subpartition
         self._reader = data_reader
         self._listener = listener
-        self._released = False
+        self.state = ReaderState.READING
         self._next: Buffer | None = None
         self._data_backlog = subpartition.num_data_buffers
         self._sequence_number = 0
         data_reader.set_on_memory_available(self._on_memory_available)
         self._next = data_reader.next_buffer()
 
+    def _transition(self, to: ReaderState) -> None:
+        self.state = transition(READER_TRANSITIONS, self.state, to, self)
+
     def _on_memory_available(self) -> None:
-        if self._next is None and not self._released:
+        if self._next is None and self.state is not ReaderState.RELEASED:
             self._next = self._reader.next_buffer()
             if self._next is not None:
                 self._listener.notify_data_available()
 
     def get_next_buffer(self) -> BufferAndBacklog | None:
-        if self._released or self._subpartition.is_released:
+        if self.state is not ReaderState.READING or self._subpartition.is_released:
             return None
         current = self._next
         if current is None:
@@ -202,20 +219,27 @@ class BoundedBlockingSubpartitionReader:
                 return None
         if current.is_buffer:
             self._data_backlog -= 1
+        elif EventSerializer.is_end_of_partition(current):  # always the last buffer
+            self._transition(ReaderState.CONSUMED)
+            self._next = None
+            return BufferAndBacklog(current, False, 0, None, self._next_sequence_number())
         self._next = self._reader.next_buffer()
         nxt = self._next
-        seq = self._sequence_number
-        self._sequence_number = seq + 1
         return BufferAndBacklog(
             current,
             nxt is not None,
             self._data_backlog,
             nxt.data_type if nxt is not None else None,
-            seq,
+            self._next_sequence_number(),
         )
 
+    def _next_sequence_number(self) -> int:
+        seq = self._sequence_number
+        self._sequence_number = seq + 1
+        return seq
+
     def get_availability_and_backlog(self, num_credits: int) -> tuple[bool, int]:
-        if self._released or self._subpartition.is_released:
+        if self.state is not ReaderState.READING or self._subpartition.is_released:
             return False, 0
         nxt = self._next
         if nxt is None:
@@ -231,9 +255,9 @@ class BoundedBlockingSubpartitionReader:
         pass  # data was already written with its buffer sizes
 
     def release_all_resources(self) -> None:
-        if self._released:
+        if self.state is ReaderState.RELEASED:
             return
-        self._released = True
+        self._transition(ReaderState.RELEASED)
         nxt, self._next = self._next, None
         if nxt is not None:
             nxt.release()
@@ -242,7 +266,7 @@ class BoundedBlockingSubpartitionReader:
 
     @property
     def is_released(self) -> bool:
-        return self._released or self._subpartition.is_released
+        return self.state is ReaderState.RELEASED or self._subpartition.is_released
 
     @property
     def failure_cause(self) -> BaseException | None:

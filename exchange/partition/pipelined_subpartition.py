@@ -10,7 +10,13 @@ Follows Flink's rules:
 * the backlog is the number of finished data buffers queued, which the network announces
   to the receiver so it can ask for floating buffers;
 * after an aligned checkpoint barrier is polled, the subpartition is *blocked* until the
-  reader calls ``resume_consumption`` (exactly-once alignment on the sender side).
+  reader calls ``resume_consumption`` (exactly-once alignment on the sender side);
+* it is consumed once: one view ever. A view that polled EndOfPartition and is released
+  counts as consumption; a view released before that is a consumer failure (the
+  subpartition is released and the partition's consumer-failure listeners are told).
+
+Lifecycles (``states.py``): the subpartition WRITING -> FINISHED -> RELEASED, its view
+READING -> CONSUMED -> RELEASED.
 """
 
 from __future__ import annotations
@@ -27,6 +33,13 @@ from exchange.errors import (
     UsageError,
 )
 from exchange.events.events import EndOfPartitionEvent, EventSerializer
+from exchange.partition.states import (
+    READER_TRANSITIONS,
+    SUBPARTITION_TRANSITIONS,
+    ReaderState,
+    SubpartitionState,
+    transition,
+)
 from exchange.partition.subpartition_view import BufferAndBacklog, BufferAvailabilityListener
 
 if TYPE_CHECKING:
@@ -43,27 +56,30 @@ class PipelinedSubpartition:
         self._parent = parent
         self._buffers: deque[BufferConsumer] = deque()
         self._backlog = 0
-        self._finished = False
-        self._released = False
+        self.state = SubpartitionState.WRITING
         self._failure: BaseException | None = None
         self._flush_requested = False
         self._blocked = False
+        # The one view this subpartition ever has: kept after its release, so a consumed
+        # subpartition cannot be opened again.
         self._view: PipelinedSubpartitionView | None = None
         self._sequence_number = 0
-        self._consumed = False  # the reader polled EndOfPartition
         self.buffer_size = parent.segment_size
         self.total_bytes = 0
         self.total_buffers = 0
 
     # -- writer side ---------------------------------------------------------------------
 
+    def _transition(self, to: SubpartitionState) -> None:
+        self.state = transition(SUBPARTITION_TRANSITIONS, self.state, to, self)
+
     @property
     def is_finished(self) -> bool:
-        return self._finished
+        return self.state is SubpartitionState.FINISHED
 
     @property
     def is_released(self) -> bool:
-        return self._released
+        return self.state is SubpartitionState.RELEASED
 
     @property
     def failure_cause(self) -> BaseException | None:
@@ -71,26 +87,27 @@ class PipelinedSubpartition:
 
     def add(self, consumer: BufferConsumer) -> bool:
         """Queue a buffer; False (and the consumer closed) when finished or released."""
-        if self._finished or self._released:
+        if self.state is not SubpartitionState.WRITING:
             consumer.close()
             return False
+        readable_before = self._finished_buffer_count()
         self._buffers.append(consumer)
         if consumer.is_buffer:
             self._backlog += 1
-        if self._should_notify():
+        if readable_before == 0 and self._should_notify():
             self._notify()
         return True
 
     def on_buffer_finished(self) -> None:
         """The writer finished the last buffer: it is readable now."""
-        if self._released or not self._buffers or self._flush_requested:
+        if self.is_released or not self._buffers or self._flush_requested:
             return
-        if len(self._buffers) == 1 and not self._blocked and self._view is not None:
+        if len(self._buffers) == 1 and not self._blocked:
             self._notify()
 
     def flush(self) -> None:
         """Make a partially filled last buffer readable."""
-        if self._released or not self._buffers or self._flush_requested:
+        if self.is_released or not self._buffers or self._flush_requested:
             return
         last_has_data = len(self._buffers) == 1 and self._buffers[-1].is_data_available
         self._flush_requested = len(self._buffers) > 1 or last_has_data
@@ -99,43 +116,43 @@ class PipelinedSubpartition:
 
     def finish(self) -> None:
         """Append EndOfPartition; nothing may be added afterwards."""
-        if self._finished:
+        if self.state is SubpartitionState.FINISHED:
             return
-        if self._released:
+        if self.state is SubpartitionState.RELEASED:
             raise PartitionReleasedError(
                 f"subpartition {self.index} was released", self._parent.partition_id
             )
         self._buffers.append(EventSerializer.to_buffer_consumer(EndOfPartitionEvent.INSTANCE))
-        self._finished = True
+        self._transition(SubpartitionState.FINISHED)
         self._flush_requested = True
         if not self._blocked:
             self._notify()
 
     def release(self, cause: BaseException | None = None) -> None:
         """Drop every queued buffer; a reader learns ``cause`` (or a plain release)."""
-        if self._released:
+        if self.state is SubpartitionState.RELEASED:
             return
-        self._released = True
+        self._transition(SubpartitionState.RELEASED)
         if self._failure is None:
             self._failure = cause
         while self._buffers:
             self._buffers.popleft().close()
         self._backlog = 0
-        if self._view is not None:
+        if self._view is not None and self._view.state is ReaderState.READING:
             self._view._listener.notify_data_available()
 
     # -- reader side ---------------------------------------------------------------------
 
     def create_read_view(self, listener: BufferAvailabilityListener) -> PipelinedSubpartitionView:
-        if self._released:
-            raise PartitionReleasedError(
-                f"subpartition {self.index} was released", self._parent.partition_id
-            )
         if self._view is not None:
             raise ConsumerAlreadyAttachedError(
-                f"subpartition {self.index} is already consumed; a pipelined subpartition "
-                "can only be consumed once",
+                f"subpartition {self.index} already has or had its reader; a pipelined "
+                "subpartition is consumed once",
                 self._parent.partition_id,
+            )
+        if self.state is SubpartitionState.RELEASED:
+            raise PartitionReleasedError(
+                f"subpartition {self.index} was released", self._parent.partition_id
             )
         view = PipelinedSubpartitionView(self, listener)
         self._view = view
@@ -144,22 +161,18 @@ class PipelinedSubpartition:
         return view
 
     def _finished_buffer_count(self) -> int:
+        """Readable buffers: all but an unfinished last one."""
         n = len(self._buffers)
-        if n == 1 and self._buffers[-1].is_finished:
-            return 1
+        if n and self._buffers[-1].is_finished:
+            return n
         return max(0, n - 1)
 
     def _should_notify(self) -> bool:
-        return (
-            self._view is not None
-            and not self._flush_requested
-            and not self._blocked
-            and self._finished_buffer_count() == 1
-        )
+        return not self._flush_requested and not self._blocked and self._finished_buffer_count() > 0
 
     def _notify(self) -> None:
         view = self._view
-        if view is not None:
+        if view is not None and view.state is not ReaderState.RELEASED:
             view._listener.notify_data_available()
 
     def _is_data_available(self) -> bool:
@@ -171,15 +184,22 @@ class PipelinedSubpartition:
         return None
 
     def _backlog_now(self) -> int:
+        """Finished data buffers queued (an unfinished data buffer at the tail is not)."""
         if self._blocked or not self._buffers:
             return 0
-        if self._flush_requested or self._finished or not self._buffers[-1].is_buffer:
+        last = self._buffers[-1]
+        if (
+            self._flush_requested
+            or self.state is not SubpartitionState.WRITING
+            or not last.is_buffer
+            or last.is_finished
+        ):
             return self._backlog
         return max(self._backlog - 1, 0)
 
     def poll_buffer(self) -> BufferAndBacklog | None:
         """The next readable buffer, or None (Flink's ``pollBuffer``)."""
-        if self._blocked or self._released:
+        if self._blocked or self.state is SubpartitionState.RELEASED:
             return None
         buffers = self._buffers
         if not buffers:
@@ -205,8 +225,13 @@ class PipelinedSubpartition:
         data_type = buffer.data_type
         if data_type.is_blocking_upstream:
             self._blocked = True
-        elif data_type is DataType.EVENT_BUFFER and not buffers and self._finished:
-            self._consumed = True
+        elif (
+            data_type is DataType.EVENT_BUFFER
+            and not buffers
+            and self.state is SubpartitionState.FINISHED
+            and self._view is not None
+        ):
+            self._view._transition(ReaderState.CONSUMED)  # polled EndOfPartition
         self.total_bytes += buffer.size
         self.total_buffers += 1
         seq = self._sequence_number
@@ -245,9 +270,9 @@ class PipelinedSubpartition:
             raise UsageError(f"buffer size must be positive, got {size}")
         self.buffer_size = min(size, self._parent.segment_size)
 
-    def _on_view_released(self) -> None:
-        self._view = None
-        if not self._consumed and not self._released:
+    def _on_view_released(self, consumed: bool) -> None:
+        """The view was released: after EndOfPartition (consumed) or early (a failure)."""
+        if not consumed and self.state is not SubpartitionState.RELEASED:
             # The reader left before the end: a consumer failure the producer must see.
             cause = PartitionReleasedError(
                 f"subpartition {self.index} was released by its consumer before the end",
@@ -255,7 +280,7 @@ class PipelinedSubpartition:
             )
             self.release(cause)
             self._parent._on_consumer_failure(cause)
-        self._parent._on_subpartition_consumed(self.index)
+        self._parent._on_subpartition_done(self.index)
 
     @property
     def buffers_in_backlog(self) -> int:
@@ -267,28 +292,31 @@ class PipelinedSubpartition:
 
     def __repr__(self) -> str:
         return (
-            f"PipelinedSubpartition(#{self.index}, queued={len(self._buffers)}, "
-            f"backlog={self._backlog}, finished={self._finished}, released={self._released})"
+            f"PipelinedSubpartition(#{self.index}, {self.state.value}, "
+            f"queued={len(self._buffers)}, backlog={self._backlog})"
         )
 
 
 class PipelinedSubpartitionView:
     """The single reader's view of a PipelinedSubpartition."""
 
-    __slots__ = ("_listener", "_released", "_subpartition")
+    __slots__ = ("_listener", "_subpartition", "state")
 
     def __init__(self, subpartition: PipelinedSubpartition, listener: BufferAvailabilityListener):
         self._subpartition = subpartition
         self._listener = listener
-        self._released = False
+        self.state = ReaderState.READING
+
+    def _transition(self, to: ReaderState) -> None:
+        self.state = transition(READER_TRANSITIONS, self.state, to, self)
 
     def get_next_buffer(self) -> BufferAndBacklog | None:
-        if self._released:
+        if self.state is ReaderState.RELEASED:
             return None
         return self._subpartition.poll_buffer()
 
     def get_availability_and_backlog(self, num_credits: int) -> tuple[bool, int]:
-        if self._released:
+        if self.state is ReaderState.RELEASED:
             return False, 0
         return self._subpartition.availability_and_backlog(num_credits)
 
@@ -299,13 +327,15 @@ class PipelinedSubpartitionView:
         self._subpartition.set_buffer_size(size)
 
     def release_all_resources(self) -> None:
-        if not self._released:
-            self._released = True
-            self._subpartition._on_view_released()
+        if self.state is ReaderState.RELEASED:
+            return
+        consumed = self.state is ReaderState.CONSUMED
+        self._transition(ReaderState.RELEASED)
+        self._subpartition._on_view_released(consumed)
 
     @property
     def is_released(self) -> bool:
-        return self._released or self._subpartition.is_released
+        return self.state is ReaderState.RELEASED or self._subpartition.is_released
 
     @property
     def failure_cause(self) -> BaseException | None:

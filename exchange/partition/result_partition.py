@@ -8,6 +8,18 @@ broadcast, and emitting an event, first finishes the open builders so that order
 
 Writing is asynchronous only where it must be: when the pool has no free segment the
 writer awaits one, which is how a slow reader slows the producer (backpressure).
+
+Producers that build buffers elsewhere hand them over with ``add_buffer(target, buffer)``;
+``target == ALL_SUBPARTITIONS`` queues one buffer for every subpartition (one segment,
+reference counted: it returns to the pool once every subpartition's reader released it).
+
+Lifecycle (``states.py``): WRITING -> FINISHED -> RELEASED, or FAILED / RELEASED early.
+The pool lives until the partition is released: a pipelined partition's queued buffers
+hold its segments until they are read (a blocking partition, whose data is spilled, gives
+its pool back at ``finish``). A pipelined partition is released once every subpartition
+is done: consumed (its reader polled EndOfPartition) or failed (its reader left early).
+Whoever must hear of the end registers a listener (``add_release_listener``,
+``add_consumer_failure_listener``); listeners are called in order, each once.
 """
 
 from __future__ import annotations
@@ -17,7 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Final, NamedTuple, TypeVar
 
 from exchange.buffers.buffer import Buffer
 from exchange.buffers.buffer_builder import BufferBuilder, BufferConsumer
@@ -36,12 +48,17 @@ from exchange.partition.bounded_data import create_bounded_data
 from exchange.partition.pipelined_subpartition import PipelinedSubpartition
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_type import ResultPartitionType
+from exchange.partition.states import PARTITION_TRANSITIONS, ResultPartitionState, transition
 from exchange.partition.subpartition_view import BufferAvailabilityListener, ResultSubpartitionView
 
 if TYPE_CHECKING:
     from exchange.serialization.spanning_record_serializer import SpanningRecordSerializer
 
-__all__ = ["ResultPartition", "ResultPartitionStats", "ResultSubpartition"]
+__all__ = ["ALL_SUBPARTITIONS", "ResultPartition", "ResultPartitionStats", "ResultSubpartition"]
+
+#: ``add_buffer`` target meaning "every subpartition reads this one buffer" (the value the
+#: local-endpoint protocol and the writer use for the same meaning).
+ALL_SUBPARTITIONS: Final = 0xFFFFFFFF
 
 ResultSubpartition = PipelinedSubpartition | BoundedBlockingSubpartition
 
@@ -55,6 +72,17 @@ class ResultPartitionStats(NamedTuple):
     back_pressured_seconds: float
     finished: bool
     released: bool
+
+
+_T = TypeVar("_T")
+
+ReleaseListener = Callable[["ResultPartition"], None]
+ConsumerFailureListener = Callable[[BaseException], None]
+
+_WRITING: Final = ResultPartitionState.WRITING
+_FINISHED: Final = ResultPartitionState.FINISHED
+_FAILED: Final = ResultPartitionState.FAILED
+_RELEASED: Final = ResultPartitionState.RELEASED
 
 
 class ResultPartition:
@@ -100,17 +128,24 @@ class ResultPartition:
                 self.subpartitions.append(PipelinedSubpartition(i, self))
         self._unicast: list[BufferBuilder | None] = [None] * num_subpartitions
         self._broadcast: BufferBuilder | None = None
-        self._finished = False
-        self._released = False
+        self._state = _WRITING
+        self._finished_at_release = False  # history for statistics, not a state
         self._failure: BaseException | None = None
-        self._num_consumed = 0
+        self._done: set[int] = set()  # pipelined subpartitions consumed or failed
         self._bytes_out = 0
         self._buffers_out = 0
         self._back_pressured = 0.0
-        self.on_release: Callable[[ResultPartition], None] | None = None
-        #: Told when a reader leaves a pipelined subpartition before its end: a producer
-        #: that is not writing into that subpartition right now would not notice otherwise.
-        self.on_consumer_failure: Callable[[BaseException], None] | None = None
+        self._release_listeners: list[ReleaseListener] = []
+        self._consumer_failure_listeners: list[ConsumerFailureListener] = []
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    @property
+    def state(self) -> ResultPartitionState:
+        return self._state
+
+    def _transition(self, to: ResultPartitionState) -> None:
+        self._state = transition(PARTITION_TRANSITIONS, self._state, to, self)
 
     @property
     def num_subpartitions(self) -> int:
@@ -118,28 +153,74 @@ class ResultPartition:
 
     @property
     def is_finished(self) -> bool:
-        return self._finished
+        """The producer finished it (it may have been released since, e.g. consumed)."""
+        return self._finished_at_release if self._state.is_released else self._state is _FINISHED
 
     @property
     def is_released(self) -> bool:
-        return self._released
+        return self._state.is_released
 
     @property
     def failure_cause(self) -> BaseException | None:
         return self._failure
 
+    def add_release_listener(self, listener: ReleaseListener) -> None:
+        """Call ``listener(partition)`` once the partition is released or failed (at once
+        if it is already)."""
+        if self._state.is_released:
+            listener(self)
+            return
+        self._release_listeners.append(listener)
+
+    def remove_release_listener(self, listener: ReleaseListener) -> None:
+        """Forget ``listener`` (no error if it is not registered)."""
+        if listener in self._release_listeners:
+            self._release_listeners.remove(listener)
+
+    def add_consumer_failure_listener(self, listener: ConsumerFailureListener) -> None:
+        """Call ``listener(cause)`` whenever a reader leaves a pipelined subpartition before
+        its end: a producer not writing into that subpartition would not notice otherwise."""
+        self._consumer_failure_listeners.append(listener)
+
+    def remove_consumer_failure_listener(self, listener: ConsumerFailureListener) -> None:
+        if listener in self._consumer_failure_listeners:
+            self._consumer_failure_listeners.remove(listener)
+
+    @property
+    def on_release(self) -> ReleaseListener | None:
+        """Deprecated: a write-only slot kept while callers move to
+        ``add_release_listener``. Reads None, so a caller that wraps the old value
+        calls nothing twice; assigning adds a listener and never replaces one."""
+        return None
+
+    @on_release.setter
+    def on_release(self, listener: ReleaseListener | None) -> None:
+        if listener is not None:
+            self.add_release_listener(listener)
+
+    @property
+    def on_consumer_failure(self) -> ConsumerFailureListener | None:
+        """Deprecated: assigning adds a consumer-failure listener (see ``on_release``)."""
+        return None
+
+    @on_consumer_failure.setter
+    def on_consumer_failure(self, listener: ConsumerFailureListener | None) -> None:
+        if listener is not None:
+            self.add_consumer_failure_listener(listener)
+
     # -- writing records -----------------------------------------------------------------
 
     def check_writable(self, target: int | None = None) -> None:
         """Raise if nothing may be written (finished, released, or a reader failed)."""
-        if self._released:
+        state = self._state
+        if state.is_released:
             cause = self._failure
             if isinstance(cause, PartitionReleasedError):
                 raise cause
             raise PartitionReleasedError(
                 "partition was released" + (f": {cause}" if cause else ""), self.partition_id
             )
-        if self._finished:
+        if state is _FINISHED:
             raise WriterClosedError(f"partition {self.partition_id} is finished")
         if target is not None:
             sub = self.subpartitions[target]
@@ -243,7 +324,7 @@ class ResultPartition:
         except PoolDestroyedError:
             self.check_writable()
             raise
-        if self._released or self._finished:
+        if self._state is not _WRITING:
             builder.close()
             self.check_writable()
         return builder
@@ -284,6 +365,7 @@ class ResultPartition:
         builder = self._broadcast
         if builder is not None:
             self._broadcast = None
+            # counted once (the old writer's figure); add_buffer counts per subpartition
             self._bytes_out += builder.finish()
             self._buffers_out += 1
             for sub in self.subpartitions:
@@ -291,27 +373,43 @@ class ResultPartition:
             builder.close()
 
     def add_buffer(self, target: int, buffer: Buffer) -> None:
-        """Queue a complete buffer built elsewhere (a task pushing through the daemon).
+        """Queue a complete buffer built elsewhere for ``target`` or ``ALL_SUBPARTITIONS``.
 
-        Takes over ``buffer``; it is released if the partition cannot take it.
+        Takes over ``buffer`` (one reference); it is released if the partition cannot take
+        it. For ``ALL_SUBPARTITIONS`` every subpartition holds a reference of its own on the
+        one segment.
         """
+        subs = self.subpartitions
+        n = len(subs)
         try:
-            if not 0 <= target < len(self.subpartitions):
+            if target == ALL_SUBPARTITIONS:
+                self.check_writable()
+                for i in range(n):
+                    self.check_writable(i)
+            elif not 0 <= target < n:
                 raise SubpartitionIndexError(
-                    f"subpartition index {target} out of range [0, {len(self.subpartitions)})",
-                    self.partition_id,
+                    f"subpartition index {target} out of range [0, {n})", self.partition_id
                 )
-            self.check_writable(target)
-            if self._unicast[target] is not None or self._broadcast is not None:
+            else:
+                self.check_writable(target)
+            if self._broadcast is not None or any(b is not None for b in self._unicast):
                 raise UsageError("add_buffer cannot be mixed with a RecordWriter")
         except BaseException:
             buffer.release()
             raise
         size = buffer.size
-        if not self.subpartitions[target].add(BufferConsumer.of_buffer(buffer)):
-            self.check_writable(target)
-        self._bytes_out += size
-        self._buffers_out += 1
+        if target != ALL_SUBPARTITIONS:
+            if not subs[target].add(BufferConsumer.of_buffer(buffer)):
+                self.check_writable(target)  # pragma: no cover - checked above
+            self._bytes_out += size
+            self._buffers_out += 1
+            return
+        for _ in range(n - 1):
+            buffer.retain()
+        for sub in subs:  # none refuses: every one was checked writable above
+            sub.add(BufferConsumer.of_buffer(buffer))
+        self._bytes_out += size * n
+        self._buffers_out += n
 
     # -- events, flushing, finishing -----------------------------------------------------
 
@@ -335,7 +433,7 @@ class ResultPartition:
 
     def flush_all(self) -> None:
         """Make everything written so far readable."""
-        if self._released:
+        if self._state.is_released:
             return
         if self.partition_type.is_blocking:
             self._finish_broadcast()
@@ -344,32 +442,53 @@ class ResultPartition:
             sub.flush()
 
     def finish(self) -> None:
-        """Close every builder and append EndOfPartition to every subpartition."""
-        if self._finished:
+        """Close every builder and append EndOfPartition to every subpartition.
+
+        Idempotent; on a released partition it raises what every write raises there.
+        """
+        if self._state is _FINISHED:
             return
         self.check_writable()
         self._finish_broadcast()
         self._finish_unicasts()
         for sub in self.subpartitions:
             sub.finish()
-        self._finished = True
-        # Nothing more will be requested: in-flight segments return to the global pool.
-        self.buffer_pool.destroy()
+        self._transition(_FINISHED)
+        if self.partition_type.is_blocking:
+            # Everything is spilled and nothing more will be requested: give the pool's
+            # segments and its claim on the global pool back now. A pipelined partition
+            # keeps its pool until released: its unread buffers still hold segments.
+            self.buffer_pool.destroy()
 
     def fail(self, cause: BaseException | None) -> None:
-        """The producer failed: readers get a ProducerFailedError instead of a short read."""
-        err = ProducerFailedError(
-            "producer failed" + (f": {cause}" if cause is not None else ""), self.partition_id
-        )
-        if cause is not None:
-            err.__cause__ = cause
+        """The producer failed: readers get a ProducerFailedError instead of a short read.
+
+        Also after ``finish``: unread pipelined data is dropped (as Flink's
+        ``ResultPartition.fail``). A no-op once released: the first end wins.
+        """
+        if self._state.is_released:
+            return
+        if isinstance(cause, ProducerFailedError):
+            err = cause
+        else:
+            err = ProducerFailedError(
+                "producer failed" + (f": {cause}" if cause is not None else ""),
+                self.partition_id,
+            )
+            if cause is not None:
+                err.__cause__ = cause
         self.release(err)
 
     def release(self, cause: BaseException | None = None) -> None:
-        """Release every subpartition and every buffer. Idempotent."""
-        if self._released:
+        """Release every subpartition and every buffer; then tell the release listeners.
+
+        With a ProducerFailedError as ``cause`` the partition ends FAILED, else RELEASED.
+        Idempotent.
+        """
+        if self._state.is_released:
             return
-        self._released = True
+        self._finished_at_release = self._state is _FINISHED
+        self._transition(_FAILED if isinstance(cause, ProducerFailedError) else _RELEASED)
         self._failure = cause
         for i, builder in enumerate(self._unicast):
             if builder is not None:
@@ -381,8 +500,8 @@ class ResultPartition:
         for sub in self.subpartitions:
             sub.release(cause)
         self.buffer_pool.destroy()
-        if self.on_release is not None:
-            self.on_release(self)
+        listeners, self._release_listeners = self._release_listeners, []
+        _call_all(listeners, self)
 
     # -- reading -------------------------------------------------------------------------
 
@@ -394,19 +513,33 @@ class ResultPartition:
                 f"subpartition index {index!r} out of range [0, {len(self.subpartitions)})",
                 self.partition_id,
             )
-        if self._released:
+        if self._state is _FAILED:
+            cause = self._failure
+            raise ProducerFailedError(
+                f"partition failed: {cause}" if cause else "producer failed", self.partition_id
+            )
+        if self._state is _RELEASED:
             raise PartitionReleasedError("partition was released", self.partition_id)
         return self.subpartitions[index].create_read_view(listener)
 
     def _on_consumer_failure(self, cause: BaseException) -> None:
-        if self.on_consumer_failure is not None:
-            self.on_consumer_failure(cause)
+        _call_all(list(self._consumer_failure_listeners), cause)
 
-    def _on_subpartition_consumed(self, index: int) -> None:
-        """Pipelined partitions are released once every subpartition was consumed."""
-        self._num_consumed += 1
-        if self.partition_type.is_pipelined and self._num_consumed >= len(self.subpartitions):
-            self.release(self.subpartitions[index].failure_cause)
+    def _on_subpartition_done(self, index: int) -> None:
+        """A pipelined subpartition's reader is gone, after its end or early (a failure).
+
+        Once every subpartition is done, no reader will come: the partition is released
+        (with the first consumer failure as its cause, if any).
+        """
+        if self._state.is_released or index in self._done:
+            return
+        self._done.add(index)
+        if len(self._done) == len(self.subpartitions):
+            cause = next(
+                (s.failure_cause for s in self.subpartitions if s.failure_cause is not None),
+                None,
+            )
+            self.release(cause)
 
     # -- statistics ----------------------------------------------------------------------
 
@@ -423,16 +556,28 @@ class ResultPartition:
             backlog,
             usage,
             self._back_pressured,
-            self._finished,
-            self._released,
+            self.is_finished,
+            self.is_released,
         )
 
     def __repr__(self) -> str:
         return (
             f"ResultPartition({self.partition_id}, {self.partition_type.value}, "
-            f"{len(self.subpartitions)} subpartitions, finished={self._finished}, "
-            f"released={self._released})"
+            f"{len(self.subpartitions)} subpartitions, {self._state.value})"
         )
+
+
+def _call_all(listeners: list[Callable[[_T], None]], arg: _T) -> None:
+    """Call every listener, even when one raises; then re-raise the first error."""
+    error: BaseException | None = None
+    for listener in listeners:
+        try:
+            listener(arg)
+        except BaseException as e:  # re-raised below, after the others ran
+            if error is None:
+                error = e
+    if error is not None:
+        raise error
 
 
 def _safe(name: str) -> str:

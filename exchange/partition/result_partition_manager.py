@@ -5,7 +5,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Final
 
-from exchange.errors import PartitionNotFoundError, PartitionReleasedError, UsageError
+from exchange.errors import (
+    PartitionNotFoundError,
+    PartitionReleasedError,
+    ProducerFailedError,
+    UsageError,
+)
 from exchange.partition.result_partition import ResultPartition
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.subpartition_view import BufferAvailabilityListener, ResultSubpartitionView
@@ -20,8 +25,9 @@ class ResultPartitionManager:
 
     def __init__(self) -> None:
         self._partitions: dict[ResultPartitionID, ResultPartition] = {}
-        # Recently released ids, so a late reader hears "released", not "not found".
-        self._released: OrderedDict[ResultPartitionID, str] = OrderedDict()
+        # Recently released ids, so a late reader hears "released" (or "producer failed"),
+        # not "not found". Kept as (failed, text): an exception would pin its traceback.
+        self._released: OrderedDict[ResultPartitionID, tuple[bool, str]] = OrderedDict()
 
     def register_result_partition(self, partition: ResultPartition) -> None:
         pid = partition.partition_id
@@ -29,13 +35,16 @@ class ResultPartitionManager:
             raise UsageError(f"result partition {pid} is already registered")
         self._partitions[pid] = partition
         self._released.pop(pid, None)
-        partition.on_release = self._on_partition_released
+        partition.add_release_listener(self._on_partition_released)
 
     def get_partition(self, pid: ResultPartitionID) -> ResultPartition:
         part = self._partitions.get(pid)
         if part is None:
-            reason = self._released.get(pid)
-            if reason is not None:
+            released = self._released.get(pid)
+            if released is not None:
+                failed, reason = released
+                if failed:
+                    raise ProducerFailedError(f"partition was released ({reason})", pid)
                 raise PartitionReleasedError(f"partition was released ({reason})", pid)
             raise PartitionNotFoundError("partition not found", pid)
         return part
@@ -69,7 +78,8 @@ class ResultPartitionManager:
         if self._partitions.get(pid) is partition:
             del self._partitions[pid]
             cause = partition.failure_cause
-            self._released[pid] = "failed: " + str(cause) if cause else "released"
+            failed = isinstance(cause, ProducerFailedError)
+            self._released[pid] = (failed, "failed: " + str(cause) if cause else "released")
             while len(self._released) > _REMEMBER_RELEASED:
                 self._released.popitem(last=False)
 

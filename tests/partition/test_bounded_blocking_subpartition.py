@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from exchange.consumer import RecordReader, SingleInputGate
-from exchange.errors import IllegalStateError, PartitionReleasedError
+from exchange.errors import PartitionNotReadyError, PartitionReleasedError
 from exchange.events import CheckpointBarrier, EndOfPartitionEvent
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartition, ResultPartitionManager, ResultPartitionType
@@ -159,13 +159,13 @@ async def test_empty_blocking_partition_reads_as_end_of_partition(
 
 
 @pytest.mark.asyncio
-async def test_reading_before_the_partition_is_finished_is_illegal(
+async def test_reading_before_the_partition_is_finished_is_a_partition_error(
     make_partition: PartitionFactory, open_gate: GateOpener, tmp_path: Path
 ) -> None:
     part = make_partition("unfinished", BLOCKING, 1, spill_dir=tmp_path)
     writer = RecordWriter(part, buffer_timeout=-1)
     await writer.emit(("x",))
-    with pytest.raises(IllegalStateError, match="not finished"):
+    with pytest.raises(PartitionNotReadyError, match="not finished"):
         await open_gate([(part.partition_id, 0)])
     await writer.close()
     gate = await open_gate([(part.partition_id, 0)])

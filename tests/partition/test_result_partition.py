@@ -89,7 +89,7 @@ def test_view_of_released_partition(make_partition: PartitionFactory) -> None:
 
 
 @pytest.mark.asyncio
-async def test_finish_appends_end_of_partition_everywhere_and_returns_the_pool(
+async def test_finish_appends_end_of_partition_everywhere_and_keeps_the_pool_until_read(
     make_partition: PartitionFactory, nbp: NetworkBufferPool
 ) -> None:
     part = make_partition("fin", PIPELINED, 3)
@@ -98,7 +98,8 @@ async def test_finish_appends_end_of_partition_everywhere_and_returns_the_pool(
     await writer.emit_all((i,) for i in range(9))
     await writer.close()
     assert part.is_finished and not part.is_released
-    assert part.buffer_pool.is_destroyed
+    assert not part.buffer_pool.is_destroyed  # the queued buffers still hold segments
+    assert part.buffer_pool.num_in_use == 3
     part.finish()  # idempotent
     for view in views:
         nb = view.get_next_buffer()
@@ -112,6 +113,8 @@ async def test_finish_appends_end_of_partition_everywhere_and_returns_the_pool(
         nb.buffer.release()
         view.release_all_resources()
     assert part.is_released  # every subpartition consumed
+    assert part.is_finished  # ... after its producer finished it
+    assert part.buffer_pool.is_destroyed
     with pytest.raises(PartitionReleasedError):
         part.check_writable()
 
@@ -149,7 +152,7 @@ async def test_stats_count_bytes_buffers_and_backlog(make_partition: PartitionFa
     stats = part.stats()
     assert stats.finished and stats.buffers_out == 3
     assert stats.bytes_out == 10 * 1004  # fixarray + bin16 header + 1000 bytes
-    assert stats.out_pool_usage == 0.0
+    assert stats.out_pool_usage > 0  # unread buffers hold their segments
     while (nb := view.get_next_buffer()) is not None:
         nb.buffer.release()
     view.release_all_resources()

@@ -6,7 +6,12 @@ from collections.abc import Callable
 
 import pytest
 
-from exchange.errors import PartitionNotFoundError, PartitionReleasedError, UsageError
+from exchange.errors import (
+    PartitionNotFoundError,
+    PartitionReleasedError,
+    ProducerFailedError,
+    UsageError,
+)
 from exchange.partition import (
     ResultPartition,
     ResultPartitionID,
@@ -62,7 +67,7 @@ def test_released_partition_says_released_not_not_found(
         manager.create_subpartition_view(part.partition_id, 0, Listener())
     failed = make_partition("failed", PIPELINED, 1)
     failed.fail(RuntimeError("oom"))
-    with pytest.raises(PartitionReleasedError, match=r"failed: .*oom"):
+    with pytest.raises(ProducerFailedError, match=r"failed: .*oom"):
         manager.get_partition(failed.partition_id)
 
 
