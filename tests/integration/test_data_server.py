@@ -1,19 +1,37 @@
-"""DataServer limits on real sockets, in this process: handshake timeout, max connections."""
+"""DataServer on real sockets, in this process: handshake timeout, max connections, the
+data port's message set, and a reader's error that must fail only its channel."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from client.network import ConnectionManager
-from exchange.errors import TransportError
-from exchange.partition import ResultPartitionManager
+from exchange.consumer import RecordReader, SingleInputGate
+from exchange.errors import PartitionError, TransportError
+from exchange.memory import NetworkBufferPool
+from exchange.partition import (
+    ResultPartition,
+    ResultPartitionID,
+    ResultPartitionManager,
+    ResultPartitionType,
+)
 from exchange.protocol.codec import FrameDecoder, encode
+from exchange.protocol.handshake import ClientHandshake
+from exchange.protocol.local_messages import CreatePartition
 from exchange.protocol.messages import ClientHello, ErrorCode, ErrorResponse, Message
+from exchange.serialization.codec import BytesCodec
+from exchange.writer import RecordWriter
 from server.partition_request_server import DataServer
+
+SEG = 32 * 1024
 
 
 async def read_until_closed(reader: asyncio.StreamReader, timeout: float) -> list[Message]:
@@ -80,4 +98,107 @@ async def test_connections_over_the_limit_are_refused(net: Any) -> None:
             await cm.close()
         await server.close()
     assert server.connections == set()
+    await net.assert_no_other_tasks()
+
+
+async def raw_handshake(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection(host, port)
+    hs = ClientHandshake(None)
+    for m in hs.start():
+        writer.write(b"".join(encode(m)))
+    decoder = FrameDecoder()
+    async with asyncio.timeout(5):
+        while not hs.is_established:
+            data = await reader.read(65536)
+            assert data, "closed during the handshake"
+            for m in decoder.feed(data):
+                assert hs.receive(m) == []
+    return reader, writer
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_the_data_port_refuses_local_endpoint_messages(net: Any) -> None:
+    """Each role decodes only its own messages: a producer's CreatePartition sent to the
+    data port is a protocol error, and nothing is created."""
+    manager = ResultPartitionManager()
+    server = DataServer(manager, segment_size=SEG)
+    host, port = await server.start("127.0.0.1", 0)
+    reader, writer = await raw_handshake(host, port)
+    try:
+        create = CreatePartition(ResultPartitionID("sneaky", 0), False, 1)
+        writer.write(b"".join(encode(create)))
+        [err] = await read_until_closed(reader, timeout=5)
+        assert isinstance(err, ErrorResponse) and err.is_fatal
+        assert err.code is ErrorCode.PROTOCOL_ERROR and "CreatePartition" in err.message
+        assert len(manager) == 0
+    finally:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+        await server.close()
+    await net.assert_no_other_tasks()
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+async def test_a_truncated_spill_file_fails_its_channel_only(
+    tmp_path: Path, client_pool: Callable[..., NetworkBufferPool], net: Any
+) -> None:
+    """Defect 3 over loopback TCP: the reader of a blocking subpartition whose spill file
+    was cut fails with a typed per-channel error; the other channel on the same connection
+    reads to its end (before the fix the error was lost in an event-loop callback and
+    both channels stalled)."""
+    records, size = 40, 4096
+    server_pool = NetworkBufferPool(16, SEG)
+    manager = ResultPartitionManager()
+    server = DataServer(manager, segment_size=SEG)
+    cm = ConnectionManager(segment_size=SEG)
+    try:
+        pid = ResultPartitionID("cut", 0)
+        part = ResultPartition(
+            pid,
+            ResultPartitionType.BLOCKING,
+            2,
+            server_pool.create_buffer_pool(2, 4),
+            spill_dir=tmp_path,
+        )
+        manager.register_result_partition(part)
+        async with RecordWriter(part, codec=BytesCodec(), buffer_timeout=-1) as writer:
+            for i in range(records):
+                for sub in (0, 1):
+                    await writer.emit_to(struct.pack(">I", i) + bytes(size - 4), sub)
+        path = part.subpartitions[0].data.path  # type: ignore[union-attr]
+        os.truncate(path, os.path.getsize(path) // 2)  # mid-file: after the first buffers
+        host, port = await server.start("127.0.0.1", 0)
+        nbp = client_pool(32, SEG)
+        broken = net.make_gate(f"{host}:{port}", [pid], 0, cm, nbp, name="broken")
+        intact = net.make_gate(f"{host}:{port}", [pid], 1, cm, nbp, name="intact")
+
+        async def read(gate: SingleInputGate) -> list[int]:
+            reader = RecordReader(gate, BytesCodec())
+            out: list[int] = []
+            try:
+                await gate.request_partitions()
+                while (batch := await reader.next_batch()) is not None:
+                    out.extend(struct.unpack_from(">I", r)[0] for r in batch)
+            finally:
+                reader.close()
+            return out
+
+        async with asyncio.timeout(20):
+            results = await asyncio.gather(read(broken), read(intact), return_exceptions=True)
+        error, good = results
+        assert isinstance(error, PartitionError), error
+        assert "truncated" in str(error)
+        assert good == list(range(records))
+        assert len(cm.connections) == 1  # the connection survived the channel's error
+        [proto] = server.connections
+        assert proto.queue.num_readers == 0
+    finally:
+        await cm.close()
+        await server.close()
+        manager.release_all()
+    assert server.connections == set()
+    server_pool.check_consistency()
+    assert server_pool.is_whole(), server_pool.stats()
+    server_pool.destroy()
     await net.assert_no_other_tasks()
