@@ -66,6 +66,38 @@ def assert_same_partitions(got: Sequence[Sequence[Any]], want: Sequence[Sequence
             )
 
 
+def assert_exact(a: Any, b: Any, path: str = "record") -> None:
+    """``a`` equals ``b`` with the same types all the way down (NaN equals NaN)."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, float) and a != a:
+        assert b != b, f"{path}: NaN != {b!r}"
+        return
+    if isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_exact(x, y, f"{path}[{i}]")
+        if hasattr(a, "__fields__"):  # pyspark Row: the field names too
+            assert a.__fields__ == b.__fields__, f"{path}: fields differ"
+        return
+    if isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_exact(a[k], b[k], f"{path}[{k!r}]")
+        return
+    assert a == b, f"{path}: {a!r} != {b!r}"
+    if hasattr(a, "tzinfo"):
+        assert a.tzinfo == b.tzinfo, f"{path}: tzinfo {a.tzinfo!r} != {b.tzinfo!r}"
+
+
+def assert_exact_partitions(got: Sequence[Sequence[Any]], want: Sequence[Sequence[Any]]) -> None:
+    """Partition by partition the same records (as multisets), equal and of the same
+    types: compared with == and type(), not through repr."""
+    assert_same_partitions(got, want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        for j, (x, y) in enumerate(zip(sorted(g, key=repr), sorted(w, key=repr), strict=True)):
+            assert_exact(x, y, f"partition {i} record {j}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

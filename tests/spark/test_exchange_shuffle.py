@@ -2,7 +2,7 @@
 
 One ``local[2]`` session for the module (the ``spark`` fixture, with the embedded daemon).
 Every dataset goes through both modes and is compared with ``partitionBy`` partition by
-partition, as multisets of ``repr`` (so types must match too: values come back as tuples).
+partition: the same records, equal (``==``) and of the same types all the way down.
 Pipelined runs one barrier stage of ``n`` tasks, so there ``n`` is 2 with 2 input
 partitions (``local[2]`` has 2 slots). The retry test runs ``local[2,2]`` in a process
 of its own (``_retry_job.py``).
@@ -10,6 +10,10 @@ of its own (``_retry_job.py``).
 
 from __future__ import annotations
 
+import collections
+import datetime
+import decimal
+import fractions
 import json
 import random
 import subprocess
@@ -77,6 +81,50 @@ def _odd_keys() -> list[tuple[Any, Any]]:
     return [(k, (i, repr(k))) for i, k in enumerate(keys) for _ in range(3)]
 
 
+Point = collections.namedtuple("Point", "x y")  # pyspark makes namedtuples picklable
+
+
+def _mixed_types() -> list[tuple[Any, Any]]:
+    """Real-world values a new user's records hold; ``partitionBy`` gives each back exactly."""
+    from pyspark.sql import Row
+
+    berlin = datetime.timezone(datetime.timedelta(hours=1), "CET")
+    values: list[Any] = [
+        (1, [2, [3, 4]]),
+        [1, (2, 3)],
+        Row(user="u1", clicks=3, tags=["a", "b"]),
+        Point(1, [2]),
+        datetime.datetime(2026, 11, 23, 9, 30, 15, 123456, tzinfo=datetime.UTC),
+        datetime.datetime(2026, 3, 29, 2, 30, tzinfo=berlin),
+        datetime.datetime(2026, 1, 1),
+        datetime.date(1999, 12, 31),
+        datetime.time(23, 59, 59, 999, tzinfo=datetime.UTC),
+        datetime.timedelta(days=-1, microseconds=5),
+        decimal.Decimal("3.14159265358979323846264338327950288"),
+        decimal.Decimal("-0E-7"),
+        {1, 2, 3},
+        frozenset({"a", ("b", 1)}),
+        b"\x00\xff",
+        bytearray(b"mutable"),
+        2**100,
+        -(2**70),
+        float("nan"),
+        float("inf"),
+        float("-inf"),
+        -0.0,
+        {"nested": {"list": [1, {"set": {1}}], "tuple": (None, True)}},
+        fractions.Fraction(22, 7),
+        complex(1, -2),
+        "",
+        [],
+        (),
+        True,
+        0,
+    ]
+    keys: list[Any] = ["k", 7, 2**64 + 1, ("t", 1), b"b", None, 3.5]
+    return [(keys[i % len(keys)], v) for i, v in enumerate(values * 3)]
+
+
 # name -> (records, input partitions and output partitions for blocking mode)
 DATASETS: dict[str, tuple[Callable[[], list[Any]], int, int]] = {
     "empty": (lambda: [], 2, 3),
@@ -100,6 +148,7 @@ DATASETS: dict[str, tuple[Callable[[], list[Any]], int, int]] = {
     ),
     "none-values": (lambda: [(i % 10, None) for i in range(1000)] + [(None, None)], 2, 3),
     "more-partitions-than-records": (lambda: [(k, k) for k in ("a", "b", "c")], 3, 8),
+    "mixed-types": (_mixed_types, 2, 3),
 }
 
 _records_cache: dict[str, list[Any]] = {}
@@ -141,21 +190,31 @@ def test_exchange_shuffle_equals_partition_by(
     out = exchange_shuffle(rdd, n, mode=mode)
     assert out.getNumPartitions() == n
     got = out.glom().collect()
-    sx.assert_same_partitions(got, reference(spark, name, slices, n))
+    sx.assert_exact_partitions(got, reference(spark, name, slices, n))
     if mode == "blocking":
         # a blocking exchange is read again, with the same result, until it is released
-        sx.assert_same_partitions(out.glom().collect(), got)
+        sx.assert_exact_partitions(out.glom().collect(), got)
         assert release_exchange(out) == slices
     else:
         assert release_exchange(out) == 0  # pipelined partitions go once they are read
 
 
-def test_values_come_back_as_tuples_with_exact_types(spark: Any) -> None:
+def test_values_come_back_exactly_as_written(spark: Any, sx: ModuleType) -> None:
     rows = [(1, [1, [2, 3]]), (2, {"a": [1]}), (3, b"\x00"), (4, "s"), (5, 1.0), (6, True)]
     out = exchange_shuffle(spark.sparkContext.parallelize(rows, 2), 2)
     got = sorted(out.collect())
-    assert got == [(1, (1, (2, 3))), (2, {"a": (1,)}), (3, b"\x00"), (4, "s"), (5, 1.0), (6, True)]
-    assert [type(v) for _, v in got] == [tuple, dict, bytes, str, float, bool]
+    sx.assert_exact(got, rows)
+    release_exchange(out)
+
+
+def test_msgpack_stays_an_explicit_choice(spark: Any) -> None:
+    from exchange.serialization.codec import MsgpackCodec
+
+    rows = [(1, [1, [2, 3]]), (2, {"a": [1]})]
+    out = exchange_shuffle(
+        spark.sparkContext.parallelize(rows, 2), 2, codec=MsgpackCodec(tuples=True)
+    )
+    assert sorted(out.collect()) == [(1, (1, (2, 3))), (2, {"a": (1,)})]
     release_exchange(out)
 
 
