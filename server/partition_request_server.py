@@ -95,6 +95,7 @@ class DataServer:
         # what connections sent before they closed (the counters are cumulative)
         self.closed_bytes_sent = 0
         self.closed_buffers_sent = 0
+        self._no_connections: asyncio.Future[None] | None = None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
@@ -136,20 +137,37 @@ class DataServer:
         self.stop_accepting()
         for conn in list(self.connections):
             conn.close_with_error(ErrorCode.SERVER_SHUTDOWN, "daemon is shutting down")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.close_timeout
-        while self.connections and loop.time() < deadline:
-            await asyncio.sleep(0.005)
+        await self._wait_for_no_connections(self.close_timeout)
         for conn in list(self.connections):
             conn.abort()
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None
-        # Let connection_lost callbacks run.
-        for _ in range(3):
-            if not self.connections:
-                break
-            await asyncio.sleep(0)
+        # Aborted transports report connection_lost from the loop's next iterations.
+        await self._wait_for_no_connections(self.close_timeout)
+
+    async def _wait_for_no_connections(self, timeout: float) -> None:
+        if not self.connections:
+            return
+        self._no_connections = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._no_connections), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self._no_connections = None
+
+    def _connection_closed(self, conn: PartitionRequestServerProtocol) -> None:
+        """Book-keeping of a lost connection (its counters stay in the totals)."""
+        if conn not in self.connections:
+            return
+        self.connections.discard(conn)
+        queue = conn.queue
+        self.closed_bytes_sent += queue.bytes_sent
+        self.closed_buffers_sent += queue.buffers_sent
+        waiter = self._no_connections
+        if not self.connections and waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -234,11 +252,7 @@ class PartitionRequestServerProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         conn = self._conn()
-        srv = self._server
-        if self in srv.connections:
-            srv.connections.discard(self)
-            srv.closed_bytes_sent += conn.queue.bytes_sent
-            srv.closed_buffers_sent += conn.queue.buffers_sent
+        self._server._connection_closed(self)
         conn.connection_lost(exc)
         self._transport = None
 

@@ -20,7 +20,7 @@ Config keys (defaults in ``DEFAULTS``); ``streams`` is a list of partitions to w
      "barrier_every": 0}
 
 Producer ``p`` writes ``records`` records to each subpartition ``s``, interleaved; record
-``i`` of ``(p, s)`` is the msgpack list ``[p, s, i, payload]`` where ``payload`` is
+``i`` of ``(p, s)`` is the list ``[p, s, i, payload]`` (default codec) where ``payload`` is
 ``payload`` bytes of value ``i % 251``. With ``fail_after`` the producer calls
 ``writer.fail`` after that many records in all; ``sleep_every`` / ``sleep`` throttle it;
 ``await_readers`` makes it wait, once registered, until the server has that many readers;
@@ -46,6 +46,7 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
+from exchange.serialization.codec import default_codec
 from exchange.writer import RecordWriter
 from server.partition_request_server import DataServer
 
@@ -112,7 +113,8 @@ class Daemon:
             self.manager.register_result_partition(part)
             while self.server.stats()["readers"] < s["await_readers"]:
                 await asyncio.sleep(0.005)
-            writer = RecordWriter(part, buffer_timeout=s["buffer_timeout"])
+            # The codec readers use by default (RecordWriter's own default may differ).
+            writer = RecordWriter(part, codec=default_codec(), buffer_timeout=s["buffer_timeout"])
             payloads = [bytes([i]) * s["payload"] for i in range(251)]
             fail_after = s["fail_after"]
             sleep_every = s["sleep_every"]

@@ -293,11 +293,16 @@ def check_records(
     assert len(records) == count * len(producers)
 
 
-async def assert_no_other_tasks() -> None:
+async def assert_no_other_tasks(timeout: float = 5.0) -> None:
+    """No task but the caller's is left; tasks that are just finishing get ``timeout``."""
     current = asyncio.current_task()
-    for _ in range(3):
-        await asyncio.sleep(0)
-    pending = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        pending = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+        if not pending or loop.time() > deadline:
+            break
+        await asyncio.sleep(0.005)
     assert pending == [], pending
 
 

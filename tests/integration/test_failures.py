@@ -63,7 +63,6 @@ async def test_unknown_partition_fails_after_retries(
         await net.read_all(gate, timeout=10)
     elapsed = loop.time() - start
     assert elapsed >= 0.01 + 0.02 + 0.04  # it retried with backoff before giving up
-    assert elapsed < 5
     assert "nope" in str(info.value)
     assert len(cm.connections) == 1  # a missing partition does not end the connection
     await cm.close()
@@ -136,9 +135,9 @@ async def test_killed_consumer_releases_the_daemons_views_and_buffers(
     assert st["server"]["readers"] == 1 and st["pool"]["in_use"] > 0
     consumer.kill()
     await consumer.wait()
-    loop = asyncio.get_running_loop()
-    killed = loop.time()
-    st = await daemon.wait_for_stats(
+    # Without the release the daemon would hold them forever (no keepalive), so a bound
+    # that load cannot reach still tells the two apart.
+    await daemon.wait_for_stats(
         lambda s: (
             s["server"]["connections"] == 0
             and s["server"]["readers"] == 0
@@ -146,10 +145,9 @@ async def test_killed_consumer_releases_the_daemons_views_and_buffers(
             and s["pool"]["in_use"] == 0
             and s["pool"]["local_pools"] == 0
         ),
-        timeout=1.0,
+        timeout=10.0,
     )
-    assert loop.time() - killed <= 1.0
-    done = await daemon.expect("producer_done", timeout=1.0)
+    done = await daemon.expect("producer_done")
     assert "released" in done["error"]  # the producer learned that its consumer left
     await daemon.quit()
     await net.assert_no_other_tasks()
@@ -178,18 +176,17 @@ async def test_killed_daemon_is_a_transport_error(
                 assert batch is not None
                 records.extend(batch)
         daemon.kill()
-        loop = asyncio.get_running_loop()
-        killed = loop.time()
         with pytest.raises(TransportError, match="lost"):
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(10):
                 while (batch := await reader.next_batch()) is not None:
                     records.extend(batch)
-        assert loop.time() - killed < 5
     finally:
         reader.close()
     assert_in_order_prefix(records)
-    await asyncio.sleep(0)  # the handler's closed-callbacks run after the reader woke up
-    assert cm.connections == []  # the dead connection is forgotten
+    # The dead connection is forgotten (its closed-callbacks may run after the reader woke).
+    async with asyncio.timeout(5):
+        while cm.connections:
+            await asyncio.sleep(0.005)
     await cm.close()
     await daemon.wait()
     await net.assert_no_other_tasks()
@@ -243,12 +240,12 @@ async def test_consumer_leaving_early_cancels_only_its_stream(
         reader.close()  # leaves early
     assert_in_order_prefix(records)
     # The producer learns that its consumer left, while the connection is still open.
-    quits = await daemon.expect("producer_done", timeout=5, dataset="quits")
+    quits = await daemon.expect("producer_done", dataset="quits")
     assert "released" in quits["error"]
     net.check_records(await staying, [0], 0, n, payload)
     assert len(cm.connections) == 1  # one connection served both, and survived the cancel
     await cm.close()
-    stays = await daemon.expect("producer_done", timeout=5, dataset="stays")
+    stays = await daemon.expect("producer_done", dataset="stays")
     assert stays["error"] is None
     await daemon.quit()
     await net.assert_no_other_tasks()
@@ -278,7 +275,7 @@ async def test_daemon_shutdown_mid_stream_is_a_transport_error(
                 records.extend(batch)
         daemon.send("quit")  # the daemon closes every connection with SERVER_SHUTDOWN
         with pytest.raises(TransportError, match="shutting down"):
-            async with asyncio.timeout(5):
+            async with asyncio.timeout(10):
                 while (batch := await reader.next_batch()) is not None:
                     records.extend(batch)
     finally:

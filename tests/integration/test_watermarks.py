@@ -163,22 +163,24 @@ async def stalled_client(
 async def wait_until_stalled(
     proto: PartitionRequestServerProtocol, part: ResultPartition, timeout: float = 20
 ) -> int:
-    """Sample the write buffer until the server is paused and nothing moves for 0.3 s."""
+    """Sample the write buffer until the server is paused and the producer blocked (its
+    pool full): with a client that does not read, nothing can change that any more.
+
+    Conditions, not a quiet period: a loaded machine can make any period look quiet.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     max_sampled = 0
-    last_sent, since = -1, loop.time()
     while True:
         transport = proto.transport
         assert transport is not None, "the server dropped the stalled connection"
         max_sampled = max(max_sampled, transport.get_write_buffer_size())
-        sent = proto.queue.bytes_sent
-        if sent != last_sent:
-            last_sent, since = sent, loop.time()
-        elif proto.paused_count > 0 and loop.time() - since > 0.3:
+        if not proto.is_writable and part.stats().out_pool_usage == 1.0:
             return max_sampled
-        assert loop.time() < deadline, f"no stall: paused {proto.paused_count}, sent {sent}"
-        await asyncio.sleep(0.001 if proto.paused_count == 0 else 0.01)
+        assert loop.time() < deadline, (
+            f"no stall: paused {proto.paused_count}, sent {proto.queue.bytes_sent}"
+        )
+        await asyncio.sleep(0.001 if proto.paused_count == 0 else 0.005)
 
 
 @pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
