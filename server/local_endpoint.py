@@ -16,7 +16,7 @@ import errno
 import logging
 import os
 import socket
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, ClassVar, Final
 
 from exchange.errors import (
     ExchangeError,
@@ -24,6 +24,7 @@ from exchange.errors import (
     ProtocolError,
 )
 from exchange.local.producer_session import ProducerSession
+from exchange.network.server_connection import DATA_PORT_MESSAGES
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.local_messages import (
     CreatePartition,
@@ -119,6 +120,14 @@ def _is_listening(path: str) -> bool:
 
 class LocalEndpointProtocol(PartitionRequestServerProtocol):
     """A local connection: a consumer (data protocol) or a producer (one partition)."""
+
+    accepted_messages: ClassVar[frozenset[type[Message]]] = DATA_PORT_MESSAGES | {
+        CreatePartition,
+        PushBuffer,
+        FinishPartition,
+        FailPartition,
+        DaemonInfoRequest,
+    }
 
     def __init__(self, endpoint: LocalEndpoint) -> None:
         super().__init__(endpoint)

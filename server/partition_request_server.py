@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any, ClassVar, cast
+from typing import ClassVar, cast
 
 from exchange.errors import IllegalStateError, UsageError
 from exchange.network.partition_request_queue import PartitionRequestQueue
@@ -26,28 +26,11 @@ from exchange.network.server_connection import (
     ServerConnectionSettings,
 )
 from exchange.partition.result_partition_manager import ResultPartitionManager
-from exchange.protocol.local_messages import (
-    CreatePartition,
-    DaemonInfoRequest,
-    FailPartition,
-    FinishPartition,
-    PushBuffer,
-)
 from exchange.protocol.messages import ErrorCode, ErrorResponse, Message
 
 __all__ = ["DataServer", "PartitionRequestServerProtocol"]
 
 log = logging.getLogger("exchange.server.data")
-
-# What server/local_endpoint.py's LocalEndpointProtocol handles besides the data protocol;
-# see PartitionRequestServerProtocol.__init_subclass__.
-_LOCAL_ENDPOINT_MESSAGES = DATA_PORT_MESSAGES | {
-    CreatePartition,
-    PushBuffer,
-    FinishPartition,
-    FailPartition,
-    DaemonInfoRequest,
-}
 
 
 class DataServer:
@@ -192,13 +175,6 @@ class PartitionRequestServerProtocol(asyncio.Protocol):
 
     #: Messages this role accepts after the handshake; any other is a protocol error.
     accepted_messages: ClassVar[frozenset[type[Message]]] = DATA_PORT_MESSAGES
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # Transitional, until server/local_endpoint.py declares its accepted_messages: a
-        # subclass that handles more in on_message gets the local endpoint's set.
-        if "on_message" in cls.__dict__ and "accepted_messages" not in cls.__dict__:
-            cls.accepted_messages = _LOCAL_ENDPOINT_MESSAGES
 
     def __init__(self, server: DataServer) -> None:
         self._server = server

@@ -1,8 +1,11 @@
 """Shared fixtures: a leak-checked NetworkBufferPool, a partition manager, partitions.
 
-Every test that moves data ends with the pool whole (available + in use == total, no local
-pool left); the ``nbp`` fixture checks that at teardown. Every async test ends with no
-asyncio task left pending besides its own.
+Every test that moves data ends with its pools whole (available + in use == total, no local
+pool left): the ``nbp`` fixture checks its pool at teardown, and the autouse
+``_every_pool_whole`` checks every NetworkBufferPool the test created in this process (a
+reader's, an in-process writer's) that is still alive. Every async test ends with no
+asyncio task left pending besides its own. Daemon processes report their own pool at
+SIGTERM (``pool_whole`` in their last line), which their tests check.
 """
 
 from __future__ import annotations
@@ -154,7 +157,25 @@ def open_gate(manager: ResultPartitionManager) -> Iterator[GateOpener]:
         gate.close()
 
 
-# -- no task left behind -------------------------------------------------------------------
+# -- no pool left broken, no task left behind --------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _every_pool_whole(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every NetworkBufferPool created during the test and not destroyed is whole at its end."""
+    created: list[NetworkBufferPool] = []
+    original = NetworkBufferPool.__init__
+
+    def recording_init(self: NetworkBufferPool, *args: object, **kwargs: object) -> None:
+        original(self, *args, **kwargs)  # type: ignore[arg-type]
+        created.append(self)
+
+    monkeypatch.setattr(NetworkBufferPool, "__init__", recording_init)
+    yield
+    broken = [p for p in created if not p.is_destroyed and not p.is_whole()]
+    created.clear()
+    assert not broken, f"network buffer pools not whole at the end of the test: {broken}"
+
 
 
 @pytest_asyncio.fixture
