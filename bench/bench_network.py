@@ -1,51 +1,58 @@
-"""Benchmark: the network stack against a raw uvloop socket and Arrow Flight, on loopback.
+"""Benchmark: the data port alone, against a raw uvloop socket and Arrow Flight, on loopback.
 
-Run ``python bench/bench_network.py`` (``--quick`` for a short run, ``--profile`` to
-cProfile one run of (b) in both processes). Every configuration runs in two fresh
-processes (sender and receiver, ``multiprocessing`` spawn), 5 times (3 with ``--quick``);
-figures are medians. The last line printed is one JSON object with every figure.
+Run ``python bench/bench_network.py`` (``--quick`` for a short run). A real daemon
+(``python -m server``) holds two FILLED blocking partitions of 4 KiB ``bytes`` records,
+written beforehand by a producer task process through ``client.producer.PartitionWriter``
+(default codec: pickle batches per subpartition): one with 1 subpartition, one with 8.
+Each run, a fresh consumer task process reads one of them over loopback TCP with
+``client.consumer.PartitionReader`` (opening the reader is inside the clock) and decodes
+and checks every record (count, bytes, each record's two ends, the sum of indices;
+``_common.Checker``): with 1 channel, and with 8 channels over one connection.
 
-* (a) raw: a uvloop ``asyncio.Protocol`` sender writes 32 KiB chunks (respecting
-  ``pause_writing``/``resume_writing``) to a ``Protocol`` receiver that counts bytes.
-* (b) stack: a RecordWriter writes 4 KiB ``bytes`` records (BytesCodec) into one
-  pipelined partition of a daemon-style process (DataServer, 32 KiB buffers, default
-  watermarks); a RemoteInputChannel in the other process reads them back through a
-  SingleInputGate and a RecordReader (BytesCodec), with credit-based flow control
-  (2 exclusive buffers, 8 floating). GB/s of record payload.
-* (b8) the same with 8 subpartitions read by 8 channels over one connection.
-* (b100) 100-byte records, in records/s (and payload GB/s).
-* (c) Arrow Flight DoGet: a FlightServerBase yields record batches of one binary column
-  of 4 KiB values; the client reads the stream. GB/s of values.
+Baselines, each run in the same round (rounds interleave the configurations, against
+load drift):
 
-Ratios: b/a (the target is >= 0.40), b8/a, b/c.
+* raw: a uvloop ``asyncio.Protocol`` sender writes 32 KiB chunks (respecting
+  ``pause_writing``/``resume_writing``) to a ``Protocol`` receiver that counts bytes
+  (two processes).
+* flight: Arrow Flight ``DoGet`` of one binary column of 4 KiB values (two processes).
+
+Figures are GB/s of record payload, medians of the rounds; the consumer's CPU per 32 KiB
+of stream (and the share of its task thread, which decodes). Ratios stack/flight (target
+>= 1.0) and stack/raw (target >= 0.45). The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
-import io
-import json
-import multiprocessing as mp
-import pstats
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SEG = 32 * 1024
+from _common import (
+    GB,
+    READY_TIMEOUT,
+    SEG,
+    BenchError,
+    Child,
+    Daemon,
+    consume,
+    flight_gbps,
+    json_line,
+    median,
+    produce,
+    run_pair,
+)
+
 CHUNK = 32 * 1024
 RECORD = 4096
-SMALL = 100
-EXCLUSIVE, FLOATING = 2, 8
-PARTITION_POOL = 64  # buffers of the producer's partition (2 MiB)
-GB = 1e9
+TARGET_FLIGHT = 1.0
+TARGET_RAW = 0.45
 
 
 # -- (a) raw socket -----------------------------------------------------------------------
@@ -126,307 +133,128 @@ def raw_sender(conn: Connection, port: int, total: int) -> None:
     conn.send({})
 
 
-# -- (b) this stack -----------------------------------------------------------------------
+# -- the stack ------------------------------------------------------------------------------
 
 
-def stack_server(
-    conn: Connection, total_records: int, record_size: int, subpartitions: int, profile: bool
-) -> None:
-    import uvloop
-
-    from exchange.memory import NetworkBufferPool
-    from exchange.partition import (
-        ResultPartition,
-        ResultPartitionID,
-        ResultPartitionManager,
-        ResultPartitionType,
-    )
-    from exchange.serialization.codec import BytesCodec
-    from exchange.writer import RecordWriter
-    from server.partition_request_server import DataServer
-
-    prof = cProfile.Profile() if profile else None
-
-    async def main() -> None:
-        nbp = NetworkBufferPool(256, SEG)
-        manager = ResultPartitionManager()
-        server = DataServer(manager, segment_size=SEG)
-        _, port = await server.start("127.0.0.1", 0)
-        pool = nbp.create_buffer_pool(subpartitions, max(PARTITION_POOL, 2 * subpartitions))
-        part = ResultPartition(
-            ResultPartitionID("bench", 0), ResultPartitionType.PIPELINED, subpartitions, pool
-        )
-        manager.register_result_partition(part)
-        conn.send(port)
-        record = bytes(record_size)
-        writer = RecordWriter(part, codec=BytesCodec())
-        cpu0 = time.process_time()
-        if prof is not None:
-            prof.enable()
-        batch = 10_000
-        left = total_records
-        while left > 0:
-            n = min(batch, left)
-            await writer.emit_all([record] * n)
-            left -= n
-        await writer.close()
-        cpu = time.process_time() - cpu0
-        await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # "stop"
-        if prof is not None:
-            prof.disable()
-        await server.close()
-        nbp.check_consistency()
-        conn.send({"whole": nbp.is_whole(), "cpu": cpu, "profile": _profile_text(prof)})
-
-    uvloop.run(main())
-
-
-def stack_client(
-    conn: Connection, port: int, subpartitions: int, expect_records: int, profile: bool
-) -> None:
-    import uvloop
-
-    from client.network import ConnectionManager
-    from exchange.consumer import RecordReader, SingleInputGate
-    from exchange.consumer.remote_input_channel import RemoteInputChannel
-    from exchange.memory import NetworkBufferPool
-    from exchange.partition import ResultPartitionID
-    from exchange.serialization.codec import BytesCodec
-
-    prof = cProfile.Profile() if profile else None
-
-    async def main() -> None:
-        nbp = NetworkBufferPool(subpartitions * EXCLUSIVE + FLOATING + 8, SEG)
-        cm = ConnectionManager(segment_size=SEG)
-        gate = SingleInputGate("bench", nbp.create_buffer_pool(0, FLOATING))
-        pid = ResultPartitionID("bench", 0)
-        address = f"127.0.0.1:{port}"
-        gate.set_input_channels(
-            [
-                RemoteInputChannel(gate, i, pid, i, address, cm, nbp, num_exclusive=EXCLUSIVE)
-                for i in range(subpartitions)
-            ]
-        )
-        reader = RecordReader(gate, codec=BytesCodec())
-        records = 0
-        payload = 0
-        if prof is not None:
-            prof.enable()
-        t0 = time.perf_counter()
-        cpu0 = time.process_time()
-        await gate.request_partitions()
-        while (batch := await reader.next_batch()) is not None:
-            records += len(batch)
-            payload += sum(map(len, batch))
-        elapsed = time.perf_counter() - t0
-        cpu = time.process_time() - cpu0
-        if prof is not None:
-            prof.disable()
-        reader.close()
-        await cm.close()
-        assert records == expect_records, (records, expect_records)
-        conn.send(
-            {
-                "seconds": elapsed,
-                "bytes": payload,
-                "records": records,
-                "cpu": cpu,
-                "whole": nbp.is_whole(),
-                "profile": _profile_text(prof),
-            }
-        )
-
-    uvloop.run(main())
-
-
-# -- (c) Arrow Flight ---------------------------------------------------------------------
-
-
-def flight_server(conn: Connection, total: int) -> None:
-    import pyarrow as pa
-    import pyarrow.flight as fl
-
-    rows = 256
-    batch = pa.record_batch([pa.array([bytes(RECORD)] * rows, type=pa.binary())], names=["v"])
-    n_batches = -(-total // (rows * RECORD))
-
-    class Server(fl.FlightServerBase):  # type: ignore[misc]
-        def do_get(self, context: Any, ticket: Any) -> Any:
-            def gen() -> Any:
-                for _ in range(n_batches):
-                    yield batch
-
-            return fl.GeneratorStream(batch.schema, gen())
-
-    server = Server("grpc://127.0.0.1:0")
-    conn.send(server.port)
-    conn.recv()  # "stop"
-    server.shutdown()
-    conn.send({})
-
-
-def flight_client(conn: Connection, port: int, total: int) -> None:
-    import pyarrow.flight as fl
-
-    client = fl.FlightClient(f"grpc://127.0.0.1:{port}")
-    t0 = time.perf_counter()
-    reader = client.do_get(fl.Ticket(b"bench"))
-    payload = 0
-    for chunk in reader:
-        col = chunk.data.column(0)
-        payload += col.buffers()[2].size if col.offset == 0 else sum(len(v) for v in col)
-    elapsed = time.perf_counter() - t0
-    client.close()
-    assert payload >= total, (payload, total)
-    conn.send({"seconds": elapsed, "bytes": payload})
-
-
-# -- driver -------------------------------------------------------------------------------
-
-
-def _profile_text(prof: cProfile.Profile | None, limit: int = 25) -> str | None:
-    if prof is None:
-        return None
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(limit)
-    return out.getvalue()
-
-
-def _receive(conn: Connection, timeout: float, what: str) -> Any:
+def fill(daemon: Daemon, dataset: str, subpartitions: int, count: int) -> dict[str, Any]:
+    """A producer task writes ``count`` records into a blocking partition and finishes it."""
+    producer = Child(produce, daemon.socket_path, dataset, subpartitions, RECORD, count, True)
     try:
-        if conn.poll(timeout):
-            return conn.recv()
-    except EOFError:
-        pass
-    raise RuntimeError(f"{what} (see its traceback above)")
-
-
-def run_pair(
-    server: Callable[..., None],
-    server_args: tuple[Any, ...],
-    client: Callable[..., None],
-    client_args: tuple[Any, ...],
-    *,
-    stop_server: bool,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One run: the server process reports its port, the client process its result."""
-    ctx = mp.get_context("spawn")
-    s_parent, s_child = ctx.Pipe()
-    c_parent, c_child = ctx.Pipe()
-    sp = ctx.Process(target=server, args=(s_child, *server_args))
-    procs = [sp]
-    sp.start()
-    s_child.close()  # so that a child that dies reads as EOF here, not as a long wait
-    try:
-        port = _receive(s_parent, 60, "server process did not start")
-        cp = ctx.Process(target=client, args=(c_child, port, *client_args))
-        procs.append(cp)
-        cp.start()
-        c_child.close()
-        result = _receive(c_parent, 600, "client process gave no result")
-        cp.join(30)
-        if stop_server:
-            s_parent.send("stop")
-        server_result = _receive(s_parent, 60, "server process gave no result")
-        sp.join(30)
-        return result, server_result
+        if producer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("producer did not open its partition")
+        producer.send("go")
+        result: dict[str, Any] = producer.recv(600)
+        return result
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+        producer.close()
 
 
-def median_of(runs: int, once: Callable[[], dict[str, Any]], key: str) -> tuple[float, list[float]]:
-    values = [once()[key] for _ in range(runs)]
-    return statistics.median(values), values
+def read_once(daemon: Daemon, dataset: str, subpartitions: int, count: int) -> dict[str, float]:
+    """A consumer task reads the filled partition over TCP: GB/s and CPU per 32 KiB."""
+    locations = [(dataset, i, daemon.data_address, None, None) for i in range(subpartitions)]
+    consumer = Child(consume, locations, None, RECORD, count, False, False)
+    try:
+        if consumer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("consumer did not start")
+        consumer.send("go")
+        res = consumer.recv(600)
+    finally:
+        consumer.close()
+    seconds = res["t1"] - res["t0"]
+    stream_buffers = count * RECORD / SEG
+    return {
+        "gbps": count * RECORD / seconds / GB,
+        "cpu_us": res["cpu"] / stream_buffers * 1e6,
+        "task_cpu_us": res["task_cpu"] / stream_buffers * 1e6,
+    }
+
+
+def raw_gbps(total: int) -> float:
+    _, res = run_pair(raw_receiver, (total,), raw_sender, (total,), stop_server=False)
+    return float(res["bytes"]) / res["seconds"] / GB
+
+
+# -- driver ---------------------------------------------------------------------------------
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="500 MB per run, 3 runs")
-    ap.add_argument("--profile", action="store_true", help="cProfile one run of (b)")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="256 MB per run, 3 rounds")
     args = ap.parse_args()
-    runs = 3 if args.quick else 5
-    total = 500_000_000 if args.quick else 2_000_000_000
-    n_records = total // RECORD
-    n_small = 3_000_000 if args.quick else 10_000_000
+    rounds = 3 if args.quick else 5
+    total = 256_000_000 if args.quick else 1_000_000_000
+    count = total // RECORD // 4096 * 4096  # whole turns of the record pool
+    payload = count * RECORD
 
-    if args.profile:
-        n = min(n_records, 100_000)
-        res, srv = run_pair(
-            stack_server, (n, RECORD, 1, True), stack_client, (1, n, True), stop_server=True
-        )
-        print(f"(b) once, {res['bytes'] / res['seconds'] / GB:.2f} GB/s")
-        print("== consumer process ==\n" + (res["profile"] or ""))
-        print("== producer / daemon process ==\n" + (srv["profile"] or ""))
-        return
+    runs: dict[str, list[float]] = {k: [] for k in ("raw", "flight", "s1", "s8")}
+    cpu: dict[str, list[float]] = {k: [] for k in ("s1", "s1_task", "s8", "s8_task")}
+    daemon = Daemon()
+    try:
+        t = time.monotonic()
+        fills = {n: fill(daemon, f"net{n}", n, count) for n in (1, 8)}
+        fill_s = time.monotonic() - t
+        for _ in range(rounds):
+            runs["raw"].append(raw_gbps(payload))
+            runs["flight"].append(flight_gbps(payload, RECORD))
+            for n in (1, 8):
+                r = read_once(daemon, f"net{n}", n, count)
+                runs[f"s{n}"].append(r["gbps"])
+                cpu[f"s{n}"].append(r["cpu_us"])
+                cpu[f"s{n}_task"].append(r["task_cpu_us"])
+        whole = daemon.stop()
+    finally:
+        daemon.close()
+    if not whole:
+        raise BenchError("the daemon's network pool was not whole when it stopped")
 
-    def raw_once() -> dict[str, Any]:
-        _, res = run_pair(raw_receiver, (total,), raw_sender, (total,), stop_server=False)
-        return {"gbps": res["bytes"] / res["seconds"] / GB}
+    m = {k: median(v) for k, v in runs.items()}
+    results: dict[str, Any] = {
+        "bench": "network",
+        "quick": args.quick,
+        "rounds": rounds,
+        "payload_bytes_per_run": payload,
+        "record_bytes": RECORD,
+        "raw_gbps": m["raw"],
+        "flight_gbps": m["flight"],
+        "stack_1ch_gbps": m["s1"],
+        "stack_8ch_gbps": m["s8"],
+        "stack_1ch_over_flight": m["s1"] / m["flight"],
+        "stack_8ch_over_flight": m["s8"] / m["flight"],
+        "stack_1ch_over_raw": m["s1"] / m["raw"],
+        "stack_8ch_over_raw": m["s8"] / m["raw"],
+        "consumer_cpu_us_per_32k_1ch": median(cpu["s1"]),
+        "consumer_task_thread_cpu_us_per_32k_1ch": median(cpu["s1_task"]),
+        "consumer_cpu_us_per_32k_8ch": median(cpu["s8"]),
+        "consumer_task_thread_cpu_us_per_32k_8ch": median(cpu["s8_task"]),
+        "fill_seconds_both_partitions": fill_s,
+        "stream_bytes_per_partition": fills[1]["bytes_written"],
+        "target_over_flight": TARGET_FLIGHT,
+        "target_over_raw": TARGET_RAW,
+        "target_met": min(m["s1"], m["s8"]) / m["flight"] >= TARGET_FLIGHT
+        and min(m["s1"], m["s8"]) / m["raw"] >= TARGET_RAW,
+    }
 
-    def stack_once(record: int, count: int, subs: int) -> dict[str, Any]:
-        res, srv = run_pair(
-            stack_server, (count, record, subs, False), stack_client, (subs, count, False),
-            stop_server=True,
-        )  # fmt: skip
-        assert res["whole"] and srv["whole"], (res, srv)
-        buffers = count * (record + 4) / SEG
-        return {
-            "gbps": res["bytes"] / res["seconds"] / GB,
-            "recps": res["records"] / res["seconds"],
-            "client_cpu_us": res["cpu"] / buffers * 1e6,
-            "server_cpu_us": srv["cpu"] / buffers * 1e6,
-        }
-
-    def flight_once() -> dict[str, Any]:
-        res, _ = run_pair(flight_server, (total,), flight_client, (total,), stop_server=True)
-        return {"gbps": res["bytes"] / res["seconds"] / GB}
-
-    results: dict[str, Any] = {}
-    raw, raw_all = median_of(runs, raw_once, "gbps")
-    results["a_raw_gbps"] = raw
-    b_runs = [stack_once(RECORD, n_records, 1) for _ in range(runs)]
-    results["b_stack_gbps"] = statistics.median(r["gbps"] for r in b_runs)
-    results["b_consumer_cpu_us_per_buffer"] = statistics.median(r["client_cpu_us"] for r in b_runs)
-    results["b_producer_cpu_us_per_buffer"] = statistics.median(r["server_cpu_us"] for r in b_runs)
-    b8_runs = [stack_once(RECORD, n_records, 8) for _ in range(runs)]
-    results["b8_stack_8ch_gbps"] = statistics.median(r["gbps"] for r in b8_runs)
-    b100_runs = [stack_once(SMALL, n_small, 1) for _ in range(runs)]
-    results["b100_records_per_s"] = statistics.median(r["recps"] for r in b100_runs)
-    results["b100_gbps"] = statistics.median(r["gbps"] for r in b100_runs)
-    flight, flight_all = median_of(runs, flight_once, "gbps")
-    results["c_flight_gbps"] = flight
-    results["b_over_a"] = results["b_stack_gbps"] / raw
-    results["b8_over_a"] = results["b8_stack_8ch_gbps"] / raw
-    results["b_over_c"] = results["b_stack_gbps"] / flight
-    results["runs"] = runs
-    results["bytes_per_run"] = total
-    results["b100_records_per_run"] = n_small
-
+    print(f"data port alone, loopback, {payload / 1e6:.0f} MB per run, median of {rounds} rounds")
     rows = [
-        ("(a) raw uvloop Protocol, 32 KiB chunks", f"{raw:.2f} GB/s", raw_all),
-        ("(b) stack, 4 KiB records, 1 channel", f"{results['b_stack_gbps']:.2f} GB/s",
-         [r["gbps"] for r in b_runs]),
-        ("(b8) stack, 8 channels / 1 connection", f"{results['b8_stack_8ch_gbps']:.2f} GB/s",
-         [r["gbps"] for r in b8_runs]),
-        ("(b100) stack, 100 B records", f"{results['b100_records_per_s'] / 1e6:.2f} M rec/s",
-         [r["recps"] / 1e6 for r in b100_runs]),
-        ("(c) Arrow Flight DoGet, 4 KiB values", f"{flight:.2f} GB/s", flight_all),
-    ]  # fmt: skip
-    print(f"{'configuration':42} {'median':>14}   runs")
-    for name, med, values in rows:
-        print(f"{name:42} {med:>14}   " + " ".join(f"{v:.2f}" for v in values))
+        ("raw uvloop Protocol, 32 KiB chunks", m["raw"], runs["raw"]),
+        ("Arrow Flight DoGet, 4 KiB binary values", m["flight"], runs["flight"]),
+        ("stack, 4 KiB records, 1 channel", m["s1"], runs["s1"]),
+        ("stack, 4 KiB records, 8 channels", m["s8"], runs["s8"]),
+    ]
+    for name, value, all_runs in rows:
+        print(f"  {name:<42}{value:>7.2f} GB/s   runs {[round(v, 2) for v in all_runs]}")
     print(
-        f"(b) CPU per 32 KiB buffer: consumer process "
-        f"{results['b_consumer_cpu_us_per_buffer']:.1f} us, producer/daemon process "
-        f"{results['b_producer_cpu_us_per_buffer']:.1f} us"
+        f"  stack/flight {results['stack_1ch_over_flight']:.2f} (1 ch) "
+        f"{results['stack_8ch_over_flight']:.2f} (8 ch), target >= {TARGET_FLIGHT}; "
+        f"stack/raw {results['stack_1ch_over_raw']:.2f} / {results['stack_8ch_over_raw']:.2f}, "
+        f"target >= {TARGET_RAW}"
     )
     print(
-        f"b/a = {results['b_over_a']:.2f} (target >= 0.40)   "
-        f"b8/a = {results['b8_over_a']:.2f}   b/c = {results['b_over_c']:.2f}"
+        f"  consumer CPU per 32 KiB: {results['consumer_cpu_us_per_32k_1ch']:.1f} us (1 ch; "
+        f"task thread {results['consumer_task_thread_cpu_us_per_32k_1ch']:.1f}), "
+        f"{results['consumer_cpu_us_per_32k_8ch']:.1f} us (8 ch)"
     )
-    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()}))
+    print(json_line(results))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,446 @@
+"""Shared helpers of the benchmarks that run real daemons and task processes.
+
+* ``Daemon``: ``python -m server`` in a subprocess with its own temp dir (spill dir and
+  local socket), its ready line, ``/api/stats``, RSS from ``/proc``, SIGTERM stop.
+* ``Child``: a ``multiprocessing`` spawn process with a pipe to the driver; killed on close.
+* ``produce`` / ``consume``: a producer task (``client.producer.PartitionWriter``) and a
+  consumer task (``client.consumer.PartitionReader``), as PySpark tasks run them. They
+  report wall clock (``time.monotonic``, one clock for every process on Linux), process
+  CPU and the CPU of the task thread (the rest is the client's loop thread).
+* Records are ``bytes`` with their index (big endian) in the first and the last 8 bytes,
+  taken in turn from a pool of ``POOL`` distinct records (so building them costs nothing
+  in the timed loop). The consumer checks each record's two ends agree, the count, the
+  payload bytes and the sum of the indices; the 100 B run (one channel, in order) checks
+  the count, the bytes and one record per chunk of ``CHUNK`` against its position.
+
+* ``flight_gbps``: the Arrow Flight ``DoGet`` baseline (server and client processes): a
+  ``FlightServerBase`` yields record batches of one binary column of ``record_size``
+  values; the client reads the stream. GB/s of values.
+
+The last line a benchmark prints is ``json_line(results)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import multiprocessing as mp
+import operator
+import os
+import queue
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Final
+
+ROOT: Final = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+GB: Final = 1e9
+SEG: Final = 32 * 1024
+#: Distinct records the producer cycles through.
+POOL: Final = 4096
+#: Records the consumer takes from the iterator at a time.
+CHUNK: Final = 1024
+READY_TIMEOUT: Final = 60.0
+
+
+class BenchError(RuntimeError):
+    """A benchmark run lost or corrupted records, or a process failed."""
+
+
+def median(values: Iterable[float]) -> float:
+    return float(statistics.median(list(values)))
+
+
+def json_line(results: dict[str, Any]) -> str:
+    return json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in results.items()})
+
+
+# -- records --------------------------------------------------------------------------------
+
+
+def make_record(index: int, size: int) -> bytes:
+    tag = index.to_bytes(8, "big")
+    return tag + b"x" * (size - 16) + tag
+
+
+def record_pool(size: int) -> list[bytes]:
+    return [make_record(i, size) for i in range(POOL)]
+
+
+def expected_index_sum(count: int) -> int:
+    """Sum of the indices of ``count`` records taken in turn from the pool."""
+    full, rest = divmod(count, POOL)
+    return full * (POOL * (POOL - 1) // 2) + rest * (rest - 1) // 2
+
+
+def records(size: int, count: int) -> Iterator[bytes]:
+    return itertools.islice(itertools.cycle(record_pool(size)), count)
+
+
+_HEAD = operator.itemgetter(slice(0, 8))
+_TAIL = operator.itemgetter(slice(-8, None))
+
+
+class Checker:
+    """Counts what a consumer read and checks it (see the module docstring)."""
+
+    def __init__(self, size: int, ordered: bool) -> None:
+        self.size = size
+        self.ordered = ordered
+        self.pool = record_pool(size) if ordered else []
+        self.count = 0
+        self.payload = 0
+        self.index_sum = 0
+
+    def add(self, chunk: list[bytes]) -> None:
+        if self.ordered:
+            if chunk[0] != self.pool[self.count % POOL]:
+                raise BenchError(f"record {self.count} is not the one written there")
+        else:
+            heads = list(map(_HEAD, chunk))
+            if heads != list(map(_TAIL, chunk)):
+                raise BenchError("a record's two ends disagree (corrupted)")
+            self.index_sum += sum(map(int.from_bytes, heads))
+        self.count += len(chunk)
+        self.payload += sum(map(len, chunk))
+
+    def verify(self, count: int) -> None:
+        if self.count != count:
+            raise BenchError(f"read {self.count} records, {count} were written")
+        if self.payload != count * self.size:
+            raise BenchError(f"read {self.payload} payload bytes, {count * self.size} written")
+        if not self.ordered and self.index_sum != expected_index_sum(count):
+            raise BenchError("the sum of record indices differs: records lost or duplicated")
+
+
+# -- a daemon -------------------------------------------------------------------------------
+
+
+class Daemon:
+    """``python -m server`` on ports 0 with its own temp dir; a context manager."""
+
+    def __init__(self, *extra: str) -> None:
+        self.dir = tempfile.mkdtemp(prefix="xbench-")
+        self.socket_path = os.path.join(self.dir, "d.sock")
+        spill = os.path.join(self.dir, "spill")
+        os.mkdir(spill)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        for key in [k for k in env if k.startswith("EXCHANGE_")]:
+            del env[key]
+        self.proc = subprocess.Popen(
+            [
+                sys.executable, "-m", "server", "--host", "127.0.0.1",
+                "--data-port", "0", "--http-port", "0", "--spill-dir", spill,
+                "--local-socket", self.socket_path, "--log-level", "WARNING", *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )  # fmt: skip
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._stderr: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._read_out, daemon=True),
+            threading.Thread(target=self._read_err, daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        self.info: dict[str, Any] = {}
+        try:
+            line = self._lines.get(timeout=READY_TIMEOUT)
+            if line is None:
+                raise BenchError(f"daemon exited before ready: {self.stderr}")
+            self.info = json.loads(line)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_out(self) -> None:
+        assert self.proc.stdout is not None
+        with self.proc.stdout as pipe:
+            for line in pipe:
+                self._lines.put(line)
+        self._lines.put(None)
+
+    def _read_err(self) -> None:
+        assert self.proc.stderr is not None
+        with self.proc.stderr as pipe:
+            for line in pipe:
+                self._stderr.append(line)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self._stderr)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def data_address(self) -> str:
+        return str(self.info["data"])
+
+    @property
+    def daemon_id(self) -> str:
+        return str(self.info["daemon_id"])
+
+    @property
+    def network_memory(self) -> int:
+        return int(self.info["segments"]) * int(self.info["segment_size"])
+
+    def rss(self) -> int:
+        """Resident set size in bytes (``VmRSS`` of ``/proc/<pid>/status``)."""
+        return proc_rss(self.proc.pid)
+
+    def stats(self) -> dict[str, Any]:
+        url = f"http://{self.info['http']}/api/stats"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            result: dict[str, Any] = json.loads(resp.read())
+        return result
+
+    def stop(self) -> bool:
+        """SIGTERM and wait; True if the daemon said every segment came back."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise BenchError(f"daemon ignored SIGTERM: {self.stderr}") from None
+        for t in self._threads:
+            t.join(5)
+        whole = False
+        while True:
+            try:
+                line = self._lines.get_nowait()
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if event.get("event") == "stopped":
+                    whole = bool(event.get("pool_whole"))
+        return whole
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Daemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def proc_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise BenchError(f"no VmRSS for pid {pid}")
+
+
+# -- task processes -------------------------------------------------------------------------
+
+
+class Child:
+    """A spawn process running ``target(conn, *args)``; ``close`` kills it if still alive."""
+
+    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        child.close()  # a child that dies reads as EOF here, not as a long wait
+        self.name = getattr(target, "__name__", "child")
+
+    def recv(self, timeout: float) -> Any:
+        try:
+            if self.conn.poll(timeout):
+                return self.conn.recv()
+        except EOFError:
+            pass
+        raise BenchError(f"{self.name} process gave nothing in {timeout}s (see its traceback)")
+
+    def send(self, obj: Any) -> None:
+        self.conn.send(obj)
+
+    def close(self) -> None:
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+def produce(
+    conn: Connection,
+    socket_path: str,
+    dataset: str,
+    num_subpartitions: int,
+    size: int,
+    count: int,
+    blocking: bool,
+) -> None:
+    """A producer task: open the partition, say ready, wait for "go", write, close."""
+    from client.producer import PartitionWriter
+    from exchange.partition.result_partition_id import ResultPartitionID
+
+    pid = ResultPartitionID(dataset, 0)
+    n = num_subpartitions
+    source = records(size, count)  # the pool is built before the clock starts
+    writer = PartitionWriter(pid, n, blocking=blocking, daemon_socket=socket_path)
+    conn.send("ready")
+    conn.recv()
+    t0, cpu0, task0 = time.monotonic(), time.process_time(), time.thread_time()
+    if n == 1:
+        writer.emit_all(source)
+    else:  # index k goes to subpartition k % n (its last byte; the pool has 4096 = 0 mod n)
+        writer.emit_all(source, partition_func=lambda k: k % n, key_func=lambda r: r[-1])
+    finished = writer.close()
+    t1, cpu1, task1 = time.monotonic(), time.process_time(), time.thread_time()
+    conn.send(
+        {
+            "t0": t0,
+            "t1": t1,
+            "cpu": cpu1 - cpu0,
+            "task_cpu": task1 - task0,
+            "bytes_written": finished.bytes_written,
+            "buffers_written": finished.buffers_written,
+        }
+    )
+
+
+def consume(
+    conn: Connection,
+    locations: list[tuple[str, int, str, str | None, str | None]],
+    local_daemon_id: str | None,
+    size: int,
+    count: int,
+    ordered: bool,
+    attach_first: bool,
+) -> None:
+    """A consumer task: open a reader on ``locations``, say ready, wait for "go", read
+    and check everything.
+
+    Each location is ``(dataset, subpartition, data_address, daemon_id, local_socket)``;
+    the reader takes the Unix socket when ``local_daemon_id`` names that daemon.
+    """
+    from client.consumer import PartitionLocation, PartitionReader
+    from exchange.partition.result_partition_id import ResultPartitionID
+
+    locs = [
+        PartitionLocation(ResultPartitionID(ds, 0), sub, addr, did, sock)
+        for ds, sub, addr, did, sock in locations
+    ]
+    checker = Checker(size, ordered)
+    if attach_first:  # a pipelined partition: attached before its producer starts
+        reader = PartitionReader(locs, local_daemon_id=local_daemon_id)
+    conn.send("ready")
+    conn.recv()
+    t0, cpu0, task0 = time.monotonic(), time.process_time(), time.thread_time()
+    if not attach_first:  # a filled partition: opening it is part of the read
+        reader = PartitionReader(locs, local_daemon_id=local_daemon_id)
+    it = reader.records()
+    islice = itertools.islice
+    add = checker.add
+    while chunk := list(islice(it, CHUNK)):
+        add(chunk)
+    t1, cpu1, task1 = time.monotonic(), time.process_time(), time.thread_time()
+    reader.close()
+    checker.verify(count)
+    conn.send({"t0": t0, "t1": t1, "cpu": cpu1 - cpu0, "task_cpu": task1 - task0, "records": count})
+
+
+# -- the Arrow Flight baseline ---------------------------------------------------------------------
+
+
+def flight_server(conn: Connection, total: int, record_size: int) -> None:
+    import pyarrow as pa
+    import pyarrow.flight as fl
+
+    rows = 256
+    batch = pa.record_batch([pa.array([bytes(record_size)] * rows, type=pa.binary())], names=["v"])
+    n_batches = -(-total // (rows * record_size))
+
+    class Server(fl.FlightServerBase):  # type: ignore[misc]
+        def do_get(self, context: Any, ticket: Any) -> Any:
+            def gen() -> Any:
+                for _ in range(n_batches):
+                    yield batch
+
+            return fl.GeneratorStream(batch.schema, gen())
+
+    server = Server("grpc://127.0.0.1:0")
+    conn.send(server.port)
+    conn.recv()  # "stop"
+    server.shutdown()
+    conn.send({})
+
+
+def flight_client(conn: Connection, port: int, total: int, record_size: int) -> None:
+    import pyarrow.flight as fl
+
+    client = fl.FlightClient(f"grpc://127.0.0.1:{port}")
+    t0 = time.perf_counter()
+    reader = client.do_get(fl.Ticket(b"bench"))
+    payload = 0
+    for chunk in reader:
+        col = chunk.data.column(0)
+        payload += col.buffers()[2].size if col.offset == 0 else sum(len(v) for v in col)
+    elapsed = time.perf_counter() - t0
+    client.close()
+    assert payload >= total, (payload, total)
+    conn.send({"seconds": elapsed, "bytes": payload})
+
+
+def run_pair(
+    server: Callable[..., None],
+    server_args: tuple[Any, ...],
+    client: Callable[..., None],
+    client_args: tuple[Any, ...],
+    *,
+    stop_server: bool,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One run: the server process reports its port, the client process its result."""
+    sp = Child(server, *server_args)
+    cp: Child | None = None
+    try:
+        port = sp.recv(READY_TIMEOUT)
+        cp = Child(client, port, *client_args)
+        result = cp.recv(600)
+        if stop_server:
+            sp.send("stop")
+        server_result = sp.recv(60)
+        return result, server_result
+    finally:
+        if cp is not None:
+            cp.close()
+        sp.close()
+
+
+def flight_gbps(total: int, record_size: int) -> float:
+    """GB/s of values of one Flight DoGet of ``total`` bytes of ``record_size`` values."""
+    res, _ = run_pair(
+        flight_server, (total, record_size), flight_client, (total, record_size), stop_server=True
+    )
+    return float(res["bytes"]) / res["seconds"] / GB
