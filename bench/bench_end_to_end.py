@@ -1,0 +1,225 @@
+"""Benchmark: end to end as PySpark runs it, three processes on one host.
+
+Run ``python bench/bench_end_to_end.py`` (``--quick`` for a short run). A producer task
+process writes a pipelined partition through ``client.producer.PartitionWriter`` (records
+encoded in the task thread, pushed to its daemon over the local Unix socket with credit);
+the daemon (``python -m server``) serves it over loopback TCP to a consumer task process
+reading with ``client.consumer.PartitionReader``, which decodes and checks every record
+(``_common.Checker``). The consumer attaches before the producer starts; the clock runs
+from the producer's first record to the consumer's last.
+
+* 4 KiB ``bytes`` records: GB/s of payload, against Arrow Flight ``DoGet`` of a binary
+  column of 4 KiB values measured in the same rounds (target >= 0.8x Flight).
+* 100 B ``bytes`` records: M records/s (target >= 5 M rec/s).
+* CPU per 32 KiB of stream of the producer process and of the consumer process
+  (``time.process_time`` deltas over stream bytes / 32 KiB; target <= 12 us each), split
+  by thread: the producer's task thread routes, encodes and cuts ("serialize"), its loop
+  thread frames and sends; the consumer's loop thread receives and copies buffers out,
+  its task thread decodes (and iterates and checks the records). Beside them, the codec
+  alone in this process: ``RecordWriter`` emit + cut, and the decoder's feed + take, of
+  the same records (what the task threads would cost with no I/O at all).
+
+Figures are medians of the rounds (rounds interleave the configurations, against load
+drift). The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (
+    GB,
+    POOL,
+    READY_TIMEOUT,
+    SEG,
+    BenchError,
+    Child,
+    Daemon,
+    consume,
+    flight_gbps,
+    json_line,
+    median,
+    produce,
+    records,
+)
+
+BIG = 4096
+SMALL = 100
+TARGET_FLIGHT = 0.8
+TARGET_SMALL_RECPS = 5e6
+TARGET_CPU_US = 12.0
+
+
+def run_once(daemon: Daemon, dataset: str, size: int, count: int) -> dict[str, float]:
+    """One producer task -> daemon -> consumer task run; figures of both processes."""
+    producer = Child(produce, daemon.socket_path, dataset, 1, size, count, False)
+    consumer: Child | None = None
+    try:
+        if producer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("producer did not open its partition")
+        location = (dataset, 0, daemon.data_address, None, None)  # over TCP
+        consumer = Child(consume, [location], None, size, count, size == SMALL, True)
+        if consumer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("consumer did not attach")
+        consumer.send("go")
+        producer.send("go")
+        prod = producer.recv(600)
+        cons = consumer.recv(600)
+    finally:
+        if consumer is not None:
+            consumer.close()
+        producer.close()
+    seconds = max(prod["t1"], cons["t1"]) - min(prod["t0"], cons["t0"])
+    per_32k = prod["bytes_written"] / SEG
+    return {
+        "gbps": count * size / seconds / GB,
+        "recps": count / seconds,
+        "producer_us": prod["cpu"] / per_32k * 1e6,
+        "producer_task_us": prod["task_cpu"] / per_32k * 1e6,
+        "producer_loop_us": (prod["cpu"] - prod["task_cpu"]) / per_32k * 1e6,
+        "consumer_us": cons["cpu"] / per_32k * 1e6,
+        "consumer_task_us": cons["task_cpu"] / per_32k * 1e6,
+        "consumer_loop_us": (cons["cpu"] - cons["task_cpu"]) / per_32k * 1e6,
+    }
+
+
+def codec_alone(size: int, total_bytes: int) -> dict[str, float]:
+    """The codec in this process, no I/O: emit + cut, and feed + take, us per 32 KiB.
+
+    Records go through in slices of about 256 KiB (what the sync producer ships at a
+    time), each slice's buffers decoded and dropped before the next, so memory stays warm
+    as in the tasks.
+    """
+    from exchange.writer import RecordWriter
+
+    count = max(POOL, total_bytes // size // POOL * POOL)
+    recs = list(records(size, count))
+    step = max(1, 256 * 1024 // size)
+    writer = RecordWriter(1, buffer_size=SEG, buffer_timeout=-1)
+    decoder = writer.codec.new_decoder()
+    encode = decode = 0.0
+    got = stream_bytes = 0
+    clock = time.process_time
+    gc.disable()
+    try:
+        for i in range(0, count, step):
+            t0 = clock()
+            writer.emit_all(recs[i : i + step])
+            outs = (
+                writer.take_output() if i + step < count else writer.take_output() + writer.close()
+            )
+            encode += clock() - t0
+            stream = [b"".join(out.pieces) for out in outs if not out.is_event]
+            t0 = clock()
+            for piece in stream:
+                decoder.feed(piece)
+                got += len(decoder.take())
+            decode += clock() - t0
+            stream_bytes += sum(map(len, stream))
+    finally:
+        gc.enable()
+    if got != count:
+        raise BenchError(f"the codec gave back {got} of {count} records")
+    per_32k = stream_bytes / SEG
+    return {"serialize_us": encode / per_32k * 1e6, "decode_us": decode / per_32k * 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller runs, 3 rounds")
+    args = ap.parse_args()
+    rounds = 3 if args.quick else 5
+    big_count = (256_000_000 if args.quick else 1_000_000_000) // BIG // POOL * POOL
+    small_count = (2_000_000 if args.quick else 8_000_000) // POOL * POOL
+
+    big: list[dict[str, float]] = []
+    small: list[dict[str, float]] = []
+    flight: list[float] = []
+    daemon = Daemon()
+    try:
+        for r in range(rounds):
+            flight.append(flight_gbps(big_count * BIG, BIG))
+            big.append(run_once(daemon, f"e2e-big-{r}", BIG, big_count))
+            small.append(run_once(daemon, f"e2e-small-{r}", SMALL, small_count))
+        whole = daemon.stop()
+    finally:
+        daemon.close()
+    if not whole:
+        raise BenchError("the daemon's network pool was not whole when it stopped")
+    alone = {SMALL: codec_alone(SMALL, 32_000_000), BIG: codec_alone(BIG, 128_000_000)}
+
+    def med(runs: list[dict[str, float]], key: str) -> float:
+        return median(r[key] for r in runs)
+
+    fl = median(flight)
+    results: dict[str, Any] = {
+        "bench": "end_to_end",
+        "quick": args.quick,
+        "rounds": rounds,
+        "flight_gbps": fl,
+        "big_records": big_count,
+        "big_gbps": med(big, "gbps"),
+        "big_over_flight": med(big, "gbps") / fl,
+        "small_records": small_count,
+        "small_m_recps": med(small, "recps") / 1e6,
+        "small_gbps": med(small, "gbps"),
+    }
+    for name, runs in (("big", big), ("small", small)):
+        for key in (
+            "producer_us",
+            "producer_task_us",
+            "producer_loop_us",
+            "consumer_us",
+            "consumer_task_us",
+            "consumer_loop_us",
+        ):
+            results[f"{name}_{key}_per_32k"] = med(runs, key)
+    for size, name in ((BIG, "big"), (SMALL, "small")):
+        results[f"{name}_codec_alone_serialize_us_per_32k"] = alone[size]["serialize_us"]
+        results[f"{name}_codec_alone_decode_us_per_32k"] = alone[size]["decode_us"]
+    worst_cpu = max(results["big_producer_us_per_32k"], results["big_consumer_us_per_32k"])
+    results["target_big_over_flight"] = TARGET_FLIGHT
+    results["target_small_m_recps"] = TARGET_SMALL_RECPS / 1e6
+    results["target_cpu_us_per_32k"] = TARGET_CPU_US
+    results["target_met"] = (
+        results["big_over_flight"] >= TARGET_FLIGHT
+        and results["small_m_recps"] * 1e6 >= TARGET_SMALL_RECPS
+        and worst_cpu <= TARGET_CPU_US
+    )
+
+    print(f"end to end (producer task -> daemon -> consumer task over TCP), median of {rounds}")
+    print(
+        f"  Arrow Flight DoGet, 4 KiB values       {fl:6.2f} GB/s   {[round(v, 2) for v in flight]}"
+    )
+    print(
+        f"  stack, 4 KiB records                   {results['big_gbps']:6.2f} GB/s   "
+        f"{[round(r['gbps'], 2) for r in big]}  = {results['big_over_flight']:.2f}x Flight "
+        f"(target >= {TARGET_FLIGHT})"
+    )
+    print(
+        f"  stack, 100 B records                   {results['small_m_recps']:6.2f} M rec/s "
+        f"{[round(r['recps'] / 1e6, 2) for r in small]} (target >= {TARGET_SMALL_RECPS / 1e6:g})"
+    )
+    print("  CPU us per 32 KiB of stream (target <= 12 per process):")
+    for name, size in (("big", BIG), ("small", SMALL)):
+        print(
+            f"    {size:>4} B records: producer {results[f'{name}_producer_us_per_32k']:5.1f} "
+            f"(task thread {results[f'{name}_producer_task_us_per_32k']:.1f}, loop/send "
+            f"{results[f'{name}_producer_loop_us_per_32k']:.1f}); consumer "
+            f"{results[f'{name}_consumer_us_per_32k']:5.1f} (loop/receive "
+            f"{results[f'{name}_consumer_loop_us_per_32k']:.1f}, task thread "
+            f"{results[f'{name}_consumer_task_us_per_32k']:.1f}); codec alone: serialize "
+            f"{alone[size]['serialize_us']:.1f}, decode {alone[size]['decode_us']:.1f}"
+        )
+    print(json_line(results))
+
+
+if __name__ == "__main__":
+    main()
