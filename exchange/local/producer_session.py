@@ -181,7 +181,7 @@ class ProducerSession:
         self._granted -= 1
         buf.set_size(size)
         n = self.partition.num_subpartitions
-        if not 0 <= subpartition < n:
+        if not 0 <= subpartition < n and subpartition != ALL_SUBPARTITIONS:
             buf.release()
             raise SubpartitionIndexError(
                 f"subpartition index {subpartition} out of range [0, {n})",
@@ -189,7 +189,8 @@ class ProducerSession:
             )
         self.bytes_received += size
         self.buffers_received += 1
-        self.partition.add_buffer(subpartition, buf)  # takes it over, even when it raises
+        # takes it over, even when it raises; ALL_SUBPARTITIONS: every subpartition reads it
+        self.partition.add_buffer(subpartition, buf)
         self._reserve_nowait()
         self._announce()
 

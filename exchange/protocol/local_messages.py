@@ -24,6 +24,7 @@ import msgpack
 
 from exchange.buffers.buffer import DataType
 from exchange.errors import ProtocolError
+from exchange.partition.result_partition import ALL_SUBPARTITIONS
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.codec import register_message
 from exchange.protocol.messages import Message
@@ -43,7 +44,6 @@ __all__ = [
     "Released",
 ]
 
-ALL_SUBPARTITIONS: Final = 0xFFFFFFFF
 _PUSH: Final = struct.Struct(">IB")
 
 

@@ -1,4 +1,5 @@
-"""Writing records: channel selectors, deterministic hashing, record writers."""
+"""Writing records: the one write path (a sans-I/O RecordWriter and its asyncio driver),
+channel selectors, deterministic hashing."""
 
 from __future__ import annotations
 
@@ -10,21 +11,35 @@ from exchange.writer.channel_selector import (
     RoundRobinSelector,
 )
 from exchange.writer.hashing import deterministic_hash, partition_for_key
+from exchange.writer.partition_writer import (
+    AsyncRecordWriter,
+    BufferSink,
+    ResultPartitionSink,
+    ResultPartitionWriter,
+)
 from exchange.writer.record_writer import (
+    ALL_SUBPARTITIONS,
     DEFAULT_BUFFER_TIMEOUT,
-    BroadcastRecordWriter,
+    OutputBuffer,
     RecordWriter,
+    WriterStats,
 )
 
 __all__ = [
+    "ALL_SUBPARTITIONS",
     "DEFAULT_BUFFER_TIMEOUT",
-    "BroadcastRecordWriter",
+    "AsyncRecordWriter",
     "BroadcastSelector",
+    "BufferSink",
     "ChannelSelector",
     "KeyHashSelector",
+    "OutputBuffer",
     "PartitionerSelector",
     "RecordWriter",
+    "ResultPartitionSink",
+    "ResultPartitionWriter",
     "RoundRobinSelector",
+    "WriterStats",
     "deterministic_hash",
     "partition_for_key",
 ]

@@ -100,7 +100,7 @@ class PartitionerSelector:
 
 
 class BroadcastSelector:
-    """Every record to every subpartition (used by BroadcastRecordWriter)."""
+    """Every record to every subpartition (a ResultPartitionWriter with it broadcasts every record, encoded once)."""
 
     is_broadcast = True
 

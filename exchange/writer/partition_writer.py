@@ -18,12 +18,13 @@ from collections.abc import Iterable
 from typing import Any, Final, Protocol
 
 from exchange.buffers.buffer import Buffer
-from exchange.errors import PoolDestroyedError, WriterClosedError
+from exchange.errors import ExchangeError, PartitionError, PoolDestroyedError, WriterClosedError
 from exchange.events.events import AbstractEvent, EventSerializer
 from exchange.partition.result_partition import ResultPartition
 from exchange.serialization.codec import RecordCodec
 from exchange.writer.channel_selector import ChannelSelector
-from exchange.writer.core_writer import (
+from exchange.writer.record_writer import (
+    ALL_SUBPARTITIONS,
     DEFAULT_BUFFER_TIMEOUT,
     OutputBuffer,
     RecordWriter,
@@ -65,6 +66,7 @@ class AsyncRecordWriter:
         self.num_channels = writer.num_subpartitions
         self._flusher: asyncio.Task[None] | None = None
         self._move_lock = asyncio.Lock()
+        self._failed: dict[int, PartitionError] = {}  # subpartitions whose reader left
         self._closed = False
 
     @property
@@ -129,13 +131,20 @@ class AsyncRecordWriter:
         self._check_writable()
         self.writer.flush()
         await self._move()
+        self._raise_failed()
 
     def set_buffer_size(self, target: int, size: int) -> None:
         self.writer.set_buffer_size(target, size)
 
     # -- moving buffers ------------------------------------------------------------------
 
-    async def _move(self) -> None:
+    async def _move(self, *, quiet: bool = False) -> None:
+        """Move the cut buffers to the sink, in order.
+
+        A subpartition whose reader left refuses its buffers with a PartitionError: the
+        task hears it (at once, or at its next write into that subpartition, flush or
+        close when the flusher met it, ``quiet``); the other subpartitions go on.
+        """
         if self._flusher is None and self.writer.buffer_timeout > 0 and not self._closed:
             self._flusher = asyncio.get_running_loop().create_task(
                 self._run_flusher(), name=f"output-flusher[{self.sink.name}]"
@@ -145,15 +154,36 @@ class AsyncRecordWriter:
         async with self._move_lock:
             writer = self.writer
             write = self.sink.write
+            failed = self._failed
             while writer.has_output:
                 for out in writer.take_output():
-                    await write(out)
+                    target = out.target
+                    if target in failed:
+                        if quiet:
+                            continue
+                        raise failed[target]
+                    try:
+                        await write(out)
+                    except PartitionError as e:
+                        if out.is_event or target == ALL_SUBPARTITIONS:
+                            raise
+                        failed[target] = e
+                        if not quiet:
+                            raise
+
+    def _raise_failed(self) -> None:
+        if self._failed:
+            raise next(iter(self._failed.values()))
 
     async def _run_flusher(self) -> None:
         writer = self.writer
         interval = writer.buffer_timeout
         loop = asyncio.get_running_loop()
         while not self._closed:
+            try:
+                self.sink.check_writable()
+            except ExchangeError:
+                return  # released under the writer: the next emit reports why
             deadline = writer.next_flush_deadline
             delay = interval if deadline is None else max(0.0, deadline - loop.time())
             await asyncio.sleep(min(delay, interval))
@@ -162,7 +192,7 @@ class AsyncRecordWriter:
             if writer.flush_if_due():
                 with contextlib.suppress(Exception):
                     # an error (e.g. the partition released) surfaces at the next emit
-                    await self._move()
+                    await self._move(quiet=True)
 
     # -- closing -------------------------------------------------------------------------
 
@@ -182,6 +212,7 @@ class AsyncRecordWriter:
         try:
             self.writer.flush()
             await self._move()
+            self._raise_failed()
             self.writer.close()
             self._closed = True
             await self._stop_flusher()

@@ -1,273 +1,561 @@
-"""RecordWriter: records in, serialized into a ResultPartition's subpartitions.
+"""RecordWriter: the one write path, sans I/O. Records in, finished buffers out.
 
-Each target subpartition has its own SpanningRecordSerializer. Small records collect in
-the serializer's intermediate buffer and are copied into the partition's BufferBuilders
-one buffer's worth at a time, so the per-record cost is one encode and one append; a
-large record is copied across as many buffers as it needs. Copying is the only step that
-can wait: when the partition's pool is empty the writer awaits a buffer (backpressure).
+Every producer drives this class: the PySpark task (``client.producer.PartitionWriter``),
+the asyncio API (``client.producer.AsyncPartitionWriter``) and in-process writers
+(``exchange.writer.partition_sink``). It does no I/O and never waits; whoever drives it
+takes the buffers it cut (``take_output``) and moves them (to the daemon, into a
+partition's segments), waiting for credit or segments there: that is where backpressure
+reaches the producer.
 
-Flushing (Flink's output flusher): with ``buffer_timeout`` > 0 a background task makes
-everything written so far readable every ``buffer_timeout`` seconds; 0 flushes after every
-record; -1 flushes only when buffers fill, on ``flush()`` and on ``close()``. The flusher
-never waits for buffers: when the writer is backpressured there is nothing new to flush.
+How a record travels:
+
+1. **Routing**: a channel selector (hash of the key with the project's deterministic
+   hash, a user's partitioner, round robin) picks the target subpartition; ``broadcast``
+   sends to all.
+2. **Batching**: records wait in a per-subpartition list; when the list holds about one
+   buffer's worth (the count adapts to the records' encoded size) the codec encodes it
+   in one call (``encode_batch``: one pickle of a list by default, several times faster
+   than a pickle per record).
+3. **Cutting**: the encoded chunks of a subpartition form its byte stream, which is cut
+   into buffers of that subpartition's buffer size (a segment, or smaller once the
+   consumer's debloater announced a new size). A buffer is a list of memoryview slices of
+   the chunks: nothing is copied here; the bytes are copied once, into a segment or into
+   the socket, by the driver. Records may span buffers; one larger than the buffer size
+   spans several and still leaves at once.
+4. **Flushing** (Flink's output flusher): ``buffer_timeout`` 0 flushes after every record,
+   -1 only full buffers (and on ``flush``), N seconds: the driver's timer calls
+   ``flush_if_due(now)``; the writer also checks as records arrive.
+
+Events (EndOfPartition, checkpoint barriers, cancellation markers, user events) leave
+after every record emitted before them, on every subpartition, which are flushed first.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
-from collections.abc import Iterable
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any, Final
 
-from exchange.errors import IllegalStateError, UsageError, WriterClosedError
-from exchange.events.events import AbstractEvent
-from exchange.partition.result_partition import ResultPartition
-from exchange.serialization.codec import MsgpackCodec, RecordCodec
-from exchange.serialization.spanning_record_serializer import SpanningRecordSerializer
-from exchange.writer.channel_selector import ChannelSelector, RoundRobinSelector
-from exchange.writer.hashing import deterministic_hash
+from exchange.buffers.buffer import DataType
+from exchange.errors import RecordTooLargeError, UsageError, WriterClosedError
+from exchange.events.events import (
+    AbstractEvent,
+    CancelCheckpointMarker,
+    CheckpointBarrier,
+    CheckpointOptions,
+    EventSerializer,
+)
+from exchange.partition.result_partition import ALL_SUBPARTITIONS
+from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.writer.channel_selector import ChannelSelector
+from exchange.writer.hashing import FIBONACCI_64, deterministic_hash
 
-__all__ = ["DEFAULT_BUFFER_TIMEOUT", "BroadcastRecordWriter", "RecordWriter"]
+__all__ = [
+    "ALL_SUBPARTITIONS",
+    "DEFAULT_BUFFER_TIMEOUT",
+    "OutputBuffer",
+    "RecordWriter",
+    "WriterStats",
+]
 
+#: Flink's default buffer timeout (100 ms).
 DEFAULT_BUFFER_TIMEOUT: Final = 0.1
+#: Smallest buffer size a consumer may announce (Flink's debloat minimum).
+MIN_BUFFER_SIZE: Final = 256
+
 _NO_KEY: Final[Any] = object()
-#: Records taken from ``emit_all``'s iterable at a time on the one-subpartition path.
-_CHUNK: Final = 1024
+_M64: Final = 0xFFFFFFFFFFFFFFFF
+_I63: Final = 2**63
+_KEY_CACHE: Final = 1 << 16
+#: Records per batch: the first batch of a subpartition, and the bounds of the adaptation.
+_FIRST_BATCH: Final = 32
+_MAX_BATCH: Final = 4096
+#: Records ``emit_all`` routes between two checks for full batches.
+_SLICE: Final = 2048
+
+
+@dataclass(slots=True)
+class OutputBuffer:
+    """One buffer the writer cut: its target, its bytes (as slices) and data type.
+
+    ``pieces`` are memoryviews (or bytes) that stay valid until the driver dropped them;
+    their total length is ``size``. Events carry their serialized form as one piece.
+    """
+
+    target: int
+    data_type: DataType
+    size: int
+    pieces: list[memoryview | bytes] = field(repr=False)
+
+    @property
+    def is_event(self) -> bool:
+        return self.data_type is not DataType.DATA_BUFFER
+
+    def to_bytes(self) -> bytes:
+        """The buffer's bytes (for tests and in-process copies of small buffers)."""
+        return b"".join(self.pieces)
+
+
+class WriterStats:
+    """Plain counters (a driver maps them to metrics)."""
+
+    __slots__ = (
+        "buffers_out",
+        "bytes_out",
+        "encoded_bytes",
+        "encoded_records",
+        "events_out",
+        "flushes",
+        "records_out",
+    )
+
+    def __init__(self) -> None:
+        self.records_out = 0
+        self.encoded_records = 0
+        self.encoded_bytes = 0
+        self.bytes_out = 0
+        self.buffers_out = 0
+        self.events_out = 0
+        self.flushes = 0
+
+
+class _Stream:
+    """One subpartition's pending records and encoded, not yet cut, bytes."""
+
+    __slots__ = ("batch", "buffer_size", "chunks", "head", "nbytes", "records")
+
+    def __init__(self, buffer_size: int) -> None:
+        self.records: list[Any] = []
+        self.batch = _FIRST_BATCH
+        self.chunks: deque[memoryview] = deque()
+        self.head = 0  # bytes of chunks[0] already cut
+        self.nbytes = 0  # encoded bytes not yet cut
+        self.buffer_size = buffer_size
 
 
 class RecordWriter:
-    """Writes records into one ResultPartition. Use from one task at a time."""
+    """Routes, batches, encodes and cuts records into buffers for ``num_subpartitions``.
+
+    Not thread-safe: one driver at a time (the sync facade serializes its task thread and
+    its flush timer with a lock).
+    """
 
     def __init__(
         self,
-        partition: ResultPartition,
-        selector: ChannelSelector | None = None,
-        codec: RecordCodec | None = None,
+        num_subpartitions: int,
         *,
+        buffer_size: int,
+        codec: RecordCodec | None = None,
+        selector: ChannelSelector | None = None,
         buffer_timeout: float = DEFAULT_BUFFER_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if buffer_timeout != -1 and buffer_timeout < 0:
-            raise UsageError(f"buffer_timeout must be >= 0 or -1, got {buffer_timeout}")
-        self.partition = partition
-        self.num_channels = partition.num_subpartitions
-        self.selector: ChannelSelector = selector if selector is not None else RoundRobinSelector()
-        self.selector.setup(self.num_channels)
-        self.codec: RecordCodec = codec if codec is not None else MsgpackCodec()
-        self._serializers = [SpanningRecordSerializer(self.codec) for _ in range(self.num_channels)]
-        self._broadcast_serializer = SpanningRecordSerializer(self.codec)
-        self._spill_at = partition.segment_size
-        self.buffer_timeout = buffer_timeout
-        self._flush_always = buffer_timeout == 0
-        self._flusher: asyncio.Task[None] | None = None
-        self._busy = False
+        if (
+            not isinstance(num_subpartitions, int)
+            or isinstance(num_subpartitions, bool)
+            or num_subpartitions <= 0
+        ):
+            raise UsageError(f"num_subpartitions must be a positive int, got {num_subpartitions!r}")
+        if not isinstance(buffer_size, int) or buffer_size < MIN_BUFFER_SIZE:
+            raise UsageError(
+                f"buffer_size must be an int >= {MIN_BUFFER_SIZE}, got {buffer_size!r}"
+            )
+        if not isinstance(buffer_timeout, (int, float)) or (
+            buffer_timeout != -1 and buffer_timeout < 0
+        ):
+            raise UsageError(f"buffer_timeout must be >= 0 or -1, got {buffer_timeout!r}")
+        self.num_subpartitions = num_subpartitions
+        self.max_buffer_size = buffer_size
+        self.codec: RecordCodec = codec if codec is not None else default_codec()
+        self._encoder = self.codec.new_encoder()
+        self._encode_batch = self._encoder.encode_batch
+        self.selector = selector
+        if selector is not None:
+            selector.setup(num_subpartitions)
+        self.buffer_timeout = float(buffer_timeout)
+        self._clock = clock
+        self._streams = [_Stream(buffer_size) for _ in range(num_subpartitions)]
+        # Broadcast records (Flink's BroadcastRecordWriter): one stream whose buffers every
+        # subpartition reads (target ALL_SUBPARTITIONS), encoded and copied once. Switching
+        # between unicast and broadcast cuts the other side's pending bytes first (order).
+        self._bstream = _Stream(buffer_size)
+        self._broadcasting = False
+        self._output: list[OutputBuffer] = []
+        self._output_bytes = 0
+        self._last_flush = clock()
+        self._dirty = False  # records emitted since the last flush
         self._closed = False
-        self.records_out = 0
+        self.stats = WriterStats()
+
+    # -- configuration -------------------------------------------------------------------
+
+    def set_buffer_size(self, target: int, size: int) -> None:
+        """Cut every *new* buffer of ``target`` at ``size`` bytes (a debloater's
+        NewBufferSize); clamped to [MIN_BUFFER_SIZE, the segment size]."""
+        self._check_target(target)
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise UsageError(f"buffer size must be a positive int, got {size!r}")
+        self._streams[target].buffer_size = max(MIN_BUFFER_SIZE, min(size, self.max_buffer_size))
+        # broadcast buffers go to every subpartition: the smallest size
+        self._bstream.buffer_size = min(st.buffer_size for st in self._streams)
+
+    def buffer_size(self, target: int) -> int:
+        self._check_target(target)
+        return self._streams[target].buffer_size
 
     # -- emitting ------------------------------------------------------------------------
 
-    async def emit(self, record: Any, key: Any = _NO_KEY) -> None:
-        """Emit to the subpartition the selector (or ``key``'s hash) picks."""
-        if key is _NO_KEY:
+    def emit(self, record: Any, key: Any = _NO_KEY) -> None:
+        """Emit to the subpartition the selector picks, or by ``key``'s hash (default
+        ``record[0]`` when there is no selector)."""
+        if key is _NO_KEY and self.selector is not None:
+            if self.selector.is_broadcast:
+                self.broadcast(record)
+                return
             target = self.selector.select_channel(record)
         else:
-            target = deterministic_hash(key) % self.num_channels
-        await self.emit_to(record, target)
+            k = record[0] if key is _NO_KEY else key
+            target = deterministic_hash(k) % self.num_subpartitions
+        self.emit_to(record, target)
 
-    async def emit_to(self, record: Any, target: int) -> None:
+    def emit_to(self, record: Any, target: int) -> None:
         """Emit to subpartition ``target``."""
-        if self._closed or self.partition.is_released:
-            self._raise_not_writable()
-        if self._flusher is None and self.buffer_timeout > 0:
-            self._start_flusher()
-        ser = self._serializers[target]
-        self.records_out += 1
-        if ser.serialize_record(record) >= self._spill_at or self._flush_always:
-            await self._copy(target)
-            if self._flush_always:
-                self.partition.flush(target)
+        self._check_open()
+        self._check_target(target)
+        if self._broadcasting:
+            self._end_broadcast()
+        stream = self._streams[target]
+        stream.records.append(record)
+        self.stats.records_out += 1
+        self._dirty = True
+        if len(stream.records) >= stream.batch:
+            self._encode(target, stream)
+        self._after_records()
 
-    async def emit_all(self, records: Iterable[Any]) -> int:
-        """Emit many records through the selector; returns how many."""
-        if self._closed or self.partition.is_released:
-            self._raise_not_writable()
-        if self._flush_always:
-            n = 0
-            for r in records:
-                await self.emit(r)
-                n += 1
-            return n
-        if self._flusher is None and self.buffer_timeout > 0:
-            self._start_flusher()
-        if self.num_channels == 1:
-            return await self._emit_all_to_one(records)
-        select = self.selector.select_channel
-        sers = [s.serialize_record for s in self._serializers]
-        spill_at = self._spill_at
-        n = 0
-        for record in records:
-            target = select(record)
-            if sers[target](record) >= spill_at:
-                await self._copy(target)
-            n += 1
-        self.records_out += n
-        return n
+    def emit_all(
+        self,
+        records: Iterable[Any],
+        partition_func: Callable[[Any], int] | None = None,
+        key_func: Callable[[Any], Any] | None = None,
+    ) -> int:
+        """Emit every record of ``records`` by key; returns how many.
 
-    async def _emit_all_to_one(self, records: Iterable[Any]) -> int:
-        """One subpartition takes every record: no selection, and the serializer's batch
-        path (``serialize_until``), a buffer's worth at a time."""
-        ser = self._serializers[0]
-        spill_at = self._spill_at
+        Each goes to ``partition_func(key) % n`` (default: the deterministic hash of the
+        key), the key being ``key_func(record)`` or ``record[0]``; with a selector and no
+        ``partition_func``/``key_func`` the selector decides. The hot loop of every PySpark
+        producer: per record one key lookup (ints hashed inline, other keys through a
+        bounded cache) and one list append.
+        """
+        self._check_open()
+        if partition_func is not None and not callable(partition_func):
+            raise UsageError("partition_func must be callable")
+        if key_func is not None and not callable(key_func):
+            raise UsageError("key_func must be callable")
+        n = self.num_subpartitions
+        streams = self._streams
+        count = 0
+        if self.selector is not None and self.selector.is_broadcast and partition_func is None:
+            for record in records:
+                self.broadcast(record)
+                count += 1
+            return count
+        if self.buffer_timeout == 0:
+            for record in records:
+                self.emit_to(record, self._route(record, partition_func, key_func))
+                count += 1
+            return count
+        if self._broadcasting:
+            self._end_broadcast()
+        if self.selector is not None and partition_func is None and key_func is None:
+            select = self.selector.select_channel
+            for record in records:
+                index = select(record)
+                stream = streams[index]
+                stream.records.append(record)
+                if len(stream.records) >= stream.batch:
+                    self._encode(index, stream)
+                count += 1
+            self._account(count)
+            return count
+        # Only keys of exactly these types are cached: keys Python finds equal but the
+        # hash tells apart (1, True, 1.0, or tuples of them) must not share an entry.
+        cache: dict[Any, int] = {}
+        cache_get = cache.get
+        hash_ints = partition_func is None
+        no_key_func = key_func is None
+        partition = self._partition
         it = iter(records)
-        n = 0
-        while chunk := list(itertools.islice(it, _CHUNK)):
-            taken = iter(chunk)
-            while ser.serialize_until(taken, spill_at) >= spill_at:
-                await self._copy(0)
-            n += len(chunk)
-            self.records_out += len(chunk)
-        return n
-
-    async def broadcast_emit(self, record: Any) -> None:
-        """Emit one record to every subpartition (serialized and copied once)."""
-        if self._closed or self.partition.is_released:
-            self._raise_not_writable()
-        await self._copy_all_unicast()
-        self._broadcast_serializer.serialize_record(record)
-        self.records_out += 1
-        await self._copy_broadcast()
-        if self._flush_always:
-            self.partition.flush_all()
-
-    async def broadcast_event(self, event: AbstractEvent) -> None:
-        """Send ``event`` to every subpartition after every record emitted so far."""
-        if self._closed or self.partition.is_released:
-            self._raise_not_writable()
-        await self._copy_all_unicast()
-        await self._copy_broadcast()
-        self.partition.broadcast_event(event)
-        if self._flush_always:
-            self.partition.flush_all()
-
-    def _raise_not_writable(self) -> None:
-        if self._closed:
-            raise WriterClosedError("RecordWriter is closed")
-        # released, e.g. by a consumer that left early: say so now, not a buffer later
-        self.partition.check_writable()
-
-    # -- copying into buffers ------------------------------------------------------------
-
-    async def _copy(self, target: int) -> None:
-        if self._busy:
-            raise IllegalStateError("RecordWriter used by two tasks at once")
-        self._busy = True
-        try:
-            await self.partition.emit(target, self._serializers[target])
-        finally:
-            self._busy = False
-        self._serializers[target].prune()
-
-    async def _copy_all_unicast(self) -> None:
-        for i, ser in enumerate(self._serializers):
-            if ser.has_serialized_data:
-                await self._copy(i)
-
-    async def _copy_broadcast(self) -> None:
-        ser = self._broadcast_serializer
-        if not ser.has_serialized_data:
-            return
-        if self._busy:
-            raise IllegalStateError("RecordWriter used by two tasks at once")
-        self._busy = True
-        try:
-            await self.partition.broadcast(ser)
-        finally:
-            self._busy = False
-        ser.prune()
-
-    # -- flushing and closing ------------------------------------------------------------
-
-    async def flush(self) -> None:
-        """Make everything emitted so far readable (may wait for buffers)."""
-        await self._copy_all_unicast()
-        await self._copy_broadcast()
-        self.partition.flush_all()
-
-    def _flush_nowait(self) -> None:
-        """The output flusher's pass: move pending bytes where a buffer is at hand."""
-        if self._busy or self._closed or self.partition.is_released:
-            return
-        subpartitions = self.partition.subpartitions
-        for i, ser in enumerate(self._serializers):
-            # A subpartition whose consumer left is the writer's to report (at its next
-            # copy into it), not a reason for the flusher to die and stop flushing the rest.
-            if ser.has_serialized_data and not subpartitions[i].is_released:
-                self.partition.emit_nowait(i, ser)
-        if self._broadcast_serializer.has_serialized_data:
-            self.partition.broadcast_nowait(self._broadcast_serializer)
-        self.partition.flush_all()
-
-    def _start_flusher(self) -> None:
-        self._flusher = asyncio.get_running_loop().create_task(
-            self._run_flusher(), name=f"output-flusher[{self.partition.partition_id}]"
-        )
-
-    async def _run_flusher(self) -> None:
-        interval = self.buffer_timeout
         while True:
-            await asyncio.sleep(interval)
-            self._flush_nowait()
+            # A slice at a time: records are appended to the per-subpartition lists with
+            # no other check, and full batches are encoded between slices.
+            appends = [s.records.append for s in streams]
+            taken = 0
+            for record in itertools.islice(it, _SLICE):
+                taken += 1
+                key = record[0] if no_key_func else key_func(record)  # type: ignore[misc]
+                t = type(key)
+                if t is int and hash_ints and -_I63 <= key < _I63:
+                    # deterministic_hash's int path, inlined: cheaper than any cache lookup
+                    appends[((((key & _M64) * FIBONACCI_64) & _M64) >> 32) % n](record)
+                    continue
+                cacheable = t is int or t is str or t is bytes
+                cached = cache_get(key) if cacheable else None
+                if cached is None:
+                    cached = partition(key, partition_func)
+                    if cacheable and len(cache) < _KEY_CACHE:
+                        cache[key] = cached
+                appends[cached](record)
+            count += taken
+            for index, stream in enumerate(streams):
+                if len(stream.records) >= stream.batch:
+                    self._encode(index, stream)
+            if taken < _SLICE:
+                break
+        self._account(count)
+        return count
 
-    async def _stop_flusher(self) -> None:
-        task, self._flusher = self._flusher, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    def _route(
+        self,
+        record: Any,
+        partition_func: Callable[[Any], int] | None,
+        key_func: Callable[[Any], Any] | None,
+    ) -> int:
+        if self.selector is not None and partition_func is None and key_func is None:
+            return self.selector.select_channel(record)
+        key = record[0] if key_func is None else key_func(record)
+        return self._partition(key, partition_func)
 
-    async def close(self) -> None:
-        """Flush, finish the partition (EndOfPartition everywhere) and stop the flusher."""
-        if self._closed:
-            return
-        try:
-            await self.flush()
-            self.partition.finish()
-        finally:
-            self._closed = True
-            await self._stop_flusher()
+    def _partition(self, key: Any, partition_func: Callable[[Any], int] | None) -> int:
+        if partition_func is None:
+            return deterministic_hash(key) % self.num_subpartitions
+        p = partition_func(key)
+        if not isinstance(p, int) or isinstance(p, bool):
+            raise UsageError(f"partition function returned {p!r}, not an int")
+        return p % self.num_subpartitions
 
-    async def fail(self, cause: BaseException | None = None) -> None:
-        """Abort: the partition is failed and its readers get a ProducerFailedError."""
+    def _account(self, count: int) -> None:
+        if count:
+            self.stats.records_out += count
+            self._dirty = True
+            self._after_records()
+
+    def broadcast(self, record: Any) -> None:
+        """Emit one record to every subpartition: encoded and copied once, into buffers
+        that every subpartition reads."""
+        self._check_open()
+        if not self._broadcasting:
+            self._cut_unicasts()
+            self._broadcasting = True
+        stream = self._bstream
+        stream.records.append(record)
+        self.stats.records_out += 1
+        self._dirty = True
+        if len(stream.records) >= stream.batch:
+            self._encode(ALL_SUBPARTITIONS, stream)
+        self._after_records()
+
+    def _cut_unicasts(self) -> None:
+        for i, stream in enumerate(self._streams):
+            if stream.records:
+                self._encode(i, stream)
+            if stream.nbytes:
+                self._cut(i, stream, partial=True)
+
+    def _end_broadcast(self) -> None:
+        stream = self._bstream
+        if stream.records:
+            self._encode(ALL_SUBPARTITIONS, stream)
+        if stream.nbytes:
+            self._cut(ALL_SUBPARTITIONS, stream, partial=True)
+        self._broadcasting = False
+
+    # -- events --------------------------------------------------------------------------
+
+    def broadcast_event(self, event: AbstractEvent) -> None:
+        """Send ``event`` to every subpartition after every record emitted so far."""
+        self._check_open()
+        payload = EventSerializer.to_bytes(event)
+        self.flush()
+        data_type = EventSerializer.to_buffer_data_type(event)
+        self._output.append(OutputBuffer(ALL_SUBPARTITIONS, data_type, len(payload), [payload]))
+        self._output_bytes += len(payload)
+        self.stats.events_out += 1
+
+    def broadcast_barrier(
+        self, checkpoint_id: int, timestamp: int, *, aligned: bool = True
+    ) -> CheckpointBarrier:
+        """CheckpointBarrier(checkpoint_id) on every subpartition, after every record
+        emitted before it (which are flushed). ``aligned``: exactly-once alignment (the
+        barrier blocks its subpartition until the consumer resumes it)."""
+        barrier = CheckpointBarrier(
+            checkpoint_id, timestamp, CheckpointOptions(exactly_once=aligned)
+        )
+        self.broadcast_event(barrier)
+        return barrier
+
+    def broadcast_cancel(self, checkpoint_id: int) -> None:
+        """CancelCheckpointMarker(checkpoint_id) on every subpartition."""
+        self.broadcast_event(CancelCheckpointMarker(checkpoint_id))
+
+    # -- flushing ------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Cut everything emitted so far into buffers (the last ones partial)."""
+        if self._broadcasting:
+            self._end_broadcast()
+        self._cut_unicasts()
+        self._last_flush = self._clock()
+        self._dirty = False
+        self.stats.flushes += 1
+
+    def flush_if_due(self, now: float | None = None) -> bool:
+        """The output flusher's pass: flush if ``buffer_timeout`` passed since the last
+        flush and something is pending. True if it flushed."""
+        if self._closed or not self._dirty or self.buffer_timeout < 0:
+            return False
+        t = self._clock() if now is None else now
+        if t - self._last_flush < self.buffer_timeout:
+            return False
+        self.flush()
+        return True
+
+    @property
+    def next_flush_deadline(self) -> float | None:
+        """When ``flush_if_due`` will next flush (None: never, nothing pending)."""
+        if self._closed or not self._dirty or self.buffer_timeout <= 0:
+            return None
+        return self._last_flush + self.buffer_timeout
+
+    def _after_records(self) -> None:
+        timeout = self.buffer_timeout
+        if timeout == 0 or (timeout > 0 and self._clock() - self._last_flush >= timeout):
+            self.flush()
+
+    # -- output --------------------------------------------------------------------------
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the buffers cut and not yet taken."""
+        return self._output_bytes
+
+    @property
+    def has_output(self) -> bool:
+        return bool(self._output)
+
+    def take_output(self) -> list[OutputBuffer]:
+        """The buffers cut so far, in order; the caller moves them on."""
+        out, self._output = self._output, []
+        self._output_bytes = 0
+        return out
+
+    @property
+    def pending_bytes(self) -> int:
+        """Encoded bytes not yet cut into buffers (records not yet encoded excluded)."""
+        return sum(s.nbytes for s in self._streams) + self._bstream.nbytes
+
+    @property
+    def pending_records(self) -> int:
+        return sum(len(s.records) for s in self._streams) + len(self._bstream.records)
+
+    @property
+    def mean_record_size(self) -> int | None:
+        """Encoded bytes per record so far (None before the first batch)."""
+        st = self.stats
+        return st.encoded_bytes // st.encoded_records if st.encoded_records else None
+
+    # -- closing -------------------------------------------------------------------------
+
+    def close(self) -> list[OutputBuffer]:
+        """Flush and close; returns the last buffers. Closing twice is an error."""
+        self._check_open()
+        self.flush()
         self._closed = True
-        await self._stop_flusher()
-        for ser in self._serializers:
-            ser.clear()
-        self._broadcast_serializer.clear()
-        self.partition.fail(cause)
+        return self.take_output()
+
+    def discard(self) -> None:
+        """Drop everything pending (the producer failed); the writer is closed."""
+        self._closed = True
+        self._broadcasting = False
+        for stream in [*self._streams, self._bstream]:
+            stream.records.clear()
+            stream.chunks.clear()
+            stream.head = 0
+            stream.nbytes = 0
+        self._output.clear()
+        self._output_bytes = 0
 
     @property
     def is_closed(self) -> bool:
         return self._closed
 
-    async def __aenter__(self) -> RecordWriter:
-        return self
+    # -- internals -----------------------------------------------------------------------
 
-    async def __aexit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        if exc is None:
-            await self.close()
-        else:
-            await self.fail(exc)
+    def _check_open(self) -> None:
+        if self._closed:
+            raise WriterClosedError("the RecordWriter is closed")
 
+    def _check_target(self, target: int) -> None:
+        if (
+            not isinstance(target, int)
+            or isinstance(target, bool)
+            or not 0 <= target < self.num_subpartitions
+        ):
+            raise UsageError(f"subpartition {target!r} out of range [0, {self.num_subpartitions})")
 
-class BroadcastRecordWriter(RecordWriter):
-    """Every record to every subpartition; each record serialized and copied once."""
+    def _encode(self, index: int, stream: _Stream) -> None:
+        """Encode the subpartition's pending records as one chunk and cut full buffers."""
+        records = stream.records
+        stream.records = []
+        try:
+            chunk = self._encode_batch(records)
+        except RecordTooLargeError:
+            raise
+        except BaseException:
+            # the records are lost with the failed batch; the writer cannot go on safely
+            self.discard()
+            raise
+        n = len(chunk)
+        self.stats.encoded_records += len(records)
+        self.stats.encoded_bytes += n
+        if n:
+            stream.chunks.append(memoryview(chunk))
+            stream.nbytes += n
+            # Adapt the batch so that one batch is about one buffer's worth of bytes,
+            # growing at most twice the last batch (a flushed batch of one tiny record must
+            # not make the next batch hold back thousands).
+            per_record = n // len(records) or 1
+            stream.batch = max(
+                1, min(_MAX_BATCH, 2 * len(records), stream.buffer_size // per_record)
+            )
+            if stream.nbytes >= stream.buffer_size:
+                self._cut(index, stream, partial=False)
 
-    async def emit(self, record: Any, key: Any = _NO_KEY) -> None:
-        await self.broadcast_emit(record)
-
-    async def emit_all(self, records: Iterable[Any]) -> int:
-        n = 0
-        for r in records:
-            await self.broadcast_emit(r)
-            n += 1
-        return n
+    def _cut(self, index: int, stream: _Stream, *, partial: bool) -> None:
+        """Cut the stream into buffers of its buffer size (and a last partial one)."""
+        size = stream.buffer_size
+        chunks = stream.chunks
+        out = self._output
+        stats = self.stats
+        while stream.nbytes >= size or (partial and stream.nbytes):
+            want = min(size, stream.nbytes)
+            pieces: list[memoryview | bytes] = []
+            got = 0
+            while got < want:
+                chunk = chunks[0]
+                start = stream.head
+                take = min(len(chunk) - start, want - got)
+                pieces.append(chunk[start : start + take])
+                got += take
+                if start + take == len(chunk):
+                    chunks.popleft()
+                    stream.head = 0
+                else:
+                    stream.head = start + take
+            stream.nbytes -= got
+            out.append(OutputBuffer(index, DataType.DATA_BUFFER, got, pieces))
+            self._output_bytes += got
+            stats.bytes_out += got
+            stats.buffers_out += 1

@@ -47,7 +47,7 @@ from exchange.partition import (
     ResultPartitionType,
 )
 from exchange.serialization.codec import default_codec
-from exchange.writer import RecordWriter
+from exchange.writer import ResultPartitionWriter
 from server.partition_request_server import DataServer
 
 DEFAULTS: dict[str, Any] = {
@@ -114,7 +114,9 @@ class Daemon:
             while self.server.stats()["readers"] < s["await_readers"]:
                 await asyncio.sleep(0.005)
             # The codec readers use by default (RecordWriter's own default may differ).
-            writer = RecordWriter(part, codec=default_codec(), buffer_timeout=s["buffer_timeout"])
+            writer = ResultPartitionWriter(
+                part, codec=default_codec(), buffer_timeout=s["buffer_timeout"]
+            )
             payloads = [bytes([i]) * s["payload"] for i in range(251)]
             fail_after = s["fail_after"]
             sleep_every = s["sleep_every"]

@@ -28,7 +28,7 @@ from exchange.protocol.handshake import ClientHandshake
 from exchange.protocol.local_messages import CreatePartition
 from exchange.protocol.messages import ClientHello, ErrorCode, ErrorResponse, Message
 from exchange.serialization.codec import BytesCodec
-from exchange.writer import RecordWriter
+from exchange.writer import ResultPartitionWriter
 from server.partition_request_server import DataServer
 
 SEG = 32 * 1024
@@ -162,7 +162,7 @@ async def test_a_truncated_spill_file_fails_its_channel_only(
             spill_dir=tmp_path,
         )
         manager.register_result_partition(part)
-        async with RecordWriter(part, codec=BytesCodec(), buffer_timeout=-1) as writer:
+        async with ResultPartitionWriter(part, codec=BytesCodec(), buffer_timeout=-1) as writer:
             for i in range(records):
                 for sub in (0, 1):
                     await writer.emit_to(struct.pack(">I", i) + bytes(size - 4), sub)

@@ -9,13 +9,16 @@ pools whole, no connection, no task.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
+from client.consumer import PartitionLocation, PartitionReader
 from client.network import ConnectionManager
 from exchange.consumer import RecordReader
+from exchange.errors import IllegalStateError
 from exchange.events import AbstractEvent, CheckpointBarrier
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartitionID
@@ -197,5 +200,122 @@ async def test_aligned_barriers_block_and_resume_over_the_wire(
     assert seen == [(k, k * every) for k in range(1, n // every)]
     await cm.close()
     assert (await daemon.expect("producer_done"))["error"] is None
+    await daemon.quit()
+    await net.assert_no_other_tasks()
+
+
+# -- the synchronous PartitionReader (task thread + the client runtime's loop) -------------
+
+
+def _locations(daemon: Any, dataset: str, producers: int = 1) -> list[PartitionLocation]:
+    return [
+        PartitionLocation(ResultPartitionID(dataset, p), 0, daemon.address)
+        for p in range(producers)
+    ]
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_close_from_another_thread_unblocks_records(spawn_server: Spawn, net: Any) -> None:
+    """Defect 8: ``records()`` blocked waiting for data must end promptly, with a typed
+    error, when another thread closes the reader; the reader's pool is whole after."""
+    daemon = await spawn_server(
+        streams=[
+            {"dataset": "stall", "records": 20, "payload": 10, "sleep_every": 5}
+            | {"sleep": 3600, "buffer_timeout": 0.001}
+        ]
+    )
+    reader = await asyncio.to_thread(PartitionReader, _locations(daemon, "stall"), segment_size=SEG)
+    got: list[Any] = []
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            for record in reader.records():
+                got.append(record)
+            outcome.append(None)
+        except BaseException as e:
+            outcome.append(e)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    async with asyncio.timeout(10):
+        while len(got) < 5:  # then the producer sleeps: records() blocks
+            await asyncio.sleep(0.01)
+    await asyncio.to_thread(reader.close)  # raises if the reader's pool is not whole
+    await asyncio.to_thread(thread.join, 10)
+    assert not thread.is_alive(), "records() still blocked after close()"
+    assert len(got) == 5
+    [error] = outcome
+    assert isinstance(error, IllegalStateError) and "closed" in str(error)
+    with pytest.raises(IllegalStateError, match="closed"):
+        next(iter(reader.records()))
+    await daemon.quit()
+    await net.assert_no_other_tasks()
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_sync_reader_delivers_events_in_order_in_the_task_thread(
+    spawn_server: Spawn, net: Any
+) -> None:
+    """Barriers reach the handler in the task thread, in band with the records, and the
+    stream moves on only because the handler resumes consumption itself."""
+    n, every, payload = 3_000, 500, 50
+    daemon = await spawn_server(
+        streams=[
+            {"dataset": "sync-cp", "records": n, "payload": payload, "barrier_every": every}
+            | {"buffer_timeout": -1}
+        ]
+    )
+    seen: list[tuple[int, int, bool]] = []
+    records: list[Any] = []
+
+    def run() -> None:
+        task_thread = threading.current_thread()
+
+        def on_event(event: AbstractEvent, channel: int) -> bool:
+            if isinstance(event, CheckpointBarrier):
+                seen.append(
+                    (event.checkpoint_id, len(records), threading.current_thread() is task_thread)
+                )
+                reader.resume_consumption(channel)
+                return True
+            return False
+
+        reader = PartitionReader(
+            _locations(daemon, "sync-cp"),
+            segment_size=SEG,
+            event_handler=on_event,
+            auto_resume_barriers=False,
+            window=2,
+        )
+        with reader:
+            for record in reader:
+                records.append(record)
+
+    await asyncio.wait_for(asyncio.to_thread(run), 30)
+    net.check_records(records, [0], 0, n, payload)
+    assert seen == [(k, k * every, True) for k in range(1, n // every)]
+    assert (await daemon.expect("producer_done"))["error"] is None
+    await daemon.quit()
+    await net.assert_no_other_tasks()
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio"])
+async def test_sync_reader_reads_many_channels_and_leaves_its_pool_whole(
+    spawn_server: Spawn, net: Any
+) -> None:
+    n, payload = 4_000, 300
+    daemon = await spawn_server(
+        streams=[{"dataset": "sync-many", "producers": 4, "records": n, "payload": payload}]
+    )
+
+    def run() -> list[Any]:
+        with PartitionReader(
+            _locations(daemon, "sync-many", 4), segment_size=SEG, num_floating=2, window=1
+        ) as reader:
+            return reader.read_all()  # close() raises if the pool is not whole
+
+    records = await asyncio.wait_for(asyncio.to_thread(run), 30)
+    net.check_records(records, range(4), 0, n, payload)
     await daemon.quit()
     await net.assert_no_other_tasks()

@@ -32,7 +32,7 @@ from exchange.protocol.codec import (
 from exchange.protocol.handshake import ClientHandshake
 from exchange.protocol.messages import BufferResponse, DataType, PartitionRequest
 from exchange.serialization.codec import BytesCodec
-from exchange.writer import RecordWriter
+from exchange.writer import ResultPartitionWriter
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
 
 SEG = 32 * 1024
@@ -117,7 +117,7 @@ async def cleanup(
 
 
 async def produce(part: ResultPartition, total: int) -> None:
-    async with RecordWriter(part, codec=BytesCodec(), buffer_timeout=-1) as writer:
+    async with ResultPartitionWriter(part, codec=BytesCodec(), buffer_timeout=-1) as writer:
         record = bytes(RECORD)
         for _ in range(total // RECORD):
             await writer.emit_to(record, 0)

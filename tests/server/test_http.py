@@ -36,7 +36,7 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
-from exchange.writer.record_writer import RecordWriter
+from exchange.writer import ResultPartitionWriter
 from server.config import DaemonConfig
 from server.http_server import (
     DEFAULT_MAX_HEAD_BYTES,
@@ -136,13 +136,13 @@ async def daemon(tmp_path: Path) -> AsyncIterator[StandInDaemon]:
     d = StandInDaemon(tmp_path)
     host, port = await d.data_server.start("127.0.0.1", 0)
     d.data_address = f"{host}:{port}"
-    writer: RecordWriter | None = None
+    writer: ResultPartitionWriter | None = None
     try:
         block = d.create_partition(BLOCKING_ID, ResultPartitionType.BLOCKING, 2, 4)
-        async with RecordWriter(block, buffer_timeout=-1) as w:
+        async with ResultPartitionWriter(block, buffer_timeout=-1) as w:
             await w.emit_all(BLOCKING_RECORDS)
         pipe = d.create_partition(PIPELINED_ID, ResultPartitionType.PIPELINED, 2, 12)
-        writer = RecordWriter(pipe, buffer_timeout=-1)
+        writer = ResultPartitionWriter(pipe, buffer_timeout=-1)
         await writer.emit_all([b"c" * 900] * 30)
         await writer.flush()
         yield d
@@ -537,7 +537,7 @@ async def traffic(d: StandInDaemon, stop: asyncio.Event) -> None:
         size = 200 + 150 * (i % 7)
 
         async def produce(part: ResultPartition = part, size: int = size) -> None:
-            async with RecordWriter(part, buffer_timeout=-1) as w:
+            async with ResultPartitionWriter(part, buffer_timeout=-1) as w:
                 await w.emit_all([b"s" * size] * 2000)
 
         await asyncio.gather(produce(), read_remote(d, pid))

@@ -1,4 +1,5 @@
-"""RecordWriter end to end through pipelined partitions and local channels.
+"""ResultPartitionWriter (the RecordWriter driven into in-process partitions) end to end
+through pipelined partitions and local channels.
 
 N writers x M readers in one loop with every selector, backpressure with a tiny pool,
 the three buffer-timeout modes, and the writer's typed errors.
@@ -18,9 +19,9 @@ from exchange.errors import PartitionReleasedError, UsageError, WriterClosedErro
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartition, ResultPartitionID, ResultPartitionType
 from exchange.writer import (
-    BroadcastRecordWriter,
+    BroadcastSelector,
     KeyHashSelector,
-    RecordWriter,
+    ResultPartitionWriter,
     RoundRobinSelector,
     deterministic_hash,
 )
@@ -81,11 +82,11 @@ async def test_n_writers_m_readers_every_record_once_in_order(
         timeout = timeouts[w % 3]
         writer: RecordWriter
         if selector == "broadcast":
-            writer = BroadcastRecordWriter(part, buffer_timeout=timeout)
+            writer = ResultPartitionWriter(part, BroadcastSelector(), buffer_timeout=timeout)
         elif selector == "hash":
-            writer = RecordWriter(part, KeyHashSelector(_seq), buffer_timeout=timeout)
+            writer = ResultPartitionWriter(part, KeyHashSelector(_seq), buffer_timeout=timeout)
         else:
-            writer = RecordWriter(part, RoundRobinSelector(), buffer_timeout=timeout)
+            writer = ResultPartitionWriter(part, RoundRobinSelector(), buffer_timeout=timeout)
         records = ((w, seq, _payload(w, seq)) for seq in range(counts[w]))
         if w % 2:
             await writer.emit_all(records)
@@ -132,11 +133,11 @@ async def test_empty_partition_and_empty_subpartitions_end_the_gate(
     gate = await open_gate(
         [(empty.partition_id, s) for s in range(3)] + [(sparse.partition_id, s) for s in range(16)]
     )
-    await RecordWriter(empty).close()
-    async with RecordWriter(sparse, RoundRobinSelector(), buffer_timeout=-1) as writer:
+    await ResultPartitionWriter(empty).close()
+    async with ResultPartitionWriter(sparse, RoundRobinSelector(), buffer_timeout=-1) as writer:
         await writer.emit_all([("a",), ("b",), ("c",)])  # subpartitions 3..15 stay empty
     records = await asyncio.wait_for(_read_all(gate), 5)
-    assert records == [["a"], ["b"], ["c"]]
+    assert records == [("a",), ("b",), ("c",)]
 
 
 @pytest.mark.asyncio
@@ -145,7 +146,7 @@ async def test_emit_with_explicit_key_and_target(
 ) -> None:
     part = make_partition("keyed", PIPELINED, 4)
     gates = [await open_gate([(part.partition_id, s)]) for s in range(4)]
-    writer = RecordWriter(part, buffer_timeout=-1)
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
     await writer.emit(("x", 1), key="routing-key")
     await writer.emit_to(("y", 2), 3)
     await writer.close()
@@ -153,8 +154,8 @@ async def test_emit_with_explicit_key_and_target(
     got = await asyncio.gather(*(_read_all(g) for g in gates))
     key_target = deterministic_hash("routing-key") % 4
     expected: list[list[Any]] = [[] for _ in range(4)]
-    expected[key_target].append(["x", 1])
-    expected[3].append(["y", 2])
+    expected[key_target].append(("x", 1))
+    expected[3].append(("y", 2))
     assert got == expected
 
 
@@ -171,8 +172,9 @@ async def test_backpressure_blocks_writer_within_pool_and_resumes(
     part = make_partition("bp", PIPELINED, 1, pool_size=(1, max_segments))
     gate = await open_gate([(part.partition_id, 0)])
     reader = RecordReader(gate)
-    records = [(i, "r" * 200) for i in range(3_000)]  # ~620 KiB: ~150 buffers of 4 KiB
-    writer = RecordWriter(part, buffer_timeout=0.01)
+    # ~620 KiB: ~150 buffers of 4 KiB (distinct strings: pickle stores a shared one once)
+    records = [(i, f"{i:0200d}") for i in range(3_000)]
+    writer = ResultPartitionWriter(part, buffer_timeout=0.01)
     peak = {"global": 0, "local": 0}
     stop = asyncio.Event()
 
@@ -222,8 +224,8 @@ async def test_writer_blocked_on_pool_wakes_with_error_when_partition_is_release
 ) -> None:
     part = make_partition("bp-release", PIPELINED, 1, pool_size=(1, 2))
     await open_gate([(part.partition_id, 0)])  # a reader that never reads
-    writer = RecordWriter(part, buffer_timeout=-1)
-    producer = asyncio.create_task(writer.emit_all((i, "z" * 500) for i in range(1_000)))
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
+    producer = asyncio.create_task(writer.emit_all((i, f"{i:0500d}") for i in range(1_000)))
     await asyncio.sleep(0.1)
     assert not producer.done()
     manager.release_partition(part.partition_id)
@@ -242,7 +244,7 @@ async def test_buffer_timeout_zero_makes_every_record_readable_at_once(
     part = make_partition("t0", PIPELINED, 2)
     gate = await open_gate([(part.partition_id, 0), (part.partition_id, 1)])
     reader = RecordReader(gate)
-    writer = RecordWriter(part, RoundRobinSelector(), buffer_timeout=0)
+    writer = ResultPartitionWriter(part, RoundRobinSelector(), buffer_timeout=0)
     for i in range(6):
         await writer.emit((i, "small"))
         # readable synchronously, with no flush and no other task having run
@@ -251,8 +253,8 @@ async def test_buffer_timeout_zero_makes_every_record_readable_at_once(
         assert boe.channel_index == i % 2
         boe.buffer.release()
     await writer.emit_all([(6, "a"), (7, "b")])
-    assert await asyncio.wait_for(reader.next_batch(), 0.5) == [[6, "a"]]
-    assert await asyncio.wait_for(reader.next_batch(), 0.5) == [[7, "b"]]
+    assert await asyncio.wait_for(reader.next_batch(), 0.5) == [(6, "a")]
+    assert await asyncio.wait_for(reader.next_batch(), 0.5) == [(7, "b")]
     await writer.close()
     assert await asyncio.wait_for(reader.next_batch(), 0.5) is None
     reader.close()
@@ -265,12 +267,12 @@ async def test_buffer_timeout_50ms_moves_a_lone_record_in_bounded_time(
     part = make_partition("t50", PIPELINED, 1)
     gate = await open_gate([(part.partition_id, 0)])
     reader = RecordReader(gate)
-    writer = RecordWriter(part, buffer_timeout=0.05)
+    writer = ResultPartitionWriter(part, buffer_timeout=0.05)
     for i in range(3):
         start = time.monotonic()
         await writer.emit(("lone", i))
         assert gate.poll_next() is None  # not readable before the flusher ran
-        assert await asyncio.wait_for(reader.next_batch(), 1.0) == [["lone", i]]
+        assert await asyncio.wait_for(reader.next_batch(), 1.0) == [("lone", i)]
         assert time.monotonic() - start < 1.0
     await writer.close()
     assert await reader.read_all() == []
@@ -284,15 +286,15 @@ async def test_buffer_timeout_minus_one_moves_only_full_buffers(
     part = make_partition("tm1", PIPELINED, 1)
     gate = await open_gate([(part.partition_id, 0)])
     reader = RecordReader(gate)
-    writer = RecordWriter(part, buffer_timeout=-1)
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
     await writer.emit(("lone", 0))
     pending = asyncio.create_task(reader.next_batch())
     await asyncio.sleep(0.3)
     assert not pending.done()
     await writer.flush()
-    assert await asyncio.wait_for(pending, 1.0) == [["lone", 0]]
+    assert await asyncio.wait_for(pending, 1.0) == [("lone", 0)]
     # enough records to fill a buffer: the full buffer moves without a flush
-    big = [("r", i, "x" * 100) for i in range(100)]  # ~10 KiB
+    big = [("r", i, f"{i:0100d}") for i in range(100)]  # ~10 KiB
     await writer.emit_all(big)
     got: list[Any] = []
     while len(got) < 30:
@@ -314,7 +316,7 @@ def test_buffer_timeout_must_be_non_negative_or_minus_one(
 ) -> None:
     part = make_partition("bad-timeout", PIPELINED, 1)
     with pytest.raises(UsageError, match="buffer_timeout"):
-        RecordWriter(part, buffer_timeout=timeout)
+        ResultPartitionWriter(part, buffer_timeout=timeout)
     part.release()
 
 
@@ -327,7 +329,7 @@ async def test_every_write_after_close_is_writer_closed_error(
 ) -> None:
     part = make_partition("closed", PIPELINED, 2)
     gate = await open_gate([(part.partition_id, 0), (part.partition_id, 1)])
-    writer = RecordWriter(part)
+    writer = ResultPartitionWriter(part)
     await writer.emit(("before",))
     await writer.close()
     await writer.close()  # idempotent
@@ -347,7 +349,7 @@ async def test_every_write_after_close_is_writer_closed_error(
     # the partition itself refuses too
     with pytest.raises(WriterClosedError):
         part.broadcast_event(CancelCheckpointMarker(1))
-    assert await _read_all(gate) == [["before"]]
+    assert await _read_all(gate) == [("before",)]
 
 
 @pytest.mark.asyncio
@@ -359,7 +361,7 @@ async def test_context_manager_fails_the_partition_on_error(
     part = make_partition("ctx", PIPELINED, 1)
     gate = await open_gate([(part.partition_id, 0)])
     with pytest.raises(KeyError):
-        async with RecordWriter(part, buffer_timeout=0) as writer:
+        async with ResultPartitionWriter(part, buffer_timeout=0) as writer:
             await writer.emit(("ok",))
             raise KeyError("task failed")
     with pytest.raises(ProducerFailedError, match="task failed") as info:
@@ -374,7 +376,7 @@ async def test_emit_after_consumer_left_raises_partition_released(
     part = make_partition("left", PIPELINED, 1)
     gate = await open_gate([(part.partition_id, 0)])
     reader = RecordReader(gate)
-    writer = RecordWriter(part, buffer_timeout=0.01)
+    writer = ResultPartitionWriter(part, buffer_timeout=0.01)
     await writer.emit_all((i, "v") for i in range(50))
     assert await asyncio.wait_for(reader.next_batch(), 1)
     reader.close()  # the consumer goes away before the end
@@ -398,12 +400,12 @@ async def test_flusher_keeps_flushing_other_subpartitions_when_one_consumer_left
     leaving.close()  # consumer of subpartition 1 leaves before anything was written
     assert part.subpartitions[1].is_released and not part.is_released
     reader = RecordReader(staying)
-    writer = RecordWriter(part, buffer_timeout=0.01)
+    writer = ResultPartitionWriter(part, buffer_timeout=0.01)
     await writer.emit_to(("to-gone",), 1)  # stays in the serializer of subpartition 1
     for i in range(3):
         await writer.emit_to(("kept", i), 0)
         # the output flusher still moves subpartition 0's records
-        assert await asyncio.wait_for(reader.next_batch(), 1.0) == [["kept", i]]
+        assert await asyncio.wait_for(reader.next_batch(), 1.0) == [("kept", i)]
     # the writer learns about subpartition 1 when it copies into it
     with pytest.raises(PartitionReleasedError, match="consumer"):
         await writer.flush()
@@ -424,7 +426,7 @@ async def test_unicast_and_broadcast_records_keep_their_order_per_subpartition(
     n = 3
     part = make_partition("mixed", PIPELINED, n)
     gates = [await open_gate([(part.partition_id, s)]) for s in range(n)]
-    writer = RecordWriter(part, RoundRobinSelector(), buffer_timeout=buffer_timeout)
+    writer = ResultPartitionWriter(part, RoundRobinSelector(), buffer_timeout=buffer_timeout)
     expected: list[list[Any]] = [[] for _ in range(n)]
 
     async def produce() -> None:
@@ -457,7 +459,7 @@ async def test_record_larger_than_the_whole_pool_streams_through(
     peak = 0
 
     async def produce() -> None:
-        async with RecordWriter(part, buffer_timeout=-1) as writer:
+        async with ResultPartitionWriter(part, buffer_timeout=-1) as writer:
             await writer.emit(("small", b""))
             await writer.emit(huge)
             await writer.emit(("small", b"!"))
@@ -469,7 +471,7 @@ async def test_record_larger_than_the_whole_pool_streams_through(
             await asyncio.sleep(0)
 
     _, got, _ = await asyncio.wait_for(asyncio.gather(produce(), _read_all(gate), watch()), 10)
-    assert got == [["small", b""], list(huge), ["small", b"!"]]
+    assert got == [("small", b""), huge, ("small", b"!")]
     assert peak <= 3
 
 
@@ -479,8 +481,8 @@ async def test_broadcast_writer_serializes_and_copies_each_record_once(
 ) -> None:
     part = make_partition("bcast", PIPELINED, 4)
     gates = [await open_gate([(part.partition_id, s)]) for s in range(4)]
-    writer = BroadcastRecordWriter(part, buffer_timeout=-1)
-    records = [(i, "v" * 700) for i in range(60)]  # ~42 KiB
+    writer = ResultPartitionWriter(part, BroadcastSelector(), buffer_timeout=-1)
+    records = [(i, f"{i:0700d}") for i in range(60)]  # ~42 KiB
 
     async def produce() -> None:
         assert await writer.emit_all(records) == 60
@@ -488,6 +490,7 @@ async def test_broadcast_writer_serializes_and_copies_each_record_once(
         await writer.close()
 
     _, *got = await asyncio.wait_for(asyncio.gather(produce(), *(_read_all(g) for g in gates)), 10)
-    assert all(g == [list(r) for r in records] + [["last"]] for g in got)
-    # one buffer shared by all subpartitions: the bytes were written once, not 4 times
-    assert part.stats().bytes_out < 50_000
+    assert all(g == records + [("last",)] for g in got)
+    # one buffer shared by all subpartitions: the bytes were cut (and copied) once
+    assert writer.writer.stats.bytes_out < 50_000
+    assert part.buffer_pool.is_destroyed or part.buffer_pool.num_in_use == 0
