@@ -100,7 +100,8 @@ class PartitionerSelector:
 
 
 class BroadcastSelector:
-    """Every record to every subpartition (a ResultPartitionWriter with it broadcasts every record, encoded once)."""
+    """Every record to every subpartition (a writer with it broadcasts each record, encoded
+    and copied once)."""
 
     is_broadcast = True
 

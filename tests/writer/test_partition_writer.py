@@ -80,7 +80,7 @@ async def test_n_writers_m_readers_every_record_once_in_order(
     async def write(w: int) -> None:
         part = parts[w]
         timeout = timeouts[w % 3]
-        writer: RecordWriter
+        writer: ResultPartitionWriter
         if selector == "broadcast":
             writer = ResultPartitionWriter(part, BroadcastSelector(), buffer_timeout=timeout)
         elif selector == "hash":
@@ -490,7 +490,7 @@ async def test_broadcast_writer_serializes_and_copies_each_record_once(
         await writer.close()
 
     _, *got = await asyncio.wait_for(asyncio.gather(produce(), *(_read_all(g) for g in gates)), 10)
-    assert all(g == records + [("last",)] for g in got)
+    assert all(g == [*records, ("last",)] for g in got)
     # one buffer shared by all subpartitions: the bytes were cut (and copied) once
     assert writer.writer.stats.bytes_out < 50_000
     assert part.buffer_pool.is_destroyed or part.buffer_pool.num_in_use == 0
