@@ -1,242 +1,177 @@
-"""Benchmark: one producer, one consumer, one process, one asyncio loop, end to end.
+"""Benchmark: a same-host exchange, producer and consumer tasks on one daemon's Unix socket.
 
-Run ``python bench/bench_local_exchange.py`` (``--quick`` for a short run, ``--profile``
-to print the hot spots of one small-record run). Every figure is the median of 5 runs.
-The last line printed is one JSON object with all figures.
+Run ``python bench/bench_local_exchange.py`` (``--quick`` for a short run). What PySpark
+runs when both tasks sit on one host (every task in local mode): a producer task process
+writes a pipelined partition through ``client.producer.PartitionWriter`` to its daemon
+(``python -m server``) over the local socket; a consumer task process reads it with
+``client.consumer.PartitionReader`` over the same daemon's Unix socket (the location
+names the daemon, so the reader skips TCP), decoding and checking every record
+(``_common.Checker``). The clock runs from the producer's first record to the consumer's
+last. (The in-process path, ``ResultPartitionWriter`` into a ``LocalInputChannel``, is
+what tests use, not tasks; it is not measured here.)
 
-* exchange: ``RecordWriter.emit_all`` -> pipelined ResultPartition (32 KiB segments,
-  NetworkBufferPool 2048 x 32 KiB, partition pool required 1 / max 64) ->
-  LocalInputChannel -> SingleInputGate -> ``RecordReader.next_batch()``; producer and
-  consumer are two tasks of one loop (uvloop if importable).
-* plain: ``msgpack.packb`` per record into a byte stream, fed in 32 KiB chunks to one
-  streaming ``msgpack.Unpacker`` that yields the records back: the floor any
-  msgpack-based exchange pays. Also measured with one reused ``msgpack.Packer`` (the
-  writer's codec does that, so it is the stricter floor).
+Baselines, in one process on the same records (``bytes`` of 100 B and 4 KiB): pack and
+unpack with no exchange at all:
 
-Records are built before the clock starts. MB/s counts serialized bytes.
+* pickle: ``pickle.dumps`` of per-buffer lists (protocol 5) and ``pickle.loads`` of each,
+  the floor of the default codec's format;
+* msgpack: ``msgpack.packb`` per record into a stream, fed in 32 KiB pieces to one
+  streaming ``msgpack.Unpacker``.
+
+Figures are M records/s and MB/s of payload, medians of the rounds (rounds interleave the
+configurations); ratio = exchange / baseline. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import cProfile
 import gc
-import io
-import json
-import pstats
-import statistics
+import pickle
 import sys
 import time
-from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from exchange.consumer import LocalInputChannel, RecordReader, SingleInputGate
-from exchange.memory import NetworkBufferPool
-from exchange.partition import (
-    ResultPartition,
-    ResultPartitionID,
-    ResultPartitionManager,
-    ResultPartitionType,
+from _common import (
+    POOL,
+    READY_TIMEOUT,
+    SEG,
+    BenchError,
+    Child,
+    Daemon,
+    consume,
+    json_line,
+    median,
+    produce,
+    records,
 )
-from exchange.writer import RecordWriter
 
-SEGMENT = 32 * 1024
-TOTAL_SEGMENTS = 2048
-POOL_REQUIRED = 1
-POOL_MAX = 64
-RUNS = 5
-TARGET_RATIO = 0.50
-
-try:
-    import uvloop
-
-    LOOP_NAME = "uvloop"
-    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
-except ImportError:  # pragma: no cover - uvloop is a dependency where it builds
-    LOOP_NAME = "asyncio"
-    loop_factory = None
+SIZES = {"small": 100, "kib": 4096}
 
 
-def run_async(coro: Coroutine[Any, Any, float]) -> float:
-    with asyncio.Runner(loop_factory=loop_factory) as runner:
-        return runner.run(coro)
+def exchange_once(daemon: Daemon, dataset: str, size: int, count: int) -> float:
+    """Seconds for ``count`` records from a producer task to a consumer task, same host."""
+    producer = Child(produce, daemon.socket_path, dataset, 1, size, count, False)
+    consumer: Child | None = None
+    try:
+        if producer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("producer did not open its partition")
+        location = (dataset, 0, daemon.data_address, daemon.daemon_id, daemon.socket_path)
+        consumer = Child(consume, [location], daemon.daemon_id, size, count, size < 1024, True)
+        if consumer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("consumer did not attach")
+        consumer.send("go")
+        producer.send("go")
+        prod = producer.recv(600)
+        cons = consumer.recv(600)
+    finally:
+        if consumer is not None:
+            consumer.close()
+        producer.close()
+    return float(max(prod["t1"], cons["t1"]) - min(prod["t0"], cons["t0"]))
 
 
-# -- the exchange ---------------------------------------------------------------------------
-
-
-async def exchange_once(nbp: NetworkBufferPool, records: list[Any], run: int) -> float:
-    """Seconds to move ``records`` from a RecordWriter to a RecordReader."""
-    manager = ResultPartitionManager()
-    pid = ResultPartitionID("bench", run)
-    part = ResultPartition(
-        pid, ResultPartitionType.PIPELINED, 1, nbp.create_buffer_pool(POOL_REQUIRED, POOL_MAX)
-    )
-    manager.register_result_partition(part)
-    gate = SingleInputGate("bench")
-    gate.set_input_channels([LocalInputChannel(gate, 0, manager, pid, 0)])
-    await gate.request_partitions()
-    writer = RecordWriter(part)
-    reader = RecordReader(gate)
-    received = 0
-
-    async def produce() -> None:
-        await writer.emit_all(records)
-        await writer.close()
-
-    async def consume() -> None:
-        nonlocal received
-        next_batch = reader.next_batch
-        while (batch := await next_batch()) is not None:
-            received += len(batch)
-
+def pickle_once(recs: list[bytes], size: int) -> float:
+    """Seconds to dumps buffer-sized lists and loads them back."""
+    per = max(1, SEG // (size + 8))
+    groups = [recs[i : i + per] for i in range(0, len(recs), per)]
+    dumps, loads = pickle.dumps, pickle.loads
     gc.disable()
     try:
         t0 = time.perf_counter()
-        await asyncio.gather(produce(), consume())
+        got = sum(len(loads(dumps(group, 5))) for group in groups)
         elapsed = time.perf_counter() - t0
     finally:
         gc.enable()
-    reader.close()
-    manager.release_all()
-    if received != len(records):
-        raise AssertionError(f"received {received} of {len(records)} records")
+    if got != len(recs):
+        raise BenchError(f"pickle gave back {got} of {len(recs)} records")
     return elapsed
 
 
-def exchange_bytes(records: list[Any]) -> int:
-    packer = msgpack.Packer()
-    return sum(len(packer.pack(r)) for r in records)
-
-
-# -- the plain msgpack baseline -------------------------------------------------------------
-
-
-def plain_once(records: list[Any], *, reuse_packer: bool = False) -> float:
-    """Seconds to pack every record and unpack the stream fed in 32 KiB chunks.
-
-    ``msgpack.packb`` per record as briefed; ``reuse_packer`` uses one
-    ``msgpack.Packer().pack`` instead (what the RecordWriter's codec does), the stricter
-    floor. Each chunk's records come out as one list, as the reader's batches do.
-    """
-    pack = msgpack.Packer().pack if reuse_packer else msgpack.packb
+def msgpack_once(recs: list[bytes]) -> float:
+    """Seconds to packb each record and unpack the stream fed in 32 KiB pieces."""
+    packb = msgpack.packb
     gc.disable()
     try:
         t0 = time.perf_counter()
-        unpacker = msgpack.Unpacker(raw=False)
+        unpacker = msgpack.Unpacker()
         stream = bytearray()
-        received = 0
-        for record in records:
-            stream += pack(record)
-            if len(stream) >= SEGMENT:
+        got = 0
+        for record in recs:
+            stream += packb(record)
+            if len(stream) >= SEG:
                 with memoryview(stream) as view:
-                    unpacker.feed(view[:SEGMENT])
-                    rest = bytearray(view[SEGMENT:])
+                    unpacker.feed(view[:SEG])
+                    rest = bytearray(view[SEG:])
                 stream = rest
-                received += len(list(unpacker))
+                got += len(list(unpacker))
         unpacker.feed(stream)
-        received += len(list(unpacker))
+        got += len(list(unpacker))
         elapsed = time.perf_counter() - t0
     finally:
         gc.enable()
-    if received != len(records):
-        raise AssertionError(f"unpacked {received} of {len(records)} records")
+    if got != len(recs):
+        raise BenchError(f"msgpack gave back {got} of {len(recs)} records")
     return elapsed
-
-
-# -- driver ---------------------------------------------------------------------------------
-
-
-def median_seconds(run: Callable[[int], float]) -> float:
-    times = []
-    for i in range(RUNS):
-        gc.collect()
-        times.append(run(i))
-    return statistics.median(times)
-
-
-def measure(name: str, records: list[Any], nbp: NetworkBufferPool) -> dict[str, float]:
-    nbytes = exchange_bytes(records)
-    ex = median_seconds(lambda i: run_async(exchange_once(nbp, records, i)))
-    plain = median_seconds(lambda i: plain_once(records))
-    packer = median_seconds(lambda i: plain_once(records, reuse_packer=True))
-    nbp.check_consistency()
-    assert nbp.is_whole(), nbp.stats()
-    n = len(records)
-    return {
-        "records": n,
-        "record_bytes": round(nbytes / n, 1),
-        "exchange_rec_s": round(n / ex),
-        "exchange_mb_s": round(nbytes / ex / 1e6, 1),
-        "plain_rec_s": round(n / plain),
-        "plain_mb_s": round(nbytes / plain / 1e6, 1),
-        "packer_rec_s": round(n / packer),
-        "ratio": round(plain / ex, 3),
-        "ratio_packer": round(packer / ex, 3),
-    }
-
-
-def profile(records: list[Any], nbp: NetworkBufferPool, top: int = 25) -> str:
-    prof = cProfile.Profile()
-    prof.enable()
-    run_async(exchange_once(nbp, records, 99))
-    prof.disable()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    return out.getvalue()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer records (a smoke run)")
-    parser.add_argument("--profile", action="store_true", help="cProfile one small run")
-    args = parser.parse_args()
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller runs, 3 rounds")
+    args = ap.parse_args()
+    rounds = 3 if args.quick else 5
+    total = {"small": 1_000_000 if args.quick else 4_000_000}
+    total["kib"] = (128_000_000 if args.quick else 512_000_000) // SIZES["kib"]
+    counts = {name: max(POOL, n // POOL * POOL) for name, n in total.items()}
+    # the baselines run on a slice (the same records), scaled to rates
+    base_counts = {name: min(n, 1_000_000, 64_000_000 // SIZES[name]) for name, n in counts.items()}
 
-    n_small = 200_000 if args.quick else 1_500_000
-    n_kib = 20_000 if args.quick else 200_000
-    small = [(i, "abcdefgh", 1.5) for i in range(n_small)]
-    kib = [(i, "k" * 1_000) for i in range(n_kib)]
-
-    nbp = NetworkBufferPool(TOTAL_SEGMENTS, SEGMENT)
+    seconds: dict[str, list[float]] = {}
+    daemon = Daemon()
     try:
-        if args.profile:
-            print(profile(small, nbp))
-        results = {"small": measure("small", small, nbp), "kib": measure("kib", kib, nbp)}
+        for r in range(rounds):
+            for name, size in SIZES.items():
+                recs = list(records(size, base_counts[name]))
+                seconds.setdefault(f"{name}_exchange", []).append(
+                    exchange_once(daemon, f"local-{name}-{r}", size, counts[name])
+                )
+                seconds.setdefault(f"{name}_pickle", []).append(pickle_once(recs, size))
+                seconds.setdefault(f"{name}_msgpack", []).append(msgpack_once(recs))
+                del recs
+        whole = daemon.stop()
     finally:
-        nbp.destroy()
+        daemon.close()
+    if not whole:
+        raise BenchError("the daemon's network pool was not whole when it stopped")
 
-    print(f"local exchange, {LOOP_NAME}, median of {RUNS} runs")
-    header = f"{'records':<8}{'count':>10}{'B/rec':>8}"
-    header += f"{'exchange rec/s':>16}{'MB/s':>9}{'plain rec/s':>14}{'MB/s':>9}{'ratio':>8}"
-    header += f"{'Packer rec/s':>15}{'ratio':>8}"
-    print(header)
-    for name, r in results.items():
-        print(
-            f"{name:<8}{r['records']:>10}{r['record_bytes']:>8}"
-            f"{r['exchange_rec_s']:>16,}{r['exchange_mb_s']:>9}"
-            f"{r['plain_rec_s']:>14,}{r['plain_mb_s']:>9}{r['ratio']:>8}"
-            f"{r['packer_rec_s']:>15,}{r['ratio_packer']:>8}"
+    results: dict[str, Any] = {"bench": "local_exchange", "quick": args.quick, "rounds": rounds}
+    print(f"same-host exchange over the daemon's Unix socket, median of {rounds} rounds")
+    print(f"{'records':<8}{'count':>10}{'M rec/s':>10}{'MB/s':>9}  baselines (M rec/s, ratio)")
+    for name, size in SIZES.items():
+        ex = counts[name] / median(seconds[f"{name}_exchange"])
+        pk = base_counts[name] / median(seconds[f"{name}_pickle"])
+        mp = base_counts[name] / median(seconds[f"{name}_msgpack"])
+        results.update(
+            {
+                f"{name}_record_bytes": size,
+                f"{name}_records": counts[name],
+                f"{name}_exchange_m_recps": ex / 1e6,
+                f"{name}_exchange_mb_s": ex * size / 1e6,
+                f"{name}_pickle_m_recps": pk / 1e6,
+                f"{name}_msgpack_m_recps": mp / 1e6,
+                f"{name}_over_pickle": ex / pk,
+                f"{name}_over_msgpack": ex / mp,
+            }
         )
-    print("ratio = exchange rate / plain rate (plain: packb per record, as briefed);")
-    print("Packer: the same baseline with one reused msgpack.Packer (a stricter floor)")
-    ratio = results["small"]["ratio"]
-    summary = {
-        "bench": "local_exchange",
-        "loop": LOOP_NAME,
-        "quick": args.quick,
-        "runs": RUNS,
-        **{f"{name}_{k}": v for name, r in results.items() for k, v in r.items()},
-        "ratio_small_vs_plain": ratio,
-        "target_ratio": TARGET_RATIO,
-        "target_met": ratio >= TARGET_RATIO,
-    }
-    print(json.dumps(summary))
+        print(
+            f"{name:<8}{counts[name]:>10}{ex / 1e6:>10.2f}{ex * size / 1e6:>9.0f}  "
+            f"pickle {pk / 1e6:.2f} ({ex / pk:.2f}), msgpack {mp / 1e6:.2f} ({ex / mp:.2f})"
+        )
+    print(json_line(results))
 
 
 if __name__ == "__main__":
