@@ -417,7 +417,7 @@ class RecordWriter:
         if self._closed or not self._dirty or self.buffer_timeout < 0:
             return False
         t = self._clock() if now is None else now
-        if t - self._last_flush < self.buffer_timeout:
+        if t < self._last_flush + self.buffer_timeout:  # the same sum as the deadline
             return False
         self.flush()
         return True

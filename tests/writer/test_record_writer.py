@@ -1,0 +1,347 @@
+"""The sans-I/O RecordWriter: routing, batching, cutting, flush policy, events, sizes.
+
+No partition, no loop: records go in, buffers come out, and a decoder per subpartition
+must give back exactly the records routed there, in order, whatever the buffer sizes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+from typing import Any
+
+import pytest
+
+from exchange.errors import RecordTooLargeError, UsageError, WriterClosedError
+from exchange.events.events import (
+    AbstractEvent,
+    CancelCheckpointMarker,
+    CheckpointBarrier,
+    EventSerializer,
+)
+from exchange.serialization.codec import MsgpackCodec, default_codec
+from exchange.writer import (
+    ALL_SUBPARTITIONS,
+    BroadcastSelector,
+    OutputBuffer,
+    RecordWriter,
+    RoundRobinSelector,
+    deterministic_hash,
+)
+from exchange.writer.record_writer import MIN_BUFFER_SIZE
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def decode(outs: list[OutputBuffer], n: int, codec: Any = None) -> list[list[Any]]:
+    """Per subpartition: its records and events, in order (a broadcast buffer or event
+    goes to every subpartition)."""
+    codec = codec or default_codec()
+    decoders = [codec.new_decoder() for _ in range(n)]
+    got: list[list[Any]] = [[] for _ in range(n)]
+    for out in outs:
+        targets = range(n) if out.target == ALL_SUBPARTITIONS else [out.target]
+        if out.is_event:
+            event = EventSerializer.from_bytes(out.to_bytes())
+            for t in targets:
+                assert not decoders[t].has_partial_record, "an event inside a record"
+                got[t].append(event)
+            continue
+        data = out.to_bytes()
+        assert len(data) == out.size
+        for t in targets:
+            decoders[t].feed(memoryview(data))
+            got[t].extend(decoders[t].take())
+    for d in decoders:
+        assert not d.has_partial_record
+    return got
+
+
+def by_hash(records: list[Any], n: int) -> list[list[Any]]:
+    want: list[list[Any]] = [[] for _ in range(n)]
+    for r in records:
+        want[deterministic_hash(r[0]) % n].append(r)
+    return want
+
+
+RECORDS = [
+    (i % 53, [i, f"v{i}"], datetime.date(2026, 1, 1 + i % 28), decimal.Decimal(i))
+    for i in range(5000)
+]
+
+
+@pytest.mark.parametrize("n", [1, 3, 16])
+@pytest.mark.parametrize("size", [MIN_BUFFER_SIZE, 4096, 32 * 1024])
+def test_emit_all_routes_by_key_hash_and_round_trips_exactly(n: int, size: int) -> None:
+    w = RecordWriter(n, buffer_size=size, buffer_timeout=-1)
+    assert w.emit_all(RECORDS) == len(RECORDS)
+    outs = w.close()
+    assert all(o.size <= size for o in outs)
+    assert decode(outs, n) == by_hash(RECORDS, n)
+    assert w.stats.records_out == len(RECORDS)
+
+
+def test_emit_and_emit_all_agree_and_keys_of_equal_value_hash_apart() -> None:
+    keys: list[Any] = [1, True, 1.0, 0, False, 0.0, (1, 2), (True, 2), "1", b"1", 2**70]
+    records = [(k, i) for i in range(5) for k in keys]
+    a = RecordWriter(4, buffer_size=1024, buffer_timeout=-1)
+    a.emit_all(records)
+    b = RecordWriter(4, buffer_size=1024, buffer_timeout=-1)
+    for r in records:
+        b.emit(r)
+    got_a, got_b = decode(a.close(), 4), decode(b.close(), 4)
+    assert got_a == got_b == by_hash(records, 4)
+    assert [[type(r[0]) for r in p] for p in got_a] == [[type(r[0]) for r in p] for p in got_b]
+
+
+def test_partition_func_key_func_and_explicit_targets() -> None:
+    w = RecordWriter(5, buffer_size=1024, buffer_timeout=-1)
+    w.emit_all(
+        [{"id": i} for i in range(50)], partition_func=lambda k: k * 2, key_func=lambda r: r["id"]
+    )
+    w.emit_to(("direct",), 4)
+    w.emit(("keyed", 1), key="k")
+    got = decode(w.close(), 5)
+    for t in range(5):
+        want = [{"id": i} for i in range(50) if (i * 2) % 5 == t]
+        if t == 4:
+            want.append(("direct",))
+        if deterministic_hash("k") % 5 == t:
+            want.append(("keyed", 1))
+        assert got[t] == want
+
+
+def test_bad_routing_is_a_usage_error_and_the_writer_goes_on() -> None:
+    w = RecordWriter(2, buffer_size=1024, buffer_timeout=-1)
+    with pytest.raises(UsageError, match="not an int"):
+        w.emit_all([("a", 1)], partition_func=lambda k: "zero")
+    for bad in (-1, 2, True, "0"):
+        with pytest.raises(UsageError, match="out of range"):
+            w.emit_to(("x",), bad)  # type: ignore[arg-type]
+    w.emit_to(("ok",), 1)
+    assert decode(w.close(), 2) == [[], [("ok",)]]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_subpartitions": 0},
+        {"num_subpartitions": True},
+        {"buffer_size": MIN_BUFFER_SIZE - 1},
+        {"buffer_timeout": -2},
+        {"buffer_timeout": "1"},
+    ],
+)
+def test_constructor_refuses_bad_values(kwargs: dict[str, Any]) -> None:
+    args: dict[str, Any] = {"num_subpartitions": 2, "buffer_size": 1024} | kwargs
+    n = args.pop("num_subpartitions")
+    with pytest.raises(UsageError):
+        RecordWriter(n, **args)
+
+
+def test_records_larger_than_a_buffer_span_several_and_leave_at_once() -> None:
+    w = RecordWriter(2, buffer_size=1024, buffer_timeout=-1)
+    big = (0, b"\x07" * 100_000)
+    w.emit_to(big, 0)
+    w.emit_to((1, "small"), 0)
+    w.flush()
+    outs = w.take_output()
+    assert sum(o.size for o in outs) > 100_000
+    assert all(o.size <= 1024 for o in outs)
+    assert decode(outs, 2) == [[big, (1, "small")], []]
+
+
+def test_a_record_above_the_codec_limit_is_refused_typed() -> None:
+    w = RecordWriter(1, buffer_size=1024, codec=MsgpackCodec(max_record_size=1000))
+    with pytest.raises(RecordTooLargeError):
+        w.emit_to((0, b"x" * 2000), 0)
+        w.flush()
+
+
+def test_cut_buffers_are_slices_of_the_encoded_chunks_not_copies() -> None:
+    w = RecordWriter(1, buffer_size=MIN_BUFFER_SIZE, buffer_timeout=-1)
+    w.emit_all([(i, f"{i:040d}") for i in range(100)])
+    outs = w.close()
+    pieces = [p for o in outs for p in o.pieces]
+    assert pieces and all(isinstance(p, memoryview) for p in pieces)
+    bases = {id(p.obj) for p in pieces}
+    assert len(bases) < len(pieces)  # several buffers cut from one encoded batch
+
+
+# -- flushing -----------------------------------------------------------------------------
+
+
+def test_buffer_timeout_minus_one_cuts_only_full_buffers() -> None:
+    w = RecordWriter(1, buffer_size=1024, buffer_timeout=-1)
+    w.emit(("lone", 0))
+    assert not w.has_output and w.next_flush_deadline is None
+    assert not w.flush_if_due(10**9)
+    w.emit_all([("r", i, f"{i:0100d}") for i in range(100)])  # ~12 KiB
+    full = w.take_output()
+    assert full and all(o.size == 1024 for o in full)
+    w.flush()
+    assert 0 < sum(o.size for o in w.take_output()) < 1024 * 2
+
+
+def test_buffer_timeout_zero_flushes_every_record() -> None:
+    w = RecordWriter(3, buffer_size=1024, buffer_timeout=0)
+    for i in range(5):
+        w.emit_to((i,), i % 3)
+        outs = w.take_output()
+        assert [o.target for o in outs] == [i % 3]
+        assert decode(outs, 3)[i % 3] == [(i,)]
+
+
+def test_buffer_timeout_flushes_when_due_by_the_injected_clock() -> None:
+    clock = Clock()
+    w = RecordWriter(2, buffer_size=1024, buffer_timeout=0.05, clock=clock)
+    w.emit_to(("a",), 0)
+    assert not w.has_output
+    assert w.next_flush_deadline == pytest.approx(100.05)
+    assert not w.flush_if_due(100.04)
+    assert w.flush_if_due(100.05)
+    assert decode(w.take_output(), 2) == [[("a",)], []]
+    assert not w.flush_if_due(200.0)  # nothing pending: no empty flush
+    clock.now = 100.2
+    w.emit_to(("b",), 1)  # late: the record itself triggers the flush as it arrives
+    assert decode(w.take_output(), 2) == [[], [("b",)]]
+
+
+# -- broadcast and events -------------------------------------------------------------------
+
+
+def test_broadcast_is_encoded_once_into_shared_buffers_in_order() -> None:
+    w = RecordWriter(3, buffer_size=1024, buffer_timeout=-1)
+    w.emit_to(("before", 0), 0)
+    w.emit_to(("before", 2), 2)
+    w.broadcast(("all", {1, 2}))
+    w.emit_to(("after", 1), 1)
+    outs = w.close()
+    shared = [o for o in outs if o.target == ALL_SUBPARTITIONS and not o.is_event]
+    assert len(shared) == 1
+    assert decode(outs, 3) == [
+        [("before", 0), ("all", {1, 2})],
+        [("all", {1, 2}), ("after", 1)],
+        [("before", 2), ("all", {1, 2})],
+    ]
+
+
+def test_broadcast_selector_sends_every_record_to_every_subpartition() -> None:
+    w = RecordWriter(4, buffer_size=512, selector=BroadcastSelector(), buffer_timeout=-1)
+    records = [(i, f"{i:0100d}") for i in range(40)]
+    w.emit_all(records)
+    outs = w.close()
+    assert all(o.target == ALL_SUBPARTITIONS for o in outs)
+    assert decode(outs, 4) == [records] * 4
+
+
+def test_round_robin_selector() -> None:
+    w = RecordWriter(3, buffer_size=1024, selector=RoundRobinSelector(), buffer_timeout=-1)
+    w.emit_all([(i,) for i in range(9)])
+    got = decode(w.close(), 3)
+    assert sorted(len(p) for p in got) == [3, 3, 3]
+    assert sorted(r for p in got for r in p) == [(i,) for i in range(9)]
+
+
+def test_events_leave_after_every_record_before_them_on_every_subpartition() -> None:
+    w = RecordWriter(2, buffer_size=4096, buffer_timeout=-1)
+    w.emit_all([(i, i) for i in range(10)])
+    barrier = w.broadcast_barrier(7, 1234, aligned=True)
+    w.emit_all([(i, -i) for i in range(10)])
+    w.broadcast_cancel(7)
+    got = decode(w.close(), 2)
+    for t in range(2):
+        before = [r for r in by_hash([(i, i) for i in range(10)], 2)[t]]
+        after = [r for r in by_hash([(i, -i) for i in range(10)], 2)[t]]
+        assert got[t] == [*before, barrier, *after, CancelCheckpointMarker(7)]
+    assert isinstance(barrier, CheckpointBarrier) and barrier.options.exactly_once
+
+
+def test_an_aligned_barrier_travels_as_the_blocking_data_type() -> None:
+    w = RecordWriter(1, buffer_size=1024, buffer_timeout=-1)
+    w.broadcast_barrier(1, 0, aligned=True)
+    w.broadcast_barrier(2, 0, aligned=False)
+    aligned, unaligned = w.take_output()
+    assert aligned.data_type.is_blocking_upstream
+    assert not unaligned.data_type.is_blocking_upstream
+
+
+# -- buffer sizes (debloating) --------------------------------------------------------------
+
+
+def test_new_buffer_size_applies_to_new_buffers_and_is_clamped() -> None:
+    w = RecordWriter(2, buffer_size=4096, buffer_timeout=-1)
+    w.set_buffer_size(0, 1000)
+    w.set_buffer_size(1, 10)  # below the minimum
+    assert w.buffer_size(0) == 1000 and w.buffer_size(1) == MIN_BUFFER_SIZE
+    w.set_buffer_size(0, 10**9)
+    assert w.buffer_size(0) == 4096
+    w.set_buffer_size(0, 1000)
+    records = [(i, f"{i:0200d}") for i in range(200)]
+    w.emit_all(records)
+    outs = w.close()
+    for o in outs:
+        assert o.size <= (1000 if o.target == 0 else MIN_BUFFER_SIZE)
+    assert decode(outs, 2) == by_hash(records, 2)
+    with pytest.raises(UsageError):
+        w.set_buffer_size(0, 0)
+
+
+def test_broadcast_buffers_use_the_smallest_subpartition_size() -> None:
+    w = RecordWriter(3, buffer_size=4096, buffer_timeout=-1)
+    w.set_buffer_size(1, 600)
+    w.emit_all([(i, f"{i:0300d}") for i in range(50)], key_func=lambda r: 0)
+    for i in range(20):
+        w.broadcast((i, f"{i:0300d}"))
+    outs = w.close()
+    assert all(o.size <= 600 for o in outs if o.target == ALL_SUBPARTITIONS)
+
+
+# -- closing ---------------------------------------------------------------------------------
+
+
+def test_close_returns_the_last_buffers_and_everything_after_is_refused() -> None:
+    w = RecordWriter(1, buffer_size=1024)
+    w.emit(("x", 1))
+    assert decode(w.close(), 1) == [[("x", 1)]]
+    assert w.is_closed
+    for call in (
+        lambda: w.emit(("y",)),
+        lambda: w.emit_all([("y",)]),
+        lambda: w.broadcast(("y",)),
+        lambda: w.broadcast_event(CancelCheckpointMarker(1)),
+        w.close,
+    ):
+        with pytest.raises(WriterClosedError):
+            call()
+
+
+def test_discard_drops_everything_pending() -> None:
+    w = RecordWriter(2, buffer_size=1024, buffer_timeout=-1)
+    w.emit_all([(i, i) for i in range(1000)])
+    w.broadcast(("b",))
+    w.discard()
+    assert w.is_closed and not w.has_output
+    assert w.pending_bytes == 0 and w.pending_records == 0
+
+
+def test_user_event_types_pass_through() -> None:
+    from dataclasses import dataclass
+
+    from exchange.events.events import register_event_type
+
+    @dataclass(frozen=True)
+    class Watermark(AbstractEvent):
+        ts: int
+
+    register_event_type(200, Watermark, lambda e: e.ts, lambda v: Watermark(v))
+    w = RecordWriter(2, buffer_size=1024, buffer_timeout=-1)
+    w.emit_to((1,), 0)
+    w.broadcast_event(Watermark(5))
+    assert decode(w.close(), 2) == [[(1,), Watermark(5)], [Watermark(5)]]
