@@ -284,6 +284,17 @@ class Child:
     def send(self, obj: Any) -> None:
         self.conn.send(obj)
 
+    @property
+    def pid(self) -> int:
+        pid = self.proc.pid
+        assert pid is not None
+        return pid
+
+    def kill(self) -> None:
+        """SIGKILL now and reap (a task that dies without closing anything)."""
+        self.proc.kill()
+        self.close()
+
     def close(self) -> None:
         self.proc.join(5)
         if self.proc.is_alive():
@@ -443,4 +454,4 @@ def flight_gbps(total: int, record_size: int) -> float:
     res, _ = run_pair(
         flight_server, (total, record_size), flight_client, (total, record_size), stop_server=True
     )
-    return float(res["bytes"]) / res["seconds"] / GB
+    return float(res["bytes"]) / float(res["seconds"]) / GB

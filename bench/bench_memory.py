@@ -116,7 +116,7 @@ def scenario(num_subpartitions: int, bound: float) -> dict[str, Any]:
         limit = ATTEMPT_BYTES // RECORD
         while True:
             samples.append(daemon.rss())
-            producer_samples.append(proc_rss(producer.proc.pid))
+            producer_samples.append(proc_rss(producer.pid))
             now = time.monotonic()
             value = attempted.value
             if value != last_value:
@@ -129,16 +129,14 @@ def scenario(num_subpartitions: int, bound: float) -> dict[str, Any]:
             time.sleep(SAMPLE_SECONDS)
         elapsed = time.monotonic() - t0
         stats = daemon.stats()
-        for child in (producer, consumer):
-            child.proc.kill()
-            child.close()
+        producer.kill()
+        consumer.kill()
         producer = consumer = None
         whole = daemon.stop()
     finally:
         for child in (producer, consumer):
             if child is not None:
-                child.proc.kill()
-                child.close()
+                child.kill()
         daemon.close()
     network = daemon.network_memory
     peak = max(samples)

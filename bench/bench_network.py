@@ -171,7 +171,7 @@ def read_once(daemon: Daemon, dataset: str, subpartitions: int, count: int) -> d
 
 def raw_gbps(total: int) -> float:
     _, res = run_pair(raw_receiver, (total,), raw_sender, (total,), stop_server=False)
-    return float(res["bytes"]) / res["seconds"] / GB
+    return float(res["bytes"]) / float(res["seconds"]) / GB
 
 
 # -- driver ---------------------------------------------------------------------------------
