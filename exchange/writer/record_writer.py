@@ -71,7 +71,7 @@ _M64: Final = 0xFFFFFFFFFFFFFFFF
 _I63: Final = 2**63
 _KEY_CACHE: Final = 1 << 16
 #: Records per batch: the first batch of a subpartition, and the bounds of the adaptation.
-_FIRST_BATCH: Final = 32
+_FIRST_BATCH: Final = 4
 _MAX_BATCH: Final = 4096
 #: Records ``emit_all`` routes between two checks for full batches.
 _SLICE: Final = 2048
@@ -183,6 +183,9 @@ class RecordWriter:
         # between unicast and broadcast cuts the other side's pending bytes first (order).
         self._bstream = _Stream(buffer_size)
         self._broadcasting = False
+        # Records per batch that fill about one buffer, from the last encoded batch of any
+        # subpartition: bounds the first batches of the others (large records, wide fan-out)
+        self._batch_hint = _MAX_BATCH
         self._output: list[OutputBuffer] = []
         self._output_bytes = 0
         self._last_flush = clock()
@@ -231,7 +234,7 @@ class RecordWriter:
         stream.records.append(record)
         self.stats.records_out += 1
         self._dirty = True
-        if len(stream.records) >= stream.batch:
+        if len(stream.records) >= min(stream.batch, self._batch_hint):
             self._encode(target, stream)
         self._after_records()
 
@@ -309,8 +312,9 @@ class RecordWriter:
                         cache[key] = cached
                 appends[cached](record)
             count += taken
+            hint = self._batch_hint
             for index, stream in enumerate(streams):
-                if len(stream.records) >= stream.batch:
+                if len(stream.records) >= min(stream.batch, hint):
                     self._encode(index, stream)
             if taken < _SLICE:
                 break
@@ -527,9 +531,9 @@ class RecordWriter:
             # growing at most twice the last batch (a flushed batch of one tiny record must
             # not make the next batch hold back thousands).
             per_record = n // len(records) or 1
-            stream.batch = max(
-                1, min(_MAX_BATCH, 2 * len(records), stream.buffer_size // per_record)
-            )
+            fill = max(1, min(_MAX_BATCH, stream.buffer_size // per_record))
+            stream.batch = min(fill, 2 * len(records))
+            self._batch_hint = fill
             if stream.nbytes >= stream.buffer_size:
                 self._cut(index, stream, partial=False)
 
