@@ -41,7 +41,7 @@ from exchange.protocol.local_messages import (
 )
 from exchange.serialization.codec import RecordCodec
 from exchange.writer.channel_selector import ChannelSelector
-from exchange.writer.core_writer import DEFAULT_BUFFER_TIMEOUT, OutputBuffer, RecordWriter
+from exchange.writer.record_writer import DEFAULT_BUFFER_TIMEOUT, OutputBuffer, RecordWriter
 from exchange.writer.partition_writer import AsyncRecordWriter
 
 __all__ = ["AsyncPartitionWriter", "DaemonSink", "PartitionWriter"]
@@ -75,9 +75,7 @@ class DaemonSink:
         await self.conn.push_buffer(out)
 
     async def write_all(self, outs: list[OutputBuffer]) -> None:
-        push = self.conn.push_buffer
-        for out in outs:
-            await push(out)
+        await self.conn.push_buffers(outs)
 
     async def finish(self) -> None:
         reply = await self.conn.request(FinishPartition())
