@@ -5,10 +5,15 @@ over TCP to a remote daemon's data port, or over the Unix socket when the partit
 on this host's daemon (same protocol, no TCP). It owns a small NetworkBufferPool (exclusive
 buffers per channel + floating buffers per gate), which must be whole when it closes.
 
-``PartitionReader`` is the synchronous facade: the background loop pulls buffers, copies
-their bytes out (releasing the buffer at once, which returns credit upstream) and hands
-them over in batches; the task thread decodes them (faster than decoding on the loop
-thread: no GIL ping-pong). At most ``window`` batches wait in between (bounded memory).
+``PartitionReader`` is the synchronous facade over the same gate and the same decode path
+(``RecordStream``): the background loop hands the received Buffers themselves (no copy)
+to the task thread in batches; the task thread decodes each buffer's memoryview and gives
+the batch's buffers back to the loop thread in one ``call_soon_threadsafe`` (pools and
+credit are loop-thread only), so credit returns as soon as a batch is decoded. At most
+``window`` batches wait in between (bounded memory). Events reach ``event_handler`` in
+the task thread, in order with the records; ``resume_consumption(channel)`` may be called
+from any thread. ``close()`` from another thread ends a blocked ``records()`` at once with
+an IllegalStateError.
 """
 
 from __future__ import annotations
@@ -17,19 +22,19 @@ import asyncio
 import contextlib
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final
 
 from client.network import UNIX_PREFIX, ConnectionManager
 from client.runtime import ClientRuntime, get_runtime
+from exchange.buffers.buffer import Buffer
 from exchange.consumer.input_channel import DEFAULT_BACKOFF_INITIAL, DEFAULT_BACKOFF_MAX
-from exchange.consumer.record_reader import RecordReader
+from exchange.consumer.record_reader import EventHandler, RecordReader, RecordStream
 from exchange.consumer.remote_input_channel import RemoteInputChannel
 from exchange.consumer.single_input_gate import SingleInputGate
-from exchange.errors import CorruptRecordError, IllegalStateError, UsageError
-from exchange.events.events import AbstractEvent, CheckpointBarrier, EndOfPartitionEvent
+from exchange.errors import IllegalStateError, UsageError
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.serialization.codec import RecordCodec, default_codec
@@ -37,8 +42,6 @@ from exchange.serialization.codec import RecordCodec, default_codec
 __all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader"]
 
 _BATCH_BUFFERS: Final = 64
-
-EventHandler = Callable[[AbstractEvent, int], bool | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +74,16 @@ class AsyncPartitionReader:
         connections: ConnectionManager,
         codec: RecordCodec,
         event_handler: EventHandler | None,
+        *,
+        auto_resume_barriers: bool = True,
     ) -> None:
         self.gate = gate
         self.pool = pool
         self.connections = connections
         self.codec = codec
-        self.reader = RecordReader(gate, codec, event_handler)
+        self.reader = RecordReader(
+            gate, codec, event_handler, auto_resume_barriers=auto_resume_barriers
+        )
         self._closed = False
 
     @classmethod
@@ -93,7 +100,15 @@ class AsyncPartitionReader:
         backoff_initial: float = DEFAULT_BACKOFF_INITIAL,
         backoff_max: float = DEFAULT_BACKOFF_MAX,
         event_handler: EventHandler | None = None,
+        auto_resume_barriers: bool = True,
     ) -> AsyncPartitionReader:
+        """Open channels to every location and request their subpartitions.
+
+        ``num_exclusive`` buffers per channel are its initial credit; ``num_floating`` are
+        shared by the gate's channels as their backlogs ask; a partition not registered
+        yet is requested again after ``backoff_initial`` doubling up to ``backoff_max``.
+        ``auto_resume_barriers``: see ``exchange.consumer.record_reader``.
+        """
         if num_exclusive < 1 or num_floating < 0:
             raise UsageError("num_exclusive must be >= 1 and num_floating >= 0")
         for loc in locations:
@@ -121,13 +136,25 @@ class AsyncPartitionReader:
             for i, loc in enumerate(locations)
         ]
         gate.set_input_channels(channels)
-        self = cls(gate, pool, connections, codec or default_codec(), event_handler)
+        self = cls(
+            gate,
+            pool,
+            connections,
+            codec or default_codec(),
+            event_handler,
+            auto_resume_barriers=auto_resume_barriers,
+        )
         try:
             await gate.request_partitions()
         except BaseException:
             await self.close()
             raise
         return self
+
+    def resume_consumption(self, channel_index: int) -> None:
+        """Unblock a channel after its aligned checkpoint barrier."""
+        if not self.gate.is_closed:
+            self.gate.resume_consumption(channel_index)
 
     async def next_batch(self) -> list[Any] | None:
         return await self.reader.next_batch()
@@ -148,6 +175,7 @@ class AsyncPartitionReader:
         if self._closed:
             return
         self._closed = True
+        self.reader.stream.clear()
         self.gate.close()
         await self.connections.close()
         self.pool.check_consistency()
@@ -170,29 +198,59 @@ _EVENT: Final = 1
 _END: Final = 2
 _ERROR: Final = 3
 
+_Item = tuple[int, int, Any]  # (kind, channel, Buffer | event | error)
+
+
+def _release_all(buffers: list[Buffer]) -> None:
+    for buf in buffers:
+        buf.release()
+
 
 class _Handoff:
-    """Batches from the loop thread to the task thread; at most ``window`` in between."""
+    """Batches from the loop thread to the task thread; at most ``window`` in between.
+
+    ``close()`` (any thread) wakes a waiting ``get`` (it raises IllegalStateError) and makes
+    later ``put``s give their buffers back at once; ``drain()`` (loop thread) takes what
+    was never consumed.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, window: int) -> None:
+        if window < 1:
+            raise UsageError(f"window must be >= 1, got {window}")
         self._loop = loop
-        self._items: deque[list[tuple[int, int, Any]]] = deque()
+        self._items: deque[list[_Item]] = deque()
         self._cond = threading.Condition()
         self._space = asyncio.Semaphore(window)
+        self._closed = False
 
-    async def put(self, batch: list[tuple[int, int, Any]]) -> None:
+    async def put(self, batch: list[_Item]) -> None:
         await self._space.acquire()
         with self._cond:
-            self._items.append(batch)
-            self._cond.notify()
+            if not self._closed:
+                self._items.append(batch)
+                self._cond.notify()
+                return
+        _release_all([item for kind, _, item in batch if kind == _DATA])
 
-    def get(self) -> list[tuple[int, int, Any]]:
+    def get(self) -> list[_Item]:
         with self._cond:
             while not self._items:
+                if self._closed:
+                    raise IllegalStateError("the PartitionReader was closed while reading")
                 self._cond.wait()
             batch = self._items.popleft()
         self._loop.call_soon_threadsafe(self._space.release)
         return batch
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def drain(self) -> list[Buffer]:
+        with self._cond:
+            batches, self._items = list(self._items), deque()
+        return [item for batch in batches for kind, _, item in batch if kind == _DATA]
 
 
 class PartitionReader:
@@ -211,12 +269,13 @@ class PartitionReader:
         backoff_initial: float = DEFAULT_BACKOFF_INITIAL,
         backoff_max: float = DEFAULT_BACKOFF_MAX,
         event_handler: EventHandler | None = None,
+        auto_resume_barriers: bool = True,
         runtime: ClientRuntime | None = None,
         window: int = 4,
     ) -> None:
         self._rt = runtime if runtime is not None else get_runtime()
         self.codec: RecordCodec = codec if codec is not None else default_codec()
-        self._handler = event_handler
+        self._handoff = _Handoff(self._rt.loop, window)
         self._core = self._rt.run(
             AsyncPartitionReader.open(
                 locations,
@@ -230,20 +289,31 @@ class PartitionReader:
                 backoff_max=backoff_max,
             )
         )
-        self._decoders = [self.codec.new_decoder() for _ in locations]
-        self._handoff = _Handoff(self._rt.loop, window)
+        # The one decode path, run in the task thread; resuming goes to the loop thread.
+        self._stream = RecordStream(
+            self.codec,
+            len(locations),
+            self.resume_consumption,
+            event_handler,
+            auto_resume_barriers=auto_resume_barriers,
+        )
+        self._in_flight = 0  # buffers handed to the task thread, not yet given back
+        self._all_back: asyncio.Event | None = None
         self._pump_future = self._rt.submit(self._pump())
         self._done = False
         self._closed = False
-        self.records_read = 0
+
+    @property
+    def records_read(self) -> int:
+        return self._stream.records_in
 
     async def _pump(self) -> None:
-        """Loop thread: move buffers (as bytes) and events to the task thread."""
+        """Loop thread: move buffers (themselves) and events to the task thread."""
         gate = self._core.gate
         put = self._handoff.put
         try:
             while True:
-                batch: list[tuple[int, int, Any]] = []
+                batch: list[_Item] = []
                 boe = gate.poll_next()
                 if boe is None:
                     boe = await gate.get_next()
@@ -251,25 +321,31 @@ class PartitionReader:
                         await put([(_END, 0, None)])
                         return
                 while boe is not None:
-                    buf = boe.buffer
-                    if buf is not None:
-                        try:
-                            batch.append((_DATA, boe.channel_index, bytes(buf.memoryview())))
-                        finally:
-                            buf.release()
+                    if boe.buffer is not None:
+                        batch.append((_DATA, boe.channel_index, boe.buffer))
                     else:
-                        event = boe.event
-                        batch.append((_EVENT, boe.channel_index, event))
-                        if isinstance(event, CheckpointBarrier) and event.options.exactly_once:
-                            gate.resume_consumption(boe.channel_index)
+                        batch.append((_EVENT, boe.channel_index, boe.event))
                     if len(batch) >= _BATCH_BUFFERS:
                         break
                     boe = gate.poll_next()
+                self._in_flight += sum(1 for kind, _, _ in batch if kind == _DATA)
                 await put(batch)
         except asyncio.CancelledError:
             raise
         except BaseException as e:
             await put([(_ERROR, 0, e)])
+
+    def _give_back(self, buffers: list[Buffer]) -> None:
+        """Loop thread: release buffers the task thread has decoded (returns credit)."""
+        self._in_flight -= len(buffers)
+        _release_all(buffers)
+        if self._in_flight == 0 and self._all_back is not None:
+            self._all_back.set()
+
+    def resume_consumption(self, channel_index: int) -> None:
+        """Unblock a channel after its aligned barrier (any thread)."""
+        if not self._closed:
+            self._rt.loop.call_soon_threadsafe(self._core.resume_consumption, channel_index)
 
     def __iter__(self) -> Iterator[Any]:
         return self.records()
@@ -277,48 +353,64 @@ class PartitionReader:
     def records(self) -> Iterator[Any]:
         """Every record, in order per channel; raises the stream's error if it fails.
 
-        A reader closed before the end (an early ``break`` closes it) raises
-        IllegalStateError: nothing would ever arrive, and an empty read would pass for
-        a short one.
+        A reader closed before the end (an early ``break`` closes it, and so does
+        ``close()`` from another thread, even while this waits) raises IllegalStateError:
+        nothing would ever arrive, and an empty read would pass for a short one.
         """
         if self._closed and not self._done:
             raise IllegalStateError("the PartitionReader was closed before the end of its input")
-        decoders = self._decoders
         get = self._handoff.get
         try:
             while not self._done:
-                for kind, ch, item in get():
+                out = self._decode(get())
+                for kind, ch, item in out:
                     if kind == _DATA:
-                        dec = decoders[ch]
-                        dec.feed(item)
-                        recs = dec.take()
-                        if recs:
-                            self.records_read += len(recs)
-                            yield from recs
+                        yield from item
                     elif kind == _EVENT:
-                        self._on_event(item, ch)
+                        self._stream.on_event(item, ch)
                     elif kind == _END:
                         self._done = True
                     else:
                         self._done = True
                         raise item
+                if self._closed and not self._done:
+                    raise IllegalStateError("the PartitionReader was closed while reading")
         finally:
             self.close()
+
+    def _decode(self, batch: list[_Item]) -> list[_Item]:
+        """Decode a batch's buffers, then give them all back in one loop callback."""
+        out: list[_Item] = []
+        used: list[Buffer] = []
+        feed = self._stream.feed
+        try:
+            for kind, ch, item in batch:
+                if kind == _DATA:
+                    used.append(item)
+                    view = item.memoryview()
+                    try:
+                        records = feed(ch, view)
+                    finally:
+                        view.release()
+                    if records:
+                        out.append((_DATA, ch, records))
+                else:
+                    out.append((kind, ch, item))
+        finally:
+            rest = [item for kind, _, item in batch[len(used) + len(out) :] if kind == _DATA]
+            self._rt.loop.call_soon_threadsafe(self._give_back, used + rest)
+        return out
 
     def read_all(self) -> list[Any]:
         return list(self.records())
 
-    def _on_event(self, event: AbstractEvent, channel: int) -> None:
-        if isinstance(event, EndOfPartitionEvent) and self._decoders[channel].has_partial_record:
-            raise CorruptRecordError(f"channel {channel} ended inside a record")
-        if self._handler is not None:
-            self._handler(event, channel)
-
     def close(self) -> None:
-        """Stop reading and release everything (idempotent; safe after an early stop)."""
+        """Stop reading and release everything (idempotent; any thread; after an early stop
+        a ``records()`` still waiting raises IllegalStateError)."""
         if self._closed:
             return
         self._closed = True
+        self._handoff.close()
         self._pump_future.cancel()
         self._rt.run(self._close_async())
 
@@ -326,6 +418,10 @@ class PartitionReader:
         pump = asyncio.wrap_future(self._pump_future)
         with contextlib.suppress(BaseException):
             await pump
+        self._give_back(self._handoff.drain())
+        if self._in_flight:  # the task thread is decoding a batch: wait for its buffers
+            self._all_back = asyncio.Event()
+            await self._all_back.wait()
         await self._core.close()
 
     def __enter__(self) -> PartitionReader:

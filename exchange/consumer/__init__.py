@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from exchange.consumer.input_channel import BufferAndAvailability, InputChannel
 from exchange.consumer.local_input_channel import LocalInputChannel
-from exchange.consumer.record_reader import EventHandler, RecordReader
+from exchange.consumer.record_reader import EventHandler, RecordReader, RecordStream
 from exchange.consumer.single_input_gate import BufferOrEvent, SingleInputGate
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "InputChannel",
     "LocalInputChannel",
     "RecordReader",
+    "RecordStream",
     "SingleInputGate",
 ]

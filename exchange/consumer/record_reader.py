@@ -1,13 +1,18 @@
-"""RecordReader: records out of a SingleInputGate, one deserializer per channel.
+"""RecordReader: records out of a SingleInputGate, one decoder per channel.
 
-Data buffers are fed to their channel's deserializer (which copies the bytes out and
-releases the buffer at once) and come out as batches of whole records; a record may span
-any number of buffers. Events go to an optional handler. A channel that ends inside a
-record is a CorruptRecordError, never a silently dropped tail.
+``RecordStream`` is the one decode and event path every reader shares (this async
+``RecordReader`` and the synchronous ``client.consumer.PartitionReader``, which runs it in
+the task thread): a data buffer's bytes go to its channel's stream decoder (which copies
+what it keeps, so the buffer can be released right after), whole records come out in
+order; a record may span any number of buffers. Events go to an optional handler, in
+order with the records. A channel that ends inside a record is a CorruptRecordError,
+never a silently dropped tail.
 
-Aligned checkpoint barriers block their subpartition until consumption is resumed; with
-no handler taking charge of alignment (``handler`` returns True), the reader resumes
-at once, which makes barriers harmless for plain record readers.
+Aligned checkpoint barriers block their subpartition until consumption is resumed
+(``resume_consumption(channel)``). The handler takes charge of that by returning True.
+Otherwise, with ``auto_resume_barriers`` (the default, kept for plain record readers
+until a barrier handler is plugged in) the reader resumes at once after the handler ran;
+with ``auto_resume_barriers=False`` a barrier nobody resumes stalls its channel.
 """
 
 from __future__ import annotations
@@ -19,12 +24,63 @@ from exchange.consumer.single_input_gate import SingleInputGate
 from exchange.errors import CorruptRecordError
 from exchange.events.events import AbstractEvent, CheckpointBarrier, EndOfPartitionEvent
 from exchange.serialization.codec import RecordCodec, default_codec
-from exchange.serialization.record_deserializer import RecordDeserializer
 
-__all__ = ["EventHandler", "RecordReader"]
+__all__ = ["EventHandler", "RecordReader", "RecordStream"]
 
 #: ``handler(event, channel_index) -> bool``: True means "I resume consumption myself".
 EventHandler = Callable[[AbstractEvent, int], bool | None]
+
+
+class RecordStream:
+    """Decoding and event dispatch for a set of channels; no I/O, no buffers kept."""
+
+    __slots__ = ("_auto_resume", "_decoders", "_handler", "_resume", "codec", "records_in")
+
+    def __init__(
+        self,
+        codec: RecordCodec,
+        num_channels: int,
+        resume: Callable[[int], None],
+        event_handler: EventHandler | None = None,
+        *,
+        auto_resume_barriers: bool = True,
+    ) -> None:
+        self.codec = codec
+        self._decoders = [codec.new_decoder() for _ in range(num_channels)]
+        self._resume = resume
+        self._handler = event_handler
+        self._auto_resume = auto_resume_barriers
+        self.records_in = 0
+
+    def feed(self, channel: int, data: memoryview) -> list[Any]:
+        """The records completed by ``data`` (copied as needed; the caller may release)."""
+        dec = self._decoders[channel]
+        dec.feed(data)
+        records = dec.take()
+        self.records_in += len(records)
+        return records
+
+    def on_event(self, event: AbstractEvent, channel: int) -> None:
+        """Check the channel's stream at its end, run the handler, resume if due."""
+        if isinstance(event, EndOfPartitionEvent):
+            dec = self._decoders[channel]
+            if dec.has_partial_record:
+                raise CorruptRecordError(
+                    f"channel {channel} ended inside a record "
+                    f"({dec.buffered_bytes} bytes of an incomplete record)"
+                )
+        handled = self._handler(event, channel) if self._handler is not None else None
+        if (
+            self._auto_resume
+            and not handled
+            and isinstance(event, CheckpointBarrier)
+            and event.options.exactly_once
+        ):
+            self._resume(channel)
+
+    def clear(self) -> None:
+        for d in self._decoders:
+            d.clear()
 
 
 class RecordReader:
@@ -35,17 +91,31 @@ class RecordReader:
         gate: SingleInputGate,
         codec: RecordCodec | None = None,
         event_handler: EventHandler | None = None,
+        *,
+        auto_resume_barriers: bool = True,
     ) -> None:
         self.gate = gate
         self.codec: RecordCodec = codec if codec is not None else default_codec()
-        self._deserializers = [RecordDeserializer(self.codec) for _ in gate.channels]
-        self._handler = event_handler
-        self.records_in = 0
+        self.stream = RecordStream(
+            self.codec,
+            len(gate.channels),
+            gate.resume_consumption,
+            event_handler,
+            auto_resume_barriers=auto_resume_barriers,
+        )
+
+    @property
+    def records_in(self) -> int:
+        return self.stream.records_in
+
+    def resume_consumption(self, channel_index: int) -> None:
+        """Unblock a channel after its aligned barrier."""
+        self.gate.resume_consumption(channel_index)
 
     async def next_batch(self) -> list[Any] | None:
         """The records available next (never empty), or None at the end of input."""
         gate = self.gate
-        desers = self._deserializers
+        stream = self.stream
         while True:
             boe = gate.poll_next()
             if boe is None:
@@ -54,28 +124,20 @@ class RecordReader:
                     return None
             buf = boe.buffer
             if buf is not None:
-                deser = desers[boe.channel_index]
-                deser.set_next_buffer(buf)
-                records = deser.records()
+                try:
+                    view = buf.memoryview()
+                    try:
+                        records = stream.feed(boe.channel_index, view)
+                    finally:
+                        view.release()
+                finally:
+                    buf.release()
                 if records:
-                    self.records_in += len(records)
                     return records
                 continue
             event = boe.event
             assert event is not None
-            self._on_event(event, boe.channel_index)
-
-    def _on_event(self, event: AbstractEvent, channel: int) -> None:
-        if isinstance(event, EndOfPartitionEvent):
-            deser = self._deserializers[channel]
-            if deser.has_partial_record:
-                raise CorruptRecordError(
-                    f"channel {channel} ended inside a record "
-                    f"({deser.buffered_bytes} bytes of an incomplete record)"
-                )
-        handled = self._handler(event, channel) if self._handler is not None else None
-        if isinstance(event, CheckpointBarrier) and event.options.exactly_once and not handled:
-            self.gate.resume_consumption(channel)
+            stream.on_event(event, boe.channel_index)
 
     async def __aiter__(self) -> AsyncIterator[Any]:
         while True:
@@ -94,6 +156,5 @@ class RecordReader:
             out.extend(batch)
 
     def close(self) -> None:
-        for d in self._deserializers:
-            d.clear()
+        self.stream.clear()
         self.gate.close()
