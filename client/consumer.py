@@ -379,14 +379,13 @@ class PartitionReader:
             self.close()
 
     def _decode(self, batch: list[_Item]) -> list[_Item]:
-        """Decode a batch's buffers, then give them all back in one loop callback."""
+        """Decode a batch's buffers, then give them all back in one loop callback (also
+        when decoding fails: the buffers not reached yet go back too)."""
         out: list[_Item] = []
-        used: list[Buffer] = []
         feed = self._stream.feed
         try:
             for kind, ch, item in batch:
                 if kind == _DATA:
-                    used.append(item)
                     view = item.memoryview()
                     try:
                         records = feed(ch, view)
@@ -397,8 +396,9 @@ class PartitionReader:
                 else:
                     out.append((kind, ch, item))
         finally:
-            rest = [item for kind, _, item in batch[len(used) + len(out) :] if kind == _DATA]
-            self._rt.loop.call_soon_threadsafe(self._give_back, used + rest)
+            buffers = [item for kind, _, item in batch if kind == _DATA]
+            if buffers:
+                self._rt.loop.call_soon_threadsafe(self._give_back, buffers)
         return out
 
     def read_all(self) -> list[Any]:
