@@ -212,7 +212,12 @@ class LocalBufferPool:
     # -- sizing and lifecycle ------------------------------------------------------------
 
     def set_num_buffers(self, num_buffers: int) -> None:
-        """Resize (called by redistribution); excess available segments go back at once."""
+        """Resize (called by redistribution).
+
+        Shrunk: excess available segments go back at once, excess in-use ones as they are
+        recycled. Grown: waiting BufferListeners are served from the global pool (once
+        every pool's new size is set, when called by the redistribution).
+        """
         if num_buffers < self.num_required:
             raise UsageError(
                 f"pool size {num_buffers} below its required {self.num_required} segments"
@@ -221,6 +226,8 @@ class LocalBufferPool:
         while self._num_requested > self.current_pool_size and self._available:
             self._return_to_global(self._available.pop())
         self._update_availability()
+        if self._listeners and self._num_requested < self.current_pool_size:
+            self._network_pool._request_wakeup(self)
 
     def destroy(self) -> None:
         """Give back every available segment; in-use ones go back as they are recycled."""

@@ -345,6 +345,15 @@ class NetworkBufferPool:
     def _register_waiting_pool(self, pool: LocalBufferPool) -> None:
         self._waiting_pools[id(pool)] = pool
 
+    def _request_wakeup(self, pool: LocalBufferPool) -> None:
+        """``pool`` grew while it has listeners waiting: serve it from the free segments,
+        after the redistribution in progress (if any) has set every size."""
+        self._register_waiting_pool(pool)
+        if self._redistributing:
+            self._wakeup_deferred = True
+        else:
+            self._after_return()
+
     # -- availability --------------------------------------------------------------------
 
     @property

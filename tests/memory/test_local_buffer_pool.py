@@ -503,3 +503,90 @@ async def test_available_future_after_destroy_fails_at_once() -> None:
         fut.result()
     assert nbp.is_whole()
     nbp.destroy()
+
+
+# -- listeners while the pool is resized (issue 8, defect 8) --------------------------------
+
+
+def test_a_pool_grown_by_redistribution_serves_its_waiting_listeners() -> None:
+    nbp = NetworkBufferPool(4, SEG)
+    pool = nbp.create_buffer_pool(1, 4)
+    other = nbp.create_buffer_pool(3, 3)
+    assert pool.current_pool_size == 1
+    (held,) = take(pool, 1)
+    listener = Listener(NotificationResult.BUFFER_USED_NEED_MORE)
+    assert pool.add_buffer_listener(listener)
+    other.destroy()  # its share comes free: pool may grow to 4, and its listener waits
+    assert pool.current_pool_size == 4
+    assert listener.offers == 3
+    assert pool.num_requested == 4 and nbp.num_available == 0
+    nbp.check_consistency()
+    pool.destroy()  # first: the listener still asks for more
+    assert listener.destroyed == 1
+    listener.release_all()
+    held.release()
+    assert_whole(nbp)
+    nbp.destroy()
+
+
+def test_set_num_buffers_serves_waiting_listeners_up_to_the_new_size() -> None:
+    nbp = NetworkBufferPool(8, SEG)
+    pool = nbp.create_buffer_pool(2, 2)
+    held = take(pool, 2)
+    pool.max_segments = 8  # as if configured larger; grown by hand below
+    listener = Listener(NotificationResult.BUFFER_USED_NEED_MORE)
+    assert pool.add_buffer_listener(listener)
+    pool.set_num_buffers(5)
+    assert listener.offers == 3
+    assert pool.num_requested == 5
+    assert nbp.num_available == 3
+    nbp.check_consistency()
+    pool.destroy()  # first: the listener still asks for more
+    for b in held:
+        b.release()
+    listener.release_all()
+    assert_whole(nbp)
+    nbp.destroy()
+
+
+def test_a_grown_pool_wakes_a_listener_that_is_satisfied_with_one() -> None:
+    nbp = NetworkBufferPool(4, SEG)
+    pool = nbp.create_buffer_pool(1, 4)
+    other = nbp.create_buffer_pool(3, 3)
+    (held,) = take(pool, 1)
+    listener = Listener(NotificationResult.BUFFER_USED_NO_NEED_MORE)
+    pool.add_buffer_listener(listener)
+    other.destroy()
+    assert listener.offers == 1
+    assert pool.stats().num_listeners == 0
+    assert pool.num_requested == 2  # only what the listener took: the rest stays global
+    listener.release_all()
+    held.release()
+    pool.destroy()
+    assert_whole(nbp)
+    nbp.destroy()
+
+
+def test_a_shrunk_pool_returns_its_excess_before_serving_listeners() -> None:
+    nbp = NetworkBufferPool(4, SEG)
+    pool = nbp.create_buffer_pool(1, 4)
+    held = take(pool, 4)
+    listener = Listener(NotificationResult.BUFFER_USED_NO_NEED_MORE)
+    pool.add_buffer_listener(listener)
+    other = nbp.create_buffer_pool(3, 3)  # pool shrinks to 1 while holding 4
+    assert pool.current_pool_size == 1
+    for b in held[:3]:
+        b.release()  # over its size: back to the global pool, not to the listener
+    assert listener.offers == 0
+    assert pool.num_requested == 1 and nbp.num_available == 3
+    taken = take(other, 3)
+    held[3].release()  # at its size again: this one goes to the listener
+    assert listener.offers == 1
+    nbp.check_consistency()
+    listener.release_all()
+    for b in taken:
+        b.release()
+    for p in (pool, other):
+        p.destroy()
+    assert_whole(nbp)
+    nbp.destroy()

@@ -4,7 +4,9 @@ A hypothesis state machine drives one NetworkBufferPool through local pool creat
 destruction, buffer and builder requests, releases in random order, exclusive batches and
 BufferListeners that take, decline or ask for more. After every step it recounts the
 segments itself (held by the test + queued in local pools + free globally == total, every
-index exactly once) and checks the redistribution arithmetic.
+index exactly once) and checks the redistribution arithmetic. After every step that grows
+pools (a pool destroyed, exclusive segments returned) no grown pool keeps a listener
+waiting while it could take a free segment (issue 8, defect 8).
 """
 
 from __future__ import annotations
@@ -96,6 +98,17 @@ class PoolMachine(RuleBasedStateMachine):
     def held_from(self, pool: LocalBufferPool) -> int:
         return sum(1 for h in self.held if h.pool is pool)
 
+    def sizes(self) -> dict[int, int]:
+        return {id(p): p.current_pool_size for p in self.live}
+
+    def check_grown_pools_served_their_listeners(self, before: dict[int, int]) -> None:
+        for p in self.live:
+            if p.current_pool_size <= before.get(id(p), p.current_pool_size):
+                continue
+            waiting = p.stats().num_listeners > 0
+            could_take = p.num_requested < p.current_pool_size and self.nbp.num_available > 0
+            assert not (waiting and could_take), f"{p} grew but left its listeners waiting"
+
     # -- rules -----------------------------------------------------------------------------
 
     @rule(
@@ -126,7 +139,9 @@ class PoolMachine(RuleBasedStateMachine):
         # As in Flink's lazyDestroy, the pool gives back its queued segments before the
         # redistribution: a waiting pool may take one at its old size, then be shrunk.
         self.size_before = {id(p): p.current_pool_size for p in self.live}
+        sizes = self.sizes()
         pool.destroy()
+        self.check_grown_pools_served_their_listeners(sizes)
         assert pool.is_destroyed
         assert pool.num_available == 0
         assert all(x.destroyed == 1 and not x.registered for x in registered)
@@ -220,8 +235,10 @@ class PoolMachine(RuleBasedStateMachine):
     def recycle_exclusive(self, i: int) -> None:
         segs = self.exclusive.pop(i % len(self.exclusive))
         required_before = self.nbp.num_required
+        sizes = self.sizes()
         self.nbp.recycle_memory_segments(segs)
         assert self.nbp.num_required == required_before - len(segs)
+        self.check_grown_pools_served_their_listeners(sizes)
 
     @precondition(lambda self: self.live)
     @rule(
