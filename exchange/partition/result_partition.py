@@ -187,11 +187,13 @@ class ResultPartition:
             self._consumer_failure_listeners.remove(listener)
 
     @property
-    def on_release(self) -> ReleaseListener | None:
-        """Deprecated: a write-only slot kept while callers move to
-        ``add_release_listener``. Reads None, so a caller that wraps the old value
-        calls nothing twice; assigning adds a listener and never replaces one."""
-        return None
+    def on_release(self) -> ReleaseListener:
+        """Deprecated slot, kept while callers move to ``add_release_listener``.
+
+        Assigning adds a listener and never replaces one. Reading gives a no-op, so a
+        caller that wraps the old value and calls it calls no listener twice.
+        """
+        return _ignore
 
     @on_release.setter
     def on_release(self, listener: ReleaseListener | None) -> None:
@@ -199,9 +201,9 @@ class ResultPartition:
             self.add_release_listener(listener)
 
     @property
-    def on_consumer_failure(self) -> ConsumerFailureListener | None:
+    def on_consumer_failure(self) -> ConsumerFailureListener:
         """Deprecated: assigning adds a consumer-failure listener (see ``on_release``)."""
-        return None
+        return _ignore
 
     @on_consumer_failure.setter
     def on_consumer_failure(self, listener: ConsumerFailureListener | None) -> None:
@@ -565,6 +567,10 @@ class ResultPartition:
             f"ResultPartition({self.partition_id}, {self.partition_type.value}, "
             f"{len(self.subpartitions)} subpartitions, {self._state.value})"
         )
+
+
+def _ignore(_: object) -> None:
+    """What the deprecated listener slots read as."""
 
 
 def _call_all(listeners: list[Callable[[_T], None]], arg: _T) -> None:
