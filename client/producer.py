@@ -41,8 +41,8 @@ from exchange.protocol.local_messages import (
 )
 from exchange.serialization.codec import RecordCodec
 from exchange.writer.channel_selector import ChannelSelector
-from exchange.writer.record_writer import DEFAULT_BUFFER_TIMEOUT, OutputBuffer, RecordWriter
 from exchange.writer.partition_writer import AsyncRecordWriter
+from exchange.writer.record_writer import DEFAULT_BUFFER_TIMEOUT, OutputBuffer, RecordWriter
 
 __all__ = ["AsyncPartitionWriter", "DaemonSink", "PartitionWriter"]
 

@@ -177,7 +177,6 @@ def _every_pool_whole(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     assert not broken, f"network buffer pools not whole at the end of the test: {broken}"
 
 
-
 @pytest_asyncio.fixture
 async def _no_pending_tasks() -> AsyncIterator[None]:
     yield

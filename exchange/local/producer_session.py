@@ -19,6 +19,7 @@ lifecycle is one enum, with the transitions in ``_TRANSITIONS``:
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
@@ -76,6 +77,7 @@ class ProducerSession:
         *,
         max_credit: int = DEFAULT_PRODUCER_CREDIT,
         on_abort: Callable[[ErrorResponse], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_credit < 1:
             raise IllegalStateError(f"max_credit must be >= 1, got {max_credit}")
@@ -88,6 +90,8 @@ class ProducerSession:
         self._granted = 0  # credit the task holds (granted, not yet used by a push)
         self._unannounced = 0  # reserved segments not yet granted
         self._listening = False
+        self._clock = clock
+        self._starved_since: float | None = None
         self.state = ProducerSessionState.OPEN
         self.bytes_received = 0
         self.buffers_received = 0
@@ -130,7 +134,12 @@ class ProducerSession:
     def _announce(self) -> None:
         """Grant the reserved segments in a batch, or at once if the task has none."""
         n = self._unannounced
+        if self._granted == 0 and n == 0 and self._starved_since is None:
+            self._starved_since = self._clock()  # the task waits for credit: backpressure
         if n and (n >= self._batch or self._granted == 0) and self.is_open:
+            if self._starved_since is not None:
+                self.partition.record_back_pressure(self._clock() - self._starved_since)
+                self._starved_since = None
             self._unannounced = 0
             self._granted += n
             self.credit_messages += 1

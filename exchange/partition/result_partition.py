@@ -212,6 +212,12 @@ class ResultPartition:
 
     # -- writing records -----------------------------------------------------------------
 
+    def record_back_pressure(self, seconds: float) -> None:
+        """The producer waited ``seconds`` for a segment of this partition's pool (Flink's
+        backPressuredTime); whoever drives the writer measures it."""
+        if seconds > 0:
+            self._back_pressured += seconds
+
     def check_writable(self, target: int | None = None) -> None:
         """Raise if nothing may be written (finished, released, or a reader failed)."""
         state = self._state

@@ -17,7 +17,7 @@ from typing import Any
 
 from exchange.buffers.buffer import Buffer
 from exchange.errors import UsageError
-from exchange.serialization.codec import MsgpackCodec, RecordCodec
+from exchange.serialization.codec import RecordCodec, default_codec
 
 __all__ = ["RecordDeserializer"]
 
@@ -28,7 +28,7 @@ class RecordDeserializer:
     __slots__ = ("_decoder", "_feed", "codec")
 
     def __init__(self, codec: RecordCodec | None = None) -> None:
-        self.codec: RecordCodec = MsgpackCodec() if codec is None else codec
+        self.codec: RecordCodec = default_codec() if codec is None else codec
         self._decoder = self.codec.new_decoder()
         self._feed = self._decoder.feed
 

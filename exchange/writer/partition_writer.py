@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Iterable
 from typing import Any, Final, Protocol
 
@@ -22,7 +23,7 @@ from exchange.errors import ExchangeError, PartitionError, PoolDestroyedError, W
 from exchange.events.events import AbstractEvent, EventSerializer
 from exchange.partition.result_partition import ResultPartition
 from exchange.serialization.codec import RecordCodec
-from exchange.writer.channel_selector import ChannelSelector
+from exchange.writer.channel_selector import ChannelSelector, RoundRobinSelector
 from exchange.writer.record_writer import (
     ALL_SUBPARTITIONS,
     DEFAULT_BUFFER_TIMEOUT,
@@ -293,7 +294,11 @@ class ResultPartitionSink:
                 raise
             if buf is not None:
                 return buf
-            await pool.get_available_future()
+            start = time.monotonic()
+            try:
+                await pool.get_available_future()
+            finally:
+                partition.record_back_pressure(time.monotonic() - start)
 
     async def finish(self) -> None:
         self.partition.finish()
@@ -304,7 +309,9 @@ class ResultPartitionSink:
 
 
 class ResultPartitionWriter(AsyncRecordWriter):
-    """The writer of an in-process ResultPartition."""
+    """The writer of an in-process ResultPartition. Without a selector, records go round
+    robin (Flink's default for an unkeyed exchange); ``emit(record, key=...)`` and
+    ``emit_to`` pick their target themselves."""
 
     def __init__(
         self,
@@ -319,9 +326,25 @@ class ResultPartitionWriter(AsyncRecordWriter):
                 partition.num_subpartitions,
                 buffer_size=partition.segment_size,
                 codec=codec,
-                selector=selector,
+                selector=selector if selector is not None else RoundRobinSelector(),
                 buffer_timeout=buffer_timeout,
             ),
             ResultPartitionSink(partition),
         )
         self.partition = partition
+
+    def _check_writable(self) -> None:
+        super()._check_writable()
+        self._sync_buffer_sizes()
+
+    async def _move(self, *, quiet: bool = False) -> None:
+        self._sync_buffer_sizes()
+        await super()._move(quiet=quiet)
+
+    def _sync_buffer_sizes(self) -> None:
+        """A consumer's NewBufferSize lands on its subpartition: new buffers take it."""
+        writer = self.writer
+        for i, sub in enumerate(self.partition.subpartitions):
+            size = sub.buffer_size
+            if size != writer.buffer_size(i):
+                writer.set_buffer_size(i, size)

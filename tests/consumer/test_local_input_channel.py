@@ -26,7 +26,8 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
-from exchange.writer import RecordWriter
+from exchange.serialization.codec import MsgpackCodec
+from exchange.writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -76,9 +77,9 @@ async def test_request_before_registration_succeeds_once_registered(
     part = make_partition(pid, PIPELINED, 1)
     await asyncio.wait_for(requesting, 2)
     assert 0.15 <= time.monotonic() - start < 1.0
-    async with RecordWriter(part) as writer:
+    async with ResultPartitionWriter(part) as writer:
         await writer.emit(("hello",))
-    assert await asyncio.wait_for(RecordReader(gate).read_all(), 2) == [["hello"]]
+    assert await asyncio.wait_for(RecordReader(gate).read_all(), 2) == [("hello",)]
 
 
 @pytest.mark.asyncio
@@ -139,9 +140,9 @@ async def test_two_readers_on_one_pipelined_subpartition(
     first = await open_gate([(part.partition_id, 0)], name="first")
     with pytest.raises(ConsumerAlreadyAttachedError):
         await open_gate([(part.partition_id, 0)], name="second")
-    async with RecordWriter(part) as writer:
+    async with ResultPartitionWriter(part) as writer:
         await writer.emit_all([(1,), (2,)])
-    assert await asyncio.wait_for(RecordReader(first).read_all(), 2) == [[1], [2]]
+    assert await asyncio.wait_for(RecordReader(first).read_all(), 2) == [(1,), (2,)]
 
 
 @pytest.mark.asyncio
@@ -166,9 +167,9 @@ async def test_counts_bytes_and_buffers(
 ) -> None:
     part = make_partition("count", PIPELINED, 1)
     gate = await open_gate([(part.partition_id, 0)])
-    async with RecordWriter(part, buffer_timeout=-1) as writer:
+    async with ResultPartitionWriter(part, codec=MsgpackCodec(), buffer_timeout=-1) as writer:
         await writer.emit_all([(b"q" * 2000,)] * 5)
-    await asyncio.wait_for(RecordReader(gate).read_all(), 2)
+    await asyncio.wait_for(RecordReader(gate, MsgpackCodec()).read_all(), 2)
     ch = gate.channels[0]
     assert ch.buffers_in == 4  # 3 data buffers + EndOfPartition
     assert ch.bytes_in == 5 * 2004 + 1
@@ -184,7 +185,7 @@ async def test_new_buffer_size_reaches_the_producer(
     records = [(i, "d" * 100) for i in range(100)]
 
     async def produce() -> None:
-        async with RecordWriter(part, buffer_timeout=-1) as writer:
+        async with ResultPartitionWriter(part, codec=MsgpackCodec(), buffer_timeout=-1) as writer:
             await writer.emit_all(records)
 
     sizes: list[int] = []

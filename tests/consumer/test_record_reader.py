@@ -18,7 +18,8 @@ from exchange.events import (
     EndOfPartitionEvent,
 )
 from exchange.partition import ResultPartition, ResultPartitionType
-from exchange.writer import RecordWriter
+from exchange.serialization.codec import MsgpackCodec
+from exchange.writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -42,7 +43,7 @@ async def test_events_arrive_in_order_with_records_on_every_channel(
 
     reader = RecordReader(gate, event_handler=handler)
     expected: list[list[Any]] = [[] for _ in range(n)]
-    writer = RecordWriter(part, buffer_timeout=buffer_timeout)
+    writer = ResultPartitionWriter(part, buffer_timeout=buffer_timeout)
 
     async def produce() -> None:
         seq = 0
@@ -89,25 +90,25 @@ async def test_barrier_handler_returning_true_keeps_the_channel_blocked(
         return isinstance(event, CheckpointBarrier)  # "I resume consumption myself"
 
     reader = RecordReader(gate, event_handler=aligner)
-    writer = RecordWriter(part, buffer_timeout=-1)
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
     await writer.emit_to(("before", 0), 0)
     await writer.broadcast_event(CheckpointBarrier(1, 0))
     await writer.emit_to(("after", 0), 0)
     await writer.emit_to(("after", 1), 1)
     await writer.flush()
 
-    assert await asyncio.wait_for(reader.next_batch(), 1) == [["before", 0]]
+    assert await asyncio.wait_for(reader.next_batch(), 1) == [("before", 0)]
     pending = asyncio.create_task(reader.next_batch())
     await asyncio.sleep(0.2)
     assert not pending.done()  # both channels are blocked behind their barrier
     assert sorted(ch for ch, _ in seen) == [0, 1]
     gate.resume_consumption(1)
-    assert await asyncio.wait_for(pending, 1) == [["after", 1]]
+    assert await asyncio.wait_for(pending, 1) == [("after", 1)]
     pending = asyncio.create_task(reader.next_batch())
     await asyncio.sleep(0.1)
     assert not pending.done()  # channel 0 still blocked
     gate.resume_consumption(0)
-    assert await asyncio.wait_for(pending, 1) == [["after", 0]]
+    assert await asyncio.wait_for(pending, 1) == [("after", 0)]
     await writer.close()
     assert await asyncio.wait_for(reader.read_all(), 1) == []
 
@@ -126,11 +127,11 @@ async def test_reader_resumes_by_itself_when_the_handler_does_not_take_charge(
         return answer
 
     reader = RecordReader(gate, event_handler=handler)
-    async with RecordWriter(part, buffer_timeout=-1) as writer:
+    async with ResultPartitionWriter(part, buffer_timeout=-1) as writer:
         for cp in range(5):
             await writer.emit((cp,))
             await writer.broadcast_event(CheckpointBarrier(cp, 0))
-    assert await asyncio.wait_for(reader.read_all(), 1) == [[cp] for cp in range(5)]
+    assert await asyncio.wait_for(reader.read_all(), 1) == [(cp,) for cp in range(5)]
     assert barriers[:-1] == [CheckpointBarrier(cp, 0) for cp in range(5)]
 
 
@@ -140,12 +141,12 @@ async def test_reader_without_handler_passes_barriers(
 ) -> None:
     part = make_partition("nohandler", PIPELINED, 1)
     gate = await open_gate([(part.partition_id, 0)])
-    async with RecordWriter(part, buffer_timeout=-1) as writer:
+    async with ResultPartitionWriter(part, buffer_timeout=-1) as writer:
         await writer.emit((1,))
         await writer.broadcast_event(CheckpointBarrier(1, 0))
         await writer.emit((2,))
     got = [r async for r in RecordReader(gate)]
-    assert got == [[1], [2]]
+    assert got == [(1,), (2,)]
 
 
 @pytest.mark.asyncio
@@ -155,7 +156,7 @@ async def test_producer_failure_is_an_error_not_a_short_read(
     part = make_partition("dies", PIPELINED, 2)
     gate = await open_gate([(part.partition_id, 0), (part.partition_id, 1)])
     reader = RecordReader(gate)
-    writer = RecordWriter(part, buffer_timeout=0.01)
+    writer = ResultPartitionWriter(part, buffer_timeout=0.01)
     await writer.emit_all((i,) for i in range(100))
     await writer.flush()
     got = await asyncio.wait_for(reader.next_batch(), 1)
@@ -177,9 +178,9 @@ async def test_producer_failure_after_all_data_but_before_end(
     part = make_partition("almost", PIPELINED, 1)
     gate = await open_gate([(part.partition_id, 0)])
     reader = RecordReader(gate)
-    writer = RecordWriter(part, buffer_timeout=0)
+    writer = ResultPartitionWriter(part, buffer_timeout=0)
     await writer.emit(("all there is",))
-    assert await asyncio.wait_for(reader.next_batch(), 1) == [["all there is"]]
+    assert await asyncio.wait_for(reader.next_batch(), 1) == [("all there is",)]
     await writer.fail(None)
     with pytest.raises(ProducerFailedError):
         await asyncio.wait_for(reader.next_batch(), 1)
@@ -193,9 +194,9 @@ async def test_consumer_closing_early_fails_the_writer(
     part = make_partition("quits", PIPELINED, 1)
     gate = await open_gate([(part.partition_id, 0)])
     reader = RecordReader(gate)
-    writer = RecordWriter(part, buffer_timeout=0)
+    writer = ResultPartitionWriter(part, buffer_timeout=0)
     await writer.emit((1,))
-    assert await asyncio.wait_for(reader.next_batch(), 1) == [[1]]
+    assert await asyncio.wait_for(reader.next_batch(), 1) == [(1,)]
     reader.close()
     with pytest.raises(PartitionReleasedError):
         await writer.emit((2,))
@@ -226,7 +227,7 @@ async def test_stream_ending_inside_a_record_is_corrupt(
     # a whole record [1, 2], then an array of 3 with only one element
     await part.emit(0, _RawBytes(b"\x92\x01\x02\x93\x01"))  # type: ignore[arg-type]
     part.finish()
-    reader = RecordReader(gate)
+    reader = RecordReader(gate, MsgpackCodec())  # raw msgpack bytes above
     assert await asyncio.wait_for(reader.next_batch(), 1) == [[1, 2]]
     with pytest.raises(CorruptRecordError, match="ended inside a record"):
         await asyncio.wait_for(reader.next_batch(), 1)

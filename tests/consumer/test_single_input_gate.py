@@ -17,7 +17,7 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
-from exchange.writer import RecordWriter
+from exchange.writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -66,7 +66,7 @@ async def test_buffers_and_events_then_end(
     b = make_partition("b", PIPELINED, 1)
     gate = await open_gate([(a.partition_id, 0), (b.partition_id, 0)])
     assert gate.poll_next() is None
-    async with RecordWriter(a, buffer_timeout=-1) as writer:
+    async with ResultPartitionWriter(a, buffer_timeout=-1) as writer:
         await writer.emit(("from a",))
     first = await asyncio.wait_for(gate.get_next(), 1)
     assert first is not None and first.buffer is not None and first.channel_index == 0
@@ -77,7 +77,7 @@ async def test_buffers_and_events_then_end(
     pending = asyncio.create_task(gate.get_next())
     await asyncio.sleep(0.05)
     assert not pending.done()
-    await RecordWriter(b).close()
+    await ResultPartitionWriter(b).close()
     last = await asyncio.wait_for(pending, 1)
     assert last is not None and last.event == EndOfPartitionEvent.INSTANCE
     assert last.channel_index == 1

@@ -14,7 +14,7 @@ from exchange.errors import PartitionNotReadyError, PartitionReleasedError
 from exchange.events import CheckpointBarrier, EndOfPartitionEvent
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartition, ResultPartitionManager, ResultPartitionType
-from exchange.writer import RecordWriter, RoundRobinSelector
+from exchange.writer import ResultPartitionWriter, RoundRobinSelector
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -31,7 +31,7 @@ def _records(total_bytes: int) -> list[tuple[int, str]]:
     size = 0
     i = 0
     while size < total_bytes:
-        payload = "b" * (i * 53 % 700) if i % 211 else "B" * 12_000  # some span buffers
+        payload = f"{i:0{i * 53 % 700}d}" if i % 211 else f"{i:012000d}"  # some span buffers
         out.append((i, payload))
         size += len(payload) + 8
         i += 1
@@ -63,7 +63,7 @@ async def test_ten_times_the_pool_written_then_read_twice_at_once(
     spill = tmp_path / "spill"
     part = make_partition("big", BLOCKING, 1, (1, POOL_SEGMENTS), spill, kind=kind)
     records = _records(10 * POOL_SEGMENTS * SEGMENT + 10_000)
-    writer = RecordWriter(part, buffer_timeout=-1)
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
     peak = 0
     for start in range(0, len(records), 50):
         await writer.emit_all(records[start : start + 50])
@@ -81,7 +81,7 @@ async def test_ten_times_the_pool_written_then_read_twice_at_once(
     first, second = await asyncio.wait_for(
         asyncio.gather(*(_read_interleaved(g, f"r{i}", log) for i, g in enumerate(gates))), 15
     )
-    expected = [list(r) for r in records]
+    expected = list(records)
     assert first == expected
     assert second == expected
     # both readers were in the middle of the data at the same time
@@ -106,8 +106,8 @@ async def test_release_while_reading_fails_the_reader_and_deletes_files_after_it
 ) -> None:
     spill = tmp_path / "spill"
     part = make_partition("cut", BLOCKING, 1, (1, 4), spill, kind=kind)
-    async with RecordWriter(part, buffer_timeout=-1) as writer:
-        await writer.emit_all((i, "c" * 300) for i in range(1_000))
+    async with ResultPartitionWriter(part, buffer_timeout=-1) as writer:
+        await writer.emit_all((i, f"{i:0300d}") for i in range(1_000))
     gate = await open_gate([(part.partition_id, 0)])
     reader = RecordReader(gate)
     assert await reader.next_batch()
@@ -128,7 +128,7 @@ async def test_several_subpartitions_with_broadcast_and_events(
 ) -> None:
     part = make_partition("multi", BLOCKING, 3, spill_dir=tmp_path, kind=kind)
     events: list[tuple[int, Any]] = []
-    writer = RecordWriter(part, RoundRobinSelector(), buffer_timeout=-1)
+    writer = ResultPartitionWriter(part, RoundRobinSelector(), buffer_timeout=-1)
     await writer.emit_all((i,) for i in range(30))
     await writer.broadcast_emit(("all",))
     await writer.broadcast_event(CheckpointBarrier(5, 0))
@@ -152,7 +152,7 @@ async def test_empty_blocking_partition_reads_as_end_of_partition(
     make_partition: PartitionFactory, open_gate: GateOpener, tmp_path: Path
 ) -> None:
     part = make_partition("none", BLOCKING, 2, spill_dir=tmp_path)
-    await RecordWriter(part).close()
+    await ResultPartitionWriter(part).close()
     gate = await open_gate([(part.partition_id, 0), (part.partition_id, 1)])
     assert await RecordReader(gate).read_all() == []
     assert gate.is_finished
@@ -163,13 +163,13 @@ async def test_reading_before_the_partition_is_finished_is_a_partition_error(
     make_partition: PartitionFactory, open_gate: GateOpener, tmp_path: Path
 ) -> None:
     part = make_partition("unfinished", BLOCKING, 1, spill_dir=tmp_path)
-    writer = RecordWriter(part, buffer_timeout=-1)
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
     await writer.emit(("x",))
     with pytest.raises(PartitionNotReadyError, match="not finished"):
         await open_gate([(part.partition_id, 0)])
     await writer.close()
     gate = await open_gate([(part.partition_id, 0)])
-    assert await RecordReader(gate).read_all() == [["x"]]
+    assert await RecordReader(gate).read_all() == [("x",)]
 
 
 def test_blocking_partition_needs_one_required_segment_per_subpartition(

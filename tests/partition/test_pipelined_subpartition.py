@@ -23,7 +23,7 @@ from exchange.partition import (
     ResultSubpartitionView,
 )
 from exchange.serialization import RecordDeserializer
-from exchange.writer import RecordWriter
+from exchange.writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -77,14 +77,14 @@ async def test_reader_is_notified_on_first_finished_buffer_flush_and_event(
     listener = Listener()
     view = part.create_subpartition_view(0, listener)
     assert listener.notifications == 0
-    writer = RecordWriter(part, buffer_timeout=-1)
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
     await writer.emit(("small",))
     assert listener.notifications == 0  # still in the serializer / an unfinished buffer
     await writer.flush()
     assert listener.notifications == 1
-    assert decode(drain(view)) == [["small"]]
+    assert decode(drain(view)) == [("small",)]
     # four buffers' worth: notified when the first one is readable, not once per buffer
-    await writer.emit_all(("x" * 1000,) for _ in range(16))
+    await writer.emit_all((f"{i:01000d}",) for i in range(16))
     assert 2 <= listener.notifications <= 3
     before = listener.notifications
     polled = drain(view)
@@ -105,8 +105,10 @@ async def test_reader_is_notified_on_first_finished_buffer_flush_and_event(
 async def test_backlog_and_sequence_numbers(make_partition: PartitionFactory) -> None:
     part = make_partition("backlog", PIPELINED, 1, pool_size=(1, 8))
     view = part.create_subpartition_view(0, Listener())
-    writer = RecordWriter(part, buffer_timeout=-1)
-    await writer.emit_all([(b"y" * 4000,)] * 4)  # 4 buffers, the last one unfinished
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
+    await writer.emit_all(
+        [(bytes([i]) * 4000,) for i in range(4)]
+    )  # 4 buffers, the last one unfinished
     assert part.stats().backlog == 3
     polled = drain(view)
     assert [nb.sequence_number for nb in polled] == list(range(len(polled)))
@@ -124,7 +126,7 @@ async def test_aligned_barrier_blocks_until_resume(make_partition: PartitionFact
     part = make_partition("barrier", PIPELINED, 1)
     listener = Listener()
     view = part.create_subpartition_view(0, listener)
-    writer = RecordWriter(part, buffer_timeout=-1)
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
     barrier = CheckpointBarrier(1, 1234)
     await writer.emit(("before",))
     await writer.broadcast_event(barrier)
@@ -133,7 +135,7 @@ async def test_aligned_barrier_blocks_until_resume(make_partition: PartitionFact
     polled = drain(view)
     assert polled[-1].buffer.data_type is DataType.ALIGNED_CHECKPOINT_BARRIER
     assert polled[-1].is_data_available is False
-    assert decode(polled) == [["before"], barrier]
+    assert decode(polled) == [("before",), barrier]
     # blocked: "after" is queued and flushed but not readable
     assert view.get_next_buffer() is None
     assert view.get_availability_and_backlog(5) == (False, 0)
@@ -157,7 +159,7 @@ async def test_at_least_once_barrier_and_cancel_marker_do_not_block(
 ) -> None:
     part = make_partition("unaligned", PIPELINED, 1)
     view = part.create_subpartition_view(0, Listener())
-    writer = RecordWriter(part, buffer_timeout=-1)
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
     barrier = CheckpointBarrier(2, 0, CheckpointOptions(exactly_once=False))
     await writer.broadcast_event(barrier)
     await writer.broadcast_event(CancelCheckpointMarker(2))
@@ -182,7 +184,7 @@ async def test_second_reader_is_refused_and_first_keeps_reading(
         part.create_subpartition_view(1, Listener())
     assert info.value.partition_id == part.partition_id
     other = part.create_subpartition_view(0, Listener())  # another subpartition is fine
-    writer = RecordWriter(part, buffer_timeout=-1)
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
     await writer.emit_to(("one",), 1)
     await writer.close()
     assert decode(drain(view))[0] == ["one"]
@@ -197,8 +199,8 @@ async def test_consumer_leaving_early_releases_with_a_typed_cause(
     part = make_partition("early", PIPELINED, 1)
     listener = Listener()
     view = part.create_subpartition_view(0, listener)
-    writer = RecordWriter(part, buffer_timeout=-1)
-    await writer.emit_all([("x" * 3000,)] * 5)  # queued buffers hold pool segments
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
+    await writer.emit_all([(f"{i:03000d}",) for i in range(5)])  # queued buffers hold pool segments
     assert part.buffer_pool.num_in_use > 0
     view.release_all_resources()
     view.release_all_resources()  # idempotent

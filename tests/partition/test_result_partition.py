@@ -19,7 +19,7 @@ from exchange.errors import (
 from exchange.events import EndOfPartitionEvent
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartition, ResultPartitionID, ResultPartitionType
-from exchange.writer import RecordWriter, RoundRobinSelector
+from exchange.writer import ResultPartitionWriter, RoundRobinSelector
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -51,11 +51,11 @@ async def test_one_segment_per_subpartition_is_enough_for_a_pipelined_writer(
     # third forever. With 4 it always progresses.
     part = make_partition("dl", PIPELINED, 4, (4, 4))
     gate = await open_gate([(part.partition_id, s) for s in range(4)])
-    writer = RecordWriter(part, RoundRobinSelector(), buffer_timeout=0.01)
+    writer = ResultPartitionWriter(part, RoundRobinSelector(), buffer_timeout=0.01)
     reader = RecordReader(gate)
 
     async def produce() -> None:
-        await writer.emit_all((i, "x" * 100) for i in range(5_000))
+        await writer.emit_all((i, f"{i:0100d}") for i in range(5_000))
         await writer.close()
 
     _, got = await asyncio.wait_for(asyncio.gather(produce(), reader.read_all()), 10)
@@ -94,7 +94,7 @@ async def test_finish_appends_end_of_partition_everywhere_and_keeps_the_pool_unt
 ) -> None:
     part = make_partition("fin", PIPELINED, 3)
     views = [part.create_subpartition_view(i, Listener()) for i in range(3)]
-    writer = RecordWriter(part, buffer_timeout=-1)
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
     await writer.emit_all((i,) for i in range(9))
     await writer.close()
     assert part.is_finished and not part.is_released
@@ -140,8 +140,10 @@ async def test_fail_gives_readers_producer_failed_with_the_cause(
 async def test_stats_count_bytes_buffers_and_backlog(make_partition: PartitionFactory) -> None:
     part = make_partition("stats", PIPELINED, 1, (1, 8))
     view = part.create_subpartition_view(0, Listener())
-    writer = RecordWriter(part, buffer_timeout=-1)
-    await writer.emit_all([(b"s" * 1000,)] * 10)  # ~10 KiB: 2 full buffers + 1 open
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
+    await writer.emit_all(
+        [(bytes([i]) * 1000,) for i in range(10)]
+    )  # ~10 KiB: 2 full buffers + 1 open
     stats = part.stats()
     assert stats.num_subpartitions == 1
     assert stats.buffers_out == 2 and stats.bytes_out == 2 * 4096
@@ -165,7 +167,7 @@ async def test_nothing_may_be_written_after_finish(make_partition: PartitionFact
     part.finish()
     with pytest.raises(WriterClosedError):
         part.check_writable()
-    writer = RecordWriter(part, buffer_timeout=-1)
+    writer = ResultPartitionWriter(part, buffer_timeout=-1)
     await writer.emit(("late",))  # buffered in the writer: nothing touched yet
     with pytest.raises(WriterClosedError):
         await writer.flush()

@@ -268,8 +268,7 @@ def test_explicit_watermarks_and_num_segments() -> None:
         ({"network_memory": 15 * 32 * KIB}, "network_memory"),
         ({"network_memory": 16 * 32 * KIB - 1}, "network_memory"),
         ({"segment_size": 1 * MIB, "network_memory": 8 * MIB}, "network_memory"),
-        ({"exclusive_buffers_per_channel": 0, "floating_buffers_per_gate": 0},
-         "floating_buffers_per_gate"),
+        ({"exclusive_buffers_per_channel": 0}, "exclusive_buffers_per_channel"),
         ({"exclusive_buffers_per_channel": 2049}, "exclusive_buffers_per_channel"),
         ({"partition_request_backoff_initial": 11.0}, "partition_request_backoff_initial"),
         ({"partition_request_backoff_initial": 2.0, "partition_request_backoff_max": 1.0},
@@ -288,7 +287,7 @@ def test_relations_between_settings_are_checked(kwargs: dict[str, object], setti
 def test_relations_that_hold() -> None:
     DaemonConfig(network_memory=16 * 32 * KIB)  # exactly the minimum number of segments
     DaemonConfig(low_watermark=100, high_watermark=101)
-    DaemonConfig(exclusive_buffers_per_channel=0, floating_buffers_per_gate=1)
+    DaemonConfig(exclusive_buffers_per_channel=1, floating_buffers_per_gate=0)
     DaemonConfig(partition_request_backoff_initial=1.0, partition_request_backoff_max=1.0)
     DaemonConfig(debloat_min_buffer_size=32 * KIB)
     DaemonConfig(data_port=0, http_port=0)
@@ -478,6 +477,7 @@ def test_all_flags() -> None:
         "--secret-file=/etc/exchange/secret",
         "--log-level=debug",
         "--blocking-partition-ttl=2m",
+        "--producer-credit=12",
         "--debloat",
         "--debloat-target=500ms",
         "--debloat-period=100ms",
@@ -495,6 +495,7 @@ def test_all_flags() -> None:
         "segment_size": 64 * KIB,
         "exclusive_buffers_per_channel": 4,
         "floating_buffers_per_gate": 16,
+        "producer_credit": 12,
         "high_watermark": 256 * KIB,
         "low_watermark": 128 * KIB,
         "partition_request_backoff_initial": 0.05,

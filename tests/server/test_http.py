@@ -36,6 +36,7 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
+from exchange.serialization.codec import MsgpackCodec
 from exchange.writer import ResultPartitionWriter
 from server.config import DaemonConfig
 from server.http_server import (
@@ -139,10 +140,10 @@ async def daemon(tmp_path: Path) -> AsyncIterator[StandInDaemon]:
     writer: ResultPartitionWriter | None = None
     try:
         block = d.create_partition(BLOCKING_ID, ResultPartitionType.BLOCKING, 2, 4)
-        async with ResultPartitionWriter(block, buffer_timeout=-1) as w:
+        async with ResultPartitionWriter(block, codec=MsgpackCodec(), buffer_timeout=-1) as w:
             await w.emit_all(BLOCKING_RECORDS)
         pipe = d.create_partition(PIPELINED_ID, ResultPartitionType.PIPELINED, 2, 12)
-        writer = ResultPartitionWriter(pipe, buffer_timeout=-1)
+        writer = ResultPartitionWriter(pipe, codec=MsgpackCodec(), buffer_timeout=-1)
         await writer.emit_all([b"c" * 900] * 30)
         await writer.flush()
         yield d
@@ -519,7 +520,7 @@ async def read_remote(d: StandInDaemon, pid: ResultPartitionID) -> int:
     n = 0
     try:
         await gate.request_partitions()
-        reader = RecordReader(gate)
+        reader = RecordReader(gate, MsgpackCodec())
         while (batch := await reader.next_batch()) is not None:
             n += len(batch)
     finally:
@@ -537,7 +538,7 @@ async def traffic(d: StandInDaemon, stop: asyncio.Event) -> None:
         size = 200 + 150 * (i % 7)
 
         async def produce(part: ResultPartition = part, size: int = size) -> None:
-            async with ResultPartitionWriter(part, buffer_timeout=-1) as w:
+            async with ResultPartitionWriter(part, codec=MsgpackCodec(), buffer_timeout=-1) as w:
                 await w.emit_all([b"s" * size] * 2000)
 
         await asyncio.gather(produce(), read_remote(d, pid))

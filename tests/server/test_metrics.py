@@ -33,6 +33,7 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
+from exchange.serialization.codec import MsgpackCodec
 from exchange.writer import ResultPartitionWriter
 from server.config import DaemonConfig
 from server.metrics import (
@@ -190,7 +191,7 @@ async def read_remote(d: StandInDaemon, pid: ResultPartitionID, index: int) -> l
     records: list[Any] = []
     try:
         await gate.request_partitions()
-        reader = RecordReader(gate)
+        reader = RecordReader(gate, MsgpackCodec())
         while (batch := await reader.next_batch()) is not None:
             records.extend(batch)
     finally:
@@ -216,15 +217,15 @@ async def test_pool_and_partition_metrics_match_engine_stats(daemon: StandInDaem
     # A pipelined partition written but not finished: its buffers wait in a backlog.
     pipe_id = ResultPartitionID("shuffle-7", 3, 1001)
     pipe = daemon.create_partition(pipe_id, ResultPartitionType.PIPELINED, 2, 2, 8)
-    pipe_records = [b"x" * 1000] * 20
-    writer = ResultPartitionWriter(pipe, buffer_timeout=-1)
+    pipe_records = [bytes([i]) * 1000 for i in range(20)]
+    writer = ResultPartitionWriter(pipe, codec=MsgpackCodec(), buffer_timeout=-1)
     await writer.emit_all(pipe_records)
     await writer.flush()
     # A blocking partition written completely.
     block_id = ResultPartitionID("shuffle-8", 0, 2002)
     block = daemon.create_partition(block_id, ResultPartitionType.BLOCKING, 3, 3, 6)
     block_records = [{"k": i, "v": "y" * 200} for i in range(300)]
-    async with ResultPartitionWriter(block, buffer_timeout=-1) as w:
+    async with ResultPartitionWriter(block, codec=MsgpackCodec(), buffer_timeout=-1) as w:
         await w.emit_all(block_records)
 
     samples = scrape(build_registry(daemon))
@@ -288,8 +289,8 @@ async def test_remote_read_shows_on_the_data_port_and_sent_never_drops(
 ) -> None:
     pid = ResultPartitionID("remote", 0, 5)
     part = daemon.create_partition(pid, ResultPartitionType.PIPELINED, 1, 1, 16)
-    records = [b"r" * 700] * 40
-    async with ResultPartitionWriter(part, buffer_timeout=-1) as w:
+    records = [bytes([i]) * 700 for i in range(40)]
+    async with ResultPartitionWriter(part, codec=MsgpackCodec(), buffer_timeout=-1) as w:
         await w.emit_all(records)
     written = part.stats()
     assert written.bytes_out == packed_size(records)
@@ -309,7 +310,7 @@ async def test_remote_read_shows_on_the_data_port_and_sent_never_drops(
     try:
         await gate.request_partitions()
         got: list[Any] = []
-        reader = RecordReader(gate)
+        reader = RecordReader(gate, MsgpackCodec())
         while (batch := await reader.next_batch()) is not None:
             got.extend(batch)
         assert got == records
@@ -349,8 +350,10 @@ async def test_remote_read_shows_on_the_data_port_and_sent_never_drops(
 async def test_back_pressure_is_counted_in_seconds(daemon: StandInDaemon) -> None:
     pid = ResultPartitionID("slow-consumer", 0, 1)
     part = daemon.create_partition(pid, ResultPartitionType.PIPELINED, 1, 1, 2)
-    records = [b"b" * 1000] * 40  # ten buffers through a pool of two: the writer waits
-    writer = ResultPartitionWriter(part, buffer_timeout=-1)
+    records = [
+        bytes([i]) * 1000 for i in range(40)
+    ]  # ten buffers through a pool of two: the writer waits
+    writer = ResultPartitionWriter(part, codec=MsgpackCodec(), buffer_timeout=-1)
 
     async def produce() -> None:
         async with writer:
@@ -385,8 +388,8 @@ async def test_partition_labels_are_bounded(daemon: StandInDaemon) -> None:
     ]
     # Two of the folded partitions hold unread buffers: backlog and pool usage differ.
     for i, n in ((201, 5), (203, 9)):
-        writer = ResultPartitionWriter(parts[i], buffer_timeout=-1)
-        await writer.emit_all([b"z" * 1000] * n)
+        writer = ResultPartitionWriter(parts[i], codec=MsgpackCodec(), buffer_timeout=-1)
+        await writer.emit_all([bytes([j % 256]) * 1000 for j in range(n)])
         await writer.flush()
     rest = [p.stats() for p in parts[200:]]
     assert len({s.out_pool_usage for s in rest}) > 1 and sum(s.backlog for s in rest) > 0
@@ -414,7 +417,7 @@ async def test_snapshot_fields_match_engine_stats(daemon: StandInDaemon) -> None
     pid = ResultPartitionID("snap", 2, 9)
     part = daemon.create_partition(pid, ResultPartitionType.BLOCKING, 2, 2, 4)
     records = list(range(5000))
-    async with ResultPartitionWriter(part, buffer_timeout=-1) as w:
+    async with ResultPartitionWriter(part, codec=MsgpackCodec(), buffer_timeout=-1) as w:
         await w.emit_all(records)
     snap = stats_snapshot(daemon, clock=lambda: daemon.started_at + 100.0)
     pool = daemon.network_pool.stats()
