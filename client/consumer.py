@@ -42,6 +42,8 @@ from exchange.serialization.codec import RecordCodec, default_codec
 __all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader"]
 
 _BATCH_BUFFERS: Final = 64
+#: How long close() waits for buffers the task thread is still decoding.
+_GIVE_BACK_TIMEOUT: Final = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,14 +225,16 @@ class _Handoff:
         self._space = asyncio.Semaphore(window)
         self._closed = False
 
-    async def put(self, batch: list[_Item]) -> None:
+    async def put(self, batch: list[_Item]) -> bool:
+        """Hand ``batch`` to the task thread; False if the handoff was closed (the caller
+        keeps the batch's buffers)."""
         await self._space.acquire()
         with self._cond:
             if not self._closed:
                 self._items.append(batch)
                 self._cond.notify()
-                return
-        _release_all([item for kind, _, item in batch if kind == _DATA])
+                return True
+        return False
 
     def get(self) -> list[_Item]:
         with self._cond:
@@ -328,8 +332,15 @@ class PartitionReader:
                     if len(batch) >= _BATCH_BUFFERS:
                         break
                     boe = gate.poll_next()
-                self._in_flight += sum(1 for kind, _, _ in batch if kind == _DATA)
-                await put(batch)
+                buffers = [item for kind, _, item in batch if kind == _DATA]
+                self._in_flight += len(buffers)
+                try:
+                    handed = await put(batch)
+                except asyncio.CancelledError:
+                    self._give_back(buffers)  # closed while waiting for room
+                    raise
+                if not handed:
+                    self._give_back(buffers)
         except asyncio.CancelledError:
             raise
         except BaseException as e:
@@ -421,7 +432,8 @@ class PartitionReader:
         self._give_back(self._handoff.drain())
         if self._in_flight:  # the task thread is decoding a batch: wait for its buffers
             self._all_back = asyncio.Event()
-            await self._all_back.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_back.wait(), _GIVE_BACK_TIMEOUT)
         await self._core.close()
 
     def __enter__(self) -> PartitionReader:

@@ -60,7 +60,7 @@ def test_each_buffer_is_recycled_as_soon_as_it_is_consumed() -> None:
     with pools(total=128, max_segments=128) as (_, pool):
         buffers = buffers_of(pool, stream, 100)
         assert pool.num_in_use == len(buffers) > 50
-        deser = RecordDeserializer()
+        deser = RecordDeserializer(MsgpackCodec())
         got: list[Any] = []
         for i, buffer in enumerate(buffers):
             deser.set_next_buffer(buffer)
@@ -87,7 +87,7 @@ def test_partial_record_waits_for_the_next_buffer() -> None:
 
 def test_iteration_yields_what_records_would() -> None:
     with pools() as (_, pool):
-        deser = RecordDeserializer()
+        deser = RecordDeserializer(MsgpackCodec())
         for buffer in buffers_of(pool, b"\x01\x02\x03", 2):
             deser.set_next_buffer(buffer)
         assert list(deser) == [1, 2, 3]
@@ -95,7 +95,7 @@ def test_iteration_yields_what_records_would() -> None:
 
 
 def test_event_buffers_are_refused_and_released() -> None:
-    deser = RecordDeserializer()
+    deser = RecordDeserializer(MsgpackCodec())
     event = Buffer.wrap(b"\x00", DataType.EVENT_BUFFER)
     with pytest.raises(UsageError):
         deser.set_next_buffer(event)
@@ -104,7 +104,7 @@ def test_event_buffers_are_refused_and_released() -> None:
 
 def test_clear_forgets_the_partial_record() -> None:
     with pools() as (_, pool):
-        deser = RecordDeserializer()
+        deser = RecordDeserializer(MsgpackCodec())
         head, tail = buffers_of(pool, msgpack.packb("x" * 100), 60)
         deser.set_next_buffer(head)
         assert deser.has_partial_record
@@ -120,7 +120,7 @@ def test_records_of_many_mib_over_tiny_buffers() -> None:
     records = [big, "small", big[:12345]]
     ser = SpanningRecordSerializer()
     ser.serialize_records(records)
-    deser = RecordDeserializer()
+    deser = RecordDeserializer(MsgpackCodec())
     got: list[Any] = []
     with pools() as (_, pool):
         buffers = 0
@@ -146,7 +146,7 @@ def test_records_of_many_mib_over_tiny_buffers() -> None:
 def test_corrupt_msgpack_raises_after_the_good_records(size: int) -> None:
     stream = msgpack.packb(1) + msgpack.packb("two") + b"\xc1" + msgpack.packb(3)
     with pools() as (_, pool):
-        deser = RecordDeserializer()
+        deser = RecordDeserializer(MsgpackCodec())
         got: list[Any] = []
         buffers = buffers_of(pool, stream, size)
         with pytest.raises(CorruptRecordError) as info:
