@@ -141,7 +141,7 @@ async def test_several_subpartitions_with_broadcast_and_events(
             events.append((channel, event))
 
         got = await RecordReader(gate, event_handler=handler).read_all()
-        expected = [[i] for i in range(30) if i % 3 == sub] + [["all"], [30 + sub]]
+        expected = [(i,) for i in range(30) if i % 3 == sub] + [("all",), (30 + sub,)]
         assert got == expected
     barrier, eop = CheckpointBarrier(5, 0), EndOfPartitionEvent.INSTANCE
     assert [e for _, e in events] == [barrier, eop] * 3
