@@ -15,13 +15,11 @@ from typing import Final
 
 from client.connection_base import HandshakingClientProtocol
 from client.network import parse_address
-from exchange.buffers.buffer import DataType
 from exchange.errors import (
     ConfigError,
     ExchangeError,
     ProtocolError,
     TransportError,
-    UsageError,
 )
 from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, max_frame_size_for
 from exchange.protocol.local_messages import (
@@ -185,20 +183,8 @@ class LocalConnection(HandshakingClientProtocol):
         return await fut
 
     async def push_buffer(self, out: OutputBuffer) -> None:
-        """Push one buffer the RecordWriter cut (a data buffer waits for credit first;
-        events need none). Its pieces go to the socket as they are: no copy here."""
-        if out.is_event:
-            self.check()
-            self._write_push(ALL_SUBPARTITIONS, out.data_type, out.size, out.pieces)
-            return
-        while self.credit <= 0:
-            self.check()
-            self._credit_waiter = self._loop.create_future()
-            await self._credit_waiter
-            self._credit_waiter = None
-        self.check()
-        self.credit -= 1
-        self._write_push(out.target, out.data_type, out.size, out.pieces)
+        """Push one buffer the RecordWriter cut (see ``push_buffers``)."""
+        await self.push_buffers([out])
 
     async def push_buffers(self, outs: list[OutputBuffer]) -> None:
         """Push buffers in order, as many per write as credit allows (one syscall for
@@ -240,40 +226,6 @@ class LocalConnection(HandshakingClientProtocol):
                 i += 1
             t.writelines(frames)
             self.bytes_pushed += pushed
-
-    def _write_push(
-        self, target: int, data_type: DataType, size: int, pieces: list[memoryview | bytes]
-    ) -> None:
-        t = self._transport
-        if t is None or t.is_closing():
-            self.check()
-            raise TransportError(f"connection to daemon {self.address} is closing")
-        header = _PUSH_FRAME.pack(
-            FRAME_HEADER_SIZE + _PUSH_BODY_HEADER + size,
-            MAGIC,
-            PushBuffer.MESSAGE_ID,
-            target,
-            data_type,
-        )
-        t.writelines([header, *pieces])
-        self.bytes_pushed += size
-
-    async def push(self, subpartition: int, payload: bytes | memoryview) -> None:
-        """Push one data buffer, waiting for credit first (the daemon's backpressure)."""
-        while self.credit <= 0:
-            self.check()
-            self._credit_waiter = self._loop.create_future()
-            await self._credit_waiter
-            self._credit_waiter = None
-        self.check()
-        self.credit -= 1
-        self.send(PushBuffer(subpartition, DataType.DATA_BUFFER, payload))
-
-    def push_event(self, subpartition: int, data_type: DataType, payload: bytes) -> None:
-        self.check()
-        if data_type is DataType.DATA_BUFFER:
-            raise UsageError("push_event takes an event data type")
-        self.send(PushBuffer(subpartition, data_type, payload))
 
 
 async def fetch_daemon_info(socket_path: str, *, secret: bytes | None = None) -> DaemonInfo:

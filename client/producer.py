@@ -18,6 +18,7 @@ partition's pool on the daemon is full, credit runs out and the producer waits
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import itertools
@@ -314,8 +315,6 @@ class PartitionWriter:
     # -- the flush timer (loop thread) -----------------------------------------------------
 
     async def _flush_timer(self) -> None:
-        import asyncio
-
         writer = self._writer
         interval = self._timeout
         while not self._closed:
