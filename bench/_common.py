@@ -385,6 +385,37 @@ def consume(
 # -- the Arrow Flight baseline ---------------------------------------------------------------------
 
 
+def producer_to_consumer(
+    daemon: Daemon, dataset: str, size: int, count: int, *, same_host: bool
+) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """One producer task -> daemon -> consumer task run (over the Unix socket when
+    ``same_host``, else over TCP); both processes' reports and the wall seconds from the
+    first record produced to the last consumed."""
+    producer = Child(produce, daemon.socket_path, dataset, 1, size, count, False)
+    consumer: Child | None = None
+    try:
+        if producer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("producer did not open its partition")
+        if same_host:
+            location = (dataset, 0, daemon.data_address, daemon.daemon_id, daemon.socket_path)
+            local_id: str | None = daemon.daemon_id
+        else:
+            location = (dataset, 0, daemon.data_address, None, None)
+            local_id = None
+        consumer = Child(consume, [location], local_id, size, count, size < 1024, True)
+        if consumer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("consumer did not attach")
+        consumer.send("go")
+        producer.send("go")
+        prod = producer.recv(600)
+        cons = consumer.recv(600)
+    finally:
+        if consumer is not None:
+            consumer.close()
+        producer.close()
+    return prod, cons, float(max(prod["t1"], cons["t1"]) - min(prod["t0"], cons["t0"]))
+
+
 def flight_server(conn: Connection, total: int, record_size: int) -> None:
     import pyarrow as pa
     import pyarrow.flight as fl

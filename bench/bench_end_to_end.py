@@ -37,16 +37,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     GB,
     POOL,
-    READY_TIMEOUT,
     SEG,
     BenchError,
-    Child,
     Daemon,
-    consume,
     flight_gbps,
     json_line,
     median,
-    produce,
+    producer_to_consumer,
     records,
 )
 
@@ -59,24 +56,7 @@ TARGET_CPU_US = 12.0
 
 def run_once(daemon: Daemon, dataset: str, size: int, count: int) -> dict[str, float]:
     """One producer task -> daemon -> consumer task run; figures of both processes."""
-    producer = Child(produce, daemon.socket_path, dataset, 1, size, count, False)
-    consumer: Child | None = None
-    try:
-        if producer.recv(READY_TIMEOUT) != "ready":
-            raise BenchError("producer did not open its partition")
-        location = (dataset, 0, daemon.data_address, None, None)  # over TCP
-        consumer = Child(consume, [location], None, size, count, size == SMALL, True)
-        if consumer.recv(READY_TIMEOUT) != "ready":
-            raise BenchError("consumer did not attach")
-        consumer.send("go")
-        producer.send("go")
-        prod = producer.recv(600)
-        cons = consumer.recv(600)
-    finally:
-        if consumer is not None:
-            consumer.close()
-        producer.close()
-    seconds = max(prod["t1"], cons["t1"]) - min(prod["t0"], cons["t0"])
+    prod, cons, seconds = producer_to_consumer(daemon, dataset, size, count, same_host=False)
     per_32k = prod["bytes_written"] / SEG
     return {
         "gbps": count * size / seconds / GB,

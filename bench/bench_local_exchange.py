@@ -38,15 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
     POOL,
-    READY_TIMEOUT,
     SEG,
     BenchError,
-    Child,
     Daemon,
-    consume,
     json_line,
     median,
-    produce,
+    producer_to_consumer,
     records,
 )
 
@@ -55,24 +52,7 @@ SIZES = {"small": 100, "kib": 4096}
 
 def exchange_once(daemon: Daemon, dataset: str, size: int, count: int) -> float:
     """Seconds for ``count`` records from a producer task to a consumer task, same host."""
-    producer = Child(produce, daemon.socket_path, dataset, 1, size, count, False)
-    consumer: Child | None = None
-    try:
-        if producer.recv(READY_TIMEOUT) != "ready":
-            raise BenchError("producer did not open its partition")
-        location = (dataset, 0, daemon.data_address, daemon.daemon_id, daemon.socket_path)
-        consumer = Child(consume, [location], daemon.daemon_id, size, count, size < 1024, True)
-        if consumer.recv(READY_TIMEOUT) != "ready":
-            raise BenchError("consumer did not attach")
-        consumer.send("go")
-        producer.send("go")
-        prod = producer.recv(600)
-        cons = consumer.recv(600)
-    finally:
-        if consumer is not None:
-            consumer.close()
-        producer.close()
-    return float(max(prod["t1"], cons["t1"]) - min(prod["t0"], cons["t0"]))
+    return producer_to_consumer(daemon, dataset, size, count, same_host=True)[2]
 
 
 def pickle_once(recs: list[bytes], size: int) -> float:
