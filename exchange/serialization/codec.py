@@ -83,6 +83,8 @@ _STREAM_MIN_LIMIT: Final = 4 * _STREAM_CHUNK
 _STREAM_KEEP: Final = 4 * _STREAM_CHUNK
 
 _LEN: Final = struct.Struct(">I")
+#: A cut frame up to this size is assembled in a reused scratch buffer.
+_SCRATCH_KEEP: Final = 256 * 1024
 _LIMIT_MESSAGE: Final = re.compile(r"(\d+) exceeds max_(str|bin|ext|array|map)_len")
 
 
@@ -720,108 +722,144 @@ class FramedEncoder:
                 return
 
 
-class FramedDecoder(_DecoderBase):
-    """Decodes whole frames straight from the fed bytes; only a partial frame is copied.
+class LengthPrefixedDecoder(_DecoderBase):
+    """Frames of ``u32 length | payload``: whole frames are handed to ``_deliver`` straight
+    from the fed memory; only a frame cut by a piece boundary is copied (into a reused
+    scratch buffer up to ``_SCRATCH_KEEP`` bytes).
 
-    The partial frame waits in ``_partial`` until its last byte arrives; ``_need`` is its
-    full size (header included) once the header is known, else -1.
+    A cut frame waits as ``_head`` (its first 1-3 header bytes) or, once the header is
+    known, in ``_frame`` (at least ``_need`` bytes: the payload's size) filled up to
+    ``_have``.
     """
 
-    __slots__ = ("_decode", "_limit", "_need", "_partial")
+    __slots__ = ("_frame", "_have", "_head", "_limit", "_need", "_scratch")
 
-    def __init__(self, decode: Callable[[memoryview], Any], max_record_size: int) -> None:
+    def __init__(self, max_record_size: int) -> None:
         super().__init__()
-        self._decode = decode
         self._limit = max_record_size
-        self._partial = bytearray()
-        self._need = -1
+        self._head = bytearray()
+        self._frame: bytearray | None = None
+        self._need = 0
+        self._have = 0
+        self._scratch = bytearray()
 
     @property
     def has_partial_record(self) -> bool:
-        return len(self._partial) > 0 or self._error is not None
+        return bool(self._head) or self._frame is not None or self._error is not None
 
     @property
     def buffered_bytes(self) -> int:
-        return len(self._partial)
+        """Bytes of the cut frame received so far (header included)."""
+        return len(self._head) + (0 if self._frame is None else 4 + self._have)
 
     def feed(self, data: BytesLike) -> None:
         if self._error is not None:
             raise self._error
-        with memoryview(data) as view, view.cast("B") as flat:
+        with memoryview(data) as view:
             try:
-                self._feed(flat)
+                if view.format == "B" and view.c_contiguous:
+                    self._feed(view)
+                else:
+                    with view.cast("B") as flat:
+                        self._feed(flat)
             except CorruptRecordError as exc:
                 self._fail(exc)
 
     def _feed(self, data: memoryview) -> None:
         end = data.nbytes
         pos = 0
-        if self._partial:
-            pos = self._complete_partial(data)
+        if self._head or self._frame is not None:
+            pos = self._complete(data)
             if pos < 0:
                 return
-        ready = self._ready
-        decode = self._decode
         limit = self._limit
         unpack_from = _LEN.unpack_from
+        deliver = self._deliver
         while end - pos >= 4:
             (n,) = unpack_from(data, pos)
             if n > limit:
                 raise RecordTooLargeError(n, limit)
             stop = pos + 4 + n
             if stop > end:
-                break
-            try:
-                ready.append(decode(data[pos + 4 : stop]))
-            except Exception as exc:
-                raise CorruptRecordError(
-                    f"cannot decode a record of {n} bytes: {type(exc).__name__}: {exc}"
-                ) from exc
+                # The header is known and within the limit: hold the frame's start.
+                frame = self._start_frame(n)
+                have = self._have = end - pos - 4
+                frame[:have] = data[pos + 4 : end]
+                return
+            deliver(data[pos + 4 : stop])
             pos = stop
         if pos < end:
-            self._partial = bytearray(data[pos:])
-            self._need = -1
-            self._read_header()
+            self._head = bytearray(data[pos:end])
 
-    def _complete_partial(self, data: memoryview) -> int:
-        """Move bytes of ``data`` into the partial frame; its end in ``data``, or -1."""
-        partial = self._partial
+    def _complete(self, data: memoryview) -> int:
+        """Move bytes of ``data`` into the cut frame; its end in ``data``, or -1."""
+        end = data.nbytes
         pos = 0
-        if self._need < 0:
-            take = 4 - len(partial)
-            partial += data[:take]
-            pos = min(take, data.nbytes)
-            if not self._read_header():
+        frame = self._frame
+        if frame is None:
+            head = self._head
+            pos = min(4 - len(head), end)
+            head += data[:pos]
+            if len(head) < 4:
                 return -1
-        take = self._need - len(partial)
-        partial += data[pos : pos + take]
-        if len(partial) < self._need:
+            (n,) = _LEN.unpack_from(head, 0)
+            if n > self._limit:
+                raise RecordTooLargeError(n, self._limit)
+            self._head = bytearray()
+            frame = self._start_frame(n)
+            self._have = 0
+        have = self._have
+        need = self._need
+        take = min(need - have, end - pos)
+        frame[have : have + take] = data[pos : pos + take]
+        have += take
+        if have < need:
+            self._have = have
             return -1
-        pos += take
-        self._partial = bytearray()
-        self._need = -1
-        with memoryview(partial) as view:
-            try:
-                self._ready.append(self._decode(view[4:]))
-            except Exception as exc:
-                raise CorruptRecordError(
-                    f"cannot decode a record of {len(partial) - 4} bytes: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-        return pos
+        self._frame = None
+        self._have = 0
+        with memoryview(frame) as view, view[:need] as payload:
+            self._deliver(payload)
+        return pos + take
 
-    def _read_header(self) -> bool:
-        """Parse the partial frame's header once it is complete; False if it is not."""
-        if len(self._partial) < 4:
-            return False
-        (n,) = _LEN.unpack_from(self._partial, 0)
-        if n > self._limit:
-            raise RecordTooLargeError(n, self._limit)
-        self._need = 4 + n
-        return True
+    def _start_frame(self, n: int) -> bytearray:
+        """The buffer for a cut frame of ``n`` payload bytes (``n`` within the limit)."""
+        self._need = n
+        if n > _SCRATCH_KEEP:
+            frame = self._frame = bytearray(n)
+            return frame
+        if len(self._scratch) < n:
+            self._scratch = bytearray(_SCRATCH_KEEP if n > 4096 else 4096)
+        frame = self._frame = self._scratch
+        return frame
 
     def clear(self) -> None:
-        self._partial = bytearray()
-        self._need = -1
+        self._head = bytearray()
+        self._frame = None
+        self._need = 0
+        self._have = 0
         self._ready = []
         self._error = None
+
+    def _deliver(self, payload: memoryview) -> None:
+        """Decode one frame's payload and queue what it holds (subclasses)."""
+        raise NotImplementedError
+
+
+class FramedDecoder(LengthPrefixedDecoder):
+    """One record per frame, decoded by ``decode``."""
+
+    __slots__ = ("_decode",)
+
+    def __init__(self, decode: Callable[[memoryview], Any], max_record_size: int) -> None:
+        super().__init__(max_record_size)
+        self._decode = decode
+
+    def _deliver(self, payload: memoryview) -> None:
+        try:
+            record = self._decode(payload)
+        except Exception as exc:
+            raise CorruptRecordError(
+                f"cannot decode a record of {len(payload)} bytes: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._ready.append(record)

@@ -14,7 +14,7 @@ limit is refused (``RecordTooLargeError``). A record pickle refuses is reported 
 Decoding: a frame lying entirely inside a fed piece is unpickled straight from it (no
 copy); only a frame cut by the end of a piece is copied, once its header (checked against
 the limit first) is complete, into a scratch ``bytearray`` the decoder reuses (frames up
-to ``_SCRATCH_KEEP``) or one of the frame's size.
+to ``codec._SCRATCH_KEEP``) or one of the frame's size.
 Unpickled objects never refer to the fed memory (pickle copies what it reads), so the
 caller may recycle it as soon as ``feed`` returns.
 
@@ -35,9 +35,8 @@ from exchange.errors import CorruptRecordError, RecordTooLargeError, UsageError
 from exchange.serialization.codec import (
     DEFAULT_MAX_RECORD_SIZE,
     MAX_FRAMED_RECORD_SIZE,
-    BytesLike,
+    LengthPrefixedDecoder,
     _check_limit,
-    _DecoderBase,
     unencodable_record,
 )
 
@@ -55,7 +54,6 @@ PICKLE_PROTOCOL: Final = 5
 _MAX_GROUP: Final = 4096
 #: A cut frame up to this size is gathered in a reused scratch buffer (no allocation);
 #: a larger one in a buffer of its own, dropped once decoded.
-_SCRATCH_KEEP: Final = 256 * 1024
 
 _LEN: Final = struct.Struct(">I")
 
@@ -182,116 +180,13 @@ def _unpicklable(records: list[Any], exc: Exception) -> UsageError:
     return unencodable_record(records, "pickle", exc)
 
 
-class PickleBatchDecoder(_DecoderBase):
-    """Unpickles whole frames straight from the fed memory; copies only a cut frame.
+class PickleBatchDecoder(LengthPrefixedDecoder):
+    """Unpickles each frame's list straight from the fed memory (the framing, and the
+    copy of a cut frame only, are ``LengthPrefixedDecoder``'s)."""
 
-    A cut frame waits as ``_head`` (its first 1-3 header bytes) or, once the header is
-    known, in ``_frame`` (at least ``_need`` bytes: the payload's size) filled up to
-    ``_have``.
-    """
+    __slots__ = ()
 
-    __slots__ = ("_frame", "_have", "_head", "_limit", "_need", "_scratch")
-
-    def __init__(self, max_record_size: int) -> None:
-        super().__init__()
-        self._limit = max_record_size
-        self._head = bytearray()
-        self._frame: bytearray | None = None
-        self._need = 0
-        self._have = 0
-        self._scratch = bytearray()
-
-    @property
-    def has_partial_record(self) -> bool:
-        return bool(self._head) or self._frame is not None or self._error is not None
-
-    @property
-    def buffered_bytes(self) -> int:
-        """Bytes of the cut frame received so far (header included)."""
-        return len(self._head) + (0 if self._frame is None else 4 + self._have)
-
-    def feed(self, data: BytesLike) -> None:
-        if self._error is not None:
-            raise self._error
-        with memoryview(data) as view:
-            try:
-                if view.format == "B" and view.c_contiguous:
-                    self._feed(view)
-                else:
-                    with view.cast("B") as flat:
-                        self._feed(flat)
-            except CorruptRecordError as exc:
-                self._fail(exc)
-
-    def _feed(self, data: memoryview) -> None:
-        end = data.nbytes
-        pos = 0
-        if self._head or self._frame is not None:
-            pos = self._complete(data)
-            if pos < 0:
-                return
-        limit = self._limit
-        unpack_from = _LEN.unpack_from
-        deliver = self._deliver
-        while end - pos >= 4:
-            (n,) = unpack_from(data, pos)
-            if n > limit:
-                raise RecordTooLargeError(n, limit)
-            stop = pos + 4 + n
-            if stop > end:
-                # The header is known and within the limit: hold the frame's start.
-                frame = self._start_frame(n)
-                have = self._have = end - pos - 4
-                frame[:have] = data[pos + 4 : end]
-                return
-            deliver(data[pos + 4 : stop])
-            pos = stop
-        if pos < end:
-            self._head = bytearray(data[pos:end])
-
-    def _complete(self, data: memoryview) -> int:
-        """Move bytes of ``data`` into the cut frame; its end in ``data``, or -1."""
-        end = data.nbytes
-        pos = 0
-        frame = self._frame
-        if frame is None:
-            head = self._head
-            pos = min(4 - len(head), end)
-            head += data[:pos]
-            if len(head) < 4:
-                return -1
-            (n,) = _LEN.unpack_from(head, 0)
-            if n > self._limit:
-                raise RecordTooLargeError(n, self._limit)
-            self._head = bytearray()
-            frame = self._start_frame(n)
-            self._have = 0
-        have = self._have
-        need = self._need
-        take = min(need - have, end - pos)
-        frame[have : have + take] = data[pos : pos + take]
-        have += take
-        if have < need:
-            self._have = have
-            return -1
-        self._frame = None
-        self._have = 0
-        with memoryview(frame) as view, view[:need] as payload:
-            self._deliver(payload)
-        return pos + take
-
-    def _start_frame(self, n: int) -> bytearray:
-        """The buffer for a cut frame of ``n`` payload bytes (``n`` within the limit)."""
-        self._need = n
-        if n > _SCRATCH_KEEP:
-            frame = self._frame = bytearray(n)
-            return frame
-        if len(self._scratch) < n:
-            self._scratch = bytearray(_SCRATCH_KEEP if n > 4096 else 4096)
-        frame = self._frame = self._scratch
-        return frame
-
-    def _deliver(self, payload: BytesLike) -> None:
+    def _deliver(self, payload: memoryview) -> None:
         """Unpickle one frame's payload and queue its records."""
         try:
             batch = pickle.loads(payload)
@@ -307,11 +202,3 @@ class PickleBatchDecoder(_DecoderBase):
             self._ready += batch
         else:
             self._ready = batch
-
-    def clear(self) -> None:
-        self._head = bytearray()
-        self._frame = None
-        self._need = 0
-        self._have = 0
-        self._ready = []
-        self._error = None
