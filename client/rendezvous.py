@@ -24,13 +24,14 @@ import contextlib
 import hmac
 import json
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from client.runtime import ClientRuntime, get_runtime
 from exchange.errors import TransportError, UsageError
 
-__all__ = ["RendezvousServer", "RendezvousTicket", "rendezvous"]
+__all__ = ["RendezvousServer", "RendezvousTicket", "rendezvous", "report_abort"]
 
 _MAX_LINE: Final = 1 << 20
 
@@ -49,6 +50,7 @@ class RendezvousTicket:
 @dataclass(slots=True)
 class _Group:
     n: int
+    on_abort: Callable[[list[Any]], Awaitable[None]] | None = None
     entries: dict[int, tuple[int, Any]] = field(default_factory=dict)
     waiters: list[tuple[int, asyncio.Future[list[Any]]]] = field(default_factory=list)
 
@@ -90,14 +92,24 @@ class RendezvousServer:
         self._server = await asyncio.start_server(self._serve, bind, 0, limit=_MAX_LINE)
         self.port = int(self._server.sockets[0].getsockname()[1])
 
-    def open_group(self, exchange_id: str, num_tasks: int) -> RendezvousTicket:
-        """A new meeting of ``num_tasks`` tasks; the ticket goes to each task."""
+    def open_group(
+        self,
+        exchange_id: str,
+        num_tasks: int,
+        on_abort: Callable[[list[Any]], Awaitable[None]] | None = None,
+    ) -> RendezvousTicket:
+        """A new meeting of ``num_tasks`` tasks; the ticket goes to each task.
+
+        ``on_abort(locations)`` runs (on the loop, once) when a task reports that it
+        failed, with every location registered so far: the driver's chance to release
+        what the failed stage left on the daemons (a task killed hard cleans nothing).
+        """
         if num_tasks <= 0:
             raise UsageError(f"num_tasks must be positive, got {num_tasks}")
         token = secrets.token_hex(16)
 
         def add() -> None:
-            self._groups[exchange_id] = (token, _Group(num_tasks))
+            self._groups[exchange_id] = (token, _Group(num_tasks, on_abort))
 
         self._rt.loop.call_soon_threadsafe(add)
         return RendezvousTicket(self.host, self.port, exchange_id, token, num_tasks)
@@ -122,6 +134,13 @@ class RendezvousServer:
             if entry is None or not hmac.compare_digest(str(req.get("token")), entry[0]):
                 raise ValueError("unknown exchange or bad token")
             group = entry[1]
+            if req.get("abort"):
+                hook, group.on_abort = group.on_abort, None
+                if hook is not None:
+                    await hook([loc for _, loc in group.entries.values()])
+                writer.write(b'{"ok": []}\n')
+                await writer.drain()
+                return
             index, attempt = req["index"], req["attempt"]
             if not isinstance(index, int) or not 0 <= index < group.n:
                 raise ValueError(f"index {index!r} out of range")
@@ -146,17 +165,31 @@ class RendezvousServer:
             writer.close()
 
     def close(self) -> None:
+        """Stop serving; tasks still waiting are let go (their connections close)."""
+
         async def stop() -> None:
             if self._server is not None:
                 self._server.close()
                 await self._server.wait_closed()
+            for _, group in self._groups.values():
+                for _, fut in group.waiters:
+                    fut.cancel()
+            self._groups.clear()
+            for _ in range(10):  # let the cancelled handlers close their connections
+                await asyncio.sleep(0)
 
         with contextlib.suppress(Exception):
             self._rt.run(stop(), timeout=5)
 
 
 async def _meet(
-    ticket: RendezvousTicket, index: int, attempt: int, location: Any, timeout: float
+    ticket: RendezvousTicket,
+    index: int,
+    attempt: int,
+    location: Any,
+    timeout: float,
+    *,
+    abort: bool = False,
 ) -> list[Any]:
     try:
         reader, writer = await asyncio.wait_for(
@@ -173,6 +206,7 @@ async def _meet(
             "index": index,
             "attempt": attempt,
             "location": location,
+            "abort": abort,
         }
         writer.write(json.dumps(req).encode() + b"\n")
         await writer.drain()
@@ -192,6 +226,20 @@ async def _meet(
         return result
     finally:
         writer.close()
+
+
+def report_abort(
+    ticket: RendezvousTicket,
+    index: int,
+    attempt: int,
+    *,
+    timeout: float = 10.0,
+    runtime: ClientRuntime | None = None,
+) -> None:
+    """Tell the driver this task failed (best effort: the task's own error goes on)."""
+    rt = runtime if runtime is not None else get_runtime()
+    with contextlib.suppress(Exception):
+        rt.run(_meet(ticket, index, attempt, None, timeout, abort=True), timeout=timeout)
 
 
 def rendezvous(

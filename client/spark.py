@@ -47,7 +47,7 @@ from client.local_connection import (
     resolve_secret,
 )
 from client.producer import PartitionWriter
-from client.rendezvous import RendezvousServer, rendezvous
+from client.rendezvous import RendezvousServer, rendezvous, report_abort
 from client.runtime import get_runtime
 from exchange.errors import ExchangeError, TransportError, UsageError
 from exchange.partition.result_partition_id import ResultPartitionID
@@ -472,7 +472,16 @@ def _pipelined(
             f"only {slots} are available; use mode='blocking', fewer partitions, or more "
             "executor cores"
         )
-    ticket = _rendezvous_server(sc).open_group(exchange_id, n)
+    secret = spec.secret
+
+    async def release_everywhere(locations: list[Any]) -> None:
+        """A task of the stage failed: release the exchange's pipelined partitions on
+        every daemon, so nothing a killed task left behind keeps its segments."""
+        for address in {loc[3] for loc in locations if loc}:
+            with contextlib.suppress(ExchangeError):
+                await release_dataset(address, exchange_id, secret=secret)
+
+    ticket = _rendezvous_server(sc).open_group(exchange_id, n, release_everywhere)
 
     def run(records: Iterable[Any]) -> Iterator[Any]:
         ctx = BarrierTaskContext.get()
@@ -495,11 +504,15 @@ def _pipelined(
         writer = threading.Thread(target=produce, name=f"exchange-writer-{t}", daemon=True)
         writer.start()
         try:
-            yield from _read_subpartition(exchange_id, producers, t, spec, codec)
-        finally:
-            writer.join()
-        if failure:
-            raise failure[0]
+            try:
+                yield from _read_subpartition(exchange_id, producers, t, spec, codec)
+            finally:
+                writer.join()
+            if failure:
+                raise failure[0]
+        except Exception:
+            report_abort(ticket, t, attempt)
+            raise
 
     return rdd.barrier().mapPartitions(run)
 
