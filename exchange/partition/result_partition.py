@@ -1,15 +1,11 @@
 """ResultPartition: the output of one producer, split into subpartitions.
 
-Owns its LocalBufferPool (``num_required = number of subpartitions``, as in Flink) and the
-BufferBuilders being filled: one *unicast* builder per subpartition, or one *broadcast*
-builder shared by all subpartitions (a record broadcast is copied into memory once; each
-subpartition holds its own consumer of that one buffer). Switching between unicast and
-broadcast, and emitting an event, first finishes the open builders so that order holds.
+Owns its LocalBufferPool (``num_required = number of subpartitions``, as in Flink). The
+partition does not encode records: its writer (``exchange.writer``: a RecordWriter driven
+by a ResultPartitionSink in process, or the daemon's local endpoint for producer tasks)
+copies each buffer it cut into a segment of this pool and queues it here.
 
-Writing is asynchronous only where it must be: when the pool has no free segment the
-writer awaits one, which is how a slow reader slows the producer (backpressure).
-
-Producers that build buffers elsewhere hand them over with ``add_buffer(target, buffer)``;
+Buffers are handed over complete with ``add_buffer(target, buffer)``;
 ``target == ALL_SUBPARTITIONS`` queues one buffer for every subpartition (one segment,
 reference counted: it returns to the pool once every subpartition's reader released it).
 
@@ -25,17 +21,15 @@ Whoever must hear of the end registers a listener (``add_release_listener``,
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, NamedTuple, TypeVar
+from typing import Final, NamedTuple, TypeVar
 
 from exchange.buffers.buffer import Buffer
-from exchange.buffers.buffer_builder import BufferBuilder, BufferConsumer
+from exchange.buffers.buffer_builder import BufferConsumer
 from exchange.errors import (
     PartitionReleasedError,
-    PoolDestroyedError,
     ProducerFailedError,
     SubpartitionIndexError,
     UsageError,
@@ -50,9 +44,6 @@ from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.partition.states import PARTITION_TRANSITIONS, ResultPartitionState, transition
 from exchange.partition.subpartition_view import BufferAvailabilityListener, ResultSubpartitionView
-
-if TYPE_CHECKING:
-    from exchange.serialization.spanning_record_serializer import SpanningRecordSerializer
 
 __all__ = ["ALL_SUBPARTITIONS", "ResultPartition", "ResultPartitionStats", "ResultSubpartition"]
 
@@ -101,8 +92,9 @@ class ResultPartition:
         if not isinstance(num_subpartitions, int) or num_subpartitions <= 0:
             raise UsageError(f"num_subpartitions must be a positive int, got {num_subpartitions!r}")
         if buffer_pool.num_required < num_subpartitions:
-            # Every subpartition may hold an open (unfinished, unreadable) builder: with
-            # fewer guaranteed segments the writer can wait forever for a free one.
+            # One guaranteed segment per subpartition (Flink's minimum): with fewer, the
+            # unread buffers of some subpartitions can hold every segment while the reader
+            # that would free one waits for a subpartition that cannot get any.
             raise UsageError(
                 f"a {partition_type.value} partition of {num_subpartitions} subpartitions "
                 f"needs a pool of at least {num_subpartitions} required segments"
@@ -126,8 +118,6 @@ class ResultPartition:
         else:
             for i in range(num_subpartitions):
                 self.subpartitions.append(PipelinedSubpartition(i, self))
-        self._unicast: list[BufferBuilder | None] = [None] * num_subpartitions
-        self._broadcast: BufferBuilder | None = None
         self._state = _WRITING
         self._finished_at_release = False  # history for statistics, not a state
         self._failure: BaseException | None = None
@@ -240,146 +230,6 @@ class ResultPartition:
                     f"subpartition {target} was released", self.partition_id
                 )
 
-    async def emit(self, target: int, serializer: SpanningRecordSerializer) -> None:
-        """Copy everything ``serializer`` holds into ``target``'s buffers."""
-        if self._broadcast is not None:
-            self._finish_broadcast()
-        builder = self._unicast[target]
-        while serializer.has_serialized_data:
-            if builder is None:
-                builder = await self._new_unicast(target)
-            serializer.copy_to_buffer_builder(builder)
-            if builder.is_full:
-                self._finish_unicast(target)
-                builder = None
-
-    async def broadcast(self, serializer: SpanningRecordSerializer) -> None:
-        """Copy everything ``serializer`` holds once, into a buffer every subpartition reads."""
-        if any(b is not None for b in self._unicast):
-            self._finish_unicasts()
-        builder = self._broadcast
-        while serializer.has_serialized_data:
-            if builder is None:
-                builder = await self._new_broadcast()
-            serializer.copy_to_buffer_builder(builder)
-            if builder.is_full:
-                self._finish_broadcast()
-                builder = None
-
-    def emit_nowait(self, target: int, serializer: SpanningRecordSerializer) -> bool:
-        """Copy what fits without waiting for a buffer; True if everything was copied."""
-        if self._broadcast is not None:
-            self._finish_broadcast()
-        builder = self._unicast[target]
-        while serializer.has_serialized_data:
-            if builder is None:
-                builder = self._try_new_builder(target)
-                if builder is None:
-                    return False
-            serializer.copy_to_buffer_builder(builder)
-            if builder.is_full:
-                self._finish_unicast(target)
-                builder = None
-        return True
-
-    def broadcast_nowait(self, serializer: SpanningRecordSerializer) -> bool:
-        """Broadcast what fits without waiting for a buffer; True if all was copied."""
-        if any(b is not None for b in self._unicast):
-            self._finish_unicasts()
-        builder = self._broadcast
-        while serializer.has_serialized_data:
-            if builder is None:
-                builder = self._try_new_builder(None)
-                if builder is None:
-                    return False
-            serializer.copy_to_buffer_builder(builder)
-            if builder.is_full:
-                self._finish_broadcast()
-                builder = None
-        return True
-
-    def _try_new_builder(self, target: int | None) -> BufferBuilder | None:
-        """A new unicast (``target``) or broadcast (None) builder, if one is free now."""
-        self.check_writable(target)
-        subs = self.subpartitions if target is None else [self.subpartitions[target]]
-        cap = min(s.buffer_size for s in subs)
-        builder = self.buffer_pool.request_buffer_builder(cap if cap < self.segment_size else None)
-        if builder is None:
-            return None
-        self._install(target, builder)
-        return builder
-
-    def _install(self, target: int | None, builder: BufferBuilder) -> None:
-        if target is None:
-            for sub in self.subpartitions:
-                sub.add(builder.create_buffer_consumer_from_beginning())
-            self._broadcast = builder
-            return
-        if not self.subpartitions[target].add(builder.create_buffer_consumer_from_beginning()):
-            builder.close()
-            self.check_writable(target)
-        self._unicast[target] = builder
-
-    async def _request_builder(self, capacity: int | None) -> BufferBuilder:
-        try:
-            builder = self.buffer_pool.request_buffer_builder(capacity)
-            if builder is None:
-                start = time.monotonic()
-                try:
-                    builder = await self.buffer_pool.request_buffer_builder_blocking(capacity)
-                finally:
-                    self._back_pressured += time.monotonic() - start
-        except PoolDestroyedError:
-            self.check_writable()
-            raise
-        if self._state is not _WRITING:
-            builder.close()
-            self.check_writable()
-        return builder
-
-    async def _new_unicast(self, target: int) -> BufferBuilder:
-        self.check_writable(target)
-        sub = self.subpartitions[target]
-        cap = sub.buffer_size if sub.buffer_size < self.segment_size else None
-        builder = await self._request_builder(cap)
-        if self._unicast[target] is not None:  # pragma: no cover - single writer invariant
-            builder.close()
-            raise UsageError("two writers on one partition")
-        self._install(target, builder)
-        return builder
-
-    async def _new_broadcast(self) -> BufferBuilder:
-        self.check_writable()
-        cap = min(s.buffer_size for s in self.subpartitions)
-        builder = await self._request_builder(cap if cap < self.segment_size else None)
-        self._install(None, builder)
-        return builder
-
-    def _finish_unicast(self, target: int) -> None:
-        builder = self._unicast[target]
-        if builder is not None:
-            self._unicast[target] = None
-            self._bytes_out += builder.finish()
-            self._buffers_out += 1
-            self.subpartitions[target].on_buffer_finished()
-            builder.close()
-
-    def _finish_unicasts(self) -> None:
-        for i, builder in enumerate(self._unicast):
-            if builder is not None:
-                self._finish_unicast(i)
-
-    def _finish_broadcast(self) -> None:
-        builder = self._broadcast
-        if builder is not None:
-            self._broadcast = None
-            # counted once (the old writer's figure); add_buffer counts per subpartition
-            self._bytes_out += builder.finish()
-            self._buffers_out += 1
-            for sub in self.subpartitions:
-                sub.on_buffer_finished()
-            builder.close()
-
     def add_buffer(self, target: int, buffer: Buffer) -> None:
         """Queue a complete buffer built elsewhere for ``target`` or ``ALL_SUBPARTITIONS``.
 
@@ -400,8 +250,6 @@ class ResultPartition:
                 )
             else:
                 self.check_writable(target)
-            if self._broadcast is not None or any(b is not None for b in self._unicast):
-                raise UsageError("add_buffer cannot be mixed with a RecordWriter")
         except BaseException:
             buffer.release()
             raise
@@ -424,8 +272,6 @@ class ResultPartition:
     def broadcast_event(self, event: AbstractEvent) -> None:
         """Send an event to every subpartition, after everything written so far."""
         self.check_writable()
-        self._finish_broadcast()
-        self._finish_unicasts()
         consumer = EventSerializer.to_buffer_consumer(event)
         try:
             for sub in self.subpartitions:
@@ -434,31 +280,23 @@ class ResultPartition:
             consumer.close()
 
     def flush(self, target: int) -> None:
-        if self.partition_type.is_blocking:
-            self._finish_unicast(target)
-            self._finish_broadcast()
         self.subpartitions[target].flush()
 
     def flush_all(self) -> None:
         """Make everything written so far readable."""
         if self._state.is_released:
             return
-        if self.partition_type.is_blocking:
-            self._finish_broadcast()
-            self._finish_unicasts()
         for sub in self.subpartitions:
             sub.flush()
 
     def finish(self) -> None:
-        """Close every builder and append EndOfPartition to every subpartition.
+        """Append EndOfPartition to every subpartition.
 
         Idempotent; on a released partition it raises what every write raises there.
         """
         if self._state is _FINISHED:
             return
         self.check_writable()
-        self._finish_broadcast()
-        self._finish_unicasts()
         for sub in self.subpartitions:
             sub.finish()
         self._transition(_FINISHED)
@@ -498,13 +336,6 @@ class ResultPartition:
         self._finished_at_release = self._state is _FINISHED
         self._transition(_FAILED if isinstance(cause, ProducerFailedError) else _RELEASED)
         self._failure = cause
-        for i, builder in enumerate(self._unicast):
-            if builder is not None:
-                builder.close()
-                self._unicast[i] = None
-        if self._broadcast is not None:
-            self._broadcast.close()
-            self._broadcast = None
         for sub in self.subpartitions:
             sub.release(cause)
         self.buffer_pool.destroy()

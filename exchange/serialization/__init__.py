@@ -1,4 +1,4 @@
-"""Record serialization: records to a byte stream spanning buffers, and back."""
+"""Record codecs: records to a byte stream spanning buffers (cut by the RecordWriter), and back."""
 
 from __future__ import annotations
 
@@ -20,14 +20,8 @@ from exchange.serialization.pickle_batch import (
     PickleBatchEncoder,
 )
 from exchange.serialization.record_deserializer import RecordDeserializer
-from exchange.serialization.spanning_record_serializer import (
-    DEFAULT_INITIAL_CAPACITY,
-    SerializationResult,
-    SpanningRecordSerializer,
-)
 
 __all__ = [
-    "DEFAULT_INITIAL_CAPACITY",
     "DEFAULT_MAX_RECORD_SIZE",
     "BytesCodec",
     "BytesLike",
@@ -41,7 +35,5 @@ __all__ = [
     "RecordDecoder",
     "RecordDeserializer",
     "RecordEncoder",
-    "SerializationResult",
-    "SpanningRecordSerializer",
     "default_codec",
 ]

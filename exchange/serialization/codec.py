@@ -22,8 +22,9 @@ Three stream formats:
 Writers call ``encode_batch`` with the records of one channel: it returns one chunk to
 append to the channel's stream, or raises (``RecordTooLargeError``, or ``UsageError``
 naming the type of a record the format cannot encode) and nothing is to be appended. The
-per-record ``encode``/``encode_into``/``encode_until`` serve the SpanningRecordSerializer
-and raise the underlying library's errors (``TypeError``, ``PicklingError``...) as before.
+per-record ``encode``/``encode_into``/``encode_until`` are for callers that encode outside
+a RecordWriter (no writer of this project does); they raise the underlying library's
+errors (``TypeError``, ``PicklingError``...).
 
 Decoders decode eagerly in ``feed``. A decode error does not surface from ``feed``: the
 records before the bad bytes are delivered first, then ``take`` (or iteration) raises a

@@ -20,6 +20,7 @@ from exchange.events import (
 from exchange.partition import ResultPartition, ResultPartitionType
 from exchange.serialization.codec import MsgpackCodec
 from exchange.writer import ResultPartitionWriter
+from tests.conformance.partition_fill import add_raw_bytes
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -203,21 +204,6 @@ async def test_consumer_closing_early_fails_the_writer(
     await writer.fail(None)
 
 
-class _RawBytes:
-    """A serializer stand-in that copies fixed bytes (for malformed streams)."""
-
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    @property
-    def has_serialized_data(self) -> bool:
-        return bool(self.data)
-
-    def copy_to_buffer_builder(self, builder: Any) -> None:
-        n = builder.append(self.data)
-        self.data = self.data[n:]
-
-
 @pytest.mark.asyncio
 async def test_stream_ending_inside_a_record_is_corrupt(
     make_partition: PartitionFactory, open_gate: GateOpener
@@ -225,7 +211,7 @@ async def test_stream_ending_inside_a_record_is_corrupt(
     part = make_partition("torn", PIPELINED, 1)
     gate = await open_gate([(part.partition_id, 0)])
     # a whole record [1, 2], then an array of 3 with only one element
-    await part.emit(0, _RawBytes(b"\x92\x01\x02\x93\x01"))  # type: ignore[arg-type]
+    add_raw_bytes(part, 0, b"\x92\x01\x02\x93\x01")
     part.finish()
     reader = RecordReader(gate, MsgpackCodec())  # raw msgpack bytes above
     assert await asyncio.wait_for(reader.next_batch(), 1) == [[1, 2]]
@@ -240,7 +226,7 @@ async def test_garbage_bytes_are_corrupt_records(
 ) -> None:
     part = make_partition("garbage", PIPELINED, 1)
     gate = await open_gate([(part.partition_id, 0)])
-    await part.emit(0, _RawBytes(b"\x01\xc1\x02"))  # type: ignore[arg-type]  # 0xc1: never used
+    add_raw_bytes(part, 0, b"\x01\xc1\x02")  # 0xc1: never used in msgpack
     part.finish()
     reader = RecordReader(gate)
     with pytest.raises(CorruptRecordError):

@@ -6,7 +6,6 @@ records notifications (the reader only calls ``notify_reader_non_empty`` on it).
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable
 
 import pytest
@@ -15,8 +14,7 @@ from exchange.errors import IllegalStateError, UsageError
 from exchange.events.events import CheckpointBarrier, EndOfPartitionEvent, EventSerializer
 from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberingViewReader
 from exchange.partition import ResultPartition, ResultPartitionManager
-from exchange.serialization.codec import BytesCodec
-from exchange.serialization.spanning_record_serializer import SpanningRecordSerializer
+from tests.conformance.partition_fill import add_full_buffers
 
 PartitionFactory = Callable[..., ResultPartition]
 
@@ -29,16 +27,6 @@ class StubQueue:
 
     def notify_reader_non_empty(self, reader: CreditBasedSequenceNumberingViewReader) -> None:
         self.notified.append(reader)
-
-
-def add_full_buffers(part: ResultPartition, target: int, n: int, start: int = 0) -> None:
-    """Write ``n`` full data buffers to ``target``; buffer ``i`` starts with ``start + i``."""
-    ser = SpanningRecordSerializer(BytesCodec())
-    filler = bytes(part.segment_size - 4 - 4)
-    for i in range(start, start + n):
-        ser.serialize_record(struct.pack(">I", i) + filler)
-        assert part.emit_nowait(target, ser), "partition pool too small for the test"
-        ser.prune()
 
 
 def new_reader(

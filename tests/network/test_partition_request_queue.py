@@ -22,8 +22,7 @@ from exchange.network.partition_request_queue import PartitionRequestQueue
 from exchange.partition import ResultPartition, ResultPartitionManager
 from exchange.partition.bounded_data import HEADER as BOUNDED_DATA_HEADER
 from exchange.protocol.messages import ErrorCode, ErrorResponse, Message
-from exchange.serialization.codec import BytesCodec
-from exchange.serialization.spanning_record_serializer import SpanningRecordSerializer
+from tests.conformance.partition_fill import add_full_buffers
 
 PartitionFactory = Callable[..., ResultPartition]
 
@@ -91,16 +90,6 @@ class Loop:
             self.pending.pop(0)()
             n += 1
         return n
-
-
-def add_full_buffers(part: ResultPartition, target: int, n: int, start: int = 0) -> None:
-    """Write ``n`` full data buffers to ``target``; buffer ``i`` is tagged ``start + i``."""
-    ser = SpanningRecordSerializer(BytesCodec())
-    filler = bytes(part.segment_size - 4 - 4)
-    for i in range(start, start + n):
-        ser.serialize_record(struct.pack(">I", i) + filler)
-        assert part.emit_nowait(target, ser), "partition pool too small for the test"
-        ser.prune()
 
 
 @pytest.fixture

@@ -53,8 +53,8 @@ from exchange.protocol.messages import (
     PartitionRequest,
     ServerHello,
 )
-from exchange.serialization.codec import BytesCodec
-from exchange.serialization.spanning_record_serializer import SpanningRecordSerializer
+from tests.conformance.partition_fill import add_full_buffers
+from tests.conformance.partition_fill import full_buffer_payload as expected_payload
 
 PartitionFactory = Callable[..., ResultPartition]
 SECRET = b"s3cret"
@@ -282,21 +282,6 @@ def connect(
         assert conn.state is ServerConnectionState.ESTABLISHED
     transport.socket_space = socket_space  # from now on (the handshake got through)
     return Setup(conn, transport, timers, peer)
-
-
-def add_full_buffers(part: ResultPartition, target: int, n: int, start: int = 0) -> None:
-    """Write ``n`` full data buffers to ``target``; buffer ``i`` is tagged ``start + i``."""
-    ser = SpanningRecordSerializer(BytesCodec())
-    for i in range(start, start + n):
-        record = struct.pack(">I", i) + bytes([i % 251]) * (part.segment_size - 8)
-        ser.serialize_record(record)
-        assert part.emit_nowait(target, ser), "partition pool too small for the test"
-        ser.prune()
-
-
-def expected_payload(segment_size: int, tag: int) -> bytes:
-    """What buffer ``tag`` of ``add_full_buffers`` holds on the wire."""
-    return struct.pack(">II", segment_size - 4, tag) + bytes([tag % 251]) * (segment_size - 8)
 
 
 def fatal(peer: Peer, code: ErrorCode) -> ErrorResponse:

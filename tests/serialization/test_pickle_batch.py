@@ -353,7 +353,7 @@ def test_unpicklable_record_raises_a_typed_error_naming_its_type() -> None:
     assert decode(PickleBatchCodec(), [encoder.encode_batch([1])]) == [1]
 
 
-def test_per_record_paths_still_serve_the_old_serializer() -> None:
+def test_per_record_paths_encode_the_same_stream() -> None:
     codec = PickleBatchCodec(max_record_size=2000)
     encoder = codec.new_encoder()
     assert encoder.encode is None
