@@ -1,0 +1,77 @@
+"""Fixtures for fault tests: a real daemon (``tests/daemon/_daemon.py``) behind the test
+kit's fault-injecting proxy (``tests/kit/fault_proxy.py``).
+
+* ``start_daemon(*flags)``: a running ``python -m server``; at teardown every daemon still
+  running gets SIGTERM and must exit 0 with its pool whole.
+* ``proxy_for(daemon)``: a ``FaultProxy`` in front of the daemon's data port, closed at
+  teardown.
+* ``fp``: the ``fault_proxy`` module (``UPSTREAM``, ``DOWNSTREAM``, ``Fault``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+# The same module names as tests/daemon/conftest.py and tests/kit/test_fault_proxy.py use.
+_daemon: Any = _load("exchange_tests_daemon_helpers", TESTS / "daemon" / "_daemon.py")
+_fault_proxy: Any = _load("exchange_tests_kit_fault_proxy", TESTS / "kit" / "fault_proxy.py")
+
+
+@pytest.fixture
+def fp() -> ModuleType:
+    return _fault_proxy
+
+
+@pytest.fixture
+def start_daemon() -> Iterator[Callable[..., Any]]:
+    started: list[Any] = []
+
+    def start(*flags: str) -> Any:
+        d = _daemon.DaemonProcess(*flags)
+        started.append(d)
+        return d
+
+    yield start
+    try:
+        for d in started:
+            if d.running:
+                d.stop_clean()
+    finally:
+        for d in started:
+            d.cleanup()
+            assert d.proc.returncode is not None
+
+
+@pytest.fixture
+def proxy_for() -> Iterator[Callable[[Any], Any]]:
+    proxies: list[Any] = []
+
+    def make(daemon: Any) -> Any:
+        proxy = _fault_proxy.FaultProxy.for_address(daemon.data_address)
+        proxies.append(proxy)
+        return proxy
+
+    yield make
+    for proxy in proxies:
+        proxy.close()
