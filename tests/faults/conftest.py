@@ -39,7 +39,7 @@ _fault_proxy: Any = _load("exchange_tests_kit_fault_proxy", TESTS / "kit" / "fau
 
 
 @pytest.fixture
-def fp() -> ModuleType:
+def fp() -> Any:
     return _fault_proxy
 
 

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.timeout(120)
 
 Daemon = Any  # tests/daemon/_daemon.py: DaemonProcess
 Proxy = Any  # tests/kit/fault_proxy.py: FaultProxy
-FAST_BACKOFF = {"backoff_initial": 0.01, "backoff_max": 0.04}
+FAST_BACKOFF: dict[str, Any] = {"backoff_initial": 0.01, "backoff_max": 0.04}
 #: A cut or reset must reach the reader within this many seconds.
 FAIL_WITHIN = 10.0
 #: Bytes forwarded before a cut: not a multiple of anything, so it lands inside a frame.
@@ -84,7 +84,7 @@ def read_through(
 def daemon_idle(d: Daemon, available: int | None = None) -> dict[str, Any]:
     """Wait until the daemon has no data connection and no reader (and, when given, this
     many free segments)."""
-    return d.wait_stats(
+    stats: dict[str, Any] = d.wait_stats(
         lambda s: (
             s["data_port"]["connections"] == 0
             and s["data_port"]["readers"] == 0
@@ -92,6 +92,7 @@ def daemon_idle(d: Daemon, available: int | None = None) -> dict[str, Any]:
         ),
         timeout=FAIL_WITHIN,
     )
+    return stats
 
 
 class Producer(threading.Thread):
