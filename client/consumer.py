@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final
@@ -30,16 +31,29 @@ from typing import Any, Final
 from client.network import UNIX_PREFIX, ConnectionManager
 from client.runtime import ClientRuntime, get_runtime
 from exchange.buffers.buffer import Buffer
+from exchange.checkpointing import (
+    BarrierHandlerStats,
+    CheckpointBarrierHandler,
+    CheckpointingMode,
+    CheckpointListener,
+    create_barrier_handler,
+)
+from exchange.checkpointing.barrier_handler import CheckpointFailureReason
 from exchange.consumer.input_channel import DEFAULT_BACKOFF_INITIAL, DEFAULT_BACKOFF_MAX
 from exchange.consumer.record_reader import EventHandler, RecordReader, RecordStream
 from exchange.consumer.remote_input_channel import RemoteInputChannel
-from exchange.consumer.single_input_gate import SingleInputGate
+from exchange.consumer.single_input_gate import BufferOrEvent, SingleInputGate
+from exchange.debloat.buffer_debloater import BufferDebloaterStats
+from exchange.debloat.config import DebloatConfig
+from exchange.debloat.gate_debloater import GateDebloater
 from exchange.errors import IllegalStateError, UsageError
+from exchange.events.events import CheckpointOptions
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.protocol.local_messages import DaemonInfo
 from exchange.serialization.codec import RecordCodec, default_codec
 
-__all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader"]
+__all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader", "reader_settings"]
 
 _BATCH_BUFFERS: Final = 64
 #: How long close() waits for buffers the task thread is still decoding.
@@ -66,8 +80,92 @@ class PartitionLocation:
         return self.data_address
 
 
+_DAEMON_READER_SETTINGS: Final = {
+    "exclusive_buffers_per_channel": "num_exclusive",
+    "floating_buffers_per_gate": "num_floating",
+    "partition_request_backoff_initial": "backoff_initial",
+    "partition_request_backoff_max": "backoff_max",
+}
+
+
+def reader_settings(info: DaemonInfo, *, checkpointing: bool = False) -> dict[str, Any]:
+    """The reader arguments the local daemon's settings decide (``DaemonInfo.settings``):
+    buffers per channel and gate, request backoff, debloating (a ``DebloatConfig`` when
+    ``debloat_enabled``), and with ``checkpointing`` the alignment limit. An invalid
+    value raises ConfigError naming the setting."""
+    settings = info.settings
+    out: dict[str, Any] = {
+        arg: settings[name]
+        for name, arg in _DAEMON_READER_SETTINGS.items()
+        if settings.get(name) is not None
+    }
+    out["segment_size"] = info.segment_size
+    if settings.get("debloat_enabled"):
+        out["debloat"] = DebloatConfig.from_settings(
+            {**settings, "segment_size": info.segment_size}
+        )
+    if checkpointing and settings.get("checkpoint_alignment_limit") is not None:
+        out["checkpoint_alignment_limit"] = settings["checkpoint_alignment_limit"]
+    return out
+
+
+def _barrier_handler(
+    listener: CheckpointListener,
+    mode: CheckpointingMode | str,
+    num_channels: int,
+    resume: Callable[[int], None],
+    alignment_limit: int | None,
+) -> CheckpointBarrierHandler:
+    """The handler for a reader's checkpoint arguments, validated."""
+    try:
+        mode = CheckpointingMode(mode)
+    except ValueError:
+        raise UsageError(
+            f"checkpointing_mode must be one of {[m.value for m in CheckpointingMode]}, "
+            f"got {mode!r}"
+        ) from None
+    if alignment_limit is not None and (
+        not isinstance(alignment_limit, int)
+        or isinstance(alignment_limit, bool)
+        or alignment_limit < 0
+    ):
+        raise UsageError(
+            "checkpoint_alignment_limit must be an int >= 0 (0: unlimited), "
+            f"got {alignment_limit!r}"
+        )
+    for name in ("trigger_checkpoint", "abort_checkpoint"):
+        if not callable(getattr(listener, name, None)):
+            raise UsageError(f"checkpoint_listener needs a {name}() method, got {listener!r}")
+    return create_barrier_handler(
+        mode,
+        max(num_channels, 1),
+        listener,
+        time.monotonic,
+        resume,
+        max_aligned_bytes=alignment_limit or None,
+    )
+
+
+def _check_debloat(debloat: DebloatConfig | None, segment_size: int) -> DebloatConfig | None:
+    if debloat is None:
+        return None
+    if not isinstance(debloat, DebloatConfig):
+        raise UsageError(f"debloat must be a DebloatConfig, got {debloat!r}")
+    if debloat.max_buffer_size > segment_size:
+        raise UsageError(
+            f"debloat max_buffer_size {debloat.max_buffer_size} exceeds the segment size "
+            f"{segment_size}"
+        )
+    return debloat
+
+
 class AsyncPartitionReader:
-    """Reads records from a list of partition locations (asyncio API)."""
+    """Reads records from a list of partition locations (asyncio API).
+
+    With a ``checkpoint_listener`` a barrier handler (``exchange.checkpointing``) sits
+    between the gate and the records; with an enabled ``debloat`` config the gate's
+    debloater runs every period and announces buffer sizes to the producers.
+    """
 
     def __init__(
         self,
@@ -78,14 +176,22 @@ class AsyncPartitionReader:
         event_handler: EventHandler | None,
         *,
         auto_resume_barriers: bool = True,
+        barrier_handler: CheckpointBarrierHandler | None = None,
     ) -> None:
         self.gate = gate
         self.pool = pool
         self.connections = connections
         self.codec = codec
         self.reader = RecordReader(
-            gate, codec, event_handler, auto_resume_barriers=auto_resume_barriers
+            gate,
+            codec,
+            event_handler,
+            auto_resume_barriers=auto_resume_barriers,
+            barrier_handler=barrier_handler,
         )
+        #: Buffers the gate returned that the task has not consumed yet (debloating).
+        self.in_flight: Callable[[], int] = lambda: 0
+        self._debloat_task: asyncio.Task[None] | None = None
         self._closed = False
 
     @classmethod
@@ -103,6 +209,10 @@ class AsyncPartitionReader:
         backoff_max: float = DEFAULT_BACKOFF_MAX,
         event_handler: EventHandler | None = None,
         auto_resume_barriers: bool = True,
+        checkpoint_listener: CheckpointListener | None = None,
+        checkpointing_mode: CheckpointingMode | str = CheckpointingMode.EXACTLY_ONCE,
+        checkpoint_alignment_limit: int | None = None,
+        debloat: DebloatConfig | None = None,
     ) -> AsyncPartitionReader:
         """Open channels to every location and request their subpartitions.
 
@@ -110,12 +220,17 @@ class AsyncPartitionReader:
         shared by the gate's channels as their backlogs ask; a partition not registered
         yet is requested again after ``backoff_initial`` doubling up to ``backoff_max``.
         ``auto_resume_barriers``: see ``exchange.consumer.record_reader``.
+        ``checkpoint_listener``: its ``trigger_checkpoint`` / ``abort_checkpoint`` run at
+        the exact point in the records (``checkpointing_mode`` exactly_once aligns,
+        at_least_once tracks; ``checkpoint_alignment_limit`` bytes, 0 or None unlimited).
+        ``debloat``: buffer debloating of this reader's gate (off when None or disabled).
         """
         if num_exclusive < 1 or num_floating < 0:
             raise UsageError("num_exclusive must be >= 1 and num_floating >= 0")
         for loc in locations:
             if not isinstance(loc, PartitionLocation):
                 raise UsageError(f"expected PartitionLocation, got {loc!r}")
+        debloat = _check_debloat(debloat, segment_size)
         n = len(locations)
         pool = NetworkBufferPool(max(n * num_exclusive + num_floating, 1), segment_size)
         connections = ConnectionManager(secret=secret, segment_size=segment_size)
@@ -138,6 +253,15 @@ class AsyncPartitionReader:
             for i, loc in enumerate(locations)
         ]
         gate.set_input_channels(channels)
+        handler = None
+        if checkpoint_listener is not None:
+            handler = _barrier_handler(
+                checkpoint_listener,
+                checkpointing_mode,
+                n,
+                gate.resume_consumption,
+                checkpoint_alignment_limit,
+            )
         self = cls(
             gate,
             pool,
@@ -145,13 +269,53 @@ class AsyncPartitionReader:
             codec or default_codec(),
             event_handler,
             auto_resume_barriers=auto_resume_barriers,
+            barrier_handler=handler,
         )
         try:
             await gate.request_partitions()
+            if debloat is not None and debloat.enabled:
+                self._start_debloating(debloat)
         except BaseException:
             await self.close()
             raise
         return self
+
+    # -- debloating ----------------------------------------------------------------------
+
+    def _start_debloating(self, config: DebloatConfig) -> None:
+        """Announce the starting size to every channel, then recalculate every period."""
+        gate = self.gate
+        debloater = GateDebloater(config, time.monotonic, open_channels=gate.num_channels)
+        gate.set_debloater(debloater)
+        start = debloater.buffer_size
+        for ch in gate.channels:
+            if not ch.finished:
+                ch.notify_new_buffer_size(start)
+        self._debloat_task = asyncio.get_running_loop().create_task(self._debloat_loop())
+
+    async def _debloat_loop(self) -> None:
+        gate = self.gate
+        debloater = gate.debloater
+        assert debloater is not None
+        period = debloater.config.period
+        while not gate.is_closed:
+            deadline = debloater.next_deadline
+            delay = period if deadline is None else max(0.0, deadline - time.monotonic())
+            await asyncio.sleep(delay)
+            if gate.is_closed:
+                return
+            gate.trigger_debloating(time.monotonic(), self.in_flight())
+
+    @property
+    def debloat_stats(self) -> BufferDebloaterStats | None:
+        """The gate's debloating figures (None when debloating is off)."""
+        d = self.gate.debloater
+        return d.stats() if d is not None else None
+
+    @property
+    def barrier_stats(self) -> BarrierHandlerStats | None:
+        h = self.reader.barrier_handler
+        return h.stats() if h is not None else None
 
     def resume_consumption(self, channel_index: int) -> None:
         """Unblock a channel after its aligned checkpoint barrier."""
@@ -177,8 +341,12 @@ class AsyncPartitionReader:
         if self._closed:
             return
         self._closed = True
-        self.reader.stream.clear()
-        self.gate.close()
+        task, self._debloat_task = self._debloat_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        self.reader.close()
         await self.connections.close()
         self.pool.check_consistency()
         whole = self.pool.is_whole()
@@ -199,13 +367,10 @@ _DATA: Final = 0
 _EVENT: Final = 1
 _END: Final = 2
 _ERROR: Final = 3
+_TRIGGER: Final = 4  # the task's trigger_checkpoint(*args), in order with the records
+_ABORT: Final = 5  # the task's abort_checkpoint(*args)
 
 _Item = tuple[int, int, Any]  # (kind, channel, Buffer | event | error)
-
-
-def _release_all(buffers: list[Buffer]) -> None:
-    for buf in buffers:
-        buf.release()
 
 
 class _Handoff:
@@ -257,8 +422,32 @@ class _Handoff:
         return [item for batch in batches for kind, _, item in batch if kind == _DATA]
 
 
+class _CallsInOrder:
+    """The barrier handler's listener in the synchronous reader: the handler runs while a
+    batch is decoded, before the batch's records reach the task, so its callbacks are
+    queued in the batch's output and made in ``records()`` at their place."""
+
+    __slots__ = ("out",)
+
+    def __init__(self) -> None:
+        self.out: list[_Item] = []
+
+    def trigger_checkpoint(
+        self, checkpoint_id: int, timestamp: int, options: CheckpointOptions
+    ) -> None:
+        self.out.append((_TRIGGER, 0, (checkpoint_id, timestamp, options)))
+
+    def abort_checkpoint(self, checkpoint_id: int, reason: CheckpointFailureReason) -> None:
+        self.out.append((_ABORT, 0, (checkpoint_id, reason)))
+
+
 class PartitionReader:
-    """Iterate the records of a set of partition locations from synchronous code."""
+    """Iterate the records of a set of partition locations from synchronous code.
+
+    ``checkpoint_listener``'s ``trigger_checkpoint`` / ``abort_checkpoint`` run in the
+    thread iterating ``records()``, between the records before and after each barrier;
+    aligned channels are resumed by the barrier handler, never behind the task's back.
+    """
 
     def __init__(
         self,
@@ -276,9 +465,29 @@ class PartitionReader:
         auto_resume_barriers: bool = True,
         runtime: ClientRuntime | None = None,
         window: int = 4,
+        checkpoint_listener: CheckpointListener | None = None,
+        checkpointing_mode: CheckpointingMode | str = CheckpointingMode.EXACTLY_ONCE,
+        checkpoint_alignment_limit: int | None = None,
+        debloat: DebloatConfig | None = None,
     ) -> None:
         self._rt = runtime if runtime is not None else get_runtime()
         self.codec: RecordCodec = codec if codec is not None else default_codec()
+        self._listener = checkpoint_listener
+        self._calls = _CallsInOrder()
+        self._handler: CheckpointBarrierHandler | None = None
+        if checkpoint_listener is not None:
+            self._handler = _barrier_handler(
+                self._calls,
+                checkpointing_mode,
+                len(locations),
+                self.resume_consumption,
+                checkpoint_alignment_limit,
+            )
+            # the listener's own methods are checked too (the handler got the queue)
+            _barrier_handler(
+                checkpoint_listener, checkpointing_mode, 1, self.resume_consumption, None
+            )
+        self._closed = False
         self._handoff = _Handoff(self._rt.loop, window)
         self._core = self._rt.run(
             AsyncPartitionReader.open(
@@ -291,8 +500,10 @@ class PartitionReader:
                 num_floating=num_floating,
                 backoff_initial=backoff_initial,
                 backoff_max=backoff_max,
+                debloat=debloat,
             )
         )
+        self._core.in_flight = lambda: self._in_flight
         # The one decode path, run in the task thread; resuming goes to the loop thread.
         self._stream = RecordStream(
             self.codec,
@@ -305,11 +516,20 @@ class PartitionReader:
         self._all_back: asyncio.Event | None = None
         self._pump_future = self._rt.submit(self._pump())
         self._done = False
-        self._closed = False
 
     @property
     def records_read(self) -> int:
         return self._stream.records_in
+
+    @property
+    def barrier_stats(self) -> BarrierHandlerStats | None:
+        """The barrier handler's figures (None without a checkpoint listener)."""
+        return self._handler.stats() if self._handler is not None else None
+
+    @property
+    def debloat_stats(self) -> BufferDebloaterStats | None:
+        """The gate's debloating figures (None when debloating is off)."""
+        return self._core.debloat_stats
 
     async def _pump(self) -> None:
         """Loop thread: move buffers (themselves) and events to the task thread."""
@@ -347,9 +567,14 @@ class PartitionReader:
             await put([(_ERROR, 0, e)])
 
     def _give_back(self, buffers: list[Buffer]) -> None:
-        """Loop thread: release buffers the task thread has decoded (returns credit)."""
+        """Loop thread: release buffers the task thread has decoded (returns credit).
+
+        A buffer already recycled is one the barrier handler released when it refused it
+        (input on a channel blocked upstream: the reader fails with that error)."""
         self._in_flight -= len(buffers)
-        _release_all(buffers)
+        for buf in buffers:
+            if not buf.is_recycled:
+                buf.release()
         if self._in_flight == 0 and self._all_back is not None:
             self._all_back.set()
 
@@ -379,6 +604,12 @@ class PartitionReader:
                         yield from item
                     elif kind == _EVENT:
                         self._stream.on_event(item, ch)
+                    elif kind == _TRIGGER:
+                        assert self._listener is not None
+                        self._listener.trigger_checkpoint(*item)
+                    elif kind == _ABORT:
+                        assert self._listener is not None
+                        self._listener.abort_checkpoint(*item)
                     elif kind == _END:
                         self._done = True
                     else:
@@ -394,9 +625,14 @@ class PartitionReader:
         when decoding fails: the buffers not reached yet go back too)."""
         out: list[_Item] = []
         feed = self._stream.feed
+        handler = self._handler
+        self._calls.out = out
         try:
             for kind, ch, item in batch:
                 if kind == _DATA:
+                    if handler is not None:
+                        # blocking upstream or tracking: the handler never parks a buffer
+                        handler.process(BufferOrEvent(item, None, ch, False))
                     view = item.memoryview()
                     try:
                         records = feed(ch, view)
@@ -404,6 +640,9 @@ class PartitionReader:
                         view.release()
                     if records:
                         out.append((_DATA, ch, records))
+                elif kind == _EVENT and handler is not None:
+                    if handler.process(BufferOrEvent(None, item, ch, False)) is not None:
+                        out.append((kind, ch, item))
                 else:
                     out.append((kind, ch, item))
         finally:
@@ -424,6 +663,8 @@ class PartitionReader:
         self._handoff.close()
         self._pump_future.cancel()
         self._rt.run(self._close_async())
+        if self._handler is not None:
+            self._handler.close()
 
     async def _close_async(self) -> None:
         pump = asyncio.wrap_future(self._pump_future)

@@ -11,6 +11,7 @@ import asyncio
 import os
 import struct
 from collections import deque
+from collections.abc import Callable
 from typing import Final
 
 from client.connection_base import HandshakingClientProtocol
@@ -29,6 +30,7 @@ from exchange.protocol.local_messages import (
     DaemonInfoRequest,
     PartitionCreated,
     PartitionFinished,
+    ProducerBufferSize,
     PushBuffer,
     Released,
     ReleaseDataset,
@@ -102,6 +104,8 @@ class LocalConnection(HandshakingClientProtocol):
         self.credit = 0
         self.bytes_pushed = 0
         self._credit_waiter: asyncio.Future[None] | None = None
+        #: ``(subpartition, size)`` for each ProducerBufferSize (debloating); loop thread.
+        self.buffer_size_listener: Callable[[int, int], None] | None = None
 
     @classmethod
     async def connect(
@@ -154,6 +158,9 @@ class LocalConnection(HandshakingClientProtocol):
         if type(msg) is AddProducerCredit:
             self.credit += msg.credit
             self._wake_credit()
+        elif type(msg) is ProducerBufferSize:
+            if self.buffer_size_listener is not None:
+                self.buffer_size_listener(msg.subpartition, msg.buffer_size)
         elif isinstance(msg, _REPLIES):
             if not self._replies:
                 raise ProtocolError(f"unsolicited {type(msg).__name__} from {self.address}")

@@ -48,8 +48,12 @@ from exchange.writer.record_writer import DEFAULT_BUFFER_TIMEOUT, OutputBuffer, 
 __all__ = ["AsyncPartitionWriter", "DaemonSink", "PartitionWriter"]
 
 _NO_KEY: Final[Any] = object()
-#: Bytes of cut buffers handed to the loop at a time.
+#: Bytes of cut buffers handed to the loop at a time, at most, ...
 _SHIP_BYTES: Final = 256 * 1024
+#: ... and buffers at the smallest current size: when debloating shrinks the buffers,
+#: the batches (and the window of them waiting for credit) shrink with them, so the
+#: bytes queued in the task before a barrier follow the debloater too.
+_SHIP_BUFFERS: Final = 8
 #: Batches in flight between the task thread and the loop at most (the window).
 _WINDOW: Final = 4
 #: Records taken from an iterable at a time by ``emit_all``: at most, and at first.
@@ -135,6 +139,8 @@ class AsyncPartitionWriter(AsyncRecordWriter):
     ) -> None:
         super().__init__(writer, sink)
         self.daemon_sink = sink
+        # debloating: the consumer's NewBufferSize, forwarded by the daemon (same thread)
+        sink.conn.buffer_size_listener = writer.set_buffer_size
         self.partition_id = sink.partition_id
         self.num_subpartitions = writer.num_subpartitions
         self.segment_size = segment_size
@@ -236,6 +242,9 @@ class PartitionWriter:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._closed = False
+        # debloating: sizes the daemon forwarded (loop thread), applied under the lock
+        self._new_sizes: dict[int, int] = {}
+        conn.buffer_size_listener = self._new_sizes.__setitem__
         self._timer: concurrent.futures.Future[None] | None = None
         if self._timeout > 0:
             self._timer = self._rt.submit(self._flush_timer())
@@ -260,8 +269,17 @@ class PartitionWriter:
         """Hand the cut buffers to the loop; called with the lock held, so batches are
         queued in the order they were cut, whichever thread cut them."""
         writer = self._writer
-        if writer.has_output and (force or writer.output_bytes >= _SHIP_BYTES):
+        if self._new_sizes:
+            self._apply_new_sizes()
+        if writer.has_output and (force or writer.output_bytes >= self._ship_bytes()):
             self._inflight.append(self._enqueue(writer.take_output()))
+
+    def _apply_new_sizes(self) -> None:
+        """With the lock held: cut new buffers at the sizes the consumers announced."""
+        sizes = self._new_sizes
+        while sizes:
+            index, size = sizes.popitem()  # atomic: the loop thread may add meanwhile
+            self._writer.set_buffer_size(index, size)
 
     def _enqueue(self, outs: list[OutputBuffer]) -> concurrent.futures.Future[None]:
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -324,6 +342,8 @@ class PartitionWriter:
             try:
                 if self._closed:
                     continue
+                if self._new_sizes:
+                    self._apply_new_sizes()
                 gathered = self._gather
                 if gathered is not None and len(gathered) > self._gather_taken:
                     # records the task gathered before its input stalled
@@ -413,7 +433,10 @@ class PartitionWriter:
         mean = self._writer.mean_record_size
         if mean is None:
             return _FIRST_CHUNK
-        return max(1, min(_CHUNK, _SHIP_BYTES // max(mean, 1)))
+        return max(1, min(_CHUNK, self._ship_bytes() // max(mean, 1)))
+
+    def _ship_bytes(self) -> int:
+        return min(_SHIP_BYTES, _SHIP_BUFFERS * self._writer.smallest_buffer_size)
 
     def broadcast(self, record: Any) -> None:
         """Emit one record to every subpartition (encoded once)."""

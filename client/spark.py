@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from client.consumer import PartitionLocation, PartitionReader
+from client.consumer import PartitionLocation, PartitionReader, reader_settings
 from client.local_connection import (
     fetch_daemon_info,
     release_dataset,
@@ -322,17 +322,6 @@ def _write_partition(
     return _Produced(index, attempt, info.daemon_id, info.data_address, sock, info.segment_size, n)
 
 
-def _reader_settings(settings: dict[str, Any]) -> dict[str, Any]:
-    """The reader's arguments that the local daemon's settings decide."""
-    names = {
-        "exclusive_buffers_per_channel": "num_exclusive",
-        "floating_buffers_per_gate": "num_floating",
-        "partition_request_backoff_initial": "backoff_initial",
-        "partition_request_backoff_max": "backoff_max",
-    }
-    return {arg: settings[name] for name, arg in names.items() if settings.get(name) is not None}
-
-
 def _read_subpartition(
     exchange_id: str,
     producers: list[_Produced],
@@ -358,8 +347,7 @@ def _read_subpartition(
         local_daemon_id=info.daemon_id,
         codec=codec,
         secret=spec.secret,
-        segment_size=producers[0].segment_size,
-        **_reader_settings(info.settings),
+        **{**reader_settings(info), "segment_size": producers[0].segment_size},
     )
     try:
         yield from reader.records()

@@ -102,6 +102,7 @@ class DaemonConfig:
     debloat_samples: int = 20
     debloat_threshold_percent: int = 25
     debloat_min_buffer_size: int = 256
+    debloat_initial_buffer_size: int | None = None
     checkpoint_alignment_limit: int | None = None
 
     def __post_init__(self) -> None:
@@ -144,6 +145,15 @@ class DaemonConfig:
                 "debloat_min_buffer_size",
                 f"{self.debloat_min_buffer_size} bytes exceeds segment_size "
                 f"({self.segment_size} bytes)",
+            )
+        initial = self.debloat_initial_buffer_size
+        if initial is not None and not (
+            self.debloat_min_buffer_size <= initial <= self.segment_size
+        ):
+            raise ConfigError(
+                "debloat_initial_buffer_size",
+                f"{initial} bytes is outside [debloat_min_buffer_size, segment_size] = "
+                f"[{self.debloat_min_buffer_size}, {self.segment_size}]",
             )
         if self.data_port != 0 and self.data_port == self.http_port:
             raise ConfigError(
@@ -435,6 +445,12 @@ _SETTINGS: Final[dict[str, _Setting]] = {
     ),
     "debloat_min_buffer_size": _Setting(
         _size(1), _SIZE, "SIZE", "smallest buffer size the debloater announces"
+    ),
+    "debloat_initial_buffer_size": _Setting(
+        _optional_size(1),
+        _SIZE,
+        "SIZE",
+        "buffer size the debloater starts from; default 1 KiB (clamped to the segment size)",
     ),
     "checkpoint_alignment_limit": _Setting(
         _optional_size(1, _UNLIMITED_WORDS),

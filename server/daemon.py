@@ -118,6 +118,7 @@ class ExchangeDaemon:
         "debloat_samples",
         "debloat_threshold_percent",
         "debloat_min_buffer_size",
+        "debloat_initial_buffer_size",
         "checkpoint_alignment_limit",
     )
 

@@ -100,6 +100,16 @@ class InputChannel(ABC):
         """Debloating: the producer should use buffers of ``size`` bytes."""
 
     @property
+    def num_queued_buffers(self) -> int:
+        """Buffers received and not yet taken by the gate (debloating counts them in use)."""
+        return 0
+
+    @property
+    def announced_backlog(self) -> int:
+        """The producer's backlog as last announced (buffers not sent yet)."""
+        return 0
+
+    @property
     def is_released(self) -> bool:
         return self._released
 

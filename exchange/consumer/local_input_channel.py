@@ -47,6 +47,7 @@ class LocalInputChannel(InputChannel):
         )
         self._manager = partition_manager
         self._view: ResultSubpartitionView | None = None
+        self._backlog = 0
 
     async def request_subpartition(self) -> None:
         if self._view is not None:
@@ -89,11 +90,16 @@ class LocalInputChannel(InputChannel):
                 )
             return None
         buf = nb.buffer
+        self._backlog = nb.buffers_in_backlog
         self.bytes_in += buf.size
         self.buffers_in += 1
         return BufferAndAvailability(
             buf, nb.is_data_available, nb.buffers_in_backlog, nb.sequence_number
         )
+
+    @property
+    def announced_backlog(self) -> int:
+        return self._backlog
 
     def resume_consumption(self) -> None:
         if self._view is not None:

@@ -8,22 +8,29 @@ order; a record may span any number of buffers. Events go to an optional handler
 order with the records. A channel that ends inside a record is a CorruptRecordError,
 never a silently dropped tail.
 
-Aligned checkpoint barriers block their subpartition until consumption is resumed
-(``resume_consumption(channel)``). The handler takes charge of that by returning True.
-Otherwise, with ``auto_resume_barriers`` (the default, kept for plain record readers
-until a barrier handler is plugged in) the reader resumes at once after the handler ran;
-with ``auto_resume_barriers=False`` a barrier nobody resumes stalls its channel.
+Checkpoints: with a ``CheckpointBarrierHandler`` (``exchange.checkpointing``) the handler
+sits between the gate and the decoder: it takes every buffer and event first, consumes
+barriers and cancellation markers (calling the task's ``trigger_checkpoint`` at the exact
+point between the records before and after the barrier), resumes aligned channels itself,
+and may park input and replay it. Without one, aligned checkpoint barriers reach the event
+handler, which takes charge of resuming by returning True; otherwise, with
+``auto_resume_barriers`` (the default for plain record readers) the reader resumes at
+once after the handler ran; with ``auto_resume_barriers=False`` a barrier nobody resumes
+stalls its channel.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from exchange.consumer.single_input_gate import SingleInputGate
+from exchange.consumer.single_input_gate import BufferOrEvent, SingleInputGate
 from exchange.errors import CorruptRecordError
 from exchange.events.events import AbstractEvent, CheckpointBarrier, EndOfPartitionEvent
 from exchange.serialization.codec import RecordCodec, default_codec
+
+if TYPE_CHECKING:
+    from exchange.checkpointing.barrier_handler import CheckpointBarrierHandler
 
 __all__ = ["EventHandler", "RecordReader", "RecordStream"]
 
@@ -93,8 +100,10 @@ class RecordReader:
         event_handler: EventHandler | None = None,
         *,
         auto_resume_barriers: bool = True,
+        barrier_handler: CheckpointBarrierHandler | None = None,
     ) -> None:
         self.gate = gate
+        self.barrier_handler = barrier_handler
         self.codec: RecordCodec = codec if codec is not None else default_codec()
         self.stream = RecordStream(
             self.codec,
@@ -116,12 +125,21 @@ class RecordReader:
         """The records available next (never empty), or None at the end of input."""
         gate = self.gate
         stream = self.stream
+        handler = self.barrier_handler
         while True:
-            boe = gate.poll_next()
+            boe: BufferOrEvent | None = None
+            if handler is not None:
+                boe = handler.poll_next()  # parked input is replayed before newer input
             if boe is None:
-                boe = await gate.get_next()
+                boe = gate.poll_next()
                 if boe is None:
-                    return None
+                    boe = await gate.get_next()
+                    if boe is None:
+                        return None
+                if handler is not None:
+                    boe = handler.process(boe)
+                    if boe is None:
+                        continue  # a barrier or marker was consumed, or input parked
             buf = boe.buffer
             if buf is not None:
                 try:
@@ -157,4 +175,6 @@ class RecordReader:
 
     def close(self) -> None:
         self.stream.clear()
+        if self.barrier_handler is not None:
+            self.barrier_handler.close()
         self.gate.close()

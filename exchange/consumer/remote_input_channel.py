@@ -269,6 +269,10 @@ class RemoteInputChannel(InputChannel):
     def num_queued_buffers(self) -> int:
         return len(self._received)
 
+    @property
+    def announced_backlog(self) -> int:
+        return self.sender_backlog
+
     # -- BufferListener (floating buffers) -----------------------------------------------
 
     def notify_buffer_available(self, buffer: Buffer) -> NotificationResult:

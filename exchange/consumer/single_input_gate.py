@@ -5,6 +5,11 @@ there when its producer side says data became available (first finished buffer, 
 event) and is re-queued after a poll that reported more data available, so a reader
 never busy-polls an empty channel. Events are decoded here; EndOfPartition retires its
 channel, and the gate ends once every channel did.
+
+Debloating (Flink's ``SingleInputGate.triggerDebloating``): with a ``GateDebloater`` set,
+the gate reports every buffer and event it returns, and when it runs empty and has data
+again (time counts towards throughput only while data flows); ``trigger_debloating(now)``,
+called by the reader's timer, announces a new buffer size to every open channel.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import NamedTuple
 
 from exchange.buffers.buffer import Buffer
 from exchange.consumer.input_channel import InputChannel
+from exchange.debloat.gate_debloater import GateDebloater
 from exchange.errors import IllegalStateError, UsageError
 from exchange.events.events import AbstractEvent, EndOfPartitionEvent, EventSerializer
 from exchange.memory.availability import AvailabilityHelper
@@ -45,6 +51,37 @@ class SingleInputGate:
         self._availability = AvailabilityHelper(available=False)
         self._requested = False
         self._closed = False
+        self.debloater: GateDebloater | None = None
+        self._idle = True  # debloating: the gate has nothing to return (time stops)
+
+    def set_debloater(self, debloater: GateDebloater) -> None:
+        """Debloat this gate's channels (before or after partitions are requested)."""
+        if self._closed:
+            raise IllegalStateError(f"input gate {self.name} is closed")
+        self.debloater = debloater
+        debloater.set_open_channels(self.num_channels - self._num_finished)
+
+    def trigger_debloating(self, now: float, extra_queued: int = 0) -> int | None:
+        """Run the debloater if due; a new size goes to every open channel and is returned.
+
+        ``extra_queued``: buffers the gate returned that the task has not consumed yet
+        (the synchronous reader's hand-off), counted as in use like queued ones.
+        """
+        d = self.debloater
+        if d is None or self._closed:
+            return None
+        queued = extra_queued
+        backlog = 0
+        for ch in self.channels:
+            if not ch.finished:
+                queued += ch.num_queued_buffers
+                backlog += ch.announced_backlog
+        size = d.tick(now, queued, backlog)
+        if size is not None:
+            for ch in self.channels:
+                if not ch.finished and not ch.is_released:
+                    ch.notify_new_buffer_size(size)
+        return size
 
     def set_input_channels(self, channels: Sequence[InputChannel]) -> None:
         if self._requested:
@@ -79,6 +116,10 @@ class SingleInputGate:
             return
         channel.queued = True
         self._with_data.append(channel)
+        if self._idle:
+            self._idle = False
+            if self.debloater is not None:
+                self.debloater.on_gate_non_empty()
         self._availability.set_available()
 
     @property
@@ -106,6 +147,8 @@ class SingleInputGate:
                 ch.queued = True
                 queue.append(ch)
             buf = result.buffer
+            if self.debloater is not None:
+                self.debloater.on_data(buf.size)
             if buf.is_buffer:
                 return BufferOrEvent(buf, None, ch.channel_index, more or bool(queue))
             try:
@@ -117,6 +160,10 @@ class SingleInputGate:
             return BufferOrEvent(None, event, ch.channel_index, bool(queue))
         if not self.is_finished:
             self._availability.set_unavailable()
+        if not self._idle:
+            self._idle = True
+            if self.debloater is not None:
+                self.debloater.on_gate_empty()
         return None
 
     async def get_next(self) -> BufferOrEvent | None:
@@ -137,6 +184,8 @@ class SingleInputGate:
                 ch.queued = False
                 self._with_data.remove(ch)
             ch.release_all_resources()
+            if self.debloater is not None:
+                self.debloater.set_open_channels(len(self.channels) - self._num_finished)
         if self.is_finished:
             self._availability.set_available()
 
@@ -151,6 +200,8 @@ class SingleInputGate:
         if self._closed:
             return
         self._closed = True
+        if self.debloater is not None:
+            self.debloater.close()
         for ch in self.channels:
             ch.queued = False
             ch.release_all_resources()

@@ -8,6 +8,8 @@ When the pool is exhausted (consumers are slow) the session registers as the poo
 BufferListener and is handed each segment a consumer frees; credit goes back to the task
 in batches (``AddProducerCredit``), not one message per buffer: a grant is sent when a
 quarter of the window has accumulated, or at once when the task has no credit left.
+A NewBufferSize a consumer announces for a pipelined subpartition (buffer debloating)
+goes on to the task as ``ProducerBufferSize``: the task's writer cuts the buffers.
 
 The session does no I/O: messages for the task go through the injected ``send``. Its
 lifecycle is one enum, with the transitions in ``_TRANSITIONS``:
@@ -36,11 +38,13 @@ from exchange.errors import (
 )
 from exchange.events.events import EventSerializer
 from exchange.memory.buffer_listener import NotificationResult
+from exchange.partition.pipelined_subpartition import PipelinedSubpartition
 from exchange.partition.result_partition import ResultPartition
 from exchange.protocol.local_messages import (
     ALL_SUBPARTITIONS,
     AddProducerCredit,
     PartitionFinished,
+    ProducerBufferSize,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_response_for
 
@@ -98,6 +102,9 @@ class ProducerSession:
         self.credit_messages = 0
         partition.add_release_listener(self._on_partition_released)
         partition.add_consumer_failure_listener(self._on_consumer_failure)
+        for sub in partition.subpartitions:
+            if isinstance(sub, PipelinedSubpartition):  # blocking ones ignore NewBufferSize
+                sub.add_buffer_size_listener(self._on_buffer_size)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -261,6 +268,10 @@ class ProducerSession:
             )
         if self._on_abort is not None:
             self._on_abort(error_response_for(cause))
+
+    def _on_buffer_size(self, subpartition: int, size: int) -> None:
+        if self.is_open:
+            self._send(ProducerBufferSize(subpartition, size))
 
     def _on_partition_released(self, partition: ResultPartition) -> None:
         self._abort(partition.failure_cause)

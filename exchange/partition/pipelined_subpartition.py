@@ -22,6 +22,7 @@ READING -> CONSUMED -> RELEASED.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from exchange.buffers.buffer import DataType
@@ -65,6 +66,9 @@ class PipelinedSubpartition:
         self._view: PipelinedSubpartitionView | None = None
         self._sequence_number = 0
         self.buffer_size = parent.segment_size
+        # Debloating: who cuts this subpartition's buffers hears of a new size (the
+        # daemon's producer session forwards it to the producer task).
+        self._buffer_size_listeners: list[Callable[[int, int], None]] = []
         self.total_bytes = 0
         self.total_buffers = 0
 
@@ -266,9 +270,20 @@ class PipelinedSubpartition:
             self._notify()
 
     def set_buffer_size(self, size: int) -> None:
+        """NewBufferSize from the consumer: new buffers are cut at ``size`` (at most a
+        segment); each listener is called ``(index, size)`` when the size changes."""
         if size <= 0:
             raise UsageError(f"buffer size must be positive, got {size}")
-        self.buffer_size = min(size, self._parent.segment_size)
+        size = min(size, self._parent.segment_size)
+        if size == self.buffer_size:
+            return
+        self.buffer_size = size
+        for listener in list(self._buffer_size_listeners):
+            listener(self.index, size)
+
+    def add_buffer_size_listener(self, listener: Callable[[int, int], None]) -> None:
+        """Call ``listener(index, size)`` whenever the consumer announces a new size."""
+        self._buffer_size_listeners.append(listener)
 
     def _on_view_released(self, consumed: bool) -> None:
         """The view was released: after EndOfPartition (consumed) or early (a failure)."""

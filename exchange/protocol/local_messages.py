@@ -39,6 +39,7 @@ __all__ = [
     "FinishPartition",
     "PartitionCreated",
     "PartitionFinished",
+    "ProducerBufferSize",
     "PushBuffer",
     "ReleaseDataset",
     "Released",
@@ -76,6 +77,24 @@ class PushBuffer(Message):
 class AddProducerCredit(Message):
     MESSAGE_ID: ClassVar[int] = 67
     credit: int
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerBufferSize(Message):
+    """Daemon -> producer task: the consumer of ``subpartition`` announced NewBufferSize
+    (buffer debloating); the task's writer cuts that subpartition's new buffers at
+    ``buffer_size`` bytes (broadcast buffers at the smallest size)."""
+
+    subpartition: int
+    buffer_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("subpartition", "buffer_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 0xFFFFFFFF:
+                raise ProtocolError(f"{name} must be an int in [0, 2**32)")
+        if self.buffer_size == 0:
+            raise ProtocolError("ProducerBufferSize of zero bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +296,14 @@ def _register() -> None:
                 "settings": m.settings,
             }
         ),
+    )
+    register_message(
+        75,
+        ProducerBufferSize,
+        lambda b: ProducerBufferSize(
+            **{k: _uint(v, k) for k, v in _unpack_map(b, ("subpartition", "buffer_size")).items()}
+        ),
+        lambda m: _pack({"subpartition": m.subpartition, "buffer_size": m.buffer_size}),
     )
 
 

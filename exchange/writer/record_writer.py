@@ -209,6 +209,11 @@ class RecordWriter:
         self._check_target(target)
         return self._streams[target].buffer_size
 
+    @property
+    def smallest_buffer_size(self) -> int:
+        """The smallest size any subpartition cuts at now (broadcast buffers use it)."""
+        return self._bstream.buffer_size
+
     # -- emitting ------------------------------------------------------------------------
 
     def emit(self, record: Any, key: Any = _NO_KEY) -> None:

@@ -294,8 +294,102 @@ def _produce(argv: Sequence[str]) -> None:
     writer.emit_all(_records(n, b"p" * 100), partition_func=lambda k: k % n)
 
 
+class BarrierProducer(ChildProducer):
+    """``python _daemon.py produce-barriers ...``: a producer task that streams
+    ``(index, seq, pad)`` records into a one-subpartition pipelined partition and, every
+    ``interval`` seconds, broadcasts checkpoint barrier 1, 2, ... ``barriers`` (or, for
+    the ids in ``cancel``, a CancelCheckpointMarker instead), then finishes. It prints one
+    JSON line per barrier: ``{"barrier": id, "emitted": records before it, "cancel": bool}``
+    and ``{"done": records}`` at the end."""
+
+    def __init__(
+        self,
+        socket: str,
+        dataset: str,
+        index: int,
+        *,
+        barriers: int,
+        interval: float,
+        aligned: bool,
+        cancel: Sequence[int] = (),
+    ) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "produce-barriers",
+                socket,
+                dataset,
+                str(index),
+                str(barriers),
+                str(interval),
+                "aligned" if aligned else "unaligned",
+                ",".join(map(str, cancel)),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=child_env(),
+        )
+        self._out = _LineReader(self.proc.stdout, "producer-stdout")
+        self._err = _LineReader(self.proc.stderr, "producer-stderr")
+
+    def lines(self, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Every line up to ``done`` (raises if the process fails first)."""
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self._out.next_line(max(0.1, deadline - time.monotonic()))
+            if line is None:
+                code = self.proc.wait(10)
+                raise AssertionError(f"producer exited {code}: {''.join(self._err.all)}")
+            event: dict[str, Any] = json.loads(line)
+            out.append(event)
+            if "done" in event:
+                return out
+
+
+def _produce_barriers(argv: Sequence[str]) -> None:
+    from client.producer import PartitionWriter
+    from exchange.partition.result_partition_id import ResultPartitionID
+
+    socket, dataset, index = argv[0], argv[1], int(argv[2])
+    barriers, interval, aligned = int(argv[3]), float(argv[4]), argv[5] == "aligned"
+    cancel = {int(c) for c in argv[6].split(",") if c}
+    pad = b"r" * 200
+    with PartitionWriter(
+        ResultPartitionID(dataset, index, 0), 1, daemon_socket=socket, buffer_timeout=0.01
+    ) as w:
+        seq = 0
+        next_at = time.monotonic() + interval
+        for cid in range(1, barriers + 1):
+            while time.monotonic() < next_at:
+                for _ in range(32):
+                    w.emit_to((index, seq, pad), 0)
+                    seq += 1
+                time.sleep(0.001)
+            next_at += interval
+            if cid in cancel:
+                w.broadcast_cancel(cid)
+            else:
+                w.broadcast_barrier(cid, int(time.time() * 1000), aligned=aligned)
+            line = {"barrier": cid, "emitted": seq, "cancel": cid in cancel}
+            print(json.dumps(line), flush=True)
+        for _ in range(100):  # records after the last barrier too
+            w.emit_to((index, seq, pad), 0)
+            seq += 1
+    print(json.dumps({"done": seq}), flush=True)
+
+
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "produce":
         _produce(sys.argv[2:])
+    elif len(sys.argv) >= 2 and sys.argv[1] == "produce-barriers":
+        _produce_barriers(sys.argv[2:])
     else:
-        sys.exit(f"usage: {sys.argv[0]} produce SOCKET DATASET INDEX NUM_SUBPARTITIONS")
+        sys.exit(
+            f"usage: {sys.argv[0]} produce SOCKET DATASET INDEX NUM_SUBPARTITIONS\n"
+            f"       {sys.argv[0]} produce-barriers SOCKET DATASET INDEX BARRIERS INTERVAL "
+            "aligned|unaligned CANCEL_IDS"
+        )

@@ -357,6 +357,9 @@ BAD_VALUES: list[tuple[str, str]] = [
     ("debloat_threshold_percent", "25%"),
     ("debloat_min_buffer_size", "0"),
     ("debloat_min_buffer_size", "64k"),  # above the segment size
+    ("debloat_initial_buffer_size", "0"),
+    ("debloat_initial_buffer_size", "64k"),  # above the segment size
+    ("debloat_initial_buffer_size", "100"),  # below debloat_min_buffer_size
     ("checkpoint_alignment_limit", "0"),
     ("checkpoint_alignment_limit", "-2"),
     ("checkpoint_alignment_limit", "big"),
@@ -484,6 +487,7 @@ def test_all_flags() -> None:
         "--debloat-samples=10",
         "--debloat-threshold-percent=50",
         "--debloat-min-buffer-size=1k",
+        "--debloat-initial-buffer-size=2k",
         "--checkpoint-alignment-limit=16mb",
     ]
     assert load_config(argv, env={}).to_dict() == {
@@ -513,6 +517,7 @@ def test_all_flags() -> None:
         "debloat_samples": 10,
         "debloat_threshold_percent": 50,
         "debloat_min_buffer_size": 1024,
+        "debloat_initial_buffer_size": 2048,
         "checkpoint_alignment_limit": 16 * MIB,
     }
 

@@ -1,0 +1,142 @@
+"""Checkpoint barriers through real processes: producer tasks (child processes) broadcast a
+barrier every 100 ms while records flow through a daemon; the consumer task's reader runs
+the barrier handler and calls the task's ``trigger_checkpoint`` exactly between the records
+before and after each barrier (exactly once), or after all of them (at least once).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from client.consumer import PartitionLocation, PartitionReader
+from exchange.checkpointing import CheckpointFailureReason
+from exchange.errors import UsageError
+from exchange.events.events import CheckpointOptions
+from exchange.partition.result_partition_id import ResultPartitionID
+
+pytestmark = pytest.mark.timeout(120)
+
+Daemon = Any
+
+
+class Task:
+    """The consumer task: counts records per producer; a checkpoint snapshots the counts."""
+
+    def __init__(self, producers: int) -> None:
+        self.seen = [0] * producers
+        self.snapshots: dict[int, list[int]] = {}
+        self.aborted: dict[int, CheckpointFailureReason] = {}
+        self.options: dict[int, CheckpointOptions] = {}
+        self.thread: threading.Thread | None = None
+
+    def on_record(self, record: Any) -> None:
+        index, seq, _ = record
+        assert seq == self.seen[index], f"producer {index}: got {seq}, expected {self.seen[index]}"
+        self.seen[index] += 1
+
+    def trigger_checkpoint(self, checkpoint_id: int, timestamp: int, options: Any) -> None:
+        assert threading.current_thread() is self.thread, "callback outside the task thread"
+        assert checkpoint_id not in self.snapshots
+        self.snapshots[checkpoint_id] = list(self.seen)
+        self.options[checkpoint_id] = options
+
+    def abort_checkpoint(self, checkpoint_id: int, reason: CheckpointFailureReason) -> None:
+        assert threading.current_thread() is self.thread, "callback outside the task thread"
+        self.aborted[checkpoint_id] = reason
+
+
+def _run(
+    start_daemon: Any, dm: Any, *, mode: str, aligned: bool, cancel: tuple[int, ...] = ()
+) -> tuple[Task, list[list[dict[str, Any]]], PartitionReader]:
+    d = start_daemon()
+    n_producers, n_barriers = 2, 12
+    dataset = f"cp-{mode}"
+    producers = [
+        dm.BarrierProducer(
+            d.local_socket,
+            dataset,
+            i,
+            barriers=n_barriers,
+            interval=0.1,
+            aligned=aligned,
+            cancel=cancel if i == 1 else (),
+        )
+        for i in range(n_producers)
+    ]
+    try:
+        task = Task(n_producers)
+        task.thread = threading.current_thread()
+        locations = [
+            PartitionLocation(
+                ResultPartitionID(dataset, i, 0), 0, d.data_address, d.daemon_id, d.local_socket
+            )
+            for i in range(n_producers)
+        ]
+        reader = PartitionReader(
+            locations,
+            checkpoint_listener=task,
+            checkpointing_mode=mode,
+            backoff_initial=0.01,
+            backoff_max=0.1,
+        )
+        with reader:
+            for record in reader.records():
+                task.on_record(record)
+        logs = [p.lines() for p in producers]
+    finally:
+        for p in producers:
+            p.cleanup()
+    d.wait_pool_whole()
+    return task, logs, reader
+
+
+def test_exactly_once_trigger_sees_exactly_the_records_before_each_barrier(
+    start_daemon: Any, dm: Any
+) -> None:
+    cancelled = (4, 9)
+    task, logs, reader = _run(start_daemon, dm, mode="exactly_once", aligned=True, cancel=cancelled)
+    assert task.seen == [log[-1]["done"] for log in logs]  # nothing lost or duplicated
+    barriers = [{e["barrier"]: e["emitted"] for e in log if "barrier" in e} for log in logs]
+    expected_triggered = [c for c in range(1, 13) if c not in cancelled]
+    assert sorted(task.snapshots) == expected_triggered
+    for cid in expected_triggered:
+        # Exactly the records each producer emitted before barrier cid: none after it.
+        assert task.snapshots[cid] == [barriers[0][cid], barriers[1][cid]], cid
+        assert task.options[cid].exactly_once
+    # Producer 1 cancelled these: the alignment aborts (producer 0's channel is resumed).
+    assert task.aborted == {c: CheckpointFailureReason.CANCELLED for c in cancelled}
+    stats = reader.barrier_stats
+    assert stats is not None
+    assert stats.num_triggered == len(expected_triggered)
+    # every aligned barrier got exactly one ResumeConsumption: 2 per triggered checkpoint,
+    # 1 per cancelled one (producer 0's barrier arrived before or after the marker)
+    assert stats.num_resumed == 2 * len(expected_triggered) + len(cancelled)
+
+
+def test_at_least_once_trigger_sees_at_least_the_records_before_each_barrier(
+    start_daemon: Any, dm: Any
+) -> None:
+    task, logs, reader = _run(start_daemon, dm, mode="at_least_once", aligned=False)
+    assert task.seen == [log[-1]["done"] for log in logs]
+    barriers = [{e["barrier"]: e["emitted"] for e in log if "barrier" in e} for log in logs]
+    assert sorted(task.snapshots) == list(range(1, 13))
+    for cid, snap in task.snapshots.items():
+        assert snap[0] >= barriers[0][cid] and snap[1] >= barriers[1][cid], cid
+        assert not task.options[cid].exactly_once
+    assert task.aborted == {}
+    stats = reader.barrier_stats
+    assert stats is not None and stats.num_resumed == 0  # unaligned: nothing was blocked
+
+
+def test_reader_refuses_bad_checkpoint_arguments(start_daemon: Any) -> None:
+    d = start_daemon()
+    loc = PartitionLocation(ResultPartitionID("x", 0, 0), 0, d.data_address)
+    with pytest.raises(UsageError, match="checkpointing_mode"):
+        PartitionReader([loc], checkpoint_listener=Task(1), checkpointing_mode="sometimes")
+    with pytest.raises(UsageError, match="checkpoint_alignment_limit"):
+        PartitionReader([loc], checkpoint_listener=Task(1), checkpoint_alignment_limit=-1)
+    with pytest.raises(UsageError, match="trigger_checkpoint"):
+        PartitionReader([loc], checkpoint_listener=object())  # type: ignore[arg-type]
