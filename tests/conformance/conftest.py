@@ -1,0 +1,69 @@
+"""Fixtures of the conformance suites: a real daemon in this process, the records.
+
+``daemon``: an ``ExchangeDaemon`` started on the test's event loop (data port and HTTP on
+port 0 of 127.0.0.1, its local Unix socket in a short temporary directory). Being in this
+process, a test can reach its partitions directly (in-process writers and readers) and over
+its data port and socket (the clients of ``client/``, as tasks use them). At teardown it
+shuts down and must report its pool whole. Synchronous clients (``PartitionWriter``,
+``PartitionReader``) run on a worker thread (``asyncio.to_thread``): they block, and the
+daemon runs on the loop they would block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest_asyncio
+
+from server.config import DaemonConfig
+from server.daemon import ExchangeDaemon
+
+#: Small segments, so that records span buffers and a few KiB of data fill a pool.
+SEGMENT_SIZE = 4096
+SEGMENTS = 512
+
+
+@pytest_asyncio.fixture
+async def daemon() -> AsyncIterator[ExchangeDaemon]:
+    spill = tempfile.mkdtemp(prefix="xc-")  # short: a Unix socket path has ~100 bytes
+    config = DaemonConfig(
+        host="127.0.0.1",
+        data_port=0,
+        http_port=0,
+        network_memory=SEGMENTS * SEGMENT_SIZE,
+        segment_size=SEGMENT_SIZE,
+        spill_dir=spill,
+        log_level="WARNING",
+        # readers here take these (reader_settings); small backoff: partitions may be
+        # requested before their producer registered them
+        partition_request_backoff_initial=0.01,
+        partition_request_backoff_max=0.05,
+    )
+    d = ExchangeDaemon(config)
+    try:
+        await d.start()
+        yield d
+    finally:
+        whole = await d.shutdown(grace=5.0)
+        shutil.rmtree(spill, ignore_errors=True)
+    assert whole, "the daemon's network pool was not whole at shutdown"
+
+
+async def wait_until(
+    predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"
+) -> None:
+    """Poll ``predicate`` on the loop until it holds; AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        await asyncio.sleep(0.01)
+
+
+def daemon_pool_whole(d: ExchangeDaemon) -> bool:
+    """Every segment back in the daemon's pool and no partition's pool left."""
+    return d.network_pool.is_whole()
