@@ -290,7 +290,7 @@ def test_timeout_aborts_and_late_acks_are_discarded() -> None:
     assert coord.stats().consecutive_failures == 1
     # the interval has long passed: the next checkpoint comes in the same tick
     assert [type(c) for c in out[2:]] == [TriggerCheckpoint]
-    assert out[2].checkpoint_id == 2  # type: ignore[union-attr]
+    assert out[2].checkpoint_id == 2
     coord.acknowledge("src-1", 1, "late")
     assert coord.poll_commands() == [
         DiscardCheckpoint(1, {"src-1": "late"}, whole_checkpoint=False)

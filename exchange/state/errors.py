@@ -1,0 +1,34 @@
+"""Errors of the state backends and snapshots (all ``ExchangeError``)."""
+
+from __future__ import annotations
+
+from exchange.errors import ExchangeError, UsageError
+
+__all__ = ["CorruptSnapshotError", "KeyGroupOutOfRangeError", "StateError"]
+
+
+class StateError(UsageError):
+    """State used wrongly: no current key, a name registered as another kind of state."""
+
+
+class KeyGroupOutOfRangeError(StateError):
+    """A key was set whose key group this backend does not own (a routing bug upstream)."""
+
+    def __init__(self, key: object, key_group: int, start: int, end: int) -> None:
+        super().__init__(
+            f"key {key!r} is in key group {key_group}, outside this backend's key groups "
+            f"[{start}, {end}]: the keyed exchange routed it to the wrong subtask"
+        )
+        self.key_group = key_group
+
+
+class CorruptSnapshotError(ExchangeError):
+    """A state snapshot or checkpoint file is corrupt, truncated or not what was expected.
+
+    ``source`` names the file (or what the bytes came from), ``detail`` what was wrong.
+    """
+
+    def __init__(self, source: str, detail: str) -> None:
+        super().__init__(f"corrupt snapshot {source}: {detail}")
+        self.source = source
+        self.detail = detail
