@@ -378,7 +378,9 @@ class _Handoff:
 
     ``close()`` (any thread) wakes a waiting ``get`` (it raises IllegalStateError) and makes
     later ``put``s give their buffers back at once; ``drain()`` (loop thread) takes what
-    was never consumed.
+    was never consumed. ``on_idle`` / ``on_busy`` (loop thread) hear when the task starts
+    waiting for input and when input reaches it again (debloating counts time only while
+    the task has input).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, window: int) -> None:
@@ -389,6 +391,9 @@ class _Handoff:
         self._cond = threading.Condition()
         self._space = asyncio.Semaphore(window)
         self._closed = False
+        self._task_waiting = False
+        self.on_idle: Callable[[], None] | None = None
+        self.on_busy: Callable[[], None] | None = None
 
     async def put(self, batch: list[_Item]) -> bool:
         """Hand ``batch`` to the task thread; False if the handoff was closed (the caller
@@ -398,11 +403,19 @@ class _Handoff:
             if not self._closed:
                 self._items.append(batch)
                 self._cond.notify()
-                return True
-        return False
+                woke, self._task_waiting = self._task_waiting, False
+            else:
+                return False
+        if woke and self.on_busy is not None:
+            self.on_busy()
+        return True
 
     def get(self) -> list[_Item]:
         with self._cond:
+            if not self._items and not self._closed:
+                self._task_waiting = True
+                if self.on_idle is not None:
+                    self._loop.call_soon_threadsafe(self._report_idle)
             while not self._items:
                 if self._closed:
                     raise IllegalStateError("the PartitionReader was closed while reading")
@@ -410,6 +423,13 @@ class _Handoff:
             batch = self._items.popleft()
         self._loop.call_soon_threadsafe(self._space.release)
         return batch
+
+    def _report_idle(self) -> None:
+        """Loop thread: the task started waiting, unless a put reached it meanwhile."""
+        with self._cond:
+            waiting = self._task_waiting
+        if waiting and self.on_idle is not None:
+            self.on_idle()
 
     def close(self) -> None:
         with self._cond:
@@ -504,6 +524,11 @@ class PartitionReader:
             )
         )
         self._core.in_flight = lambda: self._in_flight
+        debloater = self._core.gate.debloater
+        if debloater is not None:  # the task is idle when the hand-off is empty
+            self._core.gate.reports_idle = False
+            self._handoff.on_idle = debloater.on_gate_empty
+            self._handoff.on_busy = debloater.on_gate_non_empty
         # The one decode path, run in the task thread; resuming goes to the loop thread.
         self._stream = RecordStream(
             self.codec,

@@ -48,12 +48,13 @@ from exchange.writer.record_writer import DEFAULT_BUFFER_TIMEOUT, OutputBuffer, 
 __all__ = ["AsyncPartitionWriter", "DaemonSink", "PartitionWriter"]
 
 _NO_KEY: Final[Any] = object()
-#: Bytes of cut buffers handed to the loop at a time, at most, ...
+#: Bytes of cut buffers handed to the loop at a time (with whole-segment buffers).
+#: Once debloating shrinks the buffers, every buffer is shipped on its own and only one
+#: waits for credit (window 1), as Flink's writer blocks on its buffer pool: the task's
+#: queue is invisible to the consumer's debloater, so it must not hold more than a buffer
+#: or two for the bytes ahead of a barrier to follow the debloater (a debloated channel
+#: is slow by definition: there is no throughput to lose).
 _SHIP_BYTES: Final = 256 * 1024
-#: ... and buffers at the smallest current size: when debloating shrinks the buffers,
-#: the batches (and the window of them waiting for credit) shrink with them, so the
-#: bytes queued in the task before a barrier follow the debloater too.
-_SHIP_BUFFERS: Final = 8
 #: Batches in flight between the task thread and the loop at most (the window).
 _WINDOW: Final = 4
 #: Records taken from an iterable at a time by ``emit_all``: at most, and at first.
@@ -328,7 +329,7 @@ class PartitionWriter:
     def _after(self, force: bool = False) -> None:
         with self._lock:
             self._ship(force or self._timeout == 0)
-        self._settle(self._window)
+        self._settle(self._window_now())
 
     # -- the flush timer (loop thread) -----------------------------------------------------
 
@@ -419,7 +420,7 @@ class PartitionWriter:
                         writer.emit_all(rest, partition_func, key_func)
                     self._ship(self._timeout == 0)
                 total += len(gathered)
-                self._settle(self._window)
+                self._settle(self._window_now())
                 if len(gathered) < chunk_size:
                     return total
         finally:
@@ -436,7 +437,11 @@ class PartitionWriter:
         return max(1, min(_CHUNK, self._ship_bytes() // max(mean, 1)))
 
     def _ship_bytes(self) -> int:
-        return min(_SHIP_BYTES, _SHIP_BUFFERS * self._writer.smallest_buffer_size)
+        size = self._writer.smallest_buffer_size
+        return _SHIP_BYTES if size >= self.segment_size else size
+
+    def _window_now(self) -> int:
+        return self._window if self._writer.smallest_buffer_size >= self.segment_size else 1
 
     def broadcast(self, record: Any) -> None:
         """Emit one record to every subpartition (encoded once)."""

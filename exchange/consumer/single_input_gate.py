@@ -53,6 +53,9 @@ class SingleInputGate:
         self._closed = False
         self.debloater: GateDebloater | None = None
         self._idle = True  # debloating: the gate has nothing to return (time stops)
+        #: False when the reader reports idleness itself (a reader that hands buffers on
+        #: to a task thread: the task is idle only when that hand-off is empty too).
+        self.reports_idle = True
 
     def set_debloater(self, debloater: GateDebloater) -> None:
         """Debloat this gate's channels (before or after partitions are requested)."""
@@ -118,7 +121,7 @@ class SingleInputGate:
         self._with_data.append(channel)
         if self._idle:
             self._idle = False
-            if self.debloater is not None:
+            if self.debloater is not None and self.reports_idle:
                 self.debloater.on_gate_non_empty()
         self._availability.set_available()
 
@@ -162,7 +165,7 @@ class SingleInputGate:
             self._availability.set_unavailable()
         if not self._idle:
             self._idle = True
-            if self.debloater is not None:
+            if self.debloater is not None and self.reports_idle:
                 self.debloater.on_gate_empty()
         return None
 
