@@ -44,9 +44,9 @@ Decisions, with Flink's behaviour where it has one:
 * **Tolerable failures** (``CheckpointFailureManager``): only expiry, a task's own
   decline (``CheckpointFailureReason.DECLINED``) and a failed finalization count;
   subsumption, cancellation markers, alignment limits, end of input, a finished task and
-  failover do not. Each checkpoint counts once, and only if newer than the last completed
-  one; a completed checkpoint resets the count. More than ``tolerable_failed_checkpoints``
-  consecutive failures queue FailJob.
+  failover do not. Each checkpoint counts once (ABORTED is final in the table), and only
+  if newer than the last completed one; a completed checkpoint resets the count. More
+  than ``tolerable_failed_checkpoints`` consecutive failures queue FailJob.
 * **Ids** strictly increase and are never reused, aborted or not; after a restore they
   continue from the restored checkpoint's id + 1.
 * **Finished tasks** (bounded inputs, FLIP-147) are not asked for later checkpoints; each
@@ -390,7 +390,6 @@ class CheckpointCoordinator:
         self._final_requested = False
         # CheckpointFailureManager
         self._consecutive_failures = 0
-        self._counted_ids: set[int] = set()
         self._last_success_id = -1
         # statistics
         self._triggered = 0
@@ -476,7 +475,6 @@ class CheckpointCoordinator:
         self._finished.clear()
         self._final_requested = False
         self._consecutive_failures = 0
-        self._counted_ids.clear()
         if self._state is not CoordinatorState.IDLE:
             self._move(CoordinatorState.IDLE)
         return self.latest_completed
@@ -667,7 +665,6 @@ class CheckpointCoordinator:
         if checkpoint_id > self._last_success_id:
             self._last_success_id = checkpoint_id
             self._consecutive_failures = 0
-            self._counted_ids.clear()
         self._commands.append(NotifyComplete(checkpoint_id, is_final=pending.is_final))
         while len(self._completed) > self._config.retained:
             old = self._completed.popleft()
@@ -727,14 +724,12 @@ class CheckpointCoordinator:
 
     def _count_failure(self, checkpoint_id: int, detail: str) -> None:
         """CheckpointFailureManager.checkFailureAgainstCounter."""
-        if checkpoint_id <= self._last_success_id or checkpoint_id in self._counted_ids:
+        if checkpoint_id <= self._last_success_id:
             return
-        self._counted_ids.add(checkpoint_id)
         self._consecutive_failures += 1
         if self._consecutive_failures > self._config.tolerable_failed_checkpoints:
             failures = self._consecutive_failures
             self._consecutive_failures = 0
-            self._counted_ids.clear()
             self._commands.append(
                 FailJob(
                     f"exceeded the checkpoint tolerable failure threshold "
