@@ -254,6 +254,13 @@ class PartitionWriter:
     def records_written(self) -> int:
         return self._writer.stats.records_out
 
+    def buffer_size(self, index: int) -> int:
+        """The size new buffers of subpartition ``index`` are cut at (debloating)."""
+        with self._lock:
+            if self._new_sizes:
+                self._apply_new_sizes()
+            return self._writer.buffer_size(index)
+
     @property
     def stats(self) -> Any:
         return self._writer.stats

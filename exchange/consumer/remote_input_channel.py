@@ -150,6 +150,8 @@ class RemoteInputChannel(InputChannel):
         self._delays = backoff_delays(backoff_initial, backoff_max)
         self.receiver_id = -1  # assigned by the client
         self.sender_backlog = 0
+        # the last size announced (debloating); sent again with every repeated request
+        self._buffer_size: int | None = None
 
     # -- setup and partition request -----------------------------------------------------
 
@@ -194,6 +196,8 @@ class RemoteInputChannel(InputChannel):
             return
         try:
             client.request_subpartition(self)
+            if self._buffer_size is not None:  # the first went to a partition not there yet
+                client.notify_new_buffer_size(self, self._buffer_size)
         except ExchangeError as e:  # the connection died during the backoff
             self.set_error(e)
 
@@ -320,6 +324,7 @@ class RemoteInputChannel(InputChannel):
             self._client.resume_consumption(self)
 
     def notify_new_buffer_size(self, size: int) -> None:
+        self._buffer_size = size
         if self._client is not None and not self._released:
             self._client.notify_new_buffer_size(self, size)
 

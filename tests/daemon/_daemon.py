@@ -299,8 +299,9 @@ class BarrierProducer(ChildProducer):
     ``(index, seq, pad)`` records into a one-subpartition pipelined partition and, every
     ``interval`` seconds, broadcasts checkpoint barrier 1, 2, ... ``barriers`` (or, for
     the ids in ``cancel``, a CancelCheckpointMarker instead), then finishes. It prints one
-    JSON line per barrier: ``{"barrier": id, "emitted": records before it, "cancel": bool}``
-    and ``{"done": records}`` at the end."""
+    JSON line once its partition exists (``wait_writing``), one per barrier:
+    ``{"barrier": id, "emitted": records before it, "cancel": bool}``, and
+    ``{"done": records}`` at the end."""
 
     def __init__(
         self,
@@ -361,6 +362,7 @@ def _produce_barriers(argv: Sequence[str]) -> None:
     with PartitionWriter(
         ResultPartitionID(dataset, index, 0), 1, daemon_socket=socket, buffer_timeout=0.01
     ) as w:
+        print(json.dumps({"event": "writing", "pid": os.getpid()}), flush=True)
         seq = 0
         next_at = time.monotonic() + interval
         for cid in range(1, barriers + 1):

@@ -67,6 +67,8 @@ def _run(
         for i in range(n_producers)
     ]
     try:
+        for p in producers:
+            p.wait_writing()  # the partitions exist: a slow start never exhausts the backoff
         task = Task(n_producers)
         task.thread = threading.current_thread()
         locations = [
