@@ -166,13 +166,15 @@ def consume(
     conn.send(("ready", "debloat" in settings))
     conn.recv()  # "go"
     drain = threading.Event()
+    send_lock = threading.Lock()  # the reporter thread and this one share the pipe
     count = 0  # records read (the reporter reads it from its thread)
 
     def report() -> None:
         while not conn.poll(SAMPLE):
             stats = reader.debloat_stats
             size = stats.buffer_size if stats is not None else None
-            conn.send(("sample", time.monotonic(), count * RECORD, size))
+            with send_lock:
+                conn.send(("sample", time.monotonic(), count * RECORD, size))
         conn.recv()  # "drain"
         drain.set()
 
@@ -180,27 +182,26 @@ def consume(
     t0 = time.monotonic()
     reporter.start()
     expect = [0] * channels
-    for record in reader.records():
-        if len(record) != RECORD:
-            raise BenchError(f"a record of {len(record)} bytes, {RECORD} were written")
-        ch = int.from_bytes(record[:2], "big")
-        seq = int.from_bytes(record[2:HEADER], "big")
-        if seq != expect[ch]:
-            raise BenchError(f"channel {ch}: record {seq} where {expect[ch]} was due")
-        expect[ch] = seq + 1
-        count += 1
-        if count % PACE_EVERY == 0 and not drain.is_set():
-            ahead = count * RECORD / THROTTLE - (time.monotonic() - t0)
-            if ahead > 0:
-                time.sleep(ahead)
+    try:
+        for record in reader.records():
+            if len(record) != RECORD:
+                raise BenchError(f"a record of {len(record)} bytes, {RECORD} were written")
+            ch = int.from_bytes(record[:2], "big")
+            seq = int.from_bytes(record[2:HEADER], "big")
+            if seq != expect[ch]:
+                raise BenchError(f"channel {ch}: record {seq} where {expect[ch]} was due")
+            expect[ch] = seq + 1
+            count += 1
+            if count % PACE_EVERY == 0 and not drain.is_set():
+                ahead = count * RECORD / THROTTLE - (time.monotonic() - t0)
+                if ahead > 0:
+                    time.sleep(ahead)
+    except BaseException as e:  # tell the driver now, not by its timeout
+        with send_lock:
+            conn.send({"error": repr(e)})
+        raise
     reporter.join()
-    conn.send(
-        {
-            "read": expect,
-            "triggered": listener.triggered,
-            "aborted": listener.aborted,
-        }
-    )
+    conn.send({"read": expect, "triggered": listener.triggered, "aborted": listener.aborted})
 
 
 # -- the driver -------------------------------------------------------------------------------
@@ -224,6 +225,8 @@ def _final(child: Child, samples: list[Any], timeout: float) -> dict[str, Any]:
     while True:
         msg = child.recv(max(0.1, deadline - time.monotonic()))
         if isinstance(msg, dict):
+            if "error" in msg:
+                raise BenchError(f"{child.name} failed: {msg['error']}")
             return msg
         samples.append(msg)
 
@@ -284,7 +287,7 @@ def run_config(debloat: bool, seconds: float, warmup: float) -> dict[str, Any]:
                 except EOFError:
                     raise BenchError("a task process died (see its traceback)") from None
                 if isinstance(msg, dict):
-                    raise BenchError(f"a task process ended early: {msg}")
+                    raise BenchError(f"debloat {name}: a task process failed or ended: {msg}")
                 by_conn[c].append(msg)
         stop = time.monotonic()
         producer.send("stop")
