@@ -279,14 +279,17 @@ class RecordWriter:
             self._end_broadcast()
         if self.selector is not None and partition_func is None and key_func is None:
             select = self.selector.select_channel
-            for record in records:
-                index = select(record)
-                stream = streams[index]
-                stream.records.append(record)
-                if len(stream.records) >= stream.batch:
-                    self._encode(index, stream)
-                count += 1
-            self._account(count)
+            try:
+                for record in records:
+                    index = select(record)
+                    stream = streams[index]
+                    stream.records.append(record)
+                    count += 1
+                    if len(stream.records) >= stream.batch:
+                        self._encode(index, stream)
+            finally:
+                # also when a record was refused: the others are pending, to be flushed
+                self._account(count)
             return count
         # Only keys of exactly these types are cached: keys Python finds equal but the
         # hash tells apart (1, True, 1.0, or tuples of them) must not share an entry.
@@ -296,34 +299,36 @@ class RecordWriter:
         no_key_func = key_func is None
         partition = self._partition
         it = iter(records)
-        while True:
-            # A slice at a time: records are appended to the per-subpartition lists with
-            # no other check, and full batches are encoded between slices.
-            appends = [s.records.append for s in streams]
-            taken = 0
-            for record in itertools.islice(it, _SLICE):
-                taken += 1
-                key = record[0] if no_key_func else key_func(record)  # type: ignore[misc]
-                t = type(key)
-                if t is int and hash_ints and -_I63 <= key < _I63:
-                    # deterministic_hash's int path, inlined: cheaper than any cache lookup
-                    appends[((((key & _M64) * FIBONACCI_64) & _M64) >> 32) % n](record)
-                    continue
-                cacheable = t is int or t is str or t is bytes
-                cached = cache_get(key) if cacheable else None
-                if cached is None:
-                    cached = partition(key, partition_func)
-                    if cacheable and len(cache) < _KEY_CACHE:
-                        cache[key] = cached
-                appends[cached](record)
-            count += taken
-            hint = self._batch_hint
-            for index, stream in enumerate(streams):
-                if len(stream.records) >= min(stream.batch, hint):
-                    self._encode(index, stream)
-            if taken < _SLICE:
-                break
-        self._account(count)
+        try:
+            while True:
+                # A slice at a time: records are appended to the per-subpartition lists with
+                # no other check, and full batches are encoded between slices.
+                appends = [s.records.append for s in streams]
+                taken = 0
+                for record in itertools.islice(it, _SLICE):
+                    taken += 1
+                    key = record[0] if no_key_func else key_func(record)  # type: ignore[misc]
+                    t = type(key)
+                    if t is int and hash_ints and -_I63 <= key < _I63:
+                        # deterministic_hash's int path, inlined: cheaper than any cache lookup
+                        appends[((((key & _M64) * FIBONACCI_64) & _M64) >> 32) % n](record)
+                        continue
+                    cacheable = t is int or t is str or t is bytes
+                    cached = cache_get(key) if cacheable else None
+                    if cached is None:
+                        cached = partition(key, partition_func)
+                        if cacheable and len(cache) < _KEY_CACHE:
+                            cache[key] = cached
+                    appends[cached](record)
+                count += taken
+                hint = self._batch_hint
+                for index, stream in enumerate(streams):
+                    if len(stream.records) >= min(stream.batch, hint):
+                        self._encode(index, stream)
+                if taken < _SLICE:
+                    break
+        finally:
+            self._account(count)
         return count
 
     def _route(
@@ -518,14 +523,50 @@ class RecordWriter:
         """Encode the subpartition's pending records as one chunk and cut full buffers."""
         records = stream.records
         stream.records = []
+        refused: RecordTooLargeError | None = None
         try:
-            chunk = self._encode_batch(records)
-        except RecordTooLargeError:
-            raise
+            try:
+                chunk = self._encode_batch(records)
+            except RecordTooLargeError:
+                records, chunk, refused = self._encode_without_too_large(records)
         except BaseException:
             # the records are lost with the failed batch; the writer cannot go on safely
             self.discard()
             raise
+        self._append_chunk(index, stream, records, chunk)
+        if refused is not None:
+            # Only the records over the limit are refused: the others are in the stream,
+            # in order, and the writer goes on.
+            raise refused
+
+    def _encode_without_too_large(
+        self, records: list[Any]
+    ) -> tuple[list[Any], bytes | bytearray, RecordTooLargeError | None]:
+        """Encode a batch that failed with RecordTooLargeError without the records over the
+        limit (each record is encoded alone to find them): the records kept, their chunk
+        and the first refused record's error (None: the batch, not a record, was over)."""
+        encode = self._encode_batch
+        kept: list[Any] = []
+        singles: list[bytes | bytearray] = []
+        refused: RecordTooLargeError | None = None
+        for record in records:
+            try:
+                singles.append(encode([record]))
+            except RecordTooLargeError as exc:
+                refused = refused or exc
+                self.stats.records_out -= 1
+            else:
+                kept.append(record)
+        try:
+            chunk = encode(kept)  # one batch again (one frame for the pickle codec)
+        except RecordTooLargeError:
+            chunk = b"".join(singles)  # a codec with a limit per batch
+        return kept, chunk, refused
+
+    def _append_chunk(
+        self, index: int, stream: _Stream, records: list[Any], chunk: bytes | bytearray
+    ) -> None:
+        """Append an encoded batch to the stream and cut full buffers."""
         n = len(chunk)
         self.stats.encoded_records += len(records)
         self.stats.encoded_bytes += n
