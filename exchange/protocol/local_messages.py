@@ -12,10 +12,15 @@ consumer on the same host reads over the Unix socket instead of TCP.
 
 PushBuffer has a fixed ``>IB`` header (subpartition, data type) before its payload; the
 other bodies are msgpack maps (not on the data path; easy to extend).
+
+A consumer task reports its input gate's figures (buffer debloating, checkpoint alignment)
+with TaskMetrics about once a second; the daemon keeps the latest report per connection,
+task and gate for ``/metrics`` and the dashboard, and forgets it when the connection closes.
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
@@ -31,6 +36,9 @@ from exchange.protocol.messages import Message
 
 __all__ = [
     "ALL_SUBPARTITIONS",
+    "MAX_TASK_METRICS",
+    "MAX_TASK_NAME_LENGTH",
+    "TASK_METRIC_NAMES",
     "AddProducerCredit",
     "CreatePartition",
     "DaemonInfo",
@@ -43,6 +51,7 @@ __all__ = [
     "PushBuffer",
     "ReleaseDataset",
     "Released",
+    "TaskMetrics",
 ]
 
 _PUSH: Final = struct.Struct(">IB")
@@ -149,6 +158,77 @@ class DaemonInfo(Message):
     data_address: str
     segment_size: int
     settings: dict[str, SettingValue] = field(default_factory=dict, compare=False)
+
+
+#: The figures a TaskMetrics report may carry: a gate's debloating figures
+#: (``BufferDebloaterStats``) and its barrier handler's (``BarrierHandlerStats``), by the
+#: names of those fields. Listed here, not derived, so that the wire does not change when
+#: a field is renamed.
+TASK_METRIC_NAMES: Final = frozenset(
+    {
+        # debloating
+        "buffer_size",
+        "computed_buffer_size",
+        "throughput",
+        "buffers_in_use",
+        "desired_total_bytes",
+        "estimated_time_to_consume",
+        # checkpoint barriers
+        "num_triggered",
+        "num_aborted",
+        "aligning_checkpoint_id",
+        "last_alignment_duration",
+        "last_aligned_bytes",
+        "current_alignment_duration",
+        "buffered_bytes",
+        "total_parked_bytes",
+        "num_resumed",
+    }
+)
+MAX_TASK_METRICS: Final = len(TASK_METRIC_NAMES)
+#: Longest task or gate name (characters); they become Prometheus label values.
+MAX_TASK_NAME_LENGTH: Final = 256
+#: Largest magnitude of a reported figure (what a float64 holds exactly as an integer).
+_MAX_METRIC_VALUE: Final = 2.0**53
+
+
+@dataclass(frozen=True, slots=True)
+class TaskMetrics(Message):
+    """Consumer task -> its local daemon: the latest figures of one input gate (no reply).
+
+    ``metrics`` maps names of ``TASK_METRIC_NAMES`` to finite numbers; a figure the task
+    does not have (debloating off, no checkpointing) is left out. Anything else raises
+    ProtocolError, on whichever side builds or decodes the message.
+    """
+
+    MESSAGE_ID: ClassVar[int] = 76
+    task: str
+    gate: str
+    metrics: dict[str, int | float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("task", "gate"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not 0 < len(v) <= MAX_TASK_NAME_LENGTH:
+                raise ProtocolError(
+                    f"TaskMetrics {name} must be a string of 1 to {MAX_TASK_NAME_LENGTH} "
+                    f"characters, got {v!r:.80}"
+                )
+        m = self.metrics
+        if not isinstance(m, dict) or len(m) > MAX_TASK_METRICS:
+            raise ProtocolError(f"TaskMetrics metrics must be a map of at most {MAX_TASK_METRICS}")
+        for k, v in m.items():
+            if k not in TASK_METRIC_NAMES:
+                raise ProtocolError(
+                    f"unknown task metric {k!r:.80}; known: {', '.join(sorted(TASK_METRIC_NAMES))}"
+                )
+            if (
+                not isinstance(v, int | float)
+                or isinstance(v, bool)
+                or not math.isfinite(v)
+                or abs(v) > _MAX_METRIC_VALUE
+            ):
+                raise ProtocolError(f"task metric {k} must be a finite number, got {v!r:.80}")
 
 
 # -- codecs ------------------------------------------------------------------------------
@@ -305,6 +385,17 @@ def _register() -> None:
         ),
         lambda m: _pack({"subpartition": m.subpartition, "buffer_size": m.buffer_size}),
     )
+    register_message(
+        76,
+        TaskMetrics,
+        _dec_task_metrics,
+        lambda m: _pack({"task": m.task, "gate": m.gate, "metrics": m.metrics}),
+    )
+
+
+def _dec_task_metrics(body: memoryview) -> TaskMetrics:
+    m = _unpack_map(body, ("task", "gate", "metrics"))
+    return TaskMetrics(m["task"], m["gate"], m["metrics"])
 
 
 def _dec_info(m: dict[str, Any]) -> DaemonInfo:
