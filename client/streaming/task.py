@@ -1,0 +1,450 @@
+"""One subtask of a streaming job, run as one task of the job's Spark barrier stage.
+
+The task registers with the driver (its attempt and its local daemon), receives every
+task's daemon and the checkpoint to restore, restores its operators' state, opens one
+pipelined partition per output exchange on its local daemon and one PartitionReader over
+all its input partitions, and runs its chain of operators:
+
+* a **source task** polls its source between control messages: ``trigger`` snapshots the
+  chain, broadcasts CheckpointBarrier(N) after every record emitted so far and
+  acknowledges; when the source runs dry it says ``exhausted`` and keeps serving
+  checkpoints until the driver's ``finish`` (after the final checkpoint completed), then
+  ends its partitions (EndOfPartition downstream);
+* any other task reads its input gate through the barrier handler: at each barrier the
+  reader calls ``trigger_checkpoint`` between the records before and after it (aligned in
+  ``exactly_once``, tracked in ``at_least_once``); the task snapshots, forwards the barrier
+  and acknowledges. At the end of its input it waits for the driver's ``finish``.
+
+``complete`` / ``abort`` reach the operators in the task's thread, between records. State
+goes to the checkpoint storage as one file per task and checkpoint (every operator's
+operator state and keyed state), whose path is the acknowledgement's handle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from client.consumer import PartitionLocation, PartitionReader, reader_settings
+from client.local_connection import fetch_daemon_info, resolve_daemon_socket
+from client.producer import PartitionWriter
+from client.runtime import get_runtime
+from client.streaming.checkpoint_storage import CheckpointStorage
+from client.streaming.control import ControlClient
+from client.streaming.functions import Collector, Operator, OperatorContext, Source
+from client.streaming.graph import Edge, JobGraph, Partitioning, TaskSpec
+from exchange.checkpointing import CheckpointFailureReason
+from exchange.errors import ExchangeError, IllegalStateError
+from exchange.events.events import CheckpointOptions
+from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.state import (
+    KeyedStateBackend,
+    OperatorStateBackend,
+    SnapshotKind,
+    decode_snapshot,
+    encode_snapshot,
+    key_group_range_for_subtask,
+    subtask_for_key,
+)
+
+__all__ = ["JobSpec", "StreamTaskFailed", "dataset_of", "run_task"]
+
+#: Records a source emits between two looks at the control channel.
+_POLL_BATCH: Final = 256
+#: A task that reads looks at the control channel at least this often (records permitting).
+_CONTROL_EVERY: Final = 0.05
+
+
+class StreamTaskFailed(ExchangeError):
+    """The task was cancelled, refused (a stale attempt) or lost its driver."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What every task of one attempt gets (pickled into the Spark closure)."""
+
+    job_id: str
+    attempt: int
+    token: str
+    control_address: str
+    graph: JobGraph
+    checkpoint_url: str
+    mode: str
+    daemon_hint: str | None = None
+    buffer_timeout: float = 0.01
+
+
+def dataset_of(job: JobSpec | Any, edge: Edge) -> str:
+    """The dataset of an exchange's partitions: job, attempt and edge (attempts fenced)."""
+    return f"{job.job_id}-a{job.attempt}-e{edge.edge_id}"
+
+
+class _Out:
+    """The chain's end: routes each record into the output exchanges."""
+
+    def __init__(self, task: StreamTask) -> None:
+        self._routes: list[Callable[[Any], None]] = []
+        self.count = 0
+        for edge, writer in task.writers:
+            self._routes.append(_route(edge, writer, task))
+
+    def collect(self, record: Any) -> None:
+        self.count += 1
+        for route in self._routes:
+            route(record)
+
+
+def _route(edge: Edge, writer: PartitionWriter, task: StreamTask) -> Callable[[Any], None]:
+    n = writer.num_subpartitions
+    match edge.partitioning:
+        case Partitioning.FORWARD:
+            me = task.spec.subtask
+            return lambda r: writer.emit_to(r, me)
+        case Partitioning.HASH:
+            key_fn = edge.key_fn
+            assert key_fn is not None
+            maxp = task.graph.max_parallelism
+            return lambda r: writer.emit_to(r, subtask_for_key(key_fn(r), maxp, n))
+        case Partitioning.REBALANCE:
+            counter = itertools.cycle(range(n))
+            for _ in range(task.spec.subtask):  # start where the subtask's index says
+                next(counter)
+            return lambda r: writer.emit_to(r, next(counter))
+        case Partitioning.BROADCAST:
+            return writer.broadcast
+
+
+class _Chained:
+    """Feeds the next operator of the chain."""
+
+    __slots__ = ("_op", "_out")
+
+    def __init__(self, op: Operator, out: Collector) -> None:
+        self._op = op
+        self._out = out
+
+    def collect(self, record: Any) -> None:
+        self._op.process(record, self._out)
+
+
+class StreamTask:
+    """One subtask; ``run()`` in the Spark task's thread."""
+
+    def __init__(self, job: JobSpec, index: int) -> None:
+        self.job = job
+        self.graph = job.graph
+        self.spec: TaskSpec = job.graph.tasks[index]
+        self.vertex = job.graph.vertex(self.spec.vertex_id)
+        self.task_id = self.spec.task_id
+        self.storage = CheckpointStorage(job.checkpoint_url)
+        self.writers: list[tuple[Edge, PartitionWriter]] = []
+        self.reader: PartitionReader | None = None
+        self.ctl: ControlClient | None = None
+        self.ops: list[Operator] = []
+        self.contexts: list[OperatorContext] = []
+        self.records_in = 0
+        self.checkpoints = 0
+        self._finish = False
+        self._last_control = 0.0
+        self._head: Collector | None = None
+        self._out: _Out | None = None
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def _register(self) -> dict[str, Any]:
+        sock = resolve_daemon_socket(self.job.daemon_hint)
+        info = get_runtime().run(fetch_daemon_info(sock))
+        self.daemon_socket = sock
+        self.daemon_info = info
+        self.ctl = ControlClient.connect(
+            self.job.control_address,
+            {
+                "token": self.job.token,
+                "attempt": self.job.attempt,
+                "task": self.task_id,
+                "daemon": {"id": info.daemon_id, "data": info.data_address, "socket": sock},
+            },
+        )
+        while True:
+            msg = self._next_control(timeout=120.0)
+            if msg is None:
+                raise StreamTaskFailed(f"{self.task_id}: no start from the driver in 120 s")
+            if msg["type"] == "start":
+                return msg
+            self._control(msg)
+
+    def _restore_and_open(self, start: dict[str, Any]) -> None:
+        restore = start.get("restore")
+        snaps: dict[str, list[tuple[str, bytes]]] = {}
+        if restore is not None:
+            # every old subtask of this vertex: keyed state may move between subtasks
+            prefix = f"v{self.vertex.vertex_id}-"
+            for task_id, path in sorted(restore["files"].items()):
+                if task_id.startswith(prefix):
+                    data = self.storage.read_task_state(restore["checkpoint_id"], task_id)
+                    snaps[task_id] = [(path, data)]
+        p, me = self.vertex.parallelism, self.spec.subtask
+        maxp = self.graph.max_parallelism
+        decoded = {
+            tid: decode_snapshot(items[0][1], SnapshotKind.TASK_STATE, items[0][0])
+            for tid, items in snaps.items()
+        }
+        for node in self.vertex.nodes:
+            op_state = OperatorStateBackend(me, p)
+            keyed = (
+                KeyedStateBackend(maxp, key_group_range_for_subtask(maxp, p, me))
+                if node.key_fn is not None
+                else None
+            )
+            if decoded:
+                old = [
+                    (tid, d["operators"][node.name])
+                    for tid, d in sorted(decoded.items(), key=lambda kv: _subtask_of(kv[0]))
+                    if node.name in d["operators"]
+                ]
+                op_state.restore([(tid, s["operator"]) for tid, s in old])
+                if keyed is not None:
+                    keyed.restore([(tid, s["keyed"]) for tid, s in old if s["keyed"]])
+            ctx = OperatorContext(
+                job_id=self.job.job_id,
+                operator_id=node.name,
+                subtask_index=me,
+                parallelism=p,
+                attempt=self.job.attempt,
+                operator_state=op_state,
+                keyed_state=keyed,
+            )
+            op = node.factory()
+            self.ops.append(op)
+            self.contexts.append(ctx)
+        # open writers before operators: a source may emit from open()
+        for edge in self.vertex.outputs:
+            target = self.graph.vertex(edge.target)
+            w = PartitionWriter(
+                ResultPartitionID(dataset_of(self.job, edge), me, 0),
+                target.parallelism,
+                daemon_socket=self.daemon_socket,
+                buffer_timeout=self.job.buffer_timeout,
+            )
+            self.writers.append((edge, w))
+        for op, ctx in zip(self.ops, self.contexts, strict=True):
+            op.open(ctx)
+        out: Collector = _Out(self)
+        self._out = out  # type: ignore[assignment]
+        for op in reversed(self.ops[1:]):
+            out = _Chained(op, out)
+        self._chain_out = out  # what the first operator emits into
+        first = self.vertex.nodes[0]
+        head_op = self.ops[0]
+        key_fn = first.key_fn
+        if key_fn is not None:
+            keyed = self.contexts[0].keyed_state
+            assert keyed is not None
+            set_key = keyed.set_current_key
+            chain_out = out
+
+            def head(record: Any) -> None:
+                set_key(key_fn(record))
+                head_op.process(record, chain_out)
+
+            self._process = head
+        else:
+            chain_out = out
+            self._process = lambda record: head_op.process(record, chain_out)
+
+    def _open_reader(self, start: dict[str, Any]) -> PartitionReader:
+        daemons = start["daemons"]
+        locations = []
+        for edge in self.vertex.inputs:
+            src = self.graph.vertex(edge.source)
+            for u in range(src.parallelism):
+                d = daemons[f"v{src.vertex_id}-{u}"]
+                locations.append(
+                    PartitionLocation(
+                        ResultPartitionID(dataset_of(self.job, edge), u, 0),
+                        self.spec.subtask,
+                        d["data"],
+                        d["id"],
+                        d["socket"],
+                    )
+                )
+        settings = reader_settings(self.daemon_info, checkpointing=True)
+        settings.setdefault("backoff_max", 2.0)
+        return PartitionReader(
+            locations,
+            local_daemon_id=self.daemon_info.daemon_id,
+            checkpoint_listener=self,
+            checkpointing_mode=self.job.mode,
+            **settings,
+        )
+
+    # -- checkpoints (CheckpointListener; the task's thread) --------------------------------
+
+    def trigger_checkpoint(
+        self, checkpoint_id: int, timestamp: int, options: CheckpointOptions
+    ) -> None:
+        # the barrier first (it travels while this task snapshots), as Flink does
+        for _, w in self.writers:
+            w.broadcast_barrier(checkpoint_id, timestamp, aligned=options.exactly_once)
+        state: dict[str, Any] = {}
+        for node, op, ctx in zip(self.vertex.nodes, self.ops, self.contexts, strict=True):
+            op.snapshot_state(checkpoint_id)
+            state[node.name] = {
+                "operator": ctx.operator_state.snapshot(),
+                "keyed": ctx.keyed_state.snapshot() if ctx.keyed_state is not None else None,
+            }
+        data = encode_snapshot(SnapshotKind.TASK_STATE, {"task": self.task_id, "operators": state})
+        path = self.storage.write_task_state(checkpoint_id, self.task_id, data)
+        assert self.ctl is not None
+        self.ctl.send({"type": "ack", "checkpoint": checkpoint_id, "handle": path})
+        self.checkpoints += 1
+
+    def abort_checkpoint(self, checkpoint_id: int, reason: CheckpointFailureReason) -> None:
+        for op in self.ops:
+            op.notify_checkpoint_aborted(checkpoint_id)
+        for _, w in self.writers:  # downstream aligners must not wait for it
+            w.broadcast_cancel(checkpoint_id)
+        if reason is not CheckpointFailureReason.CANCELLED:
+            assert self.ctl is not None
+            self.ctl.send({"type": "decline", "checkpoint": checkpoint_id, "reason": reason.name})
+
+    # -- control ---------------------------------------------------------------------------
+
+    def _next_control(self, timeout: float | None) -> dict[str, Any] | None:
+        assert self.ctl is not None
+        try:
+            if timeout is None:
+                return self.ctl.inbox.get_nowait()
+            return self.ctl.inbox.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _poll_control(self, timeout: float | None = None) -> None:
+        self._last_control = time.monotonic()
+        msg = self._next_control(timeout)
+        while msg is not None:
+            self._control(msg)
+            msg = self._next_control(None)
+
+    def _control(self, msg: dict[str, Any]) -> None:
+        match msg["type"]:
+            case "trigger":
+                if self.vertex.is_source:
+                    opts = CheckpointOptions(exactly_once=bool(msg.get("exactly_once", True)))
+                    self.trigger_checkpoint(msg["checkpoint"], msg["timestamp"], opts)
+            case "complete":
+                for op in self.ops:
+                    op.notify_checkpoint_complete(msg["checkpoint"])
+            case "abort":
+                cid = msg["checkpoint"]
+                for op in self.ops:
+                    op.notify_checkpoint_aborted(cid)
+                if self.vertex.is_source:
+                    for _, w in self.writers:
+                        w.broadcast_cancel(cid)
+            case "finish":
+                self._finish = True
+            case "cancel":
+                raise StreamTaskFailed(f"{self.task_id}: cancelled by the driver")
+            case "refused":
+                reason = msg.get("reason")
+                raise StreamTaskFailed(f"{self.task_id}: refused by the driver: {reason}")
+            case "lost":
+                raise StreamTaskFailed(f"{self.task_id}: lost the driver: {msg.get('error')}")
+            case other:
+                raise IllegalStateError(f"{self.task_id}: unexpected control message {other!r}")
+
+    # -- running ---------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        try:
+            start = self._register()
+            self._restore_and_open(start)
+            if self.vertex.is_source:
+                self._run_source()
+            else:
+                self._run_reader(start)
+            for _, w in self.writers:
+                w.close()  # EndOfPartition downstream
+            self.writers = []
+            assert self.ctl is not None
+            self.ctl.send({"type": "finished", "records_in": self.records_in})
+            self.ctl.flush()
+            return {"task": self.task_id, "records_in": self.records_in}
+        except BaseException as e:
+            if self.ctl is not None and not self.ctl.closed:
+                with contextlib.suppress(Exception):
+                    self.ctl.send(
+                        {"type": "failed", "error": "".join(traceback.format_exception(e))[-4000:]}
+                    )
+                    self.ctl.flush()
+            raise
+        finally:
+            self.close()
+
+    def _run_source(self) -> None:
+        source = self.ops[0]
+        assert isinstance(source, Source)
+        out = self._chain_out
+        exhausted = False
+        while not self._finish:
+            if exhausted:
+                self._poll_control(timeout=0.1)
+                continue
+            self._poll_control()
+            if self._finish:
+                break
+            before = self._out.count if self._out is not None else 0
+            alive = source.poll(out, _POLL_BATCH)
+            self.records_in += (self._out.count if self._out is not None else 0) - before
+            if not alive:
+                exhausted = True
+                for op in self.ops:
+                    op.end_input(out)  # nothing may follow the final checkpoint's barrier
+                assert self.ctl is not None
+                self.ctl.send({"type": "exhausted"})
+
+    def _run_reader(self, start: dict[str, Any]) -> None:
+        self.reader = reader = self._open_reader(start)
+        process = self._process
+        n = 0
+        for record in reader.records():
+            process(record)
+            n += 1
+            if n & 63 == 0:
+                self.records_in = n
+                if time.monotonic() - self._last_control >= _CONTROL_EVERY:
+                    self._poll_control()
+        self.records_in = n
+        for op in self.ops:
+            op.end_input(self._chain_out)
+        while not self._finish:  # the final checkpoint's completion, then finish
+            self._poll_control(timeout=0.1)
+
+    def close(self) -> None:
+        for op in self.ops:
+            with contextlib.suppress(Exception):
+                op.close()
+        if self.reader is not None:
+            self.reader.close()
+        for _, w in self.writers:
+            with contextlib.suppress(Exception):
+                w.fail("the task failed")
+        self.writers = []
+        if self.ctl is not None:
+            self.ctl.close()
+
+
+def _subtask_of(task_id: str) -> int:
+    return int(task_id.rpartition("-")[2])
+
+
+def run_task(job: JobSpec, index: int) -> dict[str, Any]:
+    """Run task ``index`` of ``job`` to its end; the Spark task's body."""
+    return StreamTask(job, index).run()
