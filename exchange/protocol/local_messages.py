@@ -94,6 +94,7 @@ class ProducerBufferSize(Message):
     (buffer debloating); the task's writer cuts that subpartition's new buffers at
     ``buffer_size`` bytes (broadcast buffers at the smallest size)."""
 
+    MESSAGE_ID: ClassVar[int] = 75
     subpartition: int
     buffer_size: int
 

@@ -96,12 +96,6 @@ def test_framed_decoders_are_checked_against_the_reference_parser() -> None:
     fz.check("framed", b"\x00\x00\x00\x02\xff\xfe")  # not UTF-8: the text codec must fail
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="exchange/protocol/local_messages.py: ProducerBufferSize (local message 75) has no "
-    "MESSAGE_ID ClassVar, unlike every other message; Message declares MESSAGE_ID, so "
-    "msg.MESSAGE_ID raises AttributeError for it (found by the local_messages fuzzer)",
-)
 def test_every_local_message_class_names_its_message_id() -> None:
     from exchange.protocol import codec, local_messages  # noqa: F401 - registers the ids
 
