@@ -198,7 +198,9 @@ class StreamEnvironment:
     # -- running ---------------------------------------------------------------------------
 
     def _check_slots(self, needed: int) -> None:
-        slots = int(self.sc.defaultParallelism)
+        from client.spark import _slots
+
+        slots = _slots(self.sc)
         if needed > slots:
             raise UsageError(
                 f"the job needs {needed} task slots at once (one per subtask: a barrier "
@@ -213,6 +215,10 @@ class StreamEnvironment:
         if not any(v.is_source for v in graph.vertices):
             raise UsageError("the job has no source")
         self._check_slots(graph.num_tasks)
+        if self.daemon is None:
+            from client.spark import _daemon_hint
+
+            self.daemon = _daemon_hint(self.sc)  # local mode: the embedded daemon
         storage = CheckpointStorage(self.checkpoint_dir, retained=self.config.retained)
         started = time.monotonic()
         failures: list[str] = []
