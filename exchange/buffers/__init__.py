@@ -1,13 +1,12 @@
-"""Buffers: reference-counted views of memory segments, and their builders/consumers."""
+"""Buffers: reference-counted views of memory segments, and the consumers that queue them."""
 
 from __future__ import annotations
 
 from exchange.buffers.buffer import Buffer, BufferRecycler, DataType, FreeingRecycler
-from exchange.buffers.buffer_builder import BufferBuilder, BufferConsumer
+from exchange.buffers.buffer_consumer import BufferConsumer
 
 __all__ = [
     "Buffer",
-    "BufferBuilder",
     "BufferConsumer",
     "BufferRecycler",
     "DataType",

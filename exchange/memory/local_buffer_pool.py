@@ -7,7 +7,9 @@ order of preference: back to the global pool if this pool holds more than its cu
 or is destroyed; to a registered BufferListener (a RemoteInputChannel waiting for a
 floating buffer); else into the pool's own available queue.
 
-Backpressure: a writer awaits ``request_buffer_builder_blocking`` while the pool is empty.
+Backpressure: a writer that gets no buffer from ``request_buffer`` awaits
+``get_available_future`` (a release, a grown pool or a refilled global pool completes it;
+``destroy`` fails it) and asks again.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
 from exchange.buffers.buffer import Buffer
-from exchange.buffers.buffer_builder import BufferBuilder
 from exchange.errors import PoolDestroyedError, UsageError
 from exchange.memory.availability import AvailabilityHelper
 from exchange.memory.buffer_listener import BufferListener
@@ -98,26 +99,6 @@ class LocalBufferPool:
         """A buffer of one segment, or None if the pool has none to give right now."""
         seg = self._request_segment()
         return None if seg is None else Buffer(seg, self)
-
-    def request_buffer_builder(self, capacity: int | None = None) -> BufferBuilder | None:
-        """A BufferBuilder, or None if the pool has no segment right now."""
-        self._check_capacity(capacity)
-        seg = self._request_segment()
-        return None if seg is None else BufferBuilder(seg, self, capacity)
-
-    async def request_buffer_builder_blocking(self, capacity: int | None = None) -> BufferBuilder:
-        """A BufferBuilder, waiting as long as the pool is exhausted (backpressure)."""
-        self._check_capacity(capacity)
-        while True:
-            seg = self._request_segment()
-            if seg is not None:
-                return BufferBuilder(seg, self, capacity)
-            await self._availability.get_available_future()
-
-    def _check_capacity(self, capacity: int | None) -> None:
-        # before a segment is taken: a builder that cannot be built must not leak it
-        if capacity is not None and not 0 < capacity <= self.segment_size:
-            raise UsageError(f"builder capacity {capacity} outside (0, {self.segment_size}]")
 
     def _request_segment(self) -> MemorySegment | None:
         if self._destroyed:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from exchange.buffers.buffer import Buffer, DataType
-from exchange.buffers.buffer_builder import BufferConsumer
+from exchange.buffers.buffer_consumer import BufferConsumer
 from exchange.errors import PartitionNotReadyError, PartitionReleasedError
 from exchange.events.events import EndOfPartitionEvent, EventSerializer
 from exchange.partition.bounded_data import BoundedData, BoundedDataReader
@@ -41,7 +41,6 @@ class BoundedBlockingSubpartition:
         self.index = index
         self._parent = parent
         self._data = data
-        self._current: BufferConsumer | None = None
         self.state = SubpartitionState.WRITING
         self._disposed = False  # the data's storage is closed (released, no reader left)
         self._failure: BaseException | None = None
@@ -73,27 +72,16 @@ class BoundedBlockingSubpartition:
     # -- writing -------------------------------------------------------------------------
 
     def add(self, consumer: BufferConsumer) -> bool:
+        """Write a complete buffer out (its segment is recycled at once); False (and the
+        consumer closed) when finished or released."""
         if self.state is not SubpartitionState.WRITING:
             consumer.close()
             return False
-        self._flush_current()
-        if consumer.is_finished:
-            self._write_and_close(consumer)
-        else:
-            self._current = consumer
+        self._write_and_close(consumer)
         return True
 
-    def on_buffer_finished(self) -> None:
-        self._flush_current()
-
     def flush(self) -> None:
-        self._flush_current()
-
-    def _flush_current(self) -> None:
-        cur = self._current
-        if cur is not None:
-            self._current = None
-            self._write_and_close(cur)
+        """Nothing to do: every buffer is written out as it is added."""
 
     def _write_and_close(self, consumer: BufferConsumer) -> None:
         try:
@@ -117,7 +105,6 @@ class BoundedBlockingSubpartition:
             raise PartitionReleasedError(
                 f"subpartition {self.index} was released", self._parent.partition_id
             )
-        self._flush_current()
         eop = EventSerializer.to_buffer(EndOfPartitionEvent.INSTANCE)
         try:
             self._data.write_buffer(eop)
@@ -131,9 +118,6 @@ class BoundedBlockingSubpartition:
             return
         self._transition(SubpartitionState.RELEASED)
         self._failure = cause
-        cur, self._current = self._current, None
-        if cur is not None:
-            cur.close()
         readers = list(self._readers)
         for reader in readers:
             reader._listener.notify_data_available()

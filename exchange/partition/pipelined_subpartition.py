@@ -2,13 +2,13 @@
 
 Follows Flink's rules:
 
-* only the last buffer in the queue may be unfinished, so every buffer but the last is
-  readable, and the last one becomes readable on ``flush``;
-* the reader is notified when the first finished buffer appears, on flush, and on an
-  event, and otherwise learns from ``BufferAndBacklog.is_data_available`` whether to come
-  back; so a reader is never notified for every buffer;
-* the backlog is the number of finished data buffers queued, which the network announces
-  to the receiver so it can ask for floating buffers;
+* every queued buffer is complete and readable (the writer cuts whole buffers, so there
+  is no unfinished tail for ``flush`` to release, unlike Flink's BufferBuilders);
+* the reader is notified when the first buffer appears in an empty queue, on flush, and
+  on an event, and otherwise learns from ``BufferAndBacklog.is_data_available`` whether
+  to come back; so a reader is never notified for every buffer;
+* the backlog is the number of data buffers queued, which the network announces to the
+  receiver so it can ask for floating buffers;
 * after an aligned checkpoint barrier is polled, the subpartition is *blocked* until the
   reader calls ``resume_consumption`` (exactly-once alignment on the sender side);
 * it is consumed once: one view ever. A view that polled EndOfPartition and is released
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from exchange.buffers.buffer import DataType
-from exchange.buffers.buffer_builder import BufferConsumer
+from exchange.buffers.buffer_consumer import BufferConsumer
 from exchange.errors import (
     ConsumerAlreadyAttachedError,
     IllegalStateError,
@@ -94,23 +94,17 @@ class PipelinedSubpartition:
         if self.state is not SubpartitionState.WRITING:
             consumer.close()
             return False
-        readable_before = self._finished_buffer_count()
+        was_empty = not self._buffers
         self._buffers.append(consumer)
         if consumer.is_buffer:
             self._backlog += 1
-        if readable_before == 0 and self._should_notify():
+        if was_empty and self._should_notify():
             self._notify()
         return True
 
-    def on_buffer_finished(self) -> None:
-        """The writer finished the last buffer: it is readable now."""
-        if self.is_released or not self._buffers or self._flush_requested:
-            return
-        if len(self._buffers) == 1 and not self._blocked:
-            self._notify()
-
     def flush(self) -> None:
-        """Make a partially filled last buffer readable."""
+        """Flink's flush: every queued buffer is complete here, so this only notifies the
+        reader of a lone buffer again and holds back notifications until it is polled."""
         if self.is_released or not self._buffers or self._flush_requested:
             return
         last_has_data = len(self._buffers) == 1 and self._buffers[-1].is_data_available
@@ -164,15 +158,8 @@ class PipelinedSubpartition:
             listener.notify_data_available()
         return view
 
-    def _finished_buffer_count(self) -> int:
-        """Readable buffers: all but an unfinished last one."""
-        n = len(self._buffers)
-        if n and self._buffers[-1].is_finished:
-            return n
-        return max(0, n - 1)
-
     def _should_notify(self) -> bool:
-        return not self._flush_requested and not self._blocked and self._finished_buffer_count() > 0
+        return not self._flush_requested and not self._blocked and bool(self._buffers)
 
     def _notify(self) -> None:
         view = self._view
@@ -180,7 +167,7 @@ class PipelinedSubpartition:
             view._listener.notify_data_available()
 
     def _is_data_available(self) -> bool:
-        return not self._blocked and (self._flush_requested or self._finished_buffer_count() > 0)
+        return not self._blocked and (self._flush_requested or bool(self._buffers))
 
     def _next_data_type(self) -> DataType | None:
         if self._buffers:
@@ -188,18 +175,10 @@ class PipelinedSubpartition:
         return None
 
     def _backlog_now(self) -> int:
-        """Finished data buffers queued (an unfinished data buffer at the tail is not)."""
+        """Data buffers queued (none while blocked: the reader cannot poll them yet)."""
         if self._blocked or not self._buffers:
             return 0
-        last = self._buffers[-1]
-        if (
-            self._flush_requested
-            or self.state is not SubpartitionState.WRITING
-            or not last.is_buffer
-            or last.is_finished
-        ):
-            return self._backlog
-        return max(self._backlog - 1, 0)
+        return self._backlog
 
     def poll_buffer(self) -> BufferAndBacklog | None:
         """The next readable buffer, or None (Flink's ``pollBuffer``)."""
@@ -210,20 +189,17 @@ class PipelinedSubpartition:
             self._flush_requested = False
         buffer = None
         while buffers:
-            consumer = buffers[0]
-            buffer = consumer.build()
-            if len(buffers) == 1:
+            consumer = buffers.popleft()
+            if not buffers:
                 self._flush_requested = False
-            if consumer.is_finished:
-                buffers.popleft().close()
-                if consumer.is_buffer:
-                    self._backlog -= 1
+            buffer = consumer.build()
+            consumer.close()
+            if consumer.is_buffer:
+                self._backlog -= 1
             if buffer.size > 0:
                 break
-            buffer.release()
+            buffer.release()  # an empty buffer: nothing to send
             buffer = None
-            if not consumer.is_finished:
-                break
         if buffer is None:
             return None
         data_type = buffer.data_type
@@ -258,7 +234,7 @@ class PipelinedSubpartition:
                 not self._blocked
                 and nxt is not None
                 and nxt.is_event
-                and (self._flush_requested or self._finished_buffer_count() > 0)
+                and (self._flush_requested or bool(self._buffers))
             )
         return available, self._backlog_now()
 

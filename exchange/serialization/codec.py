@@ -21,10 +21,8 @@ Three stream formats:
 
 Writers call ``encode_batch`` with the records of one channel: it returns one chunk to
 append to the channel's stream, or raises (``RecordTooLargeError``, or ``UsageError``
-naming the type of a record the format cannot encode) and nothing is to be appended. The
-per-record ``encode``/``encode_into``/``encode_until`` are for callers that encode outside
-a RecordWriter (no writer of this project does); they raise the underlying library's
-errors (``TypeError``, ``PicklingError``...).
+naming the type of a record the format cannot encode) and nothing is to be appended.
+Encoding is by batch only: the RecordWriter is the one caller.
 
 Decoders decode eagerly in ``feed``. A decode error does not surface from ``feed``: the
 records before the bad bytes are delivered first, then ``take`` (or iteration) raises a
@@ -75,13 +73,8 @@ _UNPACKER_READ_SIZE: Final = 64 * 1024
 #: at the next record boundary.
 _UNPACKER_RENEW_ABOVE: Final = 4 * _UNPACKER_READ_SIZE
 
-#: The batch encoder moves packed bytes out once it holds this much, and checks the size
-#: at least every _STREAM_MAX_GROUP records; with a smaller max_record_size it checks
-#: every record. A Packer that grew beyond _STREAM_KEEP is replaced.
-_STREAM_CHUNK: Final = 1024 * 1024
-_STREAM_MAX_GROUP: Final = 32
-_STREAM_MIN_LIMIT: Final = 4 * _STREAM_CHUNK
-_STREAM_KEEP: Final = 4 * _STREAM_CHUNK
+#: A batch Packer whose buffer grew beyond this (huge records) is replaced.
+_STREAM_KEEP: Final = 4 * 1024 * 1024
 
 _LEN: Final = struct.Struct(">I")
 #: A cut frame up to this size is assembled in a reused scratch buffer.
@@ -95,16 +88,6 @@ class RecordEncoder(Protocol):
     @property
     def max_record_size(self) -> int: ...
 
-    @property
-    def encode(self) -> Callable[[Any], BytesLike] | None:
-        """A function returning one record's stream bytes, or None.
-
-        Offered when it is cheaper than ``encode_into`` (a C function such as
-        ``msgpack.Packer.pack`` saves a Python call per record). It does not check
-        ``max_record_size``; its caller does.
-        """
-        ...
-
     def encode_batch(self, records: list[Any]) -> bytes | bytearray:
         """One contiguous chunk appending ``records``, in order, to the stream.
 
@@ -112,22 +95,6 @@ class RecordEncoder(Protocol):
         order. Raises ``RecordTooLargeError(size, limit)`` for a record over
         ``max_record_size`` and ``UsageError`` (naming the record's type) for a record
         the format cannot encode; then nothing is to be appended.
-        """
-        ...
-
-    def encode_into(self, record: Any, out: bytearray) -> None:
-        """Append one record's bytes to ``out``, checking ``max_record_size``.
-
-        On error ``out`` is left unchanged.
-        """
-        ...
-
-    def encode_until(self, records: Iterator[Any], out: bytearray, until: int) -> None:
-        """Append records from ``records`` until ``len(out) >= until`` or they run out.
-
-        The batch path: it may take several records from the iterator before it looks at
-        the size. If one fails to encode (or is too large), every other record taken
-        from the iterator is appended, whole, and then the error is raised.
         """
         ...
 
@@ -286,21 +253,16 @@ class MsgpackCodec:
 
 
 class MsgpackEncoder:
-    """Encodes with reused ``msgpack.Packer`` objects (cheaper than ``packb`` per record).
+    """Packs each batch with one reused ``msgpack.Packer`` (cheaper than ``packb`` per
+    record); the size of single records is only looked at when the batch is over the
+    limit, to find the record that is."""
 
-    ``encode`` is an ``autoreset`` Packer's ``pack``: it returns each record's bytes. The
-    batch path ``encode_until`` packs into a second Packer's own buffer instead (no bytes
-    object per record) and looks at the size only every few records, moving the bytes
-    to ``out`` in one copy. That Packer drops everything it holds when a record fails to
-    pack, so the records since the last move are kept aside to be encoded again.
-    """
-
-    __slots__ = ("_max_record_size", "_stream", "encode")
+    __slots__ = ("_max_record_size", "_pack_one", "_stream")
 
     def __init__(self, max_record_size: int) -> None:
         self._max_record_size = max_record_size
-        # autoreset=True: pack() returns the bytes and also resets after an error.
-        self.encode: Callable[[Any], bytes] = msgpack.Packer(autoreset=True).pack
+        # autoreset=True: pack() returns one record's bytes and also resets after an error.
+        self._pack_one: Callable[[Any], bytes] = msgpack.Packer(autoreset=True).pack
         self._stream = msgpack.Packer(autoreset=False)
 
     @property
@@ -321,101 +283,14 @@ class MsgpackEncoder:
         limit = self._max_record_size
         if len(data) > limit:
             # Only a record over the limit is an error; find it.
-            encode = self.encode
+            pack_one = self._pack_one
             for record in records:
-                size = len(encode(record))
+                size = len(pack_one(record))
                 if size > limit:
                     raise RecordTooLargeError(size, limit)
         if len(data) > _STREAM_KEEP:
             self._stream = msgpack.Packer(autoreset=False)
         return data
-
-    def encode_into(self, record: Any, out: bytearray) -> None:
-        data = self.encode(record)
-        if len(data) > self._max_record_size:
-            raise RecordTooLargeError(len(data), self._max_record_size)
-        out += data
-
-    def encode_until(self, records: Iterator[Any], out: bytearray, until: int) -> None:
-        limit = self._max_record_size
-        if limit < _STREAM_MIN_LIMIT:
-            # Groups of records would often exceed so small a limit: check each one.
-            for record in records:
-                self.encode_into(record, out)
-                if len(out) >= until:
-                    return
-            return
-        packer = self._stream
-        pack = packer.pack
-        group: list[Any] = []  # the records in the Packer, to encode again after an error
-        keep = group.append
-        n = 0
-        check_at = 1
-        for record in records:
-            keep(record)
-            try:
-                pack(record)
-            except Exception:
-                # pack() emptied the Packer: encode the group, this record too, one by one
-                # (which raises the error again).
-                self._encode_group(group, out)
-                size = 0  # it encoded after all: carry on
-            else:
-                n += 1
-                if n < check_at:
-                    continue
-                view = packer.getbuffer()
-                size = view.nbytes
-                room = until - len(out)
-                if size > limit:
-                    # Some record in the group may be over the limit: one at a time.
-                    view.release()
-                    packer.reset()
-                    self._encode_group(group, out)
-                elif size >= room or size >= _STREAM_CHUNK:
-                    out += view
-                    view.release()
-                    packer.reset()
-                else:
-                    view.release()
-                    # Look again about when the room should be full, within bounds.
-                    check_at = n + min(_STREAM_MAX_GROUP, max(1, (room - size) * n // size))
-                    continue
-            if size > _STREAM_KEEP:  # do not keep a buffer that grew for huge records
-                packer = self._stream = msgpack.Packer(autoreset=False)
-                pack = packer.pack
-            if len(out) >= until:
-                return
-            group.clear()
-            n = 0
-            check_at = 1
-        view = packer.getbuffer()
-        size = view.nbytes
-        try:
-            if size <= limit:
-                out += view
-        finally:
-            view.release()
-            packer.reset()
-        if size > limit:
-            self._encode_group(group, out)
-        if size > _STREAM_KEEP:
-            self._stream = msgpack.Packer(autoreset=False)
-
-    def _encode_group(self, group: list[Any], out: bytearray) -> None:
-        """Encode ``group`` record by record; raise the first error after the others.
-
-        The batch Packer must be empty (``pack`` empties it on error).
-        """
-        error: BaseException | None = None
-        for record in group:
-            try:
-                self.encode_into(record, out)
-            except Exception as exc:
-                if error is None:
-                    error = exc
-        if error is not None:
-            raise error
 
 
 class MsgpackDecoder(_DecoderBase):
@@ -663,8 +538,6 @@ class FramedEncoder:
 
     __slots__ = ("_format_name", "_inner", "_max_record_size")
 
-    encode = None  # a header-plus-payload bytes object would cost a copy of the payload
-
     def __init__(
         self,
         inner: Callable[[Any], BytesLike] | None,
@@ -695,32 +568,6 @@ class FramedEncoder:
             out += pack(n)
             out += payload
         return out
-
-    def encode_into(self, record: Any, out: bytearray) -> None:
-        inner = self._inner
-        payload = record if inner is None else inner(record)
-        if isinstance(payload, memoryview):
-            n = payload.nbytes
-        elif isinstance(payload, bytes | bytearray):
-            n = len(payload)
-        else:
-            raise TypeError(f"record payload must be bytes-like, got {type(payload).__name__}")
-        if n > self._max_record_size:
-            raise RecordTooLargeError(n, self._max_record_size)
-        start = len(out)
-        try:
-            out += _LEN.pack(n)
-            out += payload
-        except BaseException:
-            del out[start:]
-            raise
-
-    def encode_until(self, records: Iterator[Any], out: bytearray, until: int) -> None:
-        encode_into = self.encode_into
-        for record in records:
-            encode_into(record, out)
-            if len(out) >= until:
-                return
 
 
 class LengthPrefixedDecoder(_DecoderBase):

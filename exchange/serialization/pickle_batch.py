@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import pickle
 import struct
-from collections.abc import Iterator
-from itertools import islice
 from typing import Any, Final
 
 from exchange.errors import CorruptRecordError, RecordTooLargeError, UsageError
@@ -49,11 +47,6 @@ __all__ = [
 
 #: Protocol 5 (PEP 574): out-of-band capable, framed, fastest for bytes-heavy records.
 PICKLE_PROTOCOL: Final = 5
-
-#: ``encode_until`` pickles at most this many records per frame.
-_MAX_GROUP: Final = 4096
-#: A cut frame up to this size is gathered in a reused scratch buffer (no allocation);
-#: a larger one in a buffer of its own, dropped once decoded.
 
 _LEN: Final = struct.Struct(">I")
 
@@ -87,9 +80,6 @@ class PickleBatchEncoder:
     """Pickles lists of records into length-prefixed frames."""
 
     __slots__ = ("_max_record_size",)
-
-    #: No per-record bytes function: batches are the fast path.
-    encode = None
 
     def __init__(self, max_record_size: int) -> None:
         self._max_record_size = max_record_size
@@ -131,43 +121,6 @@ class PickleBatchEncoder:
                 frames.append(payload)
             else:
                 self._split(half, frames)
-
-    def encode_into(self, record: Any, out: bytearray) -> None:
-        """Append one frame holding only ``record`` (the per-record path: slow)."""
-        out += self.encode_batch([record])
-
-    def encode_until(self, records: Iterator[Any], out: bytearray, until: int) -> None:
-        """Append frames of records from ``records`` until ``len(out) >= until``.
-
-        Frames are sized from the bytes per record seen so far, so that a frame about
-        fills the room left. If a record fails, the other records of its group are
-        appended one frame each and the first error is raised.
-        """
-        per = 1
-        while len(out) < until:
-            group = list(islice(records, per))
-            if not group:
-                return
-            start = len(out)
-            try:
-                out += self.encode_batch(group)
-            except (UsageError, RecordTooLargeError):
-                self._encode_each(group, out)
-            size = len(out) - start
-            room = until - len(out)
-            per = max(1, min(_MAX_GROUP, room * len(group) // max(size, 1)))
-
-    def _encode_each(self, group: list[Any], out: bytearray) -> None:
-        """Append each record of ``group`` that encodes; raise the first error after."""
-        error: Exception | None = None
-        for record in group:
-            try:
-                out += self.encode_batch([record])
-            except (UsageError, RecordTooLargeError) as exc:
-                if error is None:
-                    error = exc
-        if error is not None:
-            raise error
 
 
 def _unpicklable(records: list[Any], exc: Exception) -> UsageError:

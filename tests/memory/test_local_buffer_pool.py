@@ -51,6 +51,16 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def request_blocking(pool: LocalBufferPool) -> Buffer:
+    """What a writer does under backpressure (``PartitionWriter._request_buffer``): ask,
+    and while the pool has nothing, wait for its availability future and ask again."""
+    while True:
+        buf = pool.request_buffer()
+        if buf is not None:
+            return buf
+        await pool.get_available_future()
+
+
 def take(pool: LocalBufferPool, n: int) -> list[Buffer]:
     out = []
     for _ in range(n):
@@ -77,7 +87,6 @@ def test_segments_are_requested_lazily_up_to_the_pool_size() -> None:
     assert pool.num_in_use == 5
     assert nbp.num_available == 5
     assert pool.request_buffer() is None
-    assert pool.request_buffer_builder() is None
     assert not pool.is_available
     assert pool.stats().usage == 1.0
     bufs[0].release()
@@ -91,43 +100,6 @@ def test_segments_are_requested_lazily_up_to_the_pool_size() -> None:
         b.release()
     assert pool.stats() == (2, 5, 5, 5, 5, 0)
     assert pool.stats().usage == 0.0
-    pool.destroy()
-    assert_whole(nbp)
-    nbp.destroy()
-
-
-def test_request_buffer_builder_writes_into_a_pool_segment() -> None:
-    nbp = NetworkBufferPool(2, SEG)
-    pool = nbp.create_buffer_pool(1, 2)
-    builder = pool.request_buffer_builder(100)
-    assert builder is not None
-    assert builder.capacity == 100
-    assert builder.append(b"hello") == 5
-    consumer = builder.create_buffer_consumer_from_beginning()
-    builder.close()
-    assert pool.num_in_use == 1
-    out = consumer.build()
-    consumer.close()
-    assert out.to_bytes() == b"hello"
-    assert pool.num_in_use == 1
-    out.release()
-    assert pool.num_in_use == 0
-    assert pool.num_available == 1
-    pool.destroy()
-    assert_whole(nbp)
-    nbp.destroy()
-
-
-@pytest.mark.parametrize("capacity", [0, -1, SEG + 1])
-def test_bad_builder_capacity_does_not_leak_a_segment(capacity: int) -> None:
-    nbp = NetworkBufferPool(2, SEG)
-    pool = nbp.create_buffer_pool(1, 2)
-    with pytest.raises(UsageError, match="capacity"):
-        pool.request_buffer_builder(capacity)
-    assert pool.num_in_use == 0
-    with pytest.raises(UsageError, match="capacity"):
-        asyncio.run(pool.request_buffer_builder_blocking(capacity))
-    assert pool.num_in_use == 0
     pool.destroy()
     assert_whole(nbp)
     nbp.destroy()
@@ -156,9 +128,7 @@ def test_requests_after_destroy_raise() -> None:
     with pytest.raises(PoolDestroyedError):
         pool.request_buffer()
     with pytest.raises(PoolDestroyedError):
-        pool.request_buffer_builder()
-    with pytest.raises(PoolDestroyedError):
-        asyncio.run(pool.request_buffer_builder_blocking())
+        asyncio.run(request_blocking(pool))
     pool.destroy()  # idempotent
     assert nbp.local_pools == []
     assert_whole(nbp)
@@ -382,28 +352,16 @@ async def test_blocking_request_is_woken_by_a_release() -> None:
     nbp = NetworkBufferPool(4, SEG)
     pool = nbp.create_buffer_pool(2, 2)
     a, b = take(pool, 2)
-    task = asyncio.create_task(pool.request_buffer_builder_blocking())
+    task = asyncio.create_task(request_blocking(pool))
     await settle()
     assert not task.done()
     a.release()
-    builder = await asyncio.wait_for(task, 1.0)
+    got = await asyncio.wait_for(task, 1.0)
     assert pool.num_in_use == 2
     assert pool.num_available == 0
     assert pool.num_requested == 2
-    builder.close()
+    got.release()
     b.release()
-    pool.destroy()
-    assert_whole(nbp)
-    nbp.destroy()
-
-
-@pytest.mark.asyncio
-async def test_blocking_request_returns_at_once_when_a_segment_is_free() -> None:
-    nbp = NetworkBufferPool(2, SEG)
-    pool = nbp.create_buffer_pool(1, 2)
-    builder = await asyncio.wait_for(pool.request_buffer_builder_blocking(64), 1.0)
-    assert builder.capacity == 64
-    builder.close()
     pool.destroy()
     assert_whole(nbp)
     nbp.destroy()
@@ -430,7 +388,7 @@ async def test_destroy_wakes_a_blocked_writer_with_an_error() -> None:
     nbp = NetworkBufferPool(1, SEG)
     pool = nbp.create_buffer_pool(1, 1)
     (a,) = take(pool, 1)
-    task = asyncio.create_task(pool.request_buffer_builder_blocking())
+    task = asyncio.create_task(request_blocking(pool))
     await settle()
     assert not task.done()
     pool.destroy()
@@ -452,16 +410,16 @@ async def test_a_pool_waiting_on_an_empty_global_pool_is_woken_by_another_pool()
     assert nbp.num_available == 0
     assert a.request_buffer() is None
     assert not a.is_available
-    task = asyncio.create_task(a.request_buffer_builder_blocking())
+    task = asyncio.create_task(request_blocking(a))
     await settle()
     assert not task.done()
     held.pop().release()  # b is over its size: to the global pool, which wakes a
-    builder = await asyncio.wait_for(task, 1.0)
+    got = await asyncio.wait_for(task, 1.0)
     assert a.num_requested == 1
     assert b.num_requested == 3
     assert nbp.num_available == 0
     nbp.check_consistency()
-    builder.close()
+    got.release()
     for x in held:
         x.release()
     for p in (a, b):
@@ -478,14 +436,14 @@ async def test_a_blocked_writer_is_woken_when_its_pool_grows() -> None:
     # 1 spare, capacities 1 and 1: 0 for a, 1 for b
     assert (a.current_pool_size, b.current_pool_size) == (1, 3)
     (x,) = take(a, 1)
-    task = asyncio.create_task(a.request_buffer_builder_blocking())
+    task = asyncio.create_task(request_blocking(a))
     await settle()
     assert not task.done()
     b.destroy()
     assert a.current_pool_size == 4
-    builder = await asyncio.wait_for(task, 1.0)
+    got = await asyncio.wait_for(task, 1.0)
     assert a.num_requested == 2
-    builder.close()
+    got.release()
     x.release()
     a.destroy()
     assert_whole(nbp)

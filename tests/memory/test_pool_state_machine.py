@@ -1,12 +1,13 @@
 """Any interleaving of pool operations keeps every segment accounted for exactly once.
 
 A hypothesis state machine drives one NetworkBufferPool through local pool creation and
-destruction, buffer and builder requests, releases in random order, exclusive batches and
-BufferListeners that take, decline or ask for more. After every step it recounts the
-segments itself (held by the test + queued in local pools + free globally == total, every
-index exactly once) and checks the redistribution arithmetic. After every step that grows
-pools (a pool destroyed, exclusive segments returned) no grown pool keeps a listener
-waiting while it could take a free segment (issue 8, defect 8).
+destruction, buffer requests (held whole, as a slice or through a BufferConsumer),
+releases in random order, exclusive batches and BufferListeners that take, decline or ask
+for more. After every step it recounts the segments itself (held by the test + queued in
+local pools + free globally == total, every index exactly once) and checks the
+redistribution arithmetic. After every step that grows pools (a pool destroyed, exclusive
+segments returned) no grown pool keeps a listener waiting while it could take a free
+segment (issue 8, defect 8).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from exchange.buffers import Buffer, BufferBuilder
+from exchange.buffers import Buffer, BufferConsumer
 from exchange.errors import InsufficientBuffersError, PoolDestroyedError
 from exchange.memory import LocalBufferPool, MemorySegment, NetworkBufferPool, NotificationResult
 
@@ -29,19 +30,14 @@ SEG = 4096
 
 @dataclass
 class Held:
-    """One segment the test holds: as a Buffer (or a slice of one) or a BufferBuilder."""
+    """One segment the test holds: as a Buffer or a read-only slice of one."""
 
     pool: LocalBufferPool
     segment: MemorySegment
-    buffer: Buffer | None = None
-    builder: BufferBuilder | None = None
+    buffer: Buffer
 
     def release(self) -> None:
-        if self.builder is not None:
-            self.builder.close()
-        else:
-            assert self.buffer is not None
-            self.buffer.release()
+        self.buffer.release()
 
 
 @dataclass(eq=False)
@@ -151,7 +147,7 @@ class PoolMachine(RuleBasedStateMachine):
             pool.request_buffer()
 
     @precondition(lambda self: self.live)
-    @rule(i=st.integers(0, 1000), kind=st.sampled_from(["buffer", "builder", "capacity"]))
+    @rule(i=st.integers(0, 1000), kind=st.sampled_from(["buffer", "slice", "consumer"]))
     def request(self, i: int, kind: str) -> None:
         pool = self.pick_live(i)
         from_queue = pool.num_available > 0
@@ -161,23 +157,22 @@ class PoolMachine(RuleBasedStateMachine):
             and self.nbp.num_available > 0
         )
         global_before = self.nbp.num_available
-        if kind == "buffer":
-            buf = pool.request_buffer()
-            got = None if buf is None else Held(pool, buf.segment, buffer=buf)
-        else:
-            builder = pool.request_buffer_builder(100 if kind == "capacity" else None)
-            if builder is None:
-                got = None
-            else:
-                # find the builder's segment through the public API: a consumer's slice
-                consumer = builder.create_buffer_consumer_from_beginning()
-                builder.append(b"abc")
-                piece = consumer.build()
-                assert piece.to_bytes() == b"abc"
-                segment = piece.segment
-                piece.release()
+        buf = pool.request_buffer()
+        got = None
+        if buf is not None:
+            held = buf
+            if kind != "buffer":
+                buf.segment.put(0, b"abc")
+                buf.set_size(3)
+            if kind == "slice":  # the slice holds the segment once the buffer is released
+                held = buf.read_only_slice(1, 2)
+                buf.release()
+            elif kind == "consumer":  # queued in a subpartition, then polled
+                consumer = BufferConsumer.of_buffer(buf)
+                held = consumer.build()
                 consumer.close()
-                got = Held(pool, segment, builder=builder)
+                assert held.to_bytes() == b"abc"
+            got = Held(pool, held.segment, held)
         assert (got is not None) == (from_queue or from_global)
         if got is not None:
             assert not got.segment.is_freed

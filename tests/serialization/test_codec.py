@@ -44,11 +44,10 @@ records = st.recursive(
 
 
 def encode(codec: RecordCodec, items: list[Any]) -> bytes:
+    """The stream of ``items``, each encoded as a batch of its own (the chunks a writer
+    that flushes after every record appends)."""
     encoder = codec.new_encoder()
-    out = bytearray()
-    for item in items:
-        encoder.encode_into(item, out)
-    return bytes(out)
+    return b"".join(encoder.encode_batch([item]) for item in items)
 
 
 def cut(data: bytes, points: list[int]) -> list[bytes]:

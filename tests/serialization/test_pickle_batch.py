@@ -353,45 +353,6 @@ def test_unpicklable_record_raises_a_typed_error_naming_its_type() -> None:
     assert decode(PickleBatchCodec(), [encoder.encode_batch([1])]) == [1]
 
 
-def test_per_record_paths_encode_the_same_stream() -> None:
-    codec = PickleBatchCodec(max_record_size=2000)
-    encoder = codec.new_encoder()
-    assert encoder.encode is None
-    out = bytearray()
-    encoder.encode_into((1, [2]), out)
-    records = [b"x" * (i * 37 % 700) for i in range(200)]
-    it = iter(records)
-    chunks_until = []
-    while True:
-        before = len(out)
-        encoder.encode_until(it, out, len(out) + 4096)
-        chunks_until.append(len(out) - before)
-        if len(out) - before < 4096:
-            break
-    assert max(frames(bytes(out))) <= 2000
-    assert_exact(decode(codec, [bytes(out)]), [(1, [2]), *records])
-
-
-def test_encode_until_keeps_the_others_and_raises_the_first_error() -> None:
-    codec = PickleBatchCodec(max_record_size=3000)
-    encoder = codec.new_encoder()
-    records: list[Any] = [b"a%d" % i * 50 for i in range(50)]
-    bad = records[20] = lambda: 1
-    big = records[23] = b"z" * 5000
-    it = iter(records)
-    out = bytearray()
-    with pytest.raises(UsageError):
-        encoder.encode_until(it, out, 10**9)
-    while True:  # the big one may be in the failed group, or still in the iterator
-        try:
-            encoder.encode_until(it, out, 10**9)
-            break
-        except RecordTooLargeError as exc:
-            assert exc.limit == 3000
-    got = decode(codec, [bytes(out)])
-    assert got == [r for r in records if r is not bad and r is not big]
-
-
 # -- hostile input -------------------------------------------------------------------------
 
 

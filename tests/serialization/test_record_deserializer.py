@@ -148,9 +148,7 @@ def test_corrupt_msgpack_raises_after_the_good_records(size: int) -> None:
 @pytest.mark.parametrize("codec", [BytesCodec(), PickleCodec()], ids=["bytes", "pickle"])
 @pytest.mark.parametrize("size", [1, 2, 64])
 def test_corrupt_length_prefix_fails_at_once(codec: Any, size: int) -> None:
-    first = codec.new_encoder()
-    head = bytearray()
-    first.encode_into(b"a", head)
+    head = codec.new_encoder().encode_batch([b"a"])
     stream = bytes(head) + b"\xff\xff\xff\xf0" + b"junk" * 10
     with pools(total=128, max_segments=128) as (_, pool):
         deser = RecordDeserializer(codec)

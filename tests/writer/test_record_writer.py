@@ -247,7 +247,6 @@ class _BatchLimitedEncoder:
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
-        self.encode = None
         self.max_record_size = inner.max_record_size
 
     def encode_batch(self, records: list[Any]) -> bytes | bytearray:

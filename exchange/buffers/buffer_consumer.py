@@ -1,0 +1,81 @@
+"""BufferConsumer: one complete buffer queued in a subpartition, read once.
+
+Every buffer a subpartition queues is complete when it is added (the RecordWriter cuts
+whole buffers; events are serialized whole), so a consumer is a reference to a Buffer and
+a flag: ``build`` hands out a read-only slice of the whole buffer the first time and an
+empty one afterwards. ``copy`` gives another subpartition its own consumer of the same
+buffer (a broadcast event), with a reference of its own; the segment goes back to its
+recycler once every consumer is closed and every slice released.
+"""
+
+from __future__ import annotations
+
+from exchange.buffers.buffer import Buffer, DataType
+from exchange.errors import IllegalStateError
+
+__all__ = ["BufferConsumer"]
+
+
+class BufferConsumer:
+    """A complete buffer and whether it was read; owns one reference to the buffer."""
+
+    __slots__ = ("_buffer", "_closed", "_read")
+
+    def __init__(self, buffer: Buffer, *, read: bool = False) -> None:
+        self._buffer = buffer
+        self._read = read
+        self._closed = False
+
+    @classmethod
+    def of_buffer(cls, buffer: Buffer) -> BufferConsumer:
+        """A consumer of a complete buffer; takes over the caller's reference."""
+        return cls(buffer)
+
+    @property
+    def data_type(self) -> DataType:
+        return self._buffer.data_type
+
+    @property
+    def is_buffer(self) -> bool:
+        return self._buffer.is_buffer
+
+    @property
+    def is_data_available(self) -> bool:
+        """Bytes not read yet (False for an empty buffer)."""
+        return not self._read and self._buffer.size > 0
+
+    @property
+    def unread_bytes(self) -> int:
+        return 0 if self._read else self._buffer.size
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def build(self) -> Buffer:
+        """A read-only slice of the bytes not read yet: the whole buffer, then empty."""
+        if self._closed:
+            raise IllegalStateError("BufferConsumer is closed")
+        size = self._buffer.size
+        start = size if self._read else 0
+        self._read = True
+        return self._buffer.read_only_slice(start, size - start)
+
+    def copy(self) -> BufferConsumer:
+        """Another consumer in the same read state, sharing the buffer."""
+        if self._closed:
+            raise IllegalStateError("BufferConsumer is closed")
+        self._buffer.retain()
+        return BufferConsumer(self._buffer, read=self._read)
+
+    def close(self) -> None:
+        """Drop this consumer's reference. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._buffer.release()
+
+    def __repr__(self) -> str:
+        return (
+            f"BufferConsumer({self._buffer.data_type.name}, size={self._buffer.size}, "
+            f"read={self._read})"
+        )
