@@ -205,7 +205,10 @@ class GeneratorSource(Source):
         return self.count is None or bool(self._active())
 
     def ready_in(self) -> float:
-        """Seconds until ``poll`` has a record to emit (0: now)."""
+        """Seconds until ``poll`` has a record to emit (0: now; infinite: never, an
+        unbounded subtask left without splits by a rescale)."""
+        if not self._splits and self.count is None:
+            return math.inf
         if self._limiter is None or not self._active():
             return 0.0
         return self._limiter.ready_in()

@@ -14,6 +14,7 @@ import contextlib
 import csv
 import functools
 import json
+import math
 import random
 import uuid
 from collections import Counter
@@ -164,6 +165,12 @@ def test_generator_rescale_keeps_every_index_once(parallelisms: list[int]) -> No
 def test_generator_unbounded_and_empty() -> None:
     src = GeneratorSource(lambda i: i)
     assert not src.bounded
+    src.open(op_ctx(0, 1))
+    out0 = ListCollector()
+    src.poll(out0, 3)
+    ctx = src.ctx
+    src.snapshot_state(1)
+    src = GeneratorSource(lambda i: i)
     src.open(op_ctx(1, 3))
     out = ListCollector()
     assert src.poll(out, 4) is True
@@ -171,6 +178,12 @@ def test_generator_unbounded_and_empty() -> None:
     empty = GeneratorSource(lambda i: i, count=0)
     empty.open(op_ctx(0, 1))
     assert empty.poll(out, 10) is False
+    # restored with more subtasks than splits: the extra unbounded one idles for good
+    snap = [ctx.operator_state.snapshot()]
+    idle = GeneratorSource(lambda i: i)
+    idle.open(op_ctx(1, 2, snap, attempt=1))
+    assert idle.poll(out, 10) is True
+    assert idle.ready_in() == math.inf
     # a subtask with nothing to do (index 2 of 3, count 2) ends at once
     short = GeneratorSource(lambda i: i, count=2)
     short.open(op_ctx(2, 3))
