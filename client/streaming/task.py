@@ -57,6 +57,8 @@ __all__ = ["JobSpec", "StreamTaskFailed", "dataset_of", "run_task"]
 
 #: Records a source emits between two looks at the control channel.
 _POLL_BATCH: Final = 256
+#: Longest a source task waits for input (or control) when its source had nothing.
+_IDLE_WAIT: Final = 0.1
 #: A task that reads looks at the control channel at least this often (records permitting).
 _CONTROL_EVERY: Final = 0.05
 
@@ -402,7 +404,12 @@ class StreamTask:
                 break
             before = self._out.count if self._out is not None else 0
             alive = source.poll(out, _POLL_BATCH)
-            self.records_in += (self._out.count if self._out is not None else 0) - before
+            emitted = (self._out.count if self._out is not None else 0) - before
+            self.records_in += emitted
+            if alive and emitted == 0:  # idle, rate-limited or watching: wait, never spin
+                ready_in = getattr(source, "ready_in", None)
+                wait = ready_in() if callable(ready_in) else _IDLE_WAIT
+                self._poll_control(timeout=min(max(float(wait), 0.001), _IDLE_WAIT))
             if not alive:
                 exhausted = True
                 for op in self.ops:
