@@ -14,12 +14,19 @@ credit are loop-thread only), so credit returns as soon as a batch is decoded. A
 the task thread, in order with the records; ``resume_consumption(channel)`` may be called
 from any thread. ``close()`` from another thread ends a blocked ``records()`` at once with
 an IllegalStateError.
+
+Given ``metrics_socket`` and ``task_name``, a reader whose gate debloats or handles
+checkpoint barriers reports those figures to the local daemon (``TaskMetrics``) every
+second and once more at close, on a connection of its own; a failed report is logged
+at debug level and ends the reporting, never the read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import threading
 import time
 from collections import deque
@@ -28,6 +35,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final
 
+from client.local_connection import LocalConnection
 from client.network import UNIX_PREFIX, ConnectionManager
 from client.runtime import ClientRuntime, get_runtime
 from exchange.buffers.buffer import Buffer
@@ -50,12 +58,23 @@ from exchange.errors import IllegalStateError, UsageError
 from exchange.events.events import CheckpointOptions
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.partition.result_partition_id import ResultPartitionID
-from exchange.protocol.local_messages import DaemonInfo
+from exchange.protocol.local_messages import (
+    MAX_TASK_NAME_LENGTH,
+    TASK_METRIC_NAMES,
+    DaemonInfo,
+    TaskMetrics,
+)
 from exchange.serialization.codec import RecordCodec, default_codec
 
 __all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader", "reader_settings"]
 
+log = logging.getLogger("exchange.client.consumer")
+
 _BATCH_BUFFERS: Final = 64
+#: Seconds between two TaskMetrics reports of a reader.
+METRICS_INTERVAL: Final = 1.0
+#: How long a reader's last report and the close of its connection may take.
+_METRICS_CLOSE_TIMEOUT: Final = 2.0
 #: How long close() waits for buffers the task thread is still decoding.
 _GIVE_BACK_TIMEOUT: Final = 30.0
 
@@ -159,6 +178,101 @@ def _check_debloat(debloat: DebloatConfig | None, segment_size: int) -> DebloatC
     return debloat
 
 
+def _task_metrics(
+    debloat: BufferDebloaterStats | None, barriers: BarrierHandlerStats | None
+) -> dict[str, int | float]:
+    """The TaskMetrics map of a gate's figures (what is None is left out)."""
+    out: dict[str, int | float] = {}
+    for stats in (debloat, barriers):
+        if stats is not None:
+            for name, value in stats._asdict().items():
+                if name in TASK_METRIC_NAMES and value is not None:
+                    out[name] = value
+    return out
+
+
+class _TaskMetricsReporter:
+    """Sends a reader's gate figures to the local daemon (loop thread).
+
+    It connects, reports at once and then every ``interval`` seconds; ``close`` sends a
+    last report and closes the connection. Any failure (no daemon, a lost connection, a
+    refused report) is logged at debug level and stops the reporting: the read goes on.
+    """
+
+    def __init__(
+        self,
+        socket_path: str,
+        task: str,
+        gate: str,
+        collect: Callable[[], dict[str, int | float]],
+        *,
+        secret: bytes | None,
+        interval: float = METRICS_INTERVAL,
+    ) -> None:
+        self.socket_path = socket_path
+        self.task = task
+        self.gate = gate
+        self.collect = collect
+        self.secret = secret
+        self.interval = interval
+        self.reports_sent = 0
+        self._conn: LocalConnection | None = None
+        self._task: asyncio.Task[None] | None = None
+        #: True once a report failed (no more are sent)
+        self.failed = False
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def _send(self, conn: LocalConnection) -> None:
+        conn.check()
+        conn.send(TaskMetrics(self.task, self.gate, self.collect()))
+        self.reports_sent += 1
+
+    async def _run(self) -> None:
+        try:
+            conn = self._conn = await LocalConnection.connect(self.socket_path, secret=self.secret)
+            while True:
+                self._send(conn)
+                await asyncio.sleep(self.interval)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.debug("task %s stops reporting metrics to %s: %r", self.task, self.socket_path, e)
+            self.failed = True
+            conn_, self._conn = self._conn, None
+            if conn_ is not None:
+                conn_.close()
+
+    async def close(self) -> None:
+        """Send the last report (if still reporting), then close the connection."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            self._send(conn)
+            await asyncio.wait_for(conn.aclose(), _METRICS_CLOSE_TIMEOUT)
+        except Exception as e:  # the last report is best effort too
+            log.debug("task %s: last metrics report failed: %r", self.task, e)
+            self.failed = True
+            conn.close()
+
+
+def _check_metrics_args(metrics_socket: str | None, task_name: str | None) -> None:
+    for name, value in (("metrics_socket", metrics_socket), ("task_name", task_name)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise UsageError(f"{name} must be a non-empty string or None, got {value!r}")
+    if task_name is not None and len(task_name) > MAX_TASK_NAME_LENGTH:
+        raise UsageError(
+            f"task_name must be at most {MAX_TASK_NAME_LENGTH} characters, got {len(task_name)}"
+        )
+
+
 class AsyncPartitionReader:
     """Reads records from a list of partition locations (asyncio API).
 
@@ -192,6 +306,7 @@ class AsyncPartitionReader:
         #: Buffers the gate returned that the task has not consumed yet (debloating).
         self.in_flight: Callable[[], int] = lambda: 0
         self._debloat_task: asyncio.Task[None] | None = None
+        self._reporter: _TaskMetricsReporter | None = None
         self._closed = False
 
     @classmethod
@@ -213,6 +328,8 @@ class AsyncPartitionReader:
         checkpointing_mode: CheckpointingMode | str = CheckpointingMode.EXACTLY_ONCE,
         checkpoint_alignment_limit: int | None = None,
         debloat: DebloatConfig | None = None,
+        metrics_socket: str | None = None,
+        task_name: str | None = None,
     ) -> AsyncPartitionReader:
         """Open channels to every location and request their subpartitions.
 
@@ -224,7 +341,10 @@ class AsyncPartitionReader:
         the exact point in the records (``checkpointing_mode`` exactly_once aligns,
         at_least_once tracks; ``checkpoint_alignment_limit`` bytes, 0 or None unlimited).
         ``debloat``: buffer debloating of this reader's gate (off when None or disabled).
+        ``metrics_socket`` and ``task_name``: report the gate's debloating and checkpoint
+        figures, if it has any, to the daemon at that local socket as task ``task_name``.
         """
+        _check_metrics_args(metrics_socket, task_name)
         if num_exclusive < 1 or num_floating < 0:
             raise UsageError("num_exclusive must be >= 1 and num_floating >= 0")
         for loc in locations:
@@ -275,6 +395,8 @@ class AsyncPartitionReader:
             await gate.request_partitions()
             if debloat is not None and debloat.enabled:
                 self._start_debloating(debloat)
+            if metrics_socket is not None and task_name is not None:
+                self.start_reporting(metrics_socket, task_name, secret=secret)
         except BaseException:
             await self.close()
             raise
@@ -312,6 +434,40 @@ class AsyncPartitionReader:
         d = self.gate.debloater
         return d.stats() if d is not None else None
 
+    # -- metrics ------------------------------------------------------------------------
+
+    def start_reporting(
+        self,
+        metrics_socket: str,
+        task_name: str,
+        *,
+        secret: bytes | None = None,
+        collect: Callable[[], dict[str, int | float]] | None = None,
+    ) -> bool:
+        """Loop thread: report ``collect()`` (default: this reader's debloating and barrier
+        figures) to the daemon at ``metrics_socket`` every second and at close, as
+        ``task_name``. False (and nothing started) when there is nothing to report."""
+        _check_metrics_args(metrics_socket, task_name)
+        if self._reporter is not None or self._closed:
+            raise IllegalStateError("this reader already reports, or is closed")
+        if collect is None:
+
+            def collect() -> dict[str, int | float]:
+                return _task_metrics(self.debloat_stats, self.barrier_stats)
+
+        if not collect():
+            return False
+        self._reporter = _TaskMetricsReporter(
+            metrics_socket, task_name, self.gate.name, collect, secret=secret
+        )
+        self._reporter.start()
+        return True
+
+    @property
+    def metrics_reports_sent(self) -> int:
+        """TaskMetrics reports sent so far (0 when not reporting)."""
+        return self._reporter.reports_sent if self._reporter is not None else 0
+
     @property
     def barrier_stats(self) -> BarrierHandlerStats | None:
         h = self.reader.barrier_handler
@@ -341,6 +497,9 @@ class AsyncPartitionReader:
         if self._closed:
             return
         self._closed = True
+        reporter, self._reporter = self._reporter, None
+        if reporter is not None:  # the last report, while the figures are still there
+            await reporter.close()
         task, self._debloat_task = self._debloat_task, None
         if task is not None:
             task.cancel()
@@ -489,7 +648,10 @@ class PartitionReader:
         checkpointing_mode: CheckpointingMode | str = CheckpointingMode.EXACTLY_ONCE,
         checkpoint_alignment_limit: int | None = None,
         debloat: DebloatConfig | None = None,
+        metrics_socket: str | None = None,
+        task_name: str | None = None,
     ) -> None:
+        _check_metrics_args(metrics_socket, task_name)
         self._rt = runtime if runtime is not None else get_runtime()
         self.codec: RecordCodec = codec if codec is not None else default_codec()
         self._listener = checkpoint_listener
@@ -541,10 +703,33 @@ class PartitionReader:
         self._all_back: asyncio.Event | None = None
         self._pump_future = self._rt.submit(self._pump())
         self._done = False
+        # The handler runs in the task thread: its figures are taken there after each batch
+        # (handler.stats() is not safe from the loop thread), the reporter reads the last.
+        self._barrier_snapshot: BarrierHandlerStats | None = None
+        if metrics_socket is not None and task_name is not None:
+            if self._handler is not None:
+                self._barrier_snapshot = self._handler.stats()
+
+            def collect() -> dict[str, int | float]:
+                return _task_metrics(self._core.debloat_stats, self._barrier_snapshot)
+
+            start = functools.partial(
+                self._core.start_reporting,
+                metrics_socket,
+                task_name,
+                secret=secret,
+                collect=collect,
+            )
+            self._rt.call_soon(start)
 
     @property
     def records_read(self) -> int:
         return self._stream.records_in
+
+    @property
+    def metrics_reports_sent(self) -> int:
+        """TaskMetrics reports sent so far (0 when not reporting)."""
+        return self._core.metrics_reports_sent
 
     @property
     def barrier_stats(self) -> BarrierHandlerStats | None:
@@ -670,6 +855,8 @@ class PartitionReader:
                         out.append((kind, ch, item))
                 else:
                     out.append((kind, ch, item))
+            if handler is not None and self._barrier_snapshot is not None:
+                self._barrier_snapshot = handler.stats()
         finally:
             buffers = [item for kind, _, item in batch if kind == _DATA]
             if buffers:

@@ -331,7 +331,7 @@ def _read_subpartition(
 ) -> Iterator[Any]:
     if not producers:
         return
-    _, info = _local_daemon(spec)
+    sock, info = _local_daemon(spec)
     locations = [
         PartitionLocation(
             ResultPartitionID(exchange_id, p.index, p.attempt),
@@ -347,6 +347,8 @@ def _read_subpartition(
         local_daemon_id=info.daemon_id,
         codec=codec,
         secret=spec.secret,
+        metrics_socket=sock,
+        task_name=f"{exchange_id}/{subpartition}",
         **{**reader_settings(info), "segment_size": producers[0].segment_size},
     )
     try:

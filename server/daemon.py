@@ -30,6 +30,7 @@ from exchange.protocol.local_messages import DaemonInfo
 from server.config import DaemonConfig
 from server.http_server import HttpServer
 from server.local_endpoint import LocalEndpoint
+from server.metrics import TaskReport
 from server.partition_request_server import DataServer
 
 __all__ = ["ExchangeDaemon"]
@@ -227,6 +228,10 @@ class ExchangeDaemon:
 
     def local_endpoint_stats(self) -> dict[str, int]:
         return self.local_endpoint.stats()
+
+    def task_reports(self) -> list[TaskReport]:
+        """What consumer tasks on this host last reported of their gates (TaskMetrics)."""
+        return self.local_endpoint.task_reports()
 
     def totals(self) -> dict[str, float]:
         live = [p.stats() for p in self.manager.partitions]

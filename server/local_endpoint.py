@@ -6,6 +6,10 @@ one ResultPartition, driven by a sans-I/O ``exchange.local.ProducerSession``: th
 grants the task credit as segments of the partition's pool are reserved for it, so a task
 pushes at most what the pool can hold and waits (for AddProducerCredit) when it is full:
 backpressure reaching the producer task. This module only moves bytes and messages.
+
+A consumer task may also report its gates' figures (TaskMetrics) on a connection of its
+own; the latest report per (connection, task, gate) is kept on that connection, so it
+goes when the connection closes: a task that stopped leaves no stale gauges.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import errno
 import logging
 import os
 import socket
+import time
 from typing import TYPE_CHECKING, ClassVar, Final
 
 from exchange.errors import (
@@ -35,8 +40,10 @@ from exchange.protocol.local_messages import (
     PushBuffer,
     Released,
     ReleaseDataset,
+    TaskMetrics,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_response_for
+from server.metrics import TaskReport
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
 
 if TYPE_CHECKING:
@@ -48,6 +55,8 @@ log = logging.getLogger("exchange.server.local")
 
 #: How long a producer whose partition is gone may take to read why and close.
 _FAILED_PRODUCER_GRACE: Final = 2.0
+#: Task gates one connection may report (each report of a new one adds a series).
+MAX_TASK_REPORTS_PER_CONNECTION: Final = 16
 
 
 class LocalEndpoint(DataServer):
@@ -100,6 +109,17 @@ class LocalEndpoint(DataServer):
         )
         return base
 
+    def task_reports(self) -> list[TaskReport]:
+        """The latest report of every task gate on an open connection, by (task, gate);
+        of two connections reporting the same gate (a task retried), the newer report."""
+        latest: dict[tuple[str, str], TaskReport] = {}
+        for conn in self.connections:
+            for key, report in getattr(conn, "task_reports", {}).items():
+                seen = latest.get(key)
+                if seen is None or report.received_at >= seen.received_at:
+                    latest[key] = report
+        return [latest[k] for k in sorted(latest)]
+
 
 def _is_listening(path: str) -> bool:
     """True if something accepts connections on the Unix socket ``path``."""
@@ -127,6 +147,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         FinishPartition,
         FailPartition,
         DaemonInfoRequest,
+        TaskMetrics,
     }
 
     def __init__(self, endpoint: LocalEndpoint) -> None:
@@ -135,6 +156,8 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         self.daemon = endpoint.daemon
         self.session: ProducerSession | None = None
         self._producer_failed = False
+        #: (task, gate) -> the latest TaskMetrics of that gate on this connection
+        self.task_reports: dict[tuple[str, str], TaskReport] = {}
 
     def fail_producer(self, resp: ErrorResponse) -> None:
         """Tell the producer task why its partition is gone, then let *it* close.
@@ -190,8 +213,19 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 self.send(Released(self.daemon.release_dataset(ds)))
             case DaemonInfoRequest():
                 self.send(self.daemon.info())
+            case TaskMetrics():
+                self._task_report(msg)
             case _:
                 super().on_message(msg)
+
+    def _task_report(self, msg: TaskMetrics) -> None:
+        key = (msg.task, msg.gate)
+        reports = self.task_reports
+        if key not in reports and len(reports) >= MAX_TASK_REPORTS_PER_CONNECTION:
+            raise ProtocolError(
+                f"more than {MAX_TASK_REPORTS_PER_CONNECTION} task gates reported on one connection"
+            )
+        reports[key] = TaskReport(msg.task, msg.gate, dict(msg.metrics), time.time())
 
     def _count_failure(self) -> None:
         self.endpoint.producer_failures += 1
@@ -221,6 +255,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         self.send(PartitionCreated(credit, self.daemon.segment_size))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.task_reports.clear()
         session = self.session
         if session is not None:
             self.endpoint.producers -= 1

@@ -21,6 +21,15 @@ Names follow Flink's meanings:
 - ``exchange_bytes_out_total`` / ``exchange_buffers_out_total`` are Flink's ``numBytesOut`` /
   ``numBuffersOut``: what producers wrote into result partitions, kept across releases.
 
+Consumer tasks report their input gates' figures to the daemon (``TaskMetrics``, local
+message 76): ``exchange_gate_*`` (buffer debloating: the announced buffer size, throughput,
+buffers in use, estimated time to consume) and ``exchange_checkpoint*`` (the last aligned
+checkpoint's alignment time and bytes, checkpoints triggered and aborted: gauges of the
+task's own counts, since a task's series vanish when its connection closes), labelled
+``task`` and ``gate``. A series exists only while its task reports; at most
+:data:`MAX_LABELLED_TASKS` gates get series (the count ``exchange_task_gates_reporting``
+covers them all).
+
 Per-partition series are bounded: the first :data:`MAX_LABELLED_PARTITIONS` partitions (in
 registration order, so a partition keeps its series while it lives) get their own labels, the
 rest are folded into one series labelled ``"_other"``: counts and bytes summed, pool usage the
@@ -45,13 +54,16 @@ from server.config import DaemonConfig
 
 __all__ = [
     "MAX_LABELLED_PARTITIONS",
+    "MAX_LABELLED_TASKS",
     "OTHER_LABEL",
+    "TASK_GAUGES",
     "DaemonView",
     "ExchangeCollector",
     "MonotonicCounter",
     "PartitionRow",
     "PartitionSummary",
     "SentCounters",
+    "TaskReport",
     "build_registry",
     "stats_snapshot",
     "summarize_partitions",
@@ -61,6 +73,53 @@ __all__ = [
 MAX_LABELLED_PARTITIONS: Final = 200
 OTHER_LABEL: Final = "_other"
 PARTITION_LABELS: Final = ("dataset", "partition", "attempt")
+#: Task gates with their own series (the first in (task, gate) order).
+MAX_LABELLED_TASKS: Final = 200
+TASK_LABELS: Final = ("task", "gate")
+
+#: (TaskMetrics name, Prometheus gauge, help) of each figure a task's gate reports.
+TASK_GAUGES: Final = (
+    (
+        "buffer_size",
+        "exchange_gate_buffer_size_bytes",
+        "Buffer size a consumer gate announced to its producers (buffer debloating).",
+    ),
+    (
+        "throughput",
+        "exchange_gate_throughput_bytes_per_second",
+        "Throughput a consumer gate measured (buffer debloating).",
+    ),
+    (
+        "buffers_in_use",
+        "exchange_gate_buffers_in_use",
+        "Buffers queued in a consumer gate plus its producers' announced backlog.",
+    ),
+    (
+        "estimated_time_to_consume",
+        "exchange_gate_estimated_time_to_consume_seconds",
+        "Seconds a consumer gate needs to consume its in-flight buffers at its throughput.",
+    ),
+    (
+        "last_alignment_duration",
+        "exchange_checkpoint_alignment_seconds",
+        "Seconds from the first barrier to the trigger of a gate's last triggered checkpoint.",
+    ),
+    (
+        "last_aligned_bytes",
+        "exchange_checkpoint_aligned_bytes",
+        "Bytes parked or processed during a gate's last checkpoint alignment.",
+    ),
+    (
+        "num_triggered",
+        "exchange_checkpoints_triggered",
+        "Checkpoints a consumer task's gate triggered (the task's count, since it started).",
+    ),
+    (
+        "num_aborted",
+        "exchange_checkpoints_aborted",
+        "Checkpoints a consumer task's gate aborted (the task's count, since it started).",
+    ),
+)
 
 
 # -- what the collector reads ------------------------------------------------------------
@@ -87,7 +146,8 @@ class DaemonView(Protocol):
     counters that survive partition release: bytes_in, bytes_out, buffers_out,
     partitions_created, partitions_released, partitions_failed, back_pressured_seconds
     (optionally bytes_sent / buffers_sent of the data port, preferred when present).
-    A missing key reads as 0. ``shutting_down`` is read with ``getattr(..., False)``.
+    A missing key reads as 0. ``shutting_down`` is read with ``getattr(..., False)``, and
+    ``task_reports()`` (a list of :class:`TaskReport`) is optional the same way.
     """
 
     @property
@@ -117,6 +177,25 @@ class DaemonView(Protocol):
 
 
 # -- reading the daemon ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TaskReport:
+    """The latest figures a consumer task reported for one input gate (``TaskMetrics``).
+
+    ``metrics`` holds only what the task has (no debloating figures when it is off);
+    ``received_at`` is the daemon's ``time.time()`` when the report arrived.
+    """
+
+    task: str
+    gate: str
+    metrics: Mapping[str, float]
+    received_at: float
+
+
+def _task_reports(d: DaemonView) -> list[TaskReport]:
+    reports = getattr(d, "task_reports", None)
+    return list(reports()) if reports is not None else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,6 +351,22 @@ class ExchangeCollector:
         yield from self._network(d.network_pool.stats())
         yield from self._partitions(d)
         yield from self._traffic_metrics(d)
+        yield from self._tasks(_task_reports(d))
+
+    def _tasks(self, reports: list[TaskReport]) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "exchange_task_gates_reporting",
+            "Consumer task gates whose figures this daemon holds (TaskMetrics).",
+            value=len(reports),
+        )
+        shown = reports[:MAX_LABELLED_TASKS]
+        for key, name, doc in TASK_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=list(TASK_LABELS))
+            for r in shown:
+                value = r.metrics.get(key)
+                if value is not None:
+                    family.add_metric([r.task, r.gate], float(value))
+            yield family
 
     def _info(self, d: DaemonView) -> Iterator[Metric]:
         info = GaugeMetricFamily(
@@ -532,6 +627,16 @@ def _row_json(row: PartitionRow) -> dict[str, Any]:
     }
 
 
+def _task_json(r: TaskReport, now: float) -> dict[str, Any]:
+    return {
+        "id": f"{r.task}/{r.gate}",
+        "task": r.task,
+        "gate": r.gate,
+        "age_seconds": max(0.0, now - r.received_at),
+        "metrics": dict(r.metrics),
+    }
+
+
 def stats_snapshot(
     daemon: DaemonView,
     *,
@@ -545,6 +650,8 @@ def stats_snapshot(
     ``partitions.items`` lists at most ``max_partitions`` partitions in registration order;
     ``partitions.other`` folds the rest the way the ``_other`` metric series do. Pass the
     collector's ``sent`` so ``data_port.bytes_sent_total`` matches ``exchange_bytes_sent_total``.
+    ``tasks.items`` are the consumer task gates reporting figures (``TaskReport``), at most
+    ``max_partitions`` of them, each with the age of its last report and its ``metrics``.
     """
     d = daemon
     now = float(clock())
@@ -558,6 +665,7 @@ def stats_snapshot(
     other = None
     if summary.other is not None:
         other = {**_row_json(summary.other), "count": summary.num_other}
+    reports = _task_reports(d)
     cfg = d.config
     return {
         "daemon_id": d.daemon_id,
@@ -587,6 +695,10 @@ def stats_snapshot(
             "finished_by_type": summary.finished_by_type,
             "items": [_row_json(r) for r in summary.rows],
             "other": other,
+        },
+        "tasks": {
+            "count": len(reports),
+            "items": [_task_json(r, now) for r in reports[:max_partitions]],
         },
         "config": {
             "network_memory": cfg.network_memory,
