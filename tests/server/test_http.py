@@ -46,6 +46,7 @@ from server.http_server import (
     Request,
     parse_request_head,
 )
+from server.metrics import TaskReport
 from server.partition_request_server import DataServer
 
 SEGMENTS = 256
@@ -76,6 +77,8 @@ class StandInDaemon:
         self.created = 0
         self.retired = {"bytes_out": 0.0, "buffers_out": 0.0, "back_pressured_seconds": 0.0}
         self.released = 0
+        #: (task, gate, metrics) the consumer tasks "reported" (TaskMetrics)
+        self.reports: list[tuple[str, str, dict[str, float]]] = list(TASK_REPORTS)
 
     def create_partition(
         self, pid: ResultPartitionID, ptype: ResultPartitionType, n: int, maximum: int
@@ -112,6 +115,9 @@ class StandInDaemon:
             "producer_failures": 0,
         }
 
+    def task_reports(self) -> list[TaskReport]:
+        return [TaskReport(t, g, m, time.time() - 0.25) for t, g, m in self.reports]
+
     def totals(self) -> dict[str, float]:
         live = [p.stats() for p in self.manager.partitions]
         return {
@@ -125,6 +131,29 @@ class StandInDaemon:
             + sum(s.back_pressured_seconds for s in live),
         }
 
+
+#: A debloating, checkpointing consumer task and one that only checkpoints.
+TASK_REPORTS: list[tuple[str, str, dict[str, float]]] = [
+    (
+        "clicks-sessionized/3",
+        "reader",
+        {
+            "buffer_size": 4096,
+            "throughput": 2_500_000,
+            "buffers_in_use": 12,
+            "estimated_time_to_consume": 0.0197,
+            "num_triggered": 41,
+            "num_aborted": 2,
+            "last_alignment_duration": 0.0125,
+            "last_aligned_bytes": 81920,
+        },
+    ),
+    (
+        "orders/0",
+        "reader",
+        {"num_triggered": 7, "num_aborted": 0, "last_alignment_duration": 1.5},
+    ),
+]
 
 BLOCKING_ID = ResultPartitionID("orders-by-customer", 4, 17)
 BLOCKING_RECORDS = [{"order": i, "note": "n" * 50} for i in range(2000)]
@@ -249,6 +278,22 @@ async def test_metrics_are_prometheus_text_with_the_engines_numbers(
     assert samples[("exchange_bytes_out_total", ())] == block.bytes_out + pipe.bytes_out
     assert samples[("exchange_partitions", (("type", "blocking"),))] == 1
     assert samples[("exchange_producers", ())] == 2
+    # what consumer tasks reported, labelled task and gate; only the figures they have
+    busy = (("gate", "reader"), ("task", "clicks-sessionized/3"))
+    quiet = (("gate", "reader"), ("task", "orders/0"))
+    assert samples[("exchange_task_gates_reporting", ())] == 2
+    assert samples[("exchange_gate_buffer_size_bytes", busy)] == 4096
+    assert samples[("exchange_gate_throughput_bytes_per_second", busy)] == 2_500_000
+    assert samples[("exchange_gate_buffers_in_use", busy)] == 12
+    assert samples[("exchange_gate_estimated_time_to_consume_seconds", busy)] == 0.0197
+    assert samples[("exchange_checkpoint_alignment_seconds", busy)] == 0.0125
+    assert samples[("exchange_checkpoint_aligned_bytes", busy)] == 81920
+    assert samples[("exchange_checkpoints_triggered", busy)] == 41
+    assert samples[("exchange_checkpoints_aborted", busy)] == 2
+    assert samples[("exchange_checkpoints_triggered", quiet)] == 7
+    assert samples[("exchange_checkpoint_alignment_seconds", quiet)] == 1.5
+    assert ("exchange_gate_buffer_size_bytes", quiet) not in samples
+    assert ("exchange_checkpoint_aligned_bytes", quiet) not in samples
     # the query string does not matter
     assert (await get(port, "/metrics?name[]=x")).status == 200
 
@@ -293,6 +338,12 @@ async def test_api_stats_is_the_snapshot(
     assert items[str(PIPELINED_ID)]["out_pool_usage"] == pipe.out_pool_usage
     assert items[str(PIPELINED_ID)]["subpartitions"] == 2
     assert stats["totals"]["bytes_out"] == block.bytes_out + pipe.bytes_out
+    tasks = stats["tasks"]
+    assert tasks["count"] == 2
+    assert [(t["id"], t["task"], t["gate"], t["metrics"]) for t in tasks["items"]] == [
+        (f"{t}/{g}", t, g, m) for t, g, m in TASK_REPORTS
+    ]
+    assert all(0.2 <= t["age_seconds"] < 5 for t in tasks["items"])
 
 
 @pytest.mark.asyncio
@@ -617,6 +668,27 @@ async def test_dashboard_renders_live_values_in_chromium(
     assert '<span id="status" class="pill live">live</span>' in dom
     assert '<dd id="producers">2</dd>' in dom
     assert "<polyline" in dom  # the throughput chart has at least two samples
+    # The consumer tasks' table: every figure of the busy task, dashes for what the
+    # checkpoint-only task does not have.
+    busy = dom.split('<tr data-id="clicks-sessionized/3/reader">', 1)[1].split("</tr>", 1)[0]
+    cells = [c.split(">", 1)[1] for c in busy.split("</td>")[:-1]]
+    assert cells[:10] == [
+        "clicks-sessionized/3",
+        "reader",
+        "4.00 KiB",
+        "2.38 MiB/s",
+        "12",
+        "19.7 ms",
+        "12.5 ms",
+        "80.0 KiB",
+        "41",
+        "2",
+    ], cells
+    assert cells[10].endswith(" ago"), cells
+    quiet = dom.split('<tr data-id="orders/0/reader">', 1)[1].split("</tr>", 1)[0]
+    quiet_cells = [c.split(">", 1)[1] for c in quiet.split("</td>")[:-1]]
+    dash = "\u2013"  # the page's "no figure"
+    assert quiet_cells[2:10] == [dash] * 4 + ["1.50 s", dash, "7", "0"], quiet_cells
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     keep = os.environ.get(SCREENSHOT_ENV)
     if keep:
