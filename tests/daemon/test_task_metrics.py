@@ -17,7 +17,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from client.consumer import PartitionLocation, PartitionReader, reader_settings
+from client.consumer import (
+    AsyncPartitionReader,
+    PartitionLocation,
+    PartitionReader,
+    reader_settings,
+)
 from client.local_connection import LocalConnection, fetch_daemon_info
 from client.producer import PartitionWriter
 from client.runtime import get_runtime
@@ -230,6 +235,64 @@ def test_running_task_gauges_appear_follow_and_vanish_after_close(start_daemon: 
     prom = scrape(d)
     assert all(not prom[name] for name in GAUGES), prom
     assert prom["exchange_task_gates_reporting"][("", "")] == 0
+    d.wait_pool_whole()
+
+
+def test_the_async_reader_reports_too(start_daemon: Any) -> None:
+    """AsyncPartitionReader with debloating: its gate's figures (no checkpoint figures:
+    it has no listener) appear while it reads and go when it closes."""
+    d = start_daemon(*DEBLOAT)
+    producer = BarrierProducer(d, "async", interval=3600)  # records only
+    producer.start()
+    assert producer.opened.wait(30) and producer.error is None, producer.error
+
+    async def read() -> tuple[dict[str, Any], int, int]:
+        info = await fetch_daemon_info(d.local_socket)
+        loc = PartitionLocation(
+            ResultPartitionID("async", 0, 0), 0, d.data_address, d.daemon_id, d.local_socket
+        )
+        reader = await AsyncPartitionReader.open(
+            [loc],
+            **reader_settings(info),
+            metrics_socket=d.local_socket,
+            task_name="async-task",
+        )
+        count = 0
+        try:
+            seen: dict[str, Any] | None = None
+            deadline = time.monotonic() + 30
+            while seen is None:
+                assert time.monotonic() < deadline, "the async reader never reported"
+                batch = await reader.next_batch()
+                assert batch is not None
+                for seq, _ in batch:
+                    assert seq == count
+                    count += 1
+                st = await asyncio.to_thread(d.stats)
+                seen = task_item(st, "async-task")
+            sent = reader.metrics_reports_sent
+        finally:
+            await reader.close()
+        return seen, sent, count
+
+    try:
+        seen, sent, count = get_runtime().run(read())
+    finally:
+        producer.stop.set()
+        producer.join(30)
+    # the reader stopped before the end: the producer learns its partition was released
+    assert producer.error is None or "released" in str(producer.error), producer.error
+    assert count > 0 and sent >= 1
+    assert seen["gate"] == "reader"
+    assert set(seen["metrics"]) == {
+        "buffer_size",
+        "computed_buffer_size",
+        "throughput",
+        "buffers_in_use",
+        "desired_total_bytes",
+        "estimated_time_to_consume",
+    }
+    d.wait_stats(lambda s: s["tasks"]["count"] == 0, 10)
     d.wait_pool_whole()
 
 
