@@ -84,7 +84,7 @@ with _instrumented():
 
     from exchange.errors import CorruptRecordError, ExchangeError, ProtocolError
     from exchange.partition.result_partition_id import ResultPartitionID
-    from exchange.protocol import local_messages  # registers ids 64..75
+    from exchange.protocol import local_messages  # registers ids 64..
     from exchange.protocol.codec import (
         FRAME_HEADER_SIZE,
         MAGIC,
@@ -145,7 +145,9 @@ DOCUMENTED: dict[str, tuple[type[BaseException], ...]] = {
 RECORD_LIMIT = 512
 _LEN = struct.Struct(">I")
 _HEADER = struct.Struct(">IIB")
-LOCAL_IDS = range(64, 76)
+#: The first input byte of ``local_messages`` picks the id (64 + byte % 64): ids added
+#: later keep the meaning of the saved corpus; unregistered ids are UnknownMessageErrors.
+LOCAL_IDS = range(64, 128)
 
 
 # -- splitting an input into chunks, deterministically ----------------------------------------
@@ -516,6 +518,9 @@ def _local_frames() -> list[bytes]:
         lm.DaemonInfo("d1", "127.0.0.1:1", 32768, {"a": 1, "b": 0.5, "c": True, "d": None}),
         lm.ProducerBufferSize(0, 1024),
     ]
+    if hasattr(lm, "TaskMetrics"):  # local message 76
+        names = sorted(lm.TASK_METRIC_NAMES)[:2]
+        msgs.append(lm.TaskMetrics("task-1", "gate-0", {names[0]: 1, names[-1]: 0.25}))
     return [_frames(m) for m in msgs]
 
 
@@ -743,7 +748,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     corpus = args.corpus or Path(tempfile.mkdtemp(prefix=f"fuzz-{target.name}-"))
-    findings_dir = args.findings or Path(tempfile.mkdtemp(prefix=f"findings-{target.name}-"))
+    findings_dir = args.findings or (  # created at the first finding only
+        Path(tempfile.gettempdir()) / f"fuzz-findings-{target.name}-{os.getpid()}"
+    )
     _write_seeds(target, corpus)
     findings = _Findings(target.name, findings_dir, args.stop_on_finding)
     print(f"{target.name}: corpus {corpus}, findings {findings_dir}", flush=True)
