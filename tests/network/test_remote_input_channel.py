@@ -461,7 +461,7 @@ def test_available_buffer_queue_hands_out_floating_first(nbp: NetworkBufferPool)
         def recycle(self, segment: object) -> None:
             recycled.append(segment)
 
-    e1, e2 = (Buffer(s, Recycler()) for s in excl_segments)  # type: ignore[arg-type]
+    e1, e2 = (Buffer(s, Recycler()) for s in excl_segments)
     f1 = pool.request_buffer()
     assert f1 is not None
     q.exclusive.append(e1)
