@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from exchange.buffers import DataType
+from exchange.buffers import BufferConsumer, DataType
 from exchange.errors import ConsumerAlreadyAttachedError, IllegalStateError, PartitionReleasedError
 from exchange.events import (
     CancelCheckpointMarker,
@@ -230,14 +230,12 @@ def test_release_drops_queued_buffers_and_tells_the_reader(
     part = make_partition("drop", PIPELINED, 1)
     listener = Listener()
     view = part.create_subpartition_view(0, listener)
-    builder = part.buffer_pool.request_buffer_builder()
-    assert builder is not None
+    buf = part.buffer_pool.request_buffer()
+    assert buf is not None
+    buf.segment.put(0, b"\x01\x02")
+    buf.set_size(2)
     sub = part.subpartitions[0]
-    sub.add(builder.create_buffer_consumer_from_beginning())
-    builder.append(b"\x01\x02")
-    builder.finish()
-    builder.close()
-    sub.on_buffer_finished()
+    sub.add(BufferConsumer.of_buffer(buf))
     assert listener.notifications == 1
     cause = RuntimeError("gone")
     part.release(cause)
