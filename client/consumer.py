@@ -152,9 +152,7 @@ def _barrier_handler(
             "checkpoint_alignment_limit must be an int >= 0 (0: unlimited), "
             f"got {alignment_limit!r}"
         )
-    for name in ("trigger_checkpoint", "abort_checkpoint"):
-        if not callable(getattr(listener, name, None)):
-            raise UsageError(f"checkpoint_listener needs a {name}() method, got {listener!r}")
+    _check_listener(listener)
     return create_barrier_handler(
         mode,
         max(num_channels, 1),
@@ -163,6 +161,12 @@ def _barrier_handler(
         resume,
         max_aligned_bytes=alignment_limit or None,
     )
+
+
+def _check_listener(listener: object) -> None:
+    for name in ("trigger_checkpoint", "abort_checkpoint"):
+        if not callable(getattr(listener, name, None)):
+            raise UsageError(f"checkpoint_listener needs a {name}() method, got {listener!r}")
 
 
 def _check_debloat(debloat: DebloatConfig | None, segment_size: int) -> DebloatConfig | None:
@@ -658,16 +662,13 @@ class PartitionReader:
         self._calls = _CallsInOrder()
         self._handler: CheckpointBarrierHandler | None = None
         if checkpoint_listener is not None:
+            _check_listener(checkpoint_listener)  # the handler itself calls the queue
             self._handler = _barrier_handler(
                 self._calls,
                 checkpointing_mode,
                 len(locations),
                 self.resume_consumption,
                 checkpoint_alignment_limit,
-            )
-            # the listener's own methods are checked too (the handler got the queue)
-            _barrier_handler(
-                checkpoint_listener, checkpointing_mode, 1, self.resume_consumption, None
             )
         self._closed = False
         self._handoff = _Handoff(self._rt.loop, window)

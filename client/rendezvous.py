@@ -76,6 +76,18 @@ class _Group:
         self.waiters = still
 
 
+async def listen_for_tasks(
+    serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    host: str,
+    **kwargs: Any,
+) -> tuple[asyncio.Server, int]:
+    """A driver-side server on an ephemeral port for the application's tasks: on loopback
+    when the driver's host is loopback, else on every interface (executors elsewhere)."""
+    bind = "0.0.0.0" if host not in ("127.0.0.1", "localhost", "::1") else host
+    server = await asyncio.start_server(serve, bind, 0, **kwargs)
+    return server, int(server.sockets[0].getsockname()[1])
+
+
 class RendezvousServer:
     """The driver's rendezvous service, on the process's client loop."""
 
@@ -88,9 +100,7 @@ class RendezvousServer:
         self._rt.run(self._start())
 
     async def _start(self) -> None:
-        bind = "0.0.0.0" if self.host not in ("127.0.0.1", "localhost", "::1") else self.host
-        self._server = await asyncio.start_server(self._serve, bind, 0, limit=_MAX_LINE)
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        self._server, self.port = await listen_for_tasks(self._serve, self.host, limit=_MAX_LINE)
 
     def open_group(
         self,

@@ -26,6 +26,7 @@ from typing import Any, Final
 
 import msgpack
 
+from client.rendezvous import listen_for_tasks
 from client.runtime import ClientRuntime, get_runtime
 from exchange.errors import ProtocolError, TransportError
 
@@ -81,9 +82,7 @@ class ControlServer:
         self._rt.run(self._start())
 
     async def _start(self) -> None:
-        bind = "0.0.0.0" if self.host not in ("127.0.0.1", "localhost", "::1") else self.host
-        self._server = await asyncio.start_server(self._serve, bind, 0)
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        self._server, self.port = await listen_for_tasks(self._serve, self.host)
 
     @property
     def address(self) -> str:

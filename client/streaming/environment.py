@@ -425,12 +425,13 @@ class _Attempt:
     def _release(self, daemons: dict[str, dict[str, Any]]) -> None:
         """Release this attempt's partitions on every daemon its tasks used: tasks killed
         hard release nothing themselves."""
-        job = JobSpec(self.env.job_id, self.attempt, "", "", self.graph, "", "")
         addresses = {d["data"] for d in daemons.values()}
         for edge in self.graph.edges:
             for address in addresses:
                 with contextlib.suppress(Exception):
-                    get_runtime().run(release_dataset(address, dataset_of(job, edge)))
+                    get_runtime().run(
+                        release_dataset(address, dataset_of(self.env.job_id, self.attempt, edge))
+                    )
 
 
 class _AttemptFailed(Exception):

@@ -82,9 +82,9 @@ class JobSpec:
     buffer_timeout: float = 0.01
 
 
-def dataset_of(job: JobSpec | Any, edge: Edge) -> str:
+def dataset_of(job_id: str, attempt: int, edge: Edge) -> str:
     """The dataset of an exchange's partitions: job, attempt and edge (attempts fenced)."""
-    return f"{job.job_id}-a{job.attempt}-e{edge.edge_id}"
+    return f"{job_id}-a{attempt}-e{edge.edge_id}"
 
 
 class _Out:
@@ -229,7 +229,7 @@ class StreamTask:
         for edge in self.vertex.outputs:
             target = self.graph.vertex(edge.target)
             w = PartitionWriter(
-                ResultPartitionID(dataset_of(self.job, edge), me, 0),
+                ResultPartitionID(dataset_of(self.job.job_id, self.job.attempt, edge), me, 0),
                 target.parallelism,
                 daemon_socket=self.daemon_socket,
                 buffer_timeout=self.job.buffer_timeout,
@@ -264,12 +264,13 @@ class StreamTask:
         daemons = start["daemons"]
         locations = []
         for edge in self.vertex.inputs:
+            dataset = dataset_of(self.job.job_id, self.job.attempt, edge)
             src = self.graph.vertex(edge.source)
             for u in range(src.parallelism):
                 d = daemons[f"v{src.vertex_id}-{u}"]
                 locations.append(
                     PartitionLocation(
-                        ResultPartitionID(dataset_of(self.job, edge), u, 0),
+                        ResultPartitionID(dataset, u, 0),
                         self.spec.subtask,
                         d["data"],
                         d["id"],

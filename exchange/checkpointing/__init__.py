@@ -29,7 +29,6 @@ Everything delivered before ``task.trigger_checkpoint(n, ...)`` runs is before b
 from __future__ import annotations
 
 import os
-from enum import Enum
 
 from exchange.checkpointing.aligner import AlignedBarrierHandler, AlignmentState, AlignmentStrategy
 from exchange.checkpointing.barrier_handler import (
@@ -37,6 +36,7 @@ from exchange.checkpointing.barrier_handler import (
     ChannelBlockedError,
     CheckpointBarrierHandler,
     CheckpointFailureReason,
+    CheckpointingMode,
     CheckpointListener,
     Clock,
     ResumeConsumption,
@@ -107,11 +107,6 @@ __all__ = [
     "TriggerCheckpoint",
     "create_barrier_handler",
 ]
-
-
-class CheckpointingMode(Enum):
-    EXACTLY_ONCE = "exactly_once"
-    AT_LEAST_ONCE = "at_least_once"
 
 
 def create_barrier_handler(

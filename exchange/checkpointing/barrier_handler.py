@@ -41,6 +41,7 @@ __all__ = [
     "CheckpointBarrierHandler",
     "CheckpointFailureReason",
     "CheckpointListener",
+    "CheckpointingMode",
     "Clock",
     "ResumeConsumption",
     "is_aligned_barrier",
@@ -52,6 +53,13 @@ Clock = Callable[[], float]
 
 #: ``resume(channel_index)``: send ResumeConsumption for that channel's subpartition.
 ResumeConsumption = Callable[[int], None]
+
+
+class CheckpointingMode(Enum):
+    """Exactly once aligns a task's inputs at each barrier; at least once only tracks them."""
+
+    EXACTLY_ONCE = "exactly_once"
+    AT_LEAST_ONCE = "at_least_once"
 
 
 class CheckpointFailureReason(Enum):

@@ -63,7 +63,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, NamedTuple
 
-from exchange.checkpointing.barrier_handler import CheckpointFailureReason, Clock
+from exchange.checkpointing.barrier_handler import (
+    CheckpointFailureReason,
+    CheckpointingMode,
+    Clock,
+)
 from exchange.errors import ConfigError, IllegalStateError, UsageError
 
 __all__ = [
@@ -94,7 +98,7 @@ DEFAULT_TIMEOUT: Final = 600.0
 #: Checkpoint statuses kept for ``history`` (the dashboard's checkpoint table).
 HISTORY_SIZE: Final = 64
 
-_MODES: Final = ("exactly_once", "at_least_once")
+_MODES: Final = tuple(m.value for m in CheckpointingMode)
 
 
 # -- configuration ------------------------------------------------------------------------

@@ -216,6 +216,28 @@ class DaemonProcess:
         return self.proc.poll() is None
 
 
+def started_daemons() -> Iterator[Callable[..., DaemonProcess]]:
+    """The body of a ``start_daemon`` fixture: yields ``start(*flags)``; at teardown every
+    daemon still running gets SIGTERM and must exit 0 with its pool whole, and every
+    process is reaped and its spill directory removed."""
+    started: list[DaemonProcess] = []
+
+    def start(*flags: str) -> DaemonProcess:
+        d = DaemonProcess(*flags)
+        started.append(d)
+        return d
+
+    yield start
+    try:
+        for d in started:
+            if d.running:
+                d.stop_clean()
+    finally:
+        for d in started:
+            d.cleanup()
+            assert d.proc.returncode is not None
+
+
 def run_daemon_cli(args: Sequence[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     """``python -m server ARGS`` expected to exit by itself (refused configs)."""
     return subprocess.run(

@@ -45,22 +45,7 @@ def fp() -> Any:
 
 @pytest.fixture
 def start_daemon() -> Iterator[Callable[..., Any]]:
-    started: list[Any] = []
-
-    def start(*flags: str) -> Any:
-        d = _daemon.DaemonProcess(*flags)
-        started.append(d)
-        return d
-
-    yield start
-    try:
-        for d in started:
-            if d.running:
-                d.stop_clean()
-    finally:
-        for d in started:
-            d.cleanup()
-            assert d.proc.returncode is not None
+    yield from _daemon.started_daemons()
 
 
 @pytest.fixture
