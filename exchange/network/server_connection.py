@@ -32,10 +32,10 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Final, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 from exchange.buffers.buffer import Buffer
 from exchange.errors import IllegalStateError, PartitionError, ProtocolError, UsageError
@@ -44,7 +44,10 @@ from exchange.network.partition_request_queue import PartitionRequestQueue
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.protocol.codec import (
     MAX_CONTROL_FRAME_SIZE,
-    FrameDecoder,
+    BodySink,
+    DataFrameSpec,
+    InPlaceFrameDecoder,
+    PayloadReceived,
     encode,
     encode_buffer_response_header,
 )
@@ -174,6 +177,12 @@ class ServerConnection:
     ``handle_message`` (the data protocol). A role that accepts more (the daemon's local
     endpoint) passes its own handler and ``accepted_messages`` and delegates the data
     protocol's messages to ``handle_message``.
+
+    Input comes as ``get_buffer``/``buffer_updated`` (``asyncio.BufferedProtocol``'s pair)
+    or ``receive_data``. A role that receives data frames (the local endpoint's PushBuffer)
+    passes ``data_frames``, a ``body_sink`` (the header -> the view the payload lands in,
+    or None to decode the frame as an ordinary message) and ``on_payload`` (a payload has
+    landed): the kernel writes the payload straight into that view, no copy on the way.
     """
 
     def __init__(
@@ -188,7 +197,14 @@ class ServerConnection:
         release_dataset: Callable[[str], int] | None = None,
         nonce_factory: NonceFactory = os.urandom,
         peer: str = "?",
+        data_frames: Mapping[int, DataFrameSpec] | None = None,
+        body_sink: BodySink | None = None,
+        on_payload: Callable[[Any, memoryview], None] | None = None,
     ) -> None:
+        if (body_sink is None) != (on_payload is None) or (body_sink is None) != (
+            data_frames is None
+        ):
+            raise UsageError("data_frames, body_sink and on_payload go together")
         self._settings = settings = settings if settings is not None else _DEFAULT_SETTINGS
         self._transport = transport
         self._timers = timers
@@ -200,7 +216,10 @@ class ServerConnection:
         )
         self.peer = peer
         self._state = ServerConnectionState.HANDSHAKE
-        self._decoder = FrameDecoder(settings.max_frame_size)
+        self._decoder = InPlaceFrameDecoder(
+            settings.max_frame_size, body_sink=body_sink, data_frames=data_frames
+        )
+        self._on_payload = on_payload
         self._handshake = ServerHandshake(settings.secret, nonce_factory=nonce_factory)
         self._writable = True
         self.queue = PartitionRequestQueue(self, self._schedule)
@@ -227,13 +246,32 @@ class ServerConnection:
 
     # -- input ---------------------------------------------------------------------------
 
-    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
-        """Feed received bytes: frames are decoded and handled at once."""
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the transport writes the next received bytes (a payload's own segment
+        while one lands; scratch space otherwise, and once the connection is closing)."""
+        return self._decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """``nbytes`` were written into the last ``get_buffer()``: handle what completed."""
         if self._state not in _OPEN:
             return  # closing: nothing the peer says matters any more
+        self._decode(self._decoder.buffer_updated, nbytes)
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed received bytes (copied in as a transport would): frames are decoded and
+        handled at once."""
+        if self._state not in _OPEN:
+            return
+        self._decode(self._decoder.feed, data)
+
+    def _decode(self, step: Callable[[Any], list[Message | PayloadReceived]], arg: Any) -> None:
         try:
-            for msg in self._decoder.feed(data):
-                self._receive(msg)
+            for item in step(arg):
+                if type(item) is PayloadReceived:
+                    assert self._on_payload is not None
+                    self._on_payload(item.header, item.payload)
+                else:
+                    self._receive(item)  # type: ignore[arg-type]
                 if self._state not in _OPEN:
                     return
         except ProtocolError as e:
@@ -429,6 +467,7 @@ class ServerConnection:
             return
         self._transition(ServerConnectionState.CLOSING)
         self._cancel_handshake_timer()
+        self._decoder.abort()  # a payload being landed is never written again
         # Nothing more will be sent: the views go now, not when the peer has read the rest.
         self.queue.release_all()
         self._transport.close()
@@ -442,6 +481,7 @@ class ServerConnection:
         if self._state is not ServerConnectionState.CLOSING:
             self._transition(ServerConnectionState.CLOSING)
             self._cancel_handshake_timer()
+            self._decoder.abort()
             self.queue.release_all()
         self._transport.abort()
 
@@ -450,6 +490,7 @@ class ServerConnection:
         if self._state is ServerConnectionState.CLOSED:
             return
         self._transition(ServerConnectionState.CLOSED)
+        self._decoder.abort()
         self._writable = False
         for timer in (self._handshake_timer, self._reap_timer, self._abort_timer):
             if timer is not None:
