@@ -96,6 +96,8 @@ class DataServer:
             handshake_timeout=self.handshake_timeout,
             close_timeout=self.close_timeout,
             max_frame_size=self.max_frame_size,
+            # Netty's rule: output not flushed yet counts towards the high watermark
+            write_batch_bytes=self.high_watermark,
         )
 
     def protocol_factory(self) -> PartitionRequestServerProtocol:
