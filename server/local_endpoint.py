@@ -277,6 +277,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             self.send,
             max_credit=self.daemon.config.producer_credit,
             on_abort=self.fail_producer,
+            schedule=self._loop.call_soon,
         )
         credit = self.session.start()
         self.send(PartitionCreated(credit, self.daemon.segment_size))
