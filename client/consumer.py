@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -803,7 +804,14 @@ class PartitionReader:
         A reader closed before the end (an early ``break`` closes it, and so does
         ``close()`` from another thread, even while this waits) raises IllegalStateError:
         nothing would ever arrive, and an empty read would pass for a short one.
+
+        The records of each decoded buffer come as a list, chained (``itertools.chain``):
+        the iterator's ``next`` walks a list in C, this method's frame runs once per
+        buffer, not once per record.
         """
+        return itertools.chain.from_iterable(self._record_lists())
+
+    def _record_lists(self) -> Iterator[list[Any]]:
         if self._closed and not self._done:
             raise IllegalStateError("the PartitionReader was closed before the end of its input")
         get = self._handoff.get
@@ -812,7 +820,7 @@ class PartitionReader:
                 out = self._decode(get())
                 for kind, ch, item in out:
                     if kind == _DATA:
-                        yield from item
+                        yield item
                     elif kind == _EVENT:
                         self._stream.on_event(item, ch)
                     elif kind == _TRIGGER:
