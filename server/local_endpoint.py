@@ -5,7 +5,10 @@ the producer messages of ``exchange.protocol.local_messages``. A producer connec
 one ResultPartition, driven by a sans-I/O ``exchange.local.ProducerSession``: the daemon
 grants the task credit as segments of the partition's pool are reserved for it, so a task
 pushes at most what the pool can hold and waits (for AddProducerCredit) when it is full:
-backpressure reaching the producer task. This module only moves bytes and messages.
+backpressure reaching the producer task. A pushed data buffer is received in place: the
+PushBuffer frame is a data frame of the connection's in-place decoder, whose body sink is
+the session's ``landing_view`` (the reserved segment), so the kernel writes the body
+straight into it. This module only moves bytes and messages.
 
 A consumer task may also report its gates' figures (TaskMetrics) on a connection of its
 own; the latest report per (connection, task, gate) is kept on that connection, so it
