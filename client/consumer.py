@@ -587,7 +587,8 @@ _Item = tuple[int, int, Any]  # (kind, channel, Buffer | event | error)
 
 
 class _Handoff:
-    """Batches from the loop thread to the task thread; at most ``window`` in between.
+    """Batches from the loop thread to the task thread; at most ``window`` handed over
+    and not yet decoded.
 
     ``close()`` (any thread) wakes a waiting ``get`` (it raises IllegalStateError) and makes
     later ``put``s give their buffers back at once; ``drain()`` (loop thread) takes what
@@ -633,9 +634,12 @@ class _Handoff:
                 if self._closed:
                     raise IllegalStateError("the PartitionReader was closed while reading")
                 self._cond.wait()
-            batch = self._items.popleft()
-        self._loop.call_soon_threadsafe(self._space.release)
-        return batch
+            return self._items.popleft()
+
+    def batch_done(self) -> None:
+        """Loop thread: the task is done with a batch it got; its slot is free again
+        (called with the batch's buffers given back: one loop callback per batch)."""
+        self._space.release()
 
     def _report_idle(self) -> None:
         """Loop thread: the task started waiting, unless a put reached it meanwhile."""
@@ -903,8 +907,9 @@ class PartitionReader:
             self.close()
 
     def _decode(self, batch: list[_Item]) -> list[_Item]:
-        """Decode a batch's buffers, then give them all back in one loop callback (also
-        when decoding fails: the buffers not reached yet go back too)."""
+        """Decode a batch's buffers, then give them all back, and the batch's slot in the
+        hand-off window, in one loop callback (also when decoding fails: the buffers not
+        reached yet go back too)."""
         out: list[_Item] = []
         feed = self._stream.feed
         handler = self._handler
@@ -931,9 +936,15 @@ class PartitionReader:
                 self._barrier_snapshot = handler.stats()
         finally:
             buffers = [item for kind, _, item in batch if kind == _DATA]
-            if buffers:
-                self._rt.loop.call_soon_threadsafe(self._give_back, buffers)
+            self._rt.loop.call_soon_threadsafe(self._batch_done, buffers)
         return out
+
+    def _batch_done(self, buffers: list[Buffer]) -> None:
+        """Loop thread: one callback per decoded batch gives its buffers back and frees its
+        slot in the hand-off window."""
+        self._handoff.batch_done()
+        if buffers:
+            self._give_back(buffers)
 
     def read_all(self) -> list[Any]:
         return list(self.records())
