@@ -244,6 +244,17 @@ def test_prometheus_scrapes_two_daemons_and_answers_per_instance(
     # An aggregation across instances, as a dashboard would ask.
     total = prom.query("sum(exchange_partitions_created_total)")
     assert float(total[0]["value"][1]) == 4.0
+    # Every query of the Grafana dashboard is PromQL this Prometheus accepts, and those on
+    # the figures two idle daemons have (pool, throughput, tasks) answer for both.
+    dashboard = json.loads(
+        (ROOT / "deploy" / "grafana" / "dashboards" / "exchange.json").read_text()
+    )
+    answered = 0
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            result = prom.query(target["expr"].replace("$instance", ".*"))
+            answered += bool(result)
+    assert answered >= 15, answered
     a.wait_pool_whole()
     b.wait_pool_whole()
 
