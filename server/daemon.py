@@ -58,6 +58,7 @@ from server.http_server import HttpServer
 from server.local_endpoint import LocalEndpoint
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer
+from server.tls import server_ssl_context
 
 __all__ = ["ExchangeDaemon"]
 
@@ -78,6 +79,7 @@ class ExchangeDaemon:
         self.data_address = ""
         self.http_address = ""
         self.local_socket = ""
+        self.tls = False
         self._secret = config.load_secret()
         common: dict[str, Any] = dict(
             segment_size=config.segment_size,
@@ -113,8 +115,10 @@ class ExchangeDaemon:
         """Start every server; returns the ready line's fields."""
         cfg = self.config
         cfg.validate_paths()
+        ssl_context = server_ssl_context(cfg)
         self.recover_partitions()
-        host, port = await self.data_server.start(cfg.host, cfg.data_port)
+        host, port = await self.data_server.start(cfg.host, cfg.data_port, ssl_context)
+        self.tls = ssl_context is not None
         self.data_address = f"{_fmt_host(_advertised_host(host))}:{port}"
         self.local_socket = await self.local_endpoint.start_unix(cfg.resolved_local_socket())
         self.http = HttpServer(self)
@@ -134,6 +138,7 @@ class ExchangeDaemon:
             "segment_size": self.segment_size,
             "segments": self.network_pool.total_segments,
             "recovered": dict(self.recovered),
+            "tls": self.tls,
         }
 
     #: The settings tasks on this host take from their daemon (``DaemonInfo.settings``).
