@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, cast
 
@@ -81,10 +82,12 @@ class DataServer:
         self.closed_buffers_sent = 0
         self._no_connections: asyncio.Future[None] | None = None
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
+    async def start(
+        self, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    ) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self.protocol_factory, host, port, reuse_address=True
+            self.protocol_factory, host, port, reuse_address=True, ssl=ssl_context
         )
         sock = self._server.sockets[0].getsockname()
         return str(sock[0]), int(sock[1])
