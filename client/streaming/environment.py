@@ -28,6 +28,7 @@ import contextlib
 import operator
 import os
 import queue
+import re
 import secrets
 import threading
 import time
@@ -58,6 +59,7 @@ from exchange.checkpointing.coordinator import (
 from exchange.config_values import parse_duration
 from exchange.errors import ExchangeError, UsageError
 from exchange.state import DEFAULT_MAX_PARALLELISM
+from exchange.state.key_groups import MAX_MAX_PARALLELISM
 
 __all__ = ["DataStream", "JobFailedError", "JobResult", "KeyedStream", "StreamEnvironment"]
 
@@ -78,6 +80,10 @@ class JobResult:
     failures: list[str] = field(default_factory=list)
 
 
+#: What a job id may be: it names the job's exchanges and its checkpoint directory.
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
 class StreamEnvironment:
     """A streaming job being defined, and its execution."""
 
@@ -96,7 +102,19 @@ class StreamEnvironment:
         daemon: str | None = None,
         job_id: str | None = None,
     ) -> None:
-        self.sc = spark.sparkContext if hasattr(spark, "sparkContext") else spark
+        # the arguments first, Spark last: a bad argument is named before Spark is touched
+        if type(max_parallelism) is not int or not 1 <= max_parallelism <= MAX_MAX_PARALLELISM:
+            raise UsageError(
+                f"max_parallelism must be an int in [1, {MAX_MAX_PARALLELISM}], "
+                f"got {max_parallelism!r}"
+            )
+        if job_id is not None and (not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id)):
+            raise UsageError(
+                f"job_id must be 1 to 64 letters, digits, '.', '_' or '-' (starting with a "
+                f"letter or digit), got {job_id!r}"
+            )
+        if daemon is not None and (not isinstance(daemon, str) or not daemon):
+            raise UsageError(f"daemon must be a socket path or address, got {daemon!r}")
         self.config = CheckpointConfig(
             interval=parse_duration(checkpoint_interval, "checkpoint_interval"),
             timeout=parse_duration(checkpoint_timeout, "checkpoint_timeout"),
@@ -108,6 +126,10 @@ class StreamEnvironment:
         if not isinstance(checkpoint_dir, str) or not checkpoint_dir:
             raise UsageError(f"checkpoint_dir must be a path or URL, got {checkpoint_dir!r}")
         self.checkpoint_dir = checkpoint_dir
+        sc = getattr(spark, "sparkContext", spark)
+        if not hasattr(sc, "parallelize"):
+            raise UsageError(f"spark must be a SparkSession or SparkContext, got {spark!r}")
+        self.sc = sc
         self.max_parallelism = max_parallelism
         self.daemon = daemon
         self.job_id = job_id or f"job{uuid.uuid4().hex[:12]}"
@@ -211,6 +233,14 @@ class StreamEnvironment:
         """Run the job until its bounded input is exhausted (or it is cancelled)."""
         if type(restart_attempts) is not int or restart_attempts < 0:
             raise UsageError(f"restart_attempts must be an int >= 0, got {restart_attempts!r}")
+        if (
+            not isinstance(restart_backoff, (int, float))
+            or isinstance(restart_backoff, bool)
+            or not 0 <= restart_backoff < float("inf")
+        ):
+            raise UsageError(
+                f"restart_backoff must be a number of seconds >= 0, got {restart_backoff!r}"
+            )
         graph = JobGraph.build(self._nodes, self.max_parallelism)
         if not any(v.is_source for v in graph.vertices):
             raise UsageError("the job has no source")
