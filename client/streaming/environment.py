@@ -29,10 +29,11 @@ import operator
 import os
 import queue
 import secrets
+import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,6 +251,27 @@ class StreamEnvironment:
             from client.spark import _daemon_hint
 
             self.daemon = _daemon_hint(self.sc)  # local mode: the embedded daemon
+        with self._ctrl_c_stops():
+            return self._run(graph, restart_attempts, restart_backoff)
+
+    @contextlib.contextmanager
+    def _ctrl_c_stops(self) -> Iterator[None]:
+        """Ctrl-C in the driver (SIGINT, main thread) is ``cancel()``: a clean stop, a
+        second one cancels. PySpark's own handler would cancel every Spark job at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_sigint(signum: int, frame: Any) -> None:
+            self.cancel()
+
+        previous = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _run(self, graph: JobGraph, restart_attempts: int, restart_backoff: float) -> JobResult:
         storage = CheckpointStorage(self.checkpoint_dir, retained=self.config.retained)
         started = time.monotonic()
         failures: list[str] = []
@@ -281,11 +303,7 @@ class StreamEnvironment:
             if self._cancel.is_set():
                 break
             if restart < restart_attempts:
-                try:
-                    self._cancel.wait(restart_backoff * (2**restart))
-                except KeyboardInterrupt:
-                    self._cancel.set()  # nothing runs: a stop now is a cancel
-                    break
+                self._cancel.wait(restart_backoff * (2**restart))
                 if self._cancel.is_set():
                     break
         raise JobFailedError(
@@ -369,19 +387,14 @@ class _Attempt:
         self.error: str | None = None
         try:
             while True:
-                try:
-                    with contextlib.suppress(queue.Empty):
-                        done = outcome.get_nowait()
-                        if done is not None and self.error is None:
-                            self.error = f"the Spark stage failed: {type(done).__name__}: {done}"
-                        if done is None and len(self._finished) < n and self.error is None:
-                            self.error = "the Spark stage ended before every task finished"
-                        break
-                    self._step()
-                except KeyboardInterrupt:
-                    if env._stop.is_set():
-                        env._cancel.set()  # the second Ctrl-C: cancel now
-                    env._stop.set()
+                with contextlib.suppress(queue.Empty):
+                    done = outcome.get_nowait()
+                    if done is not None and self.error is None:
+                        self.error = f"the Spark stage failed: {type(done).__name__}: {done}"
+                    if done is None and len(self._finished) < n and self.error is None:
+                        self.error = "the Spark stage ended before every task finished"
+                    break
+                self._step()
                 if self.error is not None:
                     sc.cancelJobGroup(group)
         finally:

@@ -49,7 +49,7 @@ def spark(sx: ModuleType) -> Iterator[Any]:
 
     from client import spark as xs
 
-    cloudpickle.register_pickle_by_value(st)  # the workers cannot import tests/spark
+    cloudpickle.register_pickle_by_value(st)  # type: ignore[no-untyped-call]
     session = sx.local_session("local[4]", "exchange-streaming-faults")
     try:
         yield session
@@ -188,3 +188,117 @@ def test_a_killed_worker_restarts_the_job_from_its_last_checkpoint(
     else:
         values = {r[1] for r in st.committed(out)}
         assert values == {st.event(i) for i in range(n)}  # nothing missing
+
+
+def test_a_checkpoint_that_times_out_is_aborted_and_the_job_goes_on(
+    spark: Any, tmp_path: Path
+) -> None:
+    """The sink holds its snapshot past the checkpoint timeout: the coordinator aborts the
+    checkpoint (discarding what was written for it), the tasks hear it, the job goes on
+    without a restart and the next checkpoint completes."""
+    probes, out, ckpt = _dirs(tmp_path)
+    env = _env(spark, ckpt, checkpoint_timeout="1s", tolerable_failed_checkpoints=2)
+    n = 60_000
+    st.build(env, probes, out, n, rate=20_000.0, hold_snapshot=2)
+    run = _Run(env, restart_attempts=0)
+    try:
+        st.wait_for(lambda: (probes / "snapshotting").exists(), 60, "the sink snapshots")
+        cid = int((probes / "snapshotting").read_text())
+        # the abort discards the checkpoint's directory (the sources' state in it)
+        st.wait_for(lambda: not (Path(ckpt) / f"chk-{cid}").exists(), 30, "the abort")
+        (probes / "release").touch()
+        result = run.join()
+    finally:
+        (probes / "release").touch()
+        env.cancel()
+        env.cancel()
+        run.thread.join(120)
+    assert result.restarts == 0, result
+    assert cid in dict(result.aborted_checkpoints), result.aborted_checkpoints
+    assert "expired" in dict(result.aborted_checkpoints)[cid]
+    assert (probes / f"aborted-{cid}").exists()  # the held task heard the abort too
+    assert any(c.checkpoint_id > cid for c in result.checkpoints), result.checkpoints
+    assert not _completed(ckpt, cid)
+    st.check_exactly_once(out, n)
+
+
+def test_a_failed_sink_commit_restarts_and_commits_nothing_twice(
+    spark: Any, tmp_path: Path
+) -> None:
+    """The sink's commit for a completed checkpoint raises (a typed SinkCommitError): the
+    task fails, the job restarts from that checkpoint, whose restored sink commits the
+    files that failed; nothing is lost and nothing committed twice."""
+    probes, out, ckpt = _dirs(tmp_path)
+    env = _env(spark, ckpt)
+    n = 60_000
+    st.build(env, probes, out, n, rate=20_000.0, fail_commit=2)
+    result = env.execute(restart_attempts=2, restart_backoff=0.2)
+    assert (probes / "commit-failed").exists()
+    assert result.restarts == 1, result
+    assert "SinkCommitError" in result.failures[0] and "injected" in result.failures[0]
+    st.check_exactly_once(out, n)
+
+
+def test_a_new_driver_resumes_from_the_checkpoint_directory(spark: Any, tmp_path: Path) -> None:
+    """The first driver's job fails for good (a worker killed, no restarts allowed); a new
+    StreamEnvironment on the same checkpoint directory resumes from its latest completed
+    checkpoint and finishes the job exactly once."""
+    from client.streaming.environment import JobFailedError
+
+    probes, out, ckpt = _dirs(tmp_path)
+    n = 60_000
+    first = _env(spark, ckpt)
+    st.build(first, probes, out, n, rate=20_000.0)
+    run = _Run(first, restart_attempts=0)
+    tasks = _first_attempt_pids(probes, 3)
+    st.wait_for(lambda: _completed(ckpt, 2), 60, "checkpoint 2 completed")
+    os.kill(tasks["sink-0"], signal.SIGKILL)
+    with pytest.raises(JobFailedError):
+        run.join()
+    from client.streaming.checkpoint_storage import CheckpointStorage
+
+    latest = CheckpointStorage(ckpt).latest_completed()
+    assert latest is not None and latest.checkpoint_id >= 2
+    before = len(st.committed(out))
+    assert 0 < before < n
+
+    second = _env(spark, ckpt)  # a new driver: new environment, same directory
+    st.build(second, probes, out, n, rate=20_000.0)
+    result = second.execute(restart_attempts=0)
+    assert result.restarts == 0
+    assert result.checkpoints[0].checkpoint_id == latest.checkpoint_id + 1
+    st.check_exactly_once(out, n)
+
+
+@pytest.mark.parametrize("how", ["cancel", "ctrl-c"])
+def test_a_clean_stop_takes_a_final_checkpoint_and_commits_everything(
+    spark: Any, tmp_path: Path, how: str
+) -> None:
+    """An unbounded job stopped by ``cancel()`` or Ctrl-C in ``execute``: the sources end
+    their input, a final checkpoint completes and the sinks commit every record emitted."""
+    import _thread
+
+    probes, out, ckpt = _dirs(tmp_path)
+    env = _env(spark, ckpt)
+    st.build(env, probes, out, None, rate=20_000.0)
+
+    def stop_later() -> None:
+        st.wait_for(lambda: _completed(ckpt, 2), 60, "checkpoint 2 completed")
+        if how == "cancel":
+            env.cancel()
+        else:
+            _thread.interrupt_main()  # SIGINT's KeyboardInterrupt in the driver's thread
+
+    stopper = threading.Thread(target=stop_later, daemon=True)
+    stopper.start()
+    result = env.execute(restart_attempts=0)
+    stopper.join(5)
+    assert result.stopped and result.restarts == 0, result
+    assert result.checkpoints[-1].is_final
+    rows = st.committed(out)
+    emitted = result.records["v0-0"] + result.records["v0-1"]
+    assert len(rows) == emitted == result.records["v1-0"] > 0
+    for k in range(2):  # each source subtask: indices k, k+2, ... without a gap or a repeat
+        mine = sorted(r[1] - 1 for r in rows if (r[1] - 1) % 2 == k)
+        assert mine == list(range(k, k + 2 * len(mine), 2))
+    st.check_running_sums(rows)
