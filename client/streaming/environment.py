@@ -64,7 +64,12 @@ __all__ = ["DataStream", "JobFailedError", "JobResult", "KeyedStream", "StreamEn
 
 
 class JobFailedError(ExchangeError):
-    """The job failed more often than ``restart_attempts`` allowed, or was cancelled hard."""
+    """The job failed more often than ``restart_attempts`` allowed, or was cancelled hard;
+    ``failures`` holds why each attempt failed, oldest first."""
+
+    def __init__(self, message: str, failures: list[str]) -> None:
+        super().__init__(message)
+        self.failures = failures
 
 
 @dataclass(frozen=True)
@@ -307,7 +312,7 @@ class StreamEnvironment:
                 if self._cancel.is_set():
                     break
         raise JobFailedError(
-            f"job {self.job_id} failed after {len(failures)} attempt(s): {failures[-1]}"
+            f"job {self.job_id} failed after {len(failures)} attempt(s): {failures[-1]}", failures
         )
 
 

@@ -302,3 +302,71 @@ def test_a_clean_stop_takes_a_final_checkpoint_and_commits_everything(
         mine = sorted(r[1] - 1 for r in rows if (r[1] - 1) % 2 == k)
         assert mine == list(range(k, k + 2 * len(mine), 2))
     st.check_running_sums(rows)
+
+
+def _daemon_module() -> Any:
+    name = "exchange_tests_daemon_process"
+    module = sys.modules.get(name)
+    if module is None:
+        path = Path(__file__).parents[1] / "daemon" / "_daemon.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("comes_back", [True, False], ids=["daemon-restarted", "daemon-gone"])
+def test_a_killed_daemon_fails_the_attempt_fast(
+    spark: Any, tmp_path: Path, comes_back: bool
+) -> None:
+    """SIGKILL of the daemon every task writes to and reads from: the attempt fails within
+    seconds (no task hangs on the dead daemon). With a daemon back on the same socket the
+    job restarts from its checkpoint and ends exactly once; with none, every restart fails
+    at once and ``execute`` raises JobFailedError naming the unreachable daemon."""
+    from client.streaming.environment import JobFailedError
+
+    dp = _daemon_module()
+    spill = tmp_path / "daemon"
+    spill.mkdir()
+    daemon = dp.DaemonProcess(spill_dir=str(spill))
+    again = None
+    probes, out, ckpt = _dirs(tmp_path)
+    n = 60_000
+    env = _env(spark, ckpt, daemon=daemon.local_socket)
+    st.build(env, probes, out, n, rate=20_000.0)
+    run = _Run(env, restart_attempts=2 if comes_back else 1, restart_backoff=0.2)
+    try:
+        _first_attempt_pids(probes, 3)
+        st.wait_for(lambda: _completed(ckpt, 1), 60, "checkpoint 1 completed")
+        daemon.kill()
+        killed = time.monotonic()
+        if comes_back:
+            again = dp.DaemonProcess(spill_dir=str(spill))  # the same socket path
+            assert again.local_socket == daemon.local_socket
+            st.wait_for(lambda: len(st.pids(probes)) >= 2, 60, "a restarted attempt")
+            restarted_after = time.monotonic() - killed
+            result = run.join()
+            print(f"daemon killed: next attempt's tasks open after {restarted_after:.2f} s")
+            assert restarted_after < 30
+            assert result.restarts >= 1, result
+            st.check_exactly_once(out, n)
+            again.wait_pool_whole()
+        else:
+            with pytest.raises(JobFailedError) as failed:
+                run.join()
+            gone_after = time.monotonic() - killed
+            print(f"daemon gone: execute raised after {gone_after:.2f} s")
+            assert gone_after < 60
+            assert len(failed.value.failures) == 2
+            assert daemon.local_socket in str(failed.value), failed.value
+            assert not st.committed(out) or len(st.committed(out)) < n
+    finally:
+        env.cancel()
+        env.cancel()
+        run.thread.join(120)
+        daemon.cleanup()
+        if again is not None:
+            again.stop_clean()
+            again.cleanup()
