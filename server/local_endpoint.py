@@ -10,6 +10,10 @@ backpressure reaching the producer task. This module only moves bytes and messag
 A consumer task may also report its gates' figures (TaskMetrics) on a connection of its
 own; the latest report per (connection, task, gate) is kept on that connection, so it
 goes when the connection closes: a task that stopped leaves no stale gauges.
+
+A streaming job's driver publishes its job's status (JobStatus) the same way; the latest
+status of each job is kept on the endpoint's ``jobs`` board (``server.jobs``), also after
+the driver's connection closes, so a finished job stays on the dashboard.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from exchange.protocol.local_messages import (
     DaemonInfoRequest,
     FailPartition,
     FinishPartition,
+    JobStatus,
     PartitionCreated,
     PushBuffer,
     Released,
@@ -43,6 +48,7 @@ from exchange.protocol.local_messages import (
     TaskMetrics,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_response_for
+from server.jobs import JobBoard
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
 
@@ -71,6 +77,7 @@ class LocalEndpoint(DataServer):
         self.buffers_received = 0
         self.partitions_created = 0
         self.producer_failures = 0
+        self.jobs = JobBoard(lambda: daemon.manager.partitions, self.task_reports, daemon.config)
 
     def protocol_factory(self) -> PartitionRequestServerProtocol:
         return LocalEndpointProtocol(self)
@@ -148,6 +155,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         FailPartition,
         DaemonInfoRequest,
         TaskMetrics,
+        JobStatus,
     }
 
     def __init__(self, endpoint: LocalEndpoint) -> None:
@@ -215,6 +223,8 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 self.send(self.daemon.info())
             case TaskMetrics():
                 self._task_report(msg)
+            case JobStatus():
+                self.endpoint.jobs.update(msg)
             case _:
                 super().on_message(msg)
 

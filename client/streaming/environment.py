@@ -42,6 +42,7 @@ from client.streaming.checkpoint_storage import CheckpointMetadata, CheckpointSt
 from client.streaming.control import ControlServer
 from client.streaming.functions import Operator
 from client.streaming.graph import JobGraph, Node, Partitioning
+from client.streaming.job_status import JobStatusTracker
 from client.streaming.task import JobSpec, dataset_of, run_task
 from exchange.checkpointing import CheckpointFailureReason
 from exchange.checkpointing.coordinator import (
@@ -113,6 +114,8 @@ class StreamEnvironment:
         self.job_id = job_id or f"job{uuid.uuid4().hex[:12]}"
         self._nodes: list[Node] = []
         self._cancel = threading.Event()
+        #: the running (or last) job's status, published to the driver's local daemon
+        self.status: JobStatusTracker | None = None
 
     # -- building --------------------------------------------------------------------------
 
@@ -220,6 +223,7 @@ class StreamEnvironment:
 
             self.daemon = _daemon_hint(self.sc)  # local mode: the embedded daemon
         storage = CheckpointStorage(self.checkpoint_dir, retained=self.config.retained)
+        self.status = status = JobStatusTracker(self.job_id, self.daemon)
         started = time.monotonic()
         failures: list[str] = []
         completed = 0
@@ -228,9 +232,11 @@ class StreamEnvironment:
             attempt = max(time.time_ns() // 1_000_000, last_attempt + 1)
             last_attempt = attempt
             run = _Attempt(self, graph, storage, attempt)
+            status.attempt_started(attempt, graph)
             error = run.run()
             completed += run.completed
             if error is None:
+                status.job_ended("FINISHED")
                 latest = storage.latest_completed()
                 return JobResult(
                     self.job_id,
@@ -241,10 +247,12 @@ class StreamEnvironment:
                     failures,
                 )
             failures.append(error)
+            status.attempt_failed(error)
             if self._cancel.is_set():
                 break
             if restart < restart_attempts:
                 time.sleep(restart_backoff * (2**restart))
+        status.job_ended("CANCELED" if self._cancel.is_set() else "FAILED")
         raise JobFailedError(
             f"job {self.job_id} failed after {len(failures)} attempt(s): {failures[-1]}"
         )
@@ -338,6 +346,8 @@ class _Attempt:
                 except queue.Empty:
                     task, msg = "", None
                 if msg is not None:
+                    if env.status is not None:
+                        env.status.on_message(task, msg)
                     kind = msg["type"]
                     if kind == "register":
                         daemons[task] = msg["daemon"]
@@ -366,6 +376,8 @@ class _Attempt:
                     self._execute(coord, server, sources)
                     if coord.stats().completed > self.completed:
                         self.completed = coord.stats().completed
+                if env.status is not None:
+                    env.status.publish()
         finally:
             if error is not None:
                 sc.cancelJobGroup(group)
@@ -378,6 +390,8 @@ class _Attempt:
         self, coord: CheckpointCoordinator, server: ControlServer, sources: set[str]
     ) -> None:
         for cmd in coord.poll_commands():
+            if self.env.status is not None:
+                self.env.status.on_command(cmd)
             match cmd:
                 case TriggerCheckpoint():
                     server.broadcast(
