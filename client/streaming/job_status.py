@@ -26,6 +26,7 @@ from typing import Any, Final
 from client.local_connection import LocalConnection, resolve_daemon_socket
 from client.runtime import get_runtime
 from client.streaming.graph import JobGraph
+from client.streaming.task import dataset_of
 from exchange.checkpointing.coordinator import NotifyAborted, NotifyComplete, TriggerCheckpoint
 from exchange.protocol.local_messages import (
     MAX_JOB_CHECKPOINTS,
@@ -112,7 +113,9 @@ class JobStatusTracker:
         self.completed = 0
         self.failed = 0
         self.tasks: dict[str, TaskFigures] = {}
-        self.history: OrderedDict[int, CheckpointEntry] = OrderedDict()
+        #: (attempt, checkpoint id) -> entry: a restored job reuses the ids after the
+        #: checkpoint it restored, so a failed attempt's checkpoint keeps its own entry
+        self.history: OrderedDict[tuple[int, int], CheckpointEntry] = OrderedDict()
         self.failures: list[str] = []
         self._socket = daemon_socket
         self._conn: LocalConnection | None = None
@@ -129,7 +132,7 @@ class JobStatusTracker:
         tasks: dict[str, TaskFigures] = {}
         for spec in graph.tasks[:MAX_JOB_TASKS]:
             vertex = graph.vertex(spec.vertex_id)
-            outputs = tuple(f"{self.job_id}-a{attempt}-e{e.edge_id}" for e in vertex.outputs)
+            outputs = tuple(dataset_of(self.job_id, attempt, e) for e in vertex.outputs)
             channels = sum(graph.vertex(e.source).parallelism for e in vertex.inputs)
             name = " -> ".join(n.name for n in vertex.nodes)[:256]
             tasks[spec.task_id] = TaskFigures(
@@ -159,7 +162,7 @@ class JobStatusTracker:
                 figures.records_in = max(figures.records_in, _uint(metrics.get("records_in")))
                 figures.records_out = max(figures.records_out, _uint(metrics.get("records_out")))
             if kind == "ack" and isinstance(metrics, dict):
-                entry = self.history.get(msg.get("checkpoint", -1))
+                entry = self.history.get((self.attempt, msg.get("checkpoint", -1)))
                 if entry is not None:
                     entry.acks += 1
                     entry.state_bytes += _uint(metrics.get("state_bytes"))
@@ -174,7 +177,7 @@ class JobStatusTracker:
         with self._lock:
             match cmd:
                 case TriggerCheckpoint():
-                    self.history[cmd.checkpoint_id] = CheckpointEntry(
+                    self.history[(self.attempt, cmd.checkpoint_id)] = CheckpointEntry(
                         cmd.checkpoint_id, cmd.timestamp / 1000.0, now
                     )
                     while len(self.history) > MAX_JOB_CHECKPOINTS:
@@ -190,7 +193,7 @@ class JobStatusTracker:
             self._dirty = True
 
     def _end(self, checkpoint_id: int, status: str, now: float) -> None:
-        entry = self.history.get(checkpoint_id)
+        entry = self.history.get((self.attempt, checkpoint_id))
         if entry is not None:
             entry.status = status
             entry.duration = max(0.0, now - entry.started)
