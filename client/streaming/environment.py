@@ -44,6 +44,7 @@ from client.streaming.checkpoint_storage import CheckpointMetadata, CheckpointSt
 from client.streaming.control import ControlServer
 from client.streaming.functions import Operator
 from client.streaming.graph import JobGraph, Node, Partitioning
+from client.streaming.job_status import JobStatusTracker
 from client.streaming.task import JobSpec, dataset_of, run_task
 from exchange.checkpointing import CheckpointFailureReason
 from exchange.checkpointing.coordinator import (
@@ -164,6 +165,8 @@ class StreamEnvironment:
         self._nodes: list[Node] = []
         self._stop = threading.Event()  # clean stop: final checkpoint, then end
         self._cancel = threading.Event()  # hard cancel
+        #: the running (or last) job's status, published to the driver's local daemon
+        self.status: JobStatusTracker | None = None
 
     # -- building --------------------------------------------------------------------------
 
@@ -308,6 +311,7 @@ class StreamEnvironment:
 
     def _run(self, graph: JobGraph, restart_attempts: int, restart_backoff: float) -> JobResult:
         storage = CheckpointStorage(self.checkpoint_dir, retained=self.config.retained)
+        self.status = status = JobStatusTracker(self.job_id, self.daemon)
         started = time.monotonic()
         failures: list[str] = []
         checkpoints: list[CheckpointInfo] = []
@@ -317,10 +321,12 @@ class StreamEnvironment:
             attempt = max(time.time_ns() // 1_000_000, last_attempt + 1)
             last_attempt = attempt
             run = _Attempt(self, graph, storage, attempt)
+            status.attempt_started(attempt, graph)
             error = run.run()
             checkpoints.extend(run.checkpoints)
             aborted.extend(run.aborted)
             if error is None:
+                status.job_ended("FINISHED")
                 latest = storage.latest_completed()
                 return JobResult(
                     self.job_id,
@@ -335,12 +341,14 @@ class StreamEnvironment:
                     stopped=self._stop.is_set(),
                 )
             failures.append(error)
+            status.attempt_failed(error)
             if self._cancel.is_set():
                 break
             if restart < restart_attempts:
                 self._cancel.wait(restart_backoff * (2**restart))
                 if self._cancel.is_set():
                     break
+        status.job_ended("CANCELED" if self._cancel.is_set() else "FAILED")
         raise JobFailedError(
             f"job {self.job_id} failed after {len(failures)} attempt(s): {failures[-1]}", failures
         )
@@ -455,6 +463,8 @@ class _Attempt:
         except queue.Empty:
             task, msg = "", None
         if msg is not None:
+            if env.status is not None:
+                env.status.on_message(task, msg)
             self._handle(task, msg)
         if self._started and self.error is None:
             coord.tick()
@@ -462,6 +472,8 @@ class _Attempt:
                 self._execute(coord, server)
             except _AttemptFailed as e:
                 self.error = f"checkpoint failure: {e}"
+        if env.status is not None:
+            env.status.publish()
 
     def _handle(self, task: str, msg: dict[str, Any]) -> None:
         coord, server = self._coord, self._server
@@ -497,6 +509,8 @@ class _Attempt:
 
     def _execute(self, coord: CheckpointCoordinator, server: ControlServer) -> None:
         for cmd in coord.poll_commands():
+            if self.env.status is not None:
+                self.env.status.on_command(cmd)
             match cmd:
                 case TriggerCheckpoint():
                     server.broadcast(
