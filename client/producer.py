@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -140,6 +141,7 @@ def _check_timeout(buffer_timeout: float) -> None:
     if (
         not isinstance(buffer_timeout, (int, float))
         or isinstance(buffer_timeout, bool)
+        or math.isnan(buffer_timeout)
         or (buffer_timeout != -1 and buffer_timeout < 0)
     ):
         raise UsageError(f"buffer_timeout must be >= 0 or -1, got {buffer_timeout!r}")
@@ -267,6 +269,7 @@ class PartitionWriter:
         self._inflight: deque[concurrent.futures.Future[None]] = deque()
         self._queue: deque[tuple[list[OutputBuffer], concurrent.futures.Future[None]]] = deque()
         self._sending = False  # loop thread only
+        self._flushes_shipped = 0  # the writer's flush count when output last shipped
         self._aborted = False
         # emit_all's records gathered but not yet routed (the flush timer may take them)
         self._gather: list[Any] | None = None
@@ -312,7 +315,11 @@ class PartitionWriter:
         writer = self._writer
         if self._new_sizes:
             self._apply_new_sizes()
-        if writer.has_output and (force or writer.output_bytes >= self._ship_bytes()):
+        # a flush (the buffer timeout passed while the task emitted) ships at once: what
+        # it cut must not wait for a full shipment, nor for the flush timer's next pass
+        flushed = writer.stats.flushes != self._flushes_shipped
+        if writer.has_output and (force or flushed or writer.output_bytes >= self._ship_bytes()):
+            self._flushes_shipped = writer.stats.flushes
             self._inflight.append(self._enqueue(writer.take_output()))
 
     def _apply_new_sizes(self) -> None:

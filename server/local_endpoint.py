@@ -13,6 +13,10 @@ straight into it. This module only moves bytes and messages.
 A consumer task may also report its gates' figures (TaskMetrics) on a connection of its
 own; the latest report per (connection, task, gate) is kept on that connection, so it
 goes when the connection closes: a task that stopped leaves no stale gauges.
+
+A streaming job's driver publishes its job's status (JobStatus) the same way; the latest
+status of each job is kept on the endpoint's ``jobs`` board (``server.jobs``), also after
+the driver's connection closes, so a finished job stays on the dashboard.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from exchange.protocol.local_messages import (
     DaemonInfoRequest,
     FailPartition,
     FinishPartition,
+    JobStatus,
     PartitionCreated,
     PushBuffer,
     Released,
@@ -46,6 +51,7 @@ from exchange.protocol.local_messages import (
     TaskMetrics,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_response_for
+from server.jobs import JobBoard
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
 
@@ -74,6 +80,7 @@ class LocalEndpoint(DataServer):
         self.buffers_received = 0
         self.partitions_created = 0
         self.producer_failures = 0
+        self.jobs = JobBoard(lambda: daemon.manager.partitions, self.task_reports, daemon.config)
 
     def protocol_factory(self) -> PartitionRequestServerProtocol:
         return LocalEndpointProtocol(self)
@@ -151,6 +158,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         FailPartition,
         DaemonInfoRequest,
         TaskMetrics,
+        JobStatus,
     }
     #: A pushed data buffer's payload is received straight into its reserved segment.
     data_frames = PUSH_BUFFER_FRAMES
@@ -245,6 +253,8 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 self.send(self.daemon.info())
             case TaskMetrics():
                 self._task_report(msg)
+            case JobStatus():
+                self.endpoint.jobs.update(msg)
             case _:
                 super().on_message(msg)
 
