@@ -164,6 +164,10 @@ class DaemonConfig:
             raise ConfigError(
                 missing, "TLS needs both tls_cert_file and tls_key_file (set neither for none)"
             )
+        if self.tls_ca_file is not None and self.tls_cert_file is None:
+            raise ConfigError(
+                "tls_ca_file", "checks client certificates of a TLS data port: set tls_cert_file"
+            )
         if self.tls_client_auth and (self.tls_cert_file is None or self.tls_ca_file is None):
             raise ConfigError(
                 "tls_client_auth",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import zlib
 from collections.abc import Iterator
@@ -42,11 +43,14 @@ __all__ = [
     "ManifestState",
     "PartitionManifest",
     "SpilledSubpartition",
+    "decode_manifest",
     "delete_partition_files",
+    "encode_manifest",
     "orphan_spill_files",
     "read_manifest",
     "scan_manifests",
     "verify_spilled_data",
+    "wrap_body",
     "write_manifest",
 ]
 
@@ -115,17 +119,22 @@ class PartitionManifest:
                 )
             pid = ResultPartitionID(body["dataset_id"], body["partition_index"], body["attempt_id"])
             subs = tuple(
-                SpilledSubpartition(str(f), int(size), int(crc), int(b), int(d), int(n))
+                SpilledSubpartition(_str(f), *map(_count, (size, crc, b, d, n)))
                 for f, size, crc, b, d, n in body["subpartitions"]
             )
+            finished_at = body["finished_at"]
+            if finished_at is not None and (
+                type(finished_at) not in (int, float) or not math.isfinite(finished_at)
+            ):
+                raise ValueError(f"finished_at {finished_at!r}")
             manifest = cls(
                 pid,
                 ResultPartitionType(body["type"]),
                 ManifestState(body["state"]),
-                int(body["num_subpartitions"]),
-                int(body["segment_size"]),
-                str(body["bounded_data_kind"]),
-                None if body["finished_at"] is None else float(body["finished_at"]),
+                _count(body["num_subpartitions"]),
+                _count(body["segment_size"]),
+                _str(body["bounded_data_kind"]),
+                None if finished_at is None else float(finished_at),
                 subs,
             )
         except CorruptRecordError:
@@ -140,15 +149,50 @@ class PartitionManifest:
         return manifest
 
 
-def _encode(manifest: PartitionManifest) -> bytes:
-    body = json.dumps(manifest.to_json(), sort_keys=True, separators=(",", ":")).encode()
-    return json.dumps({"crc32": zlib.crc32(body), "body": body.decode()}).encode() + b"\n"
+def _count(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{value!r} is not a count")
+    return value
+
+
+def _str(value: Any) -> str:
+    if type(value) is not str:
+        raise ValueError(f"{value!r} is not a string")
+    return value
+
+
+def encode_manifest(manifest: PartitionManifest) -> bytes:
+    """The manifest file's bytes: its body as JSON, with the body's CRC-32."""
+    return wrap_body(json.dumps(manifest.to_json(), sort_keys=True, separators=(",", ":")))
+
+
+def wrap_body(body: str) -> bytes:
+    """A manifest body (JSON text) with its checksum, as a manifest file holds it."""
+    return json.dumps({"crc32": zlib.crc32(body.encode()), "body": body}).encode() + b"\n"
+
+
+def decode_manifest(data: bytes, path: Path) -> PartitionManifest:
+    """Parse a manifest file's bytes; CorruptRecordError (naming ``path``) for anything
+    that is not an intact manifest."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptRecordError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        outer = json.loads(data)
+        body_bytes = outer["body"].encode()
+        if zlib.crc32(body_bytes) != outer["crc32"]:
+            raise CorruptRecordError(f"{path}: manifest checksum mismatch")
+        body = json.loads(body_bytes)
+    except CorruptRecordError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CorruptRecordError(f"{path}: manifest is not valid JSON: {e!r}") from None
+    return PartitionManifest.from_json(body, path)
 
 
 def write_manifest(path: Path, manifest: PartitionManifest, *, sync: bool = True) -> None:
     """Write atomically: a temporary file (fsynced when ``sync``) renamed over ``path``."""
     tmp = path.with_name(path.name[: -len(MANIFEST_SUFFIX)] + _TMP_SUFFIX)
-    data = _encode(manifest)
+    data = encode_manifest(manifest)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         view = memoryview(data)
@@ -165,18 +209,7 @@ def read_manifest(path: Path) -> PartitionManifest:
     """Read and check one manifest; CorruptRecordError when it is damaged."""
     with open(path, "rb") as f:
         data = f.read(MAX_MANIFEST_BYTES + 1)
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CorruptRecordError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes")
-    try:
-        outer = json.loads(data)
-        body_text = outer["body"]
-        crc = outer["crc32"]
-        body_bytes = body_text.encode()
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CorruptRecordError(f"{path}: manifest is not valid JSON: {e!r}") from None
-    if zlib.crc32(body_bytes) != crc:
-        raise CorruptRecordError(f"{path}: manifest checksum mismatch")
-    return PartitionManifest.from_json(json.loads(body_bytes), path)
+    return decode_manifest(data, path)
 
 
 def verify_spilled_data(manifest: PartitionManifest, directory: Path) -> None:
