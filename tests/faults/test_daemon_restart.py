@@ -9,7 +9,8 @@
   daemon: their readers get a ProducerFailedError at once (not a not-found they would
   retry), a reader streaming when the daemon died gets a TransportError in bounded time,
   and the producer task gets a typed error;
-* a damaged manifest and orphan spill files are deleted at startup.
+* a damaged manifest and orphan spill files are deleted at startup; a partition older
+  than the new daemon's time to live is not served again.
 
 Every restarted daemon stops cleanly with its pool whole (the ``start_daemon`` fixture).
 """
@@ -267,3 +268,18 @@ def test_damaged_manifest_and_orphans_deleted_at_startup(
     assert d2.info["recovered"]["refused"] == 1
     assert spill_files(spill_dir) == []
     assert not (spill_dir / "x.manifest.tmp").exists()
+
+
+def test_expired_blocking_partition_not_served_again(
+    daemon_on: Callable[..., Daemon], spill_dir: Path
+) -> None:
+    d1 = daemon_on("--blocking-partition-ttl", "0")  # the first daemon keeps it forever
+    pid = ResultPartitionID("restart-old", 0, 0)
+    write_blocking(d1, pid, records(100))
+    d1.stop_clean()
+    # starting a daemon takes far longer than 10 ms: the partition is older than its TTL
+    d2 = daemon_on("--blocking-partition-ttl", "10ms")
+    assert d2.info["recovered"]["expired"] == 1
+    err, _ = read_error(d2, pid)
+    assert isinstance(err, PartitionReleasedError) and "time to live" in str(err), str(err)
+    assert spill_files(spill_dir) == []
