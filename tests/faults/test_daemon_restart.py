@@ -283,3 +283,19 @@ def test_expired_blocking_partition_not_served_again(
     err, _ = read_error(d2, pid)
     assert isinstance(err, PartitionReleasedError) and "time to live" in str(err), str(err)
     assert spill_files(spill_dir) == []
+
+
+def test_restored_with_less_network_memory(
+    daemon_on: Callable[..., Daemon], spill_dir: Path
+) -> None:
+    """A finished blocking partition holds no segment: a daemon restarted with fewer
+    segments than it has subpartitions still serves it."""
+    d1 = daemon_on()
+    pid = ResultPartitionID("restart-small", 0, 0)
+    recs = records(2000)
+    write_blocking(d1, pid, recs, n=40)
+    d1.kill()
+    d2 = daemon_on("--network-memory", "512kb")  # 16 segments < 40 subpartitions
+    assert d2.info["recovered"]["restored"] == 1
+    for sub in (0, 39):
+        assert read(d2, pid, sub) == expected(recs, sub, n=40)
