@@ -56,6 +56,7 @@ from exchange.protocol.codec import max_frame_size_for
 from exchange.protocol.local_messages import DaemonInfo
 from server.config import DaemonConfig
 from server.http_server import HttpServer
+from server.jobs import JobView
 from server.local_endpoint import LocalEndpoint
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer
@@ -346,6 +347,10 @@ class ExchangeDaemon:
     def task_reports(self) -> list[TaskReport]:
         """What consumer tasks on this host last reported of their gates (TaskMetrics)."""
         return self.local_endpoint.task_reports()
+
+    def job_views(self) -> list[JobView]:
+        """The streaming jobs whose drivers published their status here (JobStatus)."""
+        return self.local_endpoint.jobs.views()
 
     def totals(self) -> dict[str, float]:
         live = [p.stats() for p in self.manager.partitions]

@@ -5,11 +5,18 @@ the producer messages of ``exchange.protocol.local_messages``. A producer connec
 one ResultPartition, driven by a sans-I/O ``exchange.local.ProducerSession``: the daemon
 grants the task credit as segments of the partition's pool are reserved for it, so a task
 pushes at most what the pool can hold and waits (for AddProducerCredit) when it is full:
-backpressure reaching the producer task. This module only moves bytes and messages.
+backpressure reaching the producer task. A pushed data buffer is received in place: the
+PushBuffer frame is a data frame of the connection's in-place decoder, whose body sink is
+the session's ``landing_view`` (the reserved segment), so the kernel writes the body
+straight into it. This module only moves bytes and messages.
 
 A consumer task may also report its gates' figures (TaskMetrics) on a connection of its
 own; the latest report per (connection, task, gate) is kept on that connection, so it
 goes when the connection closes: a task that stopped leaves no stale gauges.
+
+A streaming job's driver publishes its job's status (JobStatus) the same way; the latest
+status of each job is kept on the endpoint's ``jobs`` board (``server.jobs``), also after
+the driver's connection closes, so a finished job stays on the dashboard.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from exchange.protocol.local_messages import (
     DaemonInfoRequest,
     FailPartition,
     FinishPartition,
+    JobStatus,
     PartitionCreated,
     PushBuffer,
     Released,
@@ -43,6 +51,7 @@ from exchange.protocol.local_messages import (
     TaskMetrics,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_response_for
+from server.jobs import JobBoard
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
 
@@ -71,6 +80,7 @@ class LocalEndpoint(DataServer):
         self.buffers_received = 0
         self.partitions_created = 0
         self.producer_failures = 0
+        self.jobs = JobBoard(lambda: daemon.manager.partitions, self.task_reports, daemon.config)
 
     def protocol_factory(self) -> PartitionRequestServerProtocol:
         return LocalEndpointProtocol(self)
@@ -148,6 +158,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         FailPartition,
         DaemonInfoRequest,
         TaskMetrics,
+        JobStatus,
     }
     #: A pushed data buffer's payload is received straight into its reserved segment.
     data_frames = PUSH_BUFFER_FRAMES
@@ -242,6 +253,8 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 self.send(self.daemon.info())
             case TaskMetrics():
                 self._task_report(msg)
+            case JobStatus():
+                self.endpoint.jobs.update(msg)
             case _:
                 super().on_message(msg)
 
@@ -277,6 +290,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             self.send,
             max_credit=self.daemon.config.producer_credit,
             on_abort=self.fail_producer,
+            schedule=self._loop.call_soon,
         )
         credit = self.session.start()
         self.send(PartitionCreated(credit, self.daemon.segment_size))

@@ -116,6 +116,7 @@ class ProducerSession:
         max_credit: int = DEFAULT_PRODUCER_CREDIT,
         on_abort: Callable[[ErrorResponse], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        schedule: Callable[[Callable[[], None]], object] | None = None,
     ) -> None:
         if max_credit < 1:
             raise IllegalStateError(f"max_credit must be >= 1, got {max_credit}")
@@ -131,6 +132,10 @@ class ProducerSession:
         self._granted = 0  # credit the task holds (granted, not yet used by a push)
         self._unannounced = 0  # reserved segments not yet granted
         self._listening = False
+        # Grants are decided once per event-loop callback (``schedule``: call_soon): a
+        # callback that frees or fills many segments sends one AddProducerCredit for all.
+        self._schedule = schedule
+        self._announce_pending = False
         self._clock = clock
         self._starved_since: float | None = None
         self.state = ProducerSessionState.OPEN
@@ -176,7 +181,19 @@ class ProducerSession:
             self._listening = pool.add_buffer_listener(self)
 
     def _announce(self) -> None:
-        """Grant the reserved segments in a batch, or at once if the task has none."""
+        """Grant the reserved segments in a batch, or at once if the task has none; with
+        ``schedule``, once the current callback is done (one message for what it freed)."""
+        if self._schedule is None:
+            self._announce_now()
+        elif not self._announce_pending:
+            self._announce_pending = True
+            self._schedule(self._announce_scheduled)
+
+    def _announce_scheduled(self) -> None:
+        self._announce_pending = False
+        self._announce_now()
+
+    def _announce_now(self) -> None:
         n = self._unannounced
         if self._granted == 0 and n == 0 and self._starved_since is None:
             self._starved_since = self._clock()  # the task waits for credit: backpressure

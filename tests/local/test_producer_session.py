@@ -107,6 +107,29 @@ def test_credit_comes_back_in_batches_as_consumers_free_segments(
     part.release()
 
 
+def test_with_a_scheduler_one_grant_per_callback(make_partition: Callable[..., Any]) -> None:
+    part = make_partition("p", PIPELINED, 1, pool_size=(1, 8))
+    task = Task()
+    later: list[Callable[[], None]] = []
+    s = ProducerSession(part, task.sent.append, max_credit=8, schedule=later.append)
+    part.create_subpartition_view(0, Listener())
+    assert s.start() == 8
+    for i in range(8):
+        push(s, 0, bytes([i]) * 100)
+    assert len(later) == 1  # decided once the callback is done, whatever it pushed
+    later.pop()()
+    assert task.sent == []  # nothing was free: no grant
+    assert drain(part, 0) == 8  # one callback frees eight segments...
+    assert len(later) == 1
+    later.pop()()
+    assert task.sent == [AddProducerCredit(8)]  # ...and the task hears once
+    push(s, 0, b"x")
+    assert len(later) == 1
+    part.release()
+    later.pop()()  # a grant decided after the partition went sends nothing
+    assert task.sent == [AddProducerCredit(8)]
+
+
 def test_push_without_credit_or_too_large_is_a_protocol_error(
     make_partition: Callable[..., Any],
 ) -> None:
