@@ -156,9 +156,9 @@ class StreamEnvironment:
             raise UsageError(f"checkpoint_dir must be a path or URL, got {checkpoint_dir!r}")
         self.checkpoint_dir = checkpoint_dir
         sc = getattr(spark, "sparkContext", spark)
-        if not hasattr(sc, "parallelize"):
+        if spark is not None and not hasattr(sc, "parallelize"):
             raise UsageError(f"spark must be a SparkSession or SparkContext, got {spark!r}")
-        self.sc = sc
+        self.sc = sc  # None: a job graph is built, never executed
         self.max_parallelism = max_parallelism
         self.daemon = daemon
         self.job_id = job_id or f"job{uuid.uuid4().hex[:12]}"
@@ -281,6 +281,8 @@ class StreamEnvironment:
             raise UsageError(
                 f"restart_backoff must be a number of seconds >= 0, got {restart_backoff!r}"
             )
+        if self.sc is None:
+            raise UsageError("this environment has no Spark: give it a SparkSession to execute")
         graph = JobGraph.build(self._nodes, self.max_parallelism)
         if not any(v.is_source for v in graph.vertices):
             raise UsageError("the job has no source")
