@@ -195,11 +195,13 @@ class Watcher(threading.Thread):
         ck = f"checkpoints {status.checkpoints_completed}"
         if last is not None and last.duration is not None:
             ck += f" (#{last.checkpoint_id} took {1000 * last.duration:.0f} ms)"
-        _log(
-            self.t0,
-            f"{status.state.lower()}: attempt {status.restarts + 1} read {read:,} of "
-            f"{self.events:,} events, {ck}" + (f"; back pressure {', '.join(bp)}" if bp else ""),
-        )
+        attempt = f"attempt {status.restarts + 1}"
+        if status.state == "RUNNING" and read == 0:  # counts come with the first ack
+            progress = f"{attempt} starting (tasks scheduled, registering, restoring)"
+        else:
+            progress = f"{attempt} read {read:,} of {self.events:,} events"
+        pressure = f"; back pressure {', '.join(bp)}" if bp else ""
+        _log(self.t0, f"{status.state.lower()}: {progress}, {ck}{pressure}")
 
     def kill(self, status: Any) -> None:
         victim = "totals-0"
@@ -376,6 +378,9 @@ def run_clickstream(args: argparse.Namespace) -> int:
             .sink_to_files(out_dir, parallelism=par)
         )
         stats_url = daemon.dashboard_url.rstrip("/") + "/api/stats" if daemon else None
+        if not args.no_kill and daemon is None:
+            _log(t0, "not a local master: the driver cannot kill a worker's process; --no-kill")
+            args.no_kill = True
         kill_after = None if args.no_kill else int(args.events * args.kill_at)
         watcher = Watcher(env, t0, args.events, stats_url, pid_dir, kill_after)
         watcher.start()

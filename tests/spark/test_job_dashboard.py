@@ -10,6 +10,7 @@ the checkpoint history. Follows tests/server/test_http.py's browser test.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import threading
@@ -52,7 +53,11 @@ def _job(base: str, job_id: str) -> dict[str, Any] | None:
     return None
 
 
-def _chromium_dom(url: str, profile: Path) -> str:
+#: Set to a path (e.g. docs/dashboard-job.png) to keep a screenshot of the job's dashboard.
+SCREENSHOT_ENV = "EXCHANGE_JOB_DASHBOARD_SCREENSHOT"
+
+
+def _chromium(url: str, profile: Path, *out: str) -> str:
     args = [
         CHROMIUM or "chromium",
         "--headless",
@@ -65,7 +70,7 @@ def _chromium_dom(url: str, profile: Path) -> str:
         "--disable-sync",
         f"--user-data-dir={profile}",
         "--virtual-time-budget=5000",
-        "--dump-dom",
+        *out,
         url,
     ]
     proc = subprocess.run(args, capture_output=True, timeout=120)
@@ -125,7 +130,10 @@ def test_dashboard_shows_a_running_jobs_back_pressure_and_checkpoints(
         assert tasks["v1-0"]["back_pressure"] == "OK"  # no output: never waits for buffers
         assert job["state"] == "RUNNING" and job["restarts"] == 0
 
-        dom = _chromium_dom(base, tmp_path / "profile")
+        dom = _chromium(base, tmp_path / "profile", "--dump-dom")
+        keep = os.environ.get(SCREENSHOT_ENV)
+        if keep:
+            _chromium(base, tmp_path / "shot", "--window-size=1280,900", f"--screenshot={keep}")
         assert '<span class="state RUNNING" id="job-state-throttled">RUNNING</span>' in dom
         source = _row(dom, 'data-task="throttled/v0-0"')
         assert source[:2] == ["v0-0", "numbers -&gt; by-key"], source
