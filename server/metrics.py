@@ -20,6 +20,9 @@ Names follow Flink's meanings:
   (per producer: the same over ``exchange_partition_back_pressured_seconds_total``).
 - ``exchange_bytes_out_total`` / ``exchange_buffers_out_total`` are Flink's ``numBytesOut`` /
   ``numBuffersOut``: what producers wrote into result partitions, kept across releases.
+- ``exchange_asyncio_tasks`` counts the tasks alive on the daemon's event loop when scraped
+  (omitted when collected off the loop); steady under a steady load, so a long run
+  (``bench/soak.py``) watches it for leaks.
 
 Consumer tasks report their input gates' figures to the daemon (``TaskMetrics``, local
 message 76): ``exchange_gate_*`` (buffer debloating: the announced buffer size, throughput,
@@ -46,6 +49,7 @@ maximum (a sum of ratios means nothing; the worst one is what shows backpressure
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -515,6 +519,16 @@ class ExchangeCollector:
             "exchange_shutting_down",
             "1 while the daemon is shutting down, else 0.",
             value=1.0 if getattr(d, "shutting_down", False) else 0.0,
+        )
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # collected off the event loop (a test calling collect()):
+            return  # there is no loop whose tasks could be counted
+        yield GaugeMetricFamily(
+            "exchange_asyncio_tasks",
+            "asyncio tasks alive on the daemon's event loop (one per connection, reader, "
+            "sweeper...); a count that only grows is a leak.",
+            value=tasks,
         )
 
     def _network(self, s: NetworkBufferPoolStats) -> Iterator[Metric]:
