@@ -399,6 +399,13 @@ def run_clickstream(args: argparse.Namespace) -> int:
         job_s = time.monotonic() - t_job
         watcher.stop_event.set()
         watcher.join(5)
+        if result.stopped:  # Ctrl-C: a clean stop at a final checkpoint, input left unread
+            _log(
+                t0,
+                f"stopped after {job_s:.1f} s: the output is committed up to checkpoint "
+                f"{result.last_checkpoint_id}; no check of a partial run",
+            )
+            return 130
         _log(t0, f"job finished in {job_s:.1f} s; checking against Spark's DataFrame groupBy")
         t_check = time.monotonic()
         verdict = check_output(spark, in_glob, out_dir)
@@ -421,6 +428,14 @@ def run_clickstream(args: argparse.Namespace) -> int:
             f"{result.checkpoints_completed} checkpoints completed (exactly once, every "
             f"{args.checkpoint_interval:g} s)"
         )
+        if result.checkpoints:
+            took = sorted(c.duration for c in result.checkpoints)
+            print(
+                f"checkpoints      duration median {1000 * took[len(took) // 2]:.0f} ms, "
+                f"max {1000 * took[-1]:.0f} ms; longest alignment "
+                f"{1000 * max(c.alignment for c in result.checkpoints):.0f} ms; last state "
+                f"{result.checkpoints[-1].bytes / 1024:.0f} KiB"
+            )
         k = watcher.killed
         if k is not None:
             print(
