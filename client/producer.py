@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -140,6 +141,7 @@ def _check_timeout(buffer_timeout: float) -> None:
     if (
         not isinstance(buffer_timeout, (int, float))
         or isinstance(buffer_timeout, bool)
+        or math.isnan(buffer_timeout)
         or (buffer_timeout != -1 and buffer_timeout < 0)
     ):
         raise UsageError(f"buffer_timeout must be >= 0 or -1, got {buffer_timeout!r}")

@@ -56,15 +56,6 @@ def raises(
     return info.value
 
 
-#: Argument checks of PartitionWriter / PartitionReader (client/producer.py, consumer.py)
-#: are being added on another branch; these cases fail on this one (strict: they must be
-#: un-marked once they pass).
-H1 = pytest.mark.xfail(strict=True, reason="PartitionWriter/Reader argument validation pending")
-H1_LEAK = pytest.mark.xfail(
-    strict=True, reason="a reader refusing its arguments leaks its NetworkBufferPool"
-)
-
-
 def cases(table: list[tuple[Any, ...]], n: int) -> list[Any]:
     """pytest params from a table of ``(id, *n values[, mark])``."""
     return [
@@ -106,9 +97,9 @@ WRITER_CASES: list[tuple[Any, ...]] = [
     ("subpartitions-bool", {"num_subpartitions": True}, UsageError, "num_subpartitions"),
     ("buffer_timeout-negative", {"buffer_timeout": -5}, UsageError, "buffer_timeout"),
     ("buffer_timeout-str", {"buffer_timeout": "1s"}, UsageError, "buffer_timeout"),
-    ("buffer_timeout-nan", {"buffer_timeout": math.nan}, UsageError, "buffer_timeout", H1),
+    ("buffer_timeout-nan", {"buffer_timeout": math.nan}, UsageError, "buffer_timeout"),
     ("window-0", {"window": 0}, UsageError, "window"),
-    ("daemon_socket-int", {"daemon_socket": 5}, UsageError, "daemon_socket", H1),
+    ("daemon_socket-int", {"daemon_socket": 5}, UsageError, "daemon_socket"),
     ("daemon_socket-missing", {"daemon_socket": "/nonexistent/x.sock"}, TransportError, "x.sock"),
     ("secret-str", {"secret": "s3cret"}, UsageError, "secret"),
 ]
@@ -204,17 +195,16 @@ def written(daemon: Daemon) -> ResultPartitionID:
 READER_CASES: list[tuple[Any, ...]] = [
     ("num_exclusive-0", {"num_exclusive": 0}, UsageError, "num_exclusive"),
     ("num_floating-negative", {"num_floating": -1}, UsageError, "num_floating"),
-    ("num_exclusive-str", {"num_exclusive": "2"}, UsageError, "num_exclusive", H1),
+    ("num_exclusive-str", {"num_exclusive": "2"}, UsageError, "num_exclusive"),
     ("segment_size-0", {"segment_size": 0}, UsageError, "segment"),
     ("segment_size-negative", {"segment_size": -4096}, UsageError, "segment"),
     ("window-0", {"window": 0}, UsageError, "window"),
-    ("backoff_initial-negative", {"backoff_initial": -1.0}, UsageError, "backoff", H1_LEAK),
+    ("backoff_initial-negative", {"backoff_initial": -1.0}, UsageError, "backoff"),
     (
         "backoff_max-below-initial",
         {"backoff_initial": 1.0, "backoff_max": 0.1},
         UsageError,
         "backoff",
-        H1_LEAK,
     ),
     ("secret-str", {"secret": "s3cret"}, UsageError, "secret"),
 ]
@@ -254,8 +244,8 @@ def _loc(daemon: Daemon, **changes: Any) -> Callable[[], Any]:
 LOCATION_CASES: list[tuple[Any, ...]] = [
     ("not-a-location", {}, UsageError, "PartitionLocation"),
     ("subpartition-out-of-range", {"subpartition_index": 2}, PartitionError, "out of range"),
-    ("subpartition-negative", {"subpartition_index": -1}, UsageError, "subpartition", H1_LEAK),
-    ("subpartition-str", {"subpartition_index": "0"}, UsageError, "subpartition", H1_LEAK),
+    ("subpartition-negative", {"subpartition_index": -1}, UsageError, "subpartition"),
+    ("subpartition-str", {"subpartition_index": "0"}, UsageError, "subpartition"),
     ("address-malformed", {"data_address": "no-port"}, UsageError, "host:port"),
     ("address-int", {"data_address": 9000}, UsageError, "address"),
     ("address-port-0", {"data_address": "127.0.0.1:0"}, UsageError, "port"),
