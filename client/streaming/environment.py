@@ -490,10 +490,11 @@ class _Attempt:
                 self._started = True
         elif kind == "ack":
             cid = msg["checkpoint"]
+            figures = msg.get("metrics") or {}  # the task's CheckpointMetrics
             alignment, size = self._acks.get(cid, (0.0, 0))
             self._acks[cid] = (
-                max(alignment, float(msg.get("alignment", 0.0))),
-                size + int(msg.get("bytes", 0)),
+                max(alignment, float(figures.get("alignment", 0.0))),
+                size + int(figures.get("state_bytes", 0)),
             )
             coord.acknowledge(task, cid, msg["handle"])
         elif kind == "decline":

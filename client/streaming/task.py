@@ -307,15 +307,12 @@ class StreamTask:
             }
         data = encode_snapshot(SnapshotKind.TASK_STATE, {"task": self.task_id, "operators": state})
         path = self.storage.write_task_state(checkpoint_id, self.task_id, data)
-        barrier = self.reader.barrier_stats if self.reader is not None else None
         assert self.ctl is not None
         self.ctl.send(
             {
                 "type": "ack",
                 "checkpoint": checkpoint_id,
                 "handle": path,
-                "bytes": len(data),
-                "alignment": barrier.last_alignment_duration if barrier is not None else 0.0,
                 "metrics": self._ack_metrics(len(data)),
             }
         )
