@@ -400,7 +400,7 @@ def test_backpressure_slows_the_sources_to_the_sinks_rate(spark: Any, tmp_path: 
                 used.append(
                     (net["total_segments"] - net["available_segments"], net["total_segments"])
                 )
-            done.wait(0.1 if not os.environ.get("BPDBG") else 1.0)
+            done.wait(0.1)
 
     def emitted() -> int:
         return int(st.progress(probes, "emitted-0") + st.progress(probes, "emitted-1"))
