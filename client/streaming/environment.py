@@ -28,6 +28,7 @@ import contextlib
 import operator
 import os
 import queue
+import re
 import secrets
 import signal
 import threading
@@ -43,6 +44,7 @@ from client.streaming.checkpoint_storage import CheckpointMetadata, CheckpointSt
 from client.streaming.control import ControlServer
 from client.streaming.functions import Operator
 from client.streaming.graph import JobGraph, Node, Partitioning
+from client.streaming.job_status import JobStatusTracker
 from client.streaming.task import JobSpec, dataset_of, run_task
 from exchange.checkpointing import CheckpointFailureReason
 from exchange.checkpointing.coordinator import (
@@ -59,6 +61,7 @@ from exchange.checkpointing.coordinator import (
 from exchange.config_values import parse_duration
 from exchange.errors import ExchangeError, UsageError
 from exchange.state import DEFAULT_MAX_PARALLELISM
+from exchange.state.key_groups import MAX_MAX_PARALLELISM
 
 __all__ = ["DataStream", "JobFailedError", "JobResult", "KeyedStream", "StreamEnvironment"]
 
@@ -106,6 +109,10 @@ class JobResult:
     stopped: bool = False
 
 
+#: What a job id may be: it names the job's exchanges and its checkpoint directory.
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
 class StreamEnvironment:
     """A streaming job being defined, and its execution."""
 
@@ -124,7 +131,19 @@ class StreamEnvironment:
         daemon: str | None = None,
         job_id: str | None = None,
     ) -> None:
-        self.sc = spark.sparkContext if hasattr(spark, "sparkContext") else spark
+        # the arguments first, Spark last: a bad argument is named before Spark is touched
+        if type(max_parallelism) is not int or not 1 <= max_parallelism <= MAX_MAX_PARALLELISM:
+            raise UsageError(
+                f"max_parallelism must be an int in [1, {MAX_MAX_PARALLELISM}], "
+                f"got {max_parallelism!r}"
+            )
+        if job_id is not None and (not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id)):
+            raise UsageError(
+                f"job_id must be 1 to 64 letters, digits, '.', '_' or '-' (starting with a "
+                f"letter or digit), got {job_id!r}"
+            )
+        if daemon is not None and (not isinstance(daemon, str) or not daemon):
+            raise UsageError(f"daemon must be a socket path or address, got {daemon!r}")
         self.config = CheckpointConfig(
             interval=parse_duration(checkpoint_interval, "checkpoint_interval"),
             timeout=parse_duration(checkpoint_timeout, "checkpoint_timeout"),
@@ -136,12 +155,18 @@ class StreamEnvironment:
         if not isinstance(checkpoint_dir, str) or not checkpoint_dir:
             raise UsageError(f"checkpoint_dir must be a path or URL, got {checkpoint_dir!r}")
         self.checkpoint_dir = checkpoint_dir
+        sc = getattr(spark, "sparkContext", spark)
+        if not hasattr(sc, "parallelize"):
+            raise UsageError(f"spark must be a SparkSession or SparkContext, got {spark!r}")
+        self.sc = sc
         self.max_parallelism = max_parallelism
         self.daemon = daemon
         self.job_id = job_id or f"job{uuid.uuid4().hex[:12]}"
         self._nodes: list[Node] = []
         self._stop = threading.Event()  # clean stop: final checkpoint, then end
         self._cancel = threading.Event()  # hard cancel
+        #: the running (or last) job's status, published to the driver's local daemon
+        self.status: JobStatusTracker | None = None
 
     # -- building --------------------------------------------------------------------------
 
@@ -248,6 +273,14 @@ class StreamEnvironment:
         """Run the job until its bounded input is exhausted (or it is cancelled)."""
         if type(restart_attempts) is not int or restart_attempts < 0:
             raise UsageError(f"restart_attempts must be an int >= 0, got {restart_attempts!r}")
+        if (
+            not isinstance(restart_backoff, (int, float))
+            or isinstance(restart_backoff, bool)
+            or not 0 <= restart_backoff < float("inf")
+        ):
+            raise UsageError(
+                f"restart_backoff must be a number of seconds >= 0, got {restart_backoff!r}"
+            )
         graph = JobGraph.build(self._nodes, self.max_parallelism)
         if not any(v.is_source for v in graph.vertices):
             raise UsageError("the job has no source")
@@ -278,6 +311,7 @@ class StreamEnvironment:
 
     def _run(self, graph: JobGraph, restart_attempts: int, restart_backoff: float) -> JobResult:
         storage = CheckpointStorage(self.checkpoint_dir, retained=self.config.retained)
+        self.status = status = JobStatusTracker(self.job_id, self.daemon)
         started = time.monotonic()
         failures: list[str] = []
         checkpoints: list[CheckpointInfo] = []
@@ -287,10 +321,12 @@ class StreamEnvironment:
             attempt = max(time.time_ns() // 1_000_000, last_attempt + 1)
             last_attempt = attempt
             run = _Attempt(self, graph, storage, attempt)
+            status.attempt_started(attempt, graph)
             error = run.run()
             checkpoints.extend(run.checkpoints)
             aborted.extend(run.aborted)
             if error is None:
+                status.job_ended("FINISHED")
                 latest = storage.latest_completed()
                 return JobResult(
                     self.job_id,
@@ -305,12 +341,14 @@ class StreamEnvironment:
                     stopped=self._stop.is_set(),
                 )
             failures.append(error)
+            status.attempt_failed(error)
             if self._cancel.is_set():
                 break
             if restart < restart_attempts:
                 self._cancel.wait(restart_backoff * (2**restart))
                 if self._cancel.is_set():
                     break
+        status.job_ended("CANCELED" if self._cancel.is_set() else "FAILED")
         raise JobFailedError(
             f"job {self.job_id} failed after {len(failures)} attempt(s): {failures[-1]}", failures
         )
@@ -425,6 +463,8 @@ class _Attempt:
         except queue.Empty:
             task, msg = "", None
         if msg is not None:
+            if env.status is not None:
+                env.status.on_message(task, msg)
             self._handle(task, msg)
         if self._started and self.error is None:
             coord.tick()
@@ -432,6 +472,8 @@ class _Attempt:
                 self._execute(coord, server)
             except _AttemptFailed as e:
                 self.error = f"checkpoint failure: {e}"
+        if env.status is not None:
+            env.status.publish()
 
     def _handle(self, task: str, msg: dict[str, Any]) -> None:
         coord, server = self._coord, self._server
@@ -467,6 +509,8 @@ class _Attempt:
 
     def _execute(self, coord: CheckpointCoordinator, server: ControlServer) -> None:
         for cmd in coord.poll_commands():
+            if self.env.status is not None:
+                self.env.status.on_command(cmd)
             match cmd:
                 case TriggerCheckpoint():
                     server.broadcast(

@@ -285,6 +285,8 @@ class StreamTask:
             local_daemon_id=self.daemon_info.daemon_id,
             checkpoint_listener=self,
             checkpointing_mode=self.job.mode,
+            metrics_socket=self.daemon_socket,  # TaskMetrics: debloating, alignment
+            task_name=f"{self.job.job_id}/{self.task_id}",
             **settings,
         )
 
@@ -314,9 +316,26 @@ class StreamTask:
                 "handle": path,
                 "bytes": len(data),
                 "alignment": barrier.last_alignment_duration if barrier is not None else 0.0,
+                "metrics": self._ack_metrics(len(data)),
             }
         )
         self.checkpoints += 1
+
+    def _ack_metrics(self, state_bytes: int) -> dict[str, Any]:
+        """Figures an acknowledgement carries (Flink's CheckpointMetrics, and the task's
+        record counts for the job's status): the state's size, the alignment of this
+        checkpoint (a task that reads) and the records in and out so far."""
+        out = self._out.count if self._out is not None else 0
+        metrics: dict[str, Any] = {
+            "state_bytes": state_bytes,
+            "records_in": self.records_in,
+            "records_out": out,
+        }
+        stats = self.reader.barrier_stats if self.reader is not None else None
+        if stats is not None:
+            metrics["alignment"] = stats.last_alignment_duration
+            metrics["aligned_bytes"] = stats.last_aligned_bytes
+        return metrics
 
     def abort_checkpoint(self, checkpoint_id: int, reason: CheckpointFailureReason) -> None:
         for op in self.ops:

@@ -278,3 +278,33 @@ async def test_every_producer_path_writes_the_same_subpartitions(
         assert readers.events[i] == [EndOfPartitionEvent.INSTANCE], i
     await wait_until(lambda: daemon_pool_whole(daemon), what="daemon pool whole")
     assert not daemon.manager.partitions
+
+
+@pytest.mark.asyncio
+async def test_sync_writer_ships_what_the_tasks_own_flush_cut(daemon: ExchangeDaemon) -> None:
+    """A task that keeps emitting flushes by itself once ``buffer_timeout`` passed (the
+    flush timer then finds nothing due): what that flush cut must leave at once, not wait
+    for a full shipment. The timer is stopped here, so only the task's own flush can ship:
+    before the fix the records stayed in the writer until more data or ``close``."""
+    pid = ResultPartitionID("producer-own-flush", 0)
+    readers = Readers(daemon, pid)
+    timeout = 0.05
+
+    def run() -> None:
+        with PartitionWriter(
+            pid, N, daemon_socket=daemon.local_socket, buffer_timeout=timeout
+        ) as writer:
+            writer._stop_timer()
+            start = time.monotonic()
+            writer.emit_to("first", 0)
+            while time.monotonic() < start + 2 * timeout:  # the timeout passes
+                time.sleep(timeout / 5)
+            writer.emit_to("second", 0)  # the task's emit flushes both
+            deadline = time.monotonic() + WAIT_TIMEOUT
+            while readers.total() < 2:
+                assert time.monotonic() < deadline, "the task's flush was not shipped"
+                time.sleep(0.005)
+
+    await asyncio.gather(asyncio.to_thread(run), readers.read_all())
+    assert readers.got[0] == ["first", "second"]
+    await wait_until(lambda: daemon_pool_whole(daemon), what="daemon pool whole")
