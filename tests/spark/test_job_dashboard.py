@@ -145,6 +145,7 @@ def test_dashboard_shows_a_running_jobs_back_pressure_and_checkpoints(
         assert completed[0].labels == {"job": "throttled"} and completed[0].value >= 1
     finally:
         env.cancel()
+        env.cancel()  # the second cancel is at once (no clean stop): execute raises
         thread.join(120)
     assert not thread.is_alive()
     assert len(failure) == 1 and isinstance(failure[0], JobFailedError), failure
