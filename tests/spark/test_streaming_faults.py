@@ -175,7 +175,13 @@ def test_a_killed_worker_restarts_the_job_from_its_last_checkpoint(
             st.wait_for(lambda: (probes / "snapshotting").exists(), 60, "the sink snapshots")
             victim = "sink-0"
         os.kill(tasks[victim], signal.SIGKILL)
+        killed = time.monotonic()
         (probes / "release").touch()  # a held zombie of the first attempt may go on
+        st.wait_for(lambda: len(st.pids(probes)) >= 2, 60, "a restarted attempt")
+        print(
+            f"{case}-{seed}: {victim} killed, the next attempt's tasks open after "
+            f"{time.monotonic() - killed:.2f} s"
+        )
         result = run.join()
     finally:
         (probes / "release").touch()
