@@ -163,6 +163,7 @@ class StreamEnvironment:
         self.daemon = daemon
         self.job_id = job_id or f"job{uuid.uuid4().hex[:12]}"
         self._nodes: list[Node] = []
+        self._next_checkpoint_id = 1  # above every id an attempt of this driver used
         self._stop = threading.Event()  # clean stop: final checkpoint, then end
         self._cancel = threading.Event()  # hard cancel
         #: the running (or last) job's status, published to the driver's local daemon
@@ -398,12 +399,14 @@ class _Attempt:
                 latest.checkpoint_id, latest.timestamp, files, latest.finished_tasks
             )
             restore_msg = {"checkpoint_id": latest.checkpoint_id, "files": files}
+        used = self.storage.checkpoint_ids()  # never reuse an id an earlier attempt used
         coord = CheckpointCoordinator(
             env.config,
             self.task_ids,
             clock=time.monotonic,
             source_tasks=graph.source_task_ids(),
             restored=restored,
+            first_checkpoint_id=max([env._next_checkpoint_id, *(i + 1 for i in used)]),
         )
         group = f"{env.job_id}-{self.attempt}"
         outcome: queue.Queue[BaseException | None] = queue.Queue()
@@ -443,6 +446,7 @@ class _Attempt:
                 if self.error is not None:
                     sc.cancelJobGroup(group)
         finally:
+            env._next_checkpoint_id = max(env._next_checkpoint_id, coord.next_checkpoint_id)
             if self.error is not None:
                 sc.cancelJobGroup(group)
             thread.join(60)
