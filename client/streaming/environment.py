@@ -47,6 +47,7 @@ from exchange.checkpointing import CheckpointFailureReason
 from exchange.checkpointing.coordinator import (
     CheckpointConfig,
     CheckpointCoordinator,
+    CheckpointStatus,
     CompletedCheckpoint,
     DiscardCheckpoint,
     FailJob,
@@ -76,6 +77,8 @@ class JobResult:
     last_checkpoint_id: int | None
     duration: float
     failures: list[str] = field(default_factory=list)
+    #: every attempt's checkpoint history (the coordinator's, oldest first)
+    checkpoints: list[CheckpointStatus] = field(default_factory=list)
 
 
 class StreamEnvironment:
@@ -223,6 +226,7 @@ class StreamEnvironment:
         started = time.monotonic()
         failures: list[str] = []
         completed = 0
+        history: list[CheckpointStatus] = []
         last_attempt = 0
         for restart in range(restart_attempts + 1):
             attempt = max(time.time_ns() // 1_000_000, last_attempt + 1)
@@ -230,6 +234,7 @@ class StreamEnvironment:
             run = _Attempt(self, graph, storage, attempt)
             error = run.run()
             completed += run.completed
+            history.extend(run.history)
             if error is None:
                 latest = storage.latest_completed()
                 return JobResult(
@@ -239,6 +244,7 @@ class StreamEnvironment:
                     latest.checkpoint_id if latest else None,
                     time.monotonic() - started,
                     failures,
+                    history,
                 )
             failures.append(error)
             if self._cancel.is_set():
@@ -262,6 +268,7 @@ class _Attempt:
         self.attempt = attempt
         self.task_ids = [t.task_id for t in graph.tasks]
         self.completed = 0
+        self.history: tuple[CheckpointStatus, ...] = ()
 
     def run(self) -> str | None:
         env, graph = self.env, self.graph
@@ -367,6 +374,7 @@ class _Attempt:
                     if coord.stats().completed > self.completed:
                         self.completed = coord.stats().completed
         finally:
+            self.history = coord.history
             if error is not None:
                 sc.cancelJobGroup(group)
             thread.join(60)
