@@ -5,7 +5,8 @@ default 40; ``--parallelism`` per operator, default 1). Flink's
 ``CheckpointingTimeBenchmark`` shape, run by the streaming runtime on local PySpark
 (``client.streaming``): an unbounded-speed generator source -> rebalance -> map
 (identity) -> rebalance -> a sink that sleeps 1 ms per record, so every exchange is full
-(full backpressure: the source is far faster than the sink). Exactly-once (aligned)
+(full backpressure: the source is far faster than the sink), 1000-byte records, Flink's
+default buffer timeout of 100 ms (``--buffer-timeout``). Exactly-once (aligned)
 checkpoints every second with a ``min_pause`` of 1 s, so the exchanges fill up again
 between two checkpoints.
 
@@ -44,6 +45,9 @@ TARGET_MS = 300  # debloat target per exchange
 EXCHANGES = 2
 DESIGN_MS = TARGET_MS * EXCHANGES
 WARMUP = 2  # checkpoints left out at the start
+#: Flink's default buffer timeout (the benchmark's job keeps it): a partly filled buffer
+#: leaves after 100 ms, so under backpressure buffers leave full
+BUFFER_TIMEOUT = "100ms"
 TARGET_VS_DESIGN = 1.5
 TARGET_RATIO = 5.0
 
@@ -68,9 +72,8 @@ def slow_sink_factory() -> Any:
     return SlowSink()
 
 
-def run_job(
-    spark: Any, daemon: Daemon, count: int, parallelism: int, record_bytes: int, warmup: int
-) -> dict[str, Any]:
+def run_job(spark: Any, daemon: Daemon, count: int, args: argparse.Namespace) -> dict[str, Any]:
+    parallelism, warmup = args.parallelism, args.warmup_checkpoints
     from client.streaming.environment import StreamEnvironment
 
     ckpt = tempfile.mkdtemp(prefix="xbench-ckpt-")
@@ -82,10 +85,13 @@ def run_job(
             min_pause=1.0,
             mode="exactly_once",
             daemon=daemon.socket_path,
+            buffer_timeout=args.buffer_timeout,
         )
         (
             env.from_generator(
-                functools.partial(make_record, record_bytes), count=count, parallelism=parallelism
+                functools.partial(make_record, args.record_bytes),
+                count=count,
+                parallelism=parallelism,
             )
             .rebalance()
             .map(identity, parallelism=parallelism)
@@ -138,6 +144,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=40.0, help="job length per configuration")
     ap.add_argument("--parallelism", type=int, default=1)
     ap.add_argument("--record-bytes", type=int, default=RECORD)
+    ap.add_argument("--buffer-timeout", default=BUFFER_TIMEOUT, help="Flink's default: 100ms")
     ap.add_argument("--warmup-checkpoints", type=int, default=WARMUP, help="left out at the start")
     ap.add_argument("--only", choices=("off", "on"), help="run one configuration (no ratio)")
     args = ap.parse_args()
@@ -154,9 +161,7 @@ def main() -> None:
             if args.only not in (None, name):
                 continue
             with Daemon(*flags) as daemon:
-                results[name] = run_job(
-                    spark, daemon, count, p, args.record_bytes, args.warmup_checkpoints
-                )
+                results[name] = run_job(spark, daemon, count, args)
                 if not daemon.stop():
                     raise BenchError(f"debloat {name}: the daemon's pool was not whole at stop")
             r = results[name]
@@ -184,6 +189,7 @@ def main() -> None:
                 "bench": "checkpointing",
                 "parallelism": p,
                 "record_bytes": args.record_bytes,
+                "buffer_timeout": str(args.buffer_timeout),
                 "design_ms": DESIGN_MS,
                 "median_ms_debloat_off": off,
                 "median_ms_debloat_on": on,

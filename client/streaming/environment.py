@@ -98,6 +98,7 @@ class StreamEnvironment:
         max_parallelism: int = DEFAULT_MAX_PARALLELISM,
         daemon: str | None = None,
         job_id: str | None = None,
+        buffer_timeout: float | str = 0.01,
     ) -> None:
         self.sc = spark.sparkContext if hasattr(spark, "sparkContext") else spark
         self.config = CheckpointConfig(
@@ -112,6 +113,9 @@ class StreamEnvironment:
             raise UsageError(f"checkpoint_dir must be a path or URL, got {checkpoint_dir!r}")
         self.checkpoint_dir = checkpoint_dir
         self.max_parallelism = max_parallelism
+        #: how long a record may wait in a task's partly filled output buffer (Flink's
+        #: ``setBufferTimeout``)
+        self.buffer_timeout = parse_duration(buffer_timeout, "buffer_timeout")
         self.daemon = daemon
         self.job_id = job_id or f"job{uuid.uuid4().hex[:12]}"
         self._nodes: list[Node] = []
@@ -284,6 +288,7 @@ class _Attempt:
             env.checkpoint_dir,
             env.config.mode,
             env.daemon,
+            env.buffer_timeout,
         )
         restored = None
         restore_msg = None
