@@ -26,7 +26,7 @@ Structured Streaming") explains what makes the comparison fair; in short:
   ended: its lowest latency), its checkpoint (offsets, state) every micro-batch; ours
   checkpoints every second, exactly-once (aligned).
 * **Sustained rate**: the highest input rate each keeps up with: Spark's rate source at
-  ``--max-rate`` (default 20000: more than it can do, its micro-batches grow; the
+  ``--max-rate`` (default 200000: more than it can do, its micro-batches grow; the
   max-rate runs note every 100th event at the sink) and our generator
   without a limit (backpressure slows it); the figure is the rows reaching the sink per
   second after the warm-up.
@@ -156,6 +156,7 @@ def run_spark(
 
     arrivals: list[tuple[float, int, int, int]] = []
     newest = [0]  # the latest creation time (ms) seen at the sink
+    last = [0.0]  # when the latest micro-batch reached the sink
     lock = threading.Lock()
 
     every = 1 if latency else MAX_RUN_SAMPLE
@@ -170,6 +171,7 @@ def run_spark(
         with lock:
             arrivals.extend((now, r.value, r.total, r.ts_ms) for r in rows)
             newest[0] = max([newest[0], *(r.ts_ms for r in rows)])
+            last[0] = now
 
     ckpt = tempfile.mkdtemp(prefix="xbench-ss-")
     try:
@@ -204,8 +206,12 @@ def run_spark(
             t0 = time.time()
             if latency:  # until an event created ``seconds`` after that reached the sink
                 wait_until(lambda: newest[0] >= 1000 * (t0 + seconds), seconds + 120.0, query)
-            else:  # the backlog grows: what reached the sink by then
-                wait_until(lambda: time.time() >= t0 + seconds, seconds + 60.0, query)
+            else:  # the backlog grows: what reached the sink by then (a batch at least)
+                wait_until(
+                    lambda: time.time() >= t0 + seconds and last[0] > t0 + warmup,
+                    seconds + 120.0,
+                    query,
+                )
         finally:
             query.stop()
     finally:
@@ -324,7 +330,7 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=1000, help="events/s of the latency runs")
     ap.add_argument("--seconds", type=float, default=30.0, help="length of every run")
     ap.add_argument("--warmup", type=float, default=10.0)
-    ap.add_argument("--max-rate", type=int, default=20_000, help="Spark's rate source, max run")
+    ap.add_argument("--max-rate", type=int, default=200_000, help="Spark's rate source, max run")
     ap.add_argument("--max-count", type=int, default=2_000_000, help="events of our max run")
     args = ap.parse_args()
     spark = session()
