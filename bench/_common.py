@@ -16,6 +16,12 @@
 * ``flight_gbps``: the Arrow Flight ``DoGet`` baseline (server and client processes): a
   ``FlightServerBase`` yields record batches of one binary column of ``record_size``
   values; the client reads the stream. GB/s of values.
+* ``relay_ceiling``: the raw ceiling of the end-to-end shape: three processes, a producer
+  writing 32 KiB chunks to a relay over a Unix socket (blocking ``sendall``), the relay
+  (uvloop) forwarding them over loopback TCP with backpressure, a consumer (uvloop,
+  ``BufferedProtocol``) counting bytes. No framing, no records, no copies beyond the
+  kernel's: what the machine allows three processes with two hops.
+* ``proc_cpu``: a process's CPU seconds from ``/proc`` (the daemon's, for the split).
 
 The last line a benchmark prints is ``json_line(results)``.
 """
@@ -249,6 +255,13 @@ class Daemon:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) ``pid`` has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def proc_rss(pid: int) -> int:
@@ -486,3 +499,132 @@ def flight_gbps(total: int, record_size: int) -> float:
         flight_server, (total, record_size), flight_client, (total, record_size), stop_server=True
     )
     return float(res["bytes"]) / float(res["seconds"]) / GB
+
+
+# -- the raw relay ceiling -------------------------------------------------------------------
+
+
+def _uvloop_run(coro: Any) -> Any:
+    import uvloop
+
+    return uvloop.run(coro)
+
+
+def relay_server(conn: Connection, path: str, total: int) -> None:
+    """Forward what arrives on a Unix socket to the first TCP client, with backpressure."""
+    import asyncio
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        down_ready: asyncio.Future[asyncio.Transport] = loop.create_future()
+        done: asyncio.Future[None] = loop.create_future()
+        up: list[asyncio.Transport] = []
+
+        class Down(asyncio.Protocol):
+            def connection_made(self, t: Any) -> None:
+                down_ready.set_result(t)
+
+            def pause_writing(self) -> None:
+                up[0].pause_reading()
+
+            def resume_writing(self) -> None:
+                up[0].resume_reading()
+
+        class Up(asyncio.Protocol):
+            def connection_made(self, t: Any) -> None:
+                up.append(t)
+
+            def data_received(self, data: bytes) -> None:
+                down.write(data)
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                down.close()
+                done.set_result(None)
+
+        tcp = await loop.create_server(Down, "127.0.0.1", 0)
+        unix = await loop.create_unix_server(Up, path)
+        conn.send(tcp.sockets[0].getsockname()[1])
+        down = await down_ready
+        await done
+        tcp.close()
+        unix.close()
+
+    _uvloop_run(main())
+    conn.send({})
+
+
+def relay_consumer(conn: Connection, port: int, total: int) -> None:
+    import asyncio
+
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future[float] = loop.create_future()
+        buf = memoryview(bytearray(1 << 20))
+
+        class Sink(asyncio.BufferedProtocol):
+            got = 0
+
+            def get_buffer(self, sizehint: int) -> memoryview:
+                return buf
+
+            def buffer_updated(self, nbytes: int) -> None:
+                self.got += nbytes
+                if self.got >= total and not finished.done():
+                    finished.set_result(time.monotonic())
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                if not finished.done():
+                    finished.set_exception(BenchError(f"relay closed after {self.got} bytes"))
+
+        await loop.create_connection(Sink, "127.0.0.1", port)
+        conn.send("ready")
+        return await finished
+
+    conn.send({"t1": _uvloop_run(main())})
+
+
+def relay_producer(conn: Connection, path: str, total: int) -> None:
+    import socket
+
+    chunk = memoryview(bytes(SEG))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    conn.send("ready")
+    conn.recv()
+    t0 = time.monotonic()
+    sent = 0
+    while sent < total:
+        sock.sendall(chunk)
+        sent += SEG
+    sock.close()
+    conn.send({"t0": t0})
+
+
+def relay_ceiling(total: int) -> dict[str, float]:
+    """GB/s of one producer -> relay -> consumer run, and the relay's CPU per 32 KiB."""
+    workdir = tempfile.mkdtemp(prefix="xrelay-")
+    path = os.path.join(workdir, "relay.sock")
+    total = total // SEG * SEG
+    relay = Child(relay_server, path, total)
+    consumer: Child | None = None
+    producer: Child | None = None
+    try:
+        port = relay.recv(READY_TIMEOUT)
+        consumer = Child(relay_consumer, port, total)
+        if consumer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("relay consumer did not connect")
+        producer = Child(relay_producer, path, total)
+        if producer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("relay producer did not connect")
+        cpu0 = proc_cpu(relay.pid)
+        producer.send("go")
+        t0 = producer.recv(600)["t0"]
+        t1 = consumer.recv(600)["t1"]
+        relay_cpu = proc_cpu(relay.pid) - cpu0
+        relay.recv(60)
+    finally:
+        for child in (producer, consumer, relay):
+            if child is not None:
+                child.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"gbps": total / (t1 - t0) / GB, "relay_us": relay_cpu / (total / SEG) * 1e6}

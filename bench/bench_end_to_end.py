@@ -11,13 +11,19 @@ from the producer's first record to the consumer's last.
 * 4 KiB ``bytes`` records: GB/s of payload, against Arrow Flight ``DoGet`` of a binary
   column of 4 KiB values measured in the same rounds (target >= 0.8x Flight).
 * 100 B ``bytes`` records: M records/s (target >= 5 M rec/s).
-* CPU per 32 KiB of stream of the producer process and of the consumer process
-  (``time.process_time`` deltas over stream bytes / 32 KiB; target <= 12 us each), split
-  by thread: the producer's task thread routes, encodes and cuts ("serialize"), its loop
-  thread frames and sends; the consumer's loop thread receives and copies buffers out,
-  its task thread decodes (and iterates and checks the records). Beside them, the codec
-  alone in this process: ``RecordWriter`` emit + cut, and the decoder's feed + take, of
-  the same records (what the task threads would cost with no I/O at all).
+* CPU per 32 KiB of stream of the producer process, the daemon and the consumer process
+  (``time.process_time`` deltas, the daemon's from ``/proc``, over stream bytes / 32 KiB;
+  target <= 12 us for each task), split by thread: the producer's task thread routes,
+  encodes and cuts ("serialize"), its loop thread frames and sends ("frame+send", with
+  the credit it receives); the daemon receives pushes into segments and serves them
+  ("relay"); the consumer's loop thread receives buffers into segments ("receive"), its
+  task thread decodes (and iterates and checks the records: "decode"). Beside them, the
+  codec alone in this process: ``RecordWriter`` emit + cut, and the decoder's feed + take,
+  of the same records (what the task threads would cost with no I/O at all).
+* The raw ceiling of this shape, measured in the same rounds: a producer, a relay and a
+  consumer process moving 32 KiB chunks over plain uvloop sockets (Unix socket, then
+  loopback TCP; ``_common.relay_ceiling``): GB/s and the relay's CPU per 32 KiB. What the
+  stack adds on top of it is framing, records, credit and the copies it still makes.
 
 Figures are medians of the rounds (rounds interleave the configurations, against load
 drift). The last line printed is one JSON object.
@@ -43,8 +49,10 @@ from _common import (
     flight_gbps,
     json_line,
     median,
+    proc_cpu,
     producer_to_consumer,
     records,
+    relay_ceiling,
 )
 
 BIG = 4096
@@ -55,8 +63,10 @@ TARGET_CPU_US = 12.0
 
 
 def run_once(daemon: Daemon, dataset: str, size: int, count: int) -> dict[str, float]:
-    """One producer task -> daemon -> consumer task run; figures of both processes."""
+    """One producer task -> daemon -> consumer task run; figures of the three processes."""
+    daemon_cpu = proc_cpu(daemon.pid)
     prod, cons, seconds = producer_to_consumer(daemon, dataset, size, count, same_host=False)
+    daemon_cpu = proc_cpu(daemon.pid) - daemon_cpu
     per_32k = prod["bytes_written"] / SEG
     return {
         "gbps": count * size / seconds / GB,
@@ -67,6 +77,7 @@ def run_once(daemon: Daemon, dataset: str, size: int, count: int) -> dict[str, f
         "consumer_us": cons["cpu"] / per_32k * 1e6,
         "consumer_task_us": cons["task_cpu"] / per_32k * 1e6,
         "consumer_loop_us": (cons["cpu"] - cons["task_cpu"]) / per_32k * 1e6,
+        "daemon_us": daemon_cpu / per_32k * 1e6,
     }
 
 
@@ -122,10 +133,12 @@ def main() -> None:
     big: list[dict[str, float]] = []
     small: list[dict[str, float]] = []
     flight: list[float] = []
+    relay: list[dict[str, float]] = []
     daemon = Daemon()
     try:
         for r in range(rounds):
             flight.append(flight_gbps(big_count * BIG, BIG))
+            relay.append(relay_ceiling(big_count * BIG))
             big.append(run_once(daemon, f"e2e-big-{r}", BIG, big_count))
             small.append(run_once(daemon, f"e2e-small-{r}", SMALL, small_count))
         whole = daemon.stop()
@@ -147,6 +160,9 @@ def main() -> None:
         "big_records": big_count,
         "big_gbps": med(big, "gbps"),
         "big_over_flight": med(big, "gbps") / fl,
+        "relay_ceiling_gbps": med(relay, "gbps"),
+        "relay_ceiling_relay_us_per_32k": med(relay, "relay_us"),
+        "big_over_relay_ceiling": med(big, "gbps") / med(relay, "gbps"),
         "small_records": small_count,
         "small_m_recps": med(small, "recps") / 1e6,
         "small_gbps": med(small, "gbps"),
@@ -159,6 +175,7 @@ def main() -> None:
             "consumer_us",
             "consumer_task_us",
             "consumer_loop_us",
+            "daemon_us",
         ):
             results[f"{name}_{key}_per_32k"] = med(runs, key)
     for size, name in ((BIG, "big"), (SMALL, "small")):
@@ -179,6 +196,11 @@ def main() -> None:
         f"  Arrow Flight DoGet, 4 KiB values       {fl:6.2f} GB/s   {[round(v, 2) for v in flight]}"
     )
     print(
+        f"  raw relay ceiling (uvloop sockets)     {results['relay_ceiling_gbps']:6.2f} GB/s   "
+        f"{[round(v['gbps'], 2) for v in relay]} (relay CPU "
+        f"{results['relay_ceiling_relay_us_per_32k']:.1f} us per 32 KiB)"
+    )
+    print(
         f"  stack, 4 KiB records                   {results['big_gbps']:6.2f} GB/s   "
         f"{[round(r['gbps'], 2) for r in big]}  = {results['big_over_flight']:.2f}x Flight "
         f"(target >= {TARGET_FLIGHT})"
@@ -187,16 +209,16 @@ def main() -> None:
         f"  stack, 100 B records                   {results['small_m_recps']:6.2f} M rec/s "
         f"{[round(r['recps'] / 1e6, 2) for r in small]} (target >= {TARGET_SMALL_RECPS / 1e6:g})"
     )
-    print("  CPU us per 32 KiB of stream (target <= 12 per process):")
+    print("  CPU us per 32 KiB of stream (target <= 12 per task process):")
     for name, size in (("big", BIG), ("small", SMALL)):
+        r = {k[len(name) + 1 : -len("_per_32k")]: v for k, v in results.items()
+             if k.startswith(f"{name}_") and k.endswith("_per_32k")}  # fmt: skip
         print(
-            f"    {size:>4} B records: producer {results[f'{name}_producer_us_per_32k']:5.1f} "
-            f"(task thread {results[f'{name}_producer_task_us_per_32k']:.1f}, loop/send "
-            f"{results[f'{name}_producer_loop_us_per_32k']:.1f}); consumer "
-            f"{results[f'{name}_consumer_us_per_32k']:5.1f} (loop/receive "
-            f"{results[f'{name}_consumer_loop_us_per_32k']:.1f}, task thread "
-            f"{results[f'{name}_consumer_task_us_per_32k']:.1f}); codec alone: serialize "
-            f"{alone[size]['serialize_us']:.1f}, decode {alone[size]['decode_us']:.1f}"
+            f"    {size:>4} B records: producer {r['producer_us']:5.1f} (serialize "
+            f"{r['producer_task_us']:.1f}, frame+send {r['producer_loop_us']:.1f}); daemon "
+            f"{r['daemon_us']:5.1f}; consumer {r['consumer_us']:5.1f} (receive "
+            f"{r['consumer_loop_us']:.1f}, decode {r['consumer_task_us']:.1f}); codec alone: "
+            f"serialize {alone[size]['serialize_us']:.1f}, decode {alone[size]['decode_us']:.1f}"
         )
     print(json_line(results))
 

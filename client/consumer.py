@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final
 
+from client._checks import check_codec, check_count, check_optional, check_seconds
 from client.local_connection import LocalConnection
 from client.network import UNIX_PREFIX, ConnectionManager
 from client.runtime import ClientRuntime, get_runtime
@@ -56,7 +58,11 @@ from exchange.debloat.config import DebloatConfig
 from exchange.debloat.gate_debloater import GateDebloater
 from exchange.errors import IllegalStateError, UsageError
 from exchange.events.events import CheckpointOptions
-from exchange.memory.network_buffer_pool import NetworkBufferPool
+from exchange.memory.network_buffer_pool import (
+    MAX_SEGMENT_SIZE,
+    MIN_SEGMENT_SIZE,
+    NetworkBufferPool,
+)
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.local_messages import (
     MAX_TASK_NAME_LENGTH,
@@ -267,6 +273,44 @@ class _TaskMetricsReporter:
             conn.close()
 
 
+def _check_reader_args(
+    locations: Any,
+    local_daemon_id: Any,
+    codec: Any,
+    secret: Any,
+    segment_size: Any,
+    num_exclusive: Any,
+    num_floating: Any,
+    backoff_initial: Any,
+    backoff_max: Any,
+) -> None:
+    """Every argument of a reader, checked before it takes a segment or connects."""
+    if isinstance(locations, str | bytes) or not isinstance(locations, Sequence):
+        raise UsageError(f"locations must be a sequence of PartitionLocation, got {locations!r}")
+    for loc in locations:
+        if not isinstance(loc, PartitionLocation):
+            raise UsageError(f"expected PartitionLocation, got {loc!r}")
+        if not isinstance(loc.partition_id, ResultPartitionID):
+            raise UsageError(f"{loc!r}: partition_id must be a ResultPartitionID")
+        check_count("subpartition_index", loc.subpartition_index, 0)
+        if not isinstance(loc.data_address, str):
+            raise UsageError(f"{loc!r}: data_address must be a 'host:port' string")
+        check_optional("daemon_id", loc.daemon_id, str)
+        check_optional("local_socket", loc.local_socket, str)
+    check_optional("local_daemon_id", local_daemon_id, str)
+    check_codec(codec)
+    check_optional("secret", secret, bytes)
+    check_count("segment_size", segment_size, MIN_SEGMENT_SIZE)
+    if segment_size > MAX_SEGMENT_SIZE:
+        raise UsageError(f"segment_size must be <= {MAX_SEGMENT_SIZE}, got {segment_size}")
+    check_count("num_exclusive", num_exclusive, 1)
+    check_count("num_floating", num_floating, 0)
+    check_seconds("backoff_initial", backoff_initial)
+    check_seconds("backoff_max", backoff_max)
+    if backoff_max < backoff_initial:
+        raise UsageError(f"backoff_max {backoff_max} is below backoff_initial {backoff_initial}")
+
+
 def _check_metrics_args(metrics_socket: str | None, task_name: str | None) -> None:
     for name, value in (("metrics_socket", metrics_socket), ("task_name", task_name)):
         if value is not None and (not isinstance(value, str) or not value):
@@ -349,11 +393,17 @@ class AsyncPartitionReader:
         figures, if it has any, to the daemon at that local socket as task ``task_name``.
         """
         _check_metrics_args(metrics_socket, task_name)
-        if num_exclusive < 1 or num_floating < 0:
-            raise UsageError("num_exclusive must be >= 1 and num_floating >= 0")
-        for loc in locations:
-            if not isinstance(loc, PartitionLocation):
-                raise UsageError(f"expected PartitionLocation, got {loc!r}")
+        _check_reader_args(
+            locations,
+            local_daemon_id,
+            codec,
+            secret,
+            segment_size,
+            num_exclusive,
+            num_floating,
+            backoff_initial,
+            backoff_max,
+        )
         debloat = _check_debloat(debloat, segment_size)
         n = len(locations)
         pool = NetworkBufferPool(max(n * num_exclusive + num_floating, 1), segment_size)
@@ -537,7 +587,8 @@ _Item = tuple[int, int, Any]  # (kind, channel, Buffer | event | error)
 
 
 class _Handoff:
-    """Batches from the loop thread to the task thread; at most ``window`` in between.
+    """Batches from the loop thread to the task thread; at most ``window`` handed over
+    and not yet decoded.
 
     ``close()`` (any thread) wakes a waiting ``get`` (it raises IllegalStateError) and makes
     later ``put``s give their buffers back at once; ``drain()`` (loop thread) takes what
@@ -583,9 +634,12 @@ class _Handoff:
                 if self._closed:
                     raise IllegalStateError("the PartitionReader was closed while reading")
                 self._cond.wait()
-            batch = self._items.popleft()
-        self._loop.call_soon_threadsafe(self._space.release)
-        return batch
+            return self._items.popleft()
+
+    def batch_done(self) -> None:
+        """Loop thread: the task is done with a batch it got; its slot is free again
+        (called with the batch's buffers given back: one loop callback per batch)."""
+        self._space.release()
 
     def _report_idle(self) -> None:
         """Loop thread: the task started waiting, unless a put reached it meanwhile."""
@@ -656,6 +710,19 @@ class PartitionReader:
         task_name: str | None = None,
     ) -> None:
         _check_metrics_args(metrics_socket, task_name)
+        _check_reader_args(
+            locations,
+            local_daemon_id,
+            codec,
+            secret,
+            segment_size,
+            num_exclusive,
+            num_floating,
+            backoff_initial,
+            backoff_max,
+        )
+        check_count("window", window, 1)
+        _check_debloat(debloat, segment_size)
         self._rt = runtime if runtime is not None else get_runtime()
         self.codec: RecordCodec = codec if codec is not None else default_codec()
         self._listener = checkpoint_listener
@@ -672,6 +739,15 @@ class PartitionReader:
             )
         self._closed = False
         self._handoff = _Handoff(self._rt.loop, window)
+        # The one decode path, run in the task thread; resuming goes to the loop thread.
+        # Built before the core opens: nothing is acquired yet if it refuses an argument.
+        self._stream = RecordStream(
+            self.codec,
+            len(locations),
+            self.resume_consumption,
+            event_handler,
+            auto_resume_barriers=auto_resume_barriers,
+        )
         self._core = self._rt.run(
             AsyncPartitionReader.open(
                 locations,
@@ -692,14 +768,6 @@ class PartitionReader:
             self._core.gate.reports_idle = False
             self._handoff.on_idle = debloater.on_gate_empty
             self._handoff.on_busy = debloater.on_gate_non_empty
-        # The one decode path, run in the task thread; resuming goes to the loop thread.
-        self._stream = RecordStream(
-            self.codec,
-            len(locations),
-            self.resume_consumption,
-            event_handler,
-            auto_resume_barriers=auto_resume_barriers,
-        )
         self._in_flight = 0  # buffers handed to the task thread, not yet given back
         self._all_back: asyncio.Event | None = None
         self._pump_future = self._rt.submit(self._pump())
@@ -803,7 +871,14 @@ class PartitionReader:
         A reader closed before the end (an early ``break`` closes it, and so does
         ``close()`` from another thread, even while this waits) raises IllegalStateError:
         nothing would ever arrive, and an empty read would pass for a short one.
+
+        The records of each decoded buffer come as a list, chained (``itertools.chain``):
+        the iterator's ``next`` walks a list in C, this method's frame runs once per
+        buffer, not once per record.
         """
+        return itertools.chain.from_iterable(self._record_lists())
+
+    def _record_lists(self) -> Iterator[list[Any]]:
         if self._closed and not self._done:
             raise IllegalStateError("the PartitionReader was closed before the end of its input")
         get = self._handoff.get
@@ -812,7 +887,7 @@ class PartitionReader:
                 out = self._decode(get())
                 for kind, ch, item in out:
                     if kind == _DATA:
-                        yield from item
+                        yield item
                     elif kind == _EVENT:
                         self._stream.on_event(item, ch)
                     elif kind == _TRIGGER:
@@ -832,8 +907,9 @@ class PartitionReader:
             self.close()
 
     def _decode(self, batch: list[_Item]) -> list[_Item]:
-        """Decode a batch's buffers, then give them all back in one loop callback (also
-        when decoding fails: the buffers not reached yet go back too)."""
+        """Decode a batch's buffers, then give them all back, and the batch's slot in the
+        hand-off window, in one loop callback (also when decoding fails: the buffers not
+        reached yet go back too)."""
         out: list[_Item] = []
         feed = self._stream.feed
         handler = self._handler
@@ -860,9 +936,15 @@ class PartitionReader:
                 self._barrier_snapshot = handler.stats()
         finally:
             buffers = [item for kind, _, item in batch if kind == _DATA]
-            if buffers:
-                self._rt.loop.call_soon_threadsafe(self._give_back, buffers)
+            self._rt.loop.call_soon_threadsafe(self._batch_done, buffers)
         return out
+
+    def _batch_done(self, buffers: list[Buffer]) -> None:
+        """Loop thread: one callback per decoded batch gives its buffers back and frees its
+        slot in the hand-off window."""
+        self._handoff.batch_done()
+        if buffers:
+            self._give_back(buffers)
 
     def read_all(self) -> list[Any]:
         return list(self.records())

@@ -16,6 +16,7 @@ from typing import Final
 
 from client.connection_base import HandshakingClientProtocol
 from client.network import parse_address
+from client.tls import client_ssl_context, connect_kwargs
 from exchange.errors import (
     ConfigError,
     ExchangeError,
@@ -130,7 +131,10 @@ class LocalConnection(HandshakingClientProtocol):
                 conn_coro = loop.create_unix_connection(lambda: cls(address, secret, limit), path)
             else:
                 host, port = parse_address(address)
-                conn_coro = loop.create_connection(lambda: cls(address, secret, limit), host, port)
+                tls = connect_kwargs(host, client_ssl_context())  # data port: TLS if set
+                conn_coro = loop.create_connection(
+                    lambda: cls(address, secret, limit), host, port, **tls
+                )
             _, conn = await asyncio.wait_for(conn_coro, timeout)
         except (OSError, TimeoutError) as e:
             raise TransportError(

@@ -1,236 +1,481 @@
-"""The main job: a skewed clickstream exchanged by user through the daemons, checked.
+"""The main job: a streaming clickstream pipeline, exactly once through a SIGKILL, checked.
 
-Generates click events with Zipf-distributed users, moves ``(user, (duration, bytes))``
-pairs through ``exchange_shuffle`` (an embedded daemon in local mode), aggregates per user
-(events, total duration, total bytes), and checks the result against the same aggregation
-done by Spark's own DataFrame API. Exit status 0 only if every user's figures agree.
+Writes generated click events (Zipf-distributed users) as JSON-lines files into a work
+directory, then runs a streaming job on local Spark and the embedded exchange daemon::
 
-    python -m client.main_job [--events 1000000] [--partitions 8] [--mode blocking]
+    files -> parse -> key_by(user) -> running totals (keyed state) -> two-phase-commit files
+
+with exactly-once checkpoints every second. Midway it SIGKILLs the Python worker of one
+``totals`` task (``--no-kill``: not) and the job restarts from its last completed
+checkpoint. At the end it checks the committed output against Spark's DataFrame
+``groupBy`` over the same input files: per user exactly one output line per event, with
+running counts 1..n and final sums equal to Spark's (nothing lost, nothing twice). It
+prints progress, checkpoints, the restart, back pressure per task and the verdict; exit
+status 0 only if the check passed. ``--linger`` keeps the dashboard up until Ctrl-C.
+
+    python -m client.main_job [--events 500000] [--parallelism 2] [--no-kill] [--linger]
+    python -m client.main_job --job shuffle [...]   # the batch exchange job
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
+import contextlib
+import json
 import os
-import random
+import shutil
+import signal
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+import urllib.request
 from typing import Any
 
-EVENT_TYPES = ("view", "click", "scroll", "add_to_cart", "purchase", "share")
+from client.shuffle_job import EVENT_TYPES, generate_events
+
+__all__ = ["RunningTotals", "main", "parse_click"]
 
 
 def _log(t0: float, msg: str) -> None:
     print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
 
 
-def generate_events(
-    slice_index: int, num_events: int, num_users: int, skew: float, seed: int
-) -> Iterator[tuple[int, int, str, int, int, int]]:
-    """``num_events`` clicks: (user, timestamp_ms, type, page, duration_ms, bytes)."""
-    rng = random.Random(seed * 1_000_003 + slice_index)
-    weights = [1.0 / (rank**skew) for rank in range(1, num_users + 1)]
-    cdf: list[float] = []
-    acc = 0.0
-    for w in weights:
-        acc += w
-        cdf.append(acc)
-    total = acc
-    # a fixed random permutation so the heavy users are not simply the smallest ids
-    perm = list(range(num_users))
-    random.Random(seed).shuffle(perm)
-    ts = 1_700_000_000_000 + slice_index * 10_000_000
-    rand = rng.random
-    for _ in range(num_events):
-        rank = bisect.bisect_left(cdf, rand() * total)
-        user = perm[min(rank, num_users - 1)]
-        ts += int(rand() * 20)
-        kind = EVENT_TYPES[int(rand() * rand() * len(EVENT_TYPES))]
-        yield (user, ts, kind, int(rand() * 5000), 50 + int(rand() * 30_000), int(rand() * 4096))
+# -- the pipeline's functions (pickled into the Spark tasks) -----------------------------
 
 
-Row = tuple[int, int, int, int]
+def parse_click(record: Any) -> tuple[int, int, int]:
+    """A click event (a JSON object) -> (user, duration, bytes); anything else raises."""
+    if not isinstance(record, dict):
+        raise ValueError(f"a click event is a JSON object, got {type(record).__name__}")
+    user, duration, nbytes = record["user"], record["duration"], record["bytes"]
+    if record.get("type") not in EVENT_TYPES:
+        raise ValueError(f"unknown event type {record.get('type')!r}")
+    for v in (user, duration, nbytes):
+        if type(v) is not int or v < 0:
+            raise ValueError(f"bad click event {record!r:.200}")
+    return user, duration, nbytes
 
 
-def aggregate(
-    records: Iterable[tuple[int, tuple[int, int]]],
-) -> Iterator[tuple[int, int, int, int]]:
-    """Per user: (user, events, total duration, total bytes)."""
-    acc: dict[int, list[int]] = {}
-    for user, (duration, nbytes) in records:
-        a = acc.get(user)
-        if a is None:
-            acc[user] = [1, duration, nbytes]
-        else:
-            a[0] += 1
-            a[1] += duration
-            a[2] += nbytes
-    for user, (n, d, b) in acc.items():
-        yield (user, n, d, b)
+class RunningTotals:
+    """Per user: events, total duration and total bytes so far, in keyed state; emits the
+    running totals for every event. ``open`` leaves the worker's pid in ``pid_dir`` (the
+    job's chaos hook: the driver kills that process)."""
+
+    def __init__(self, pid_dir: str | None = None) -> None:
+        self.pid_dir = pid_dir
+
+    def open(self, rc: Any) -> None:
+        self.totals = rc.value_state("totals", None)
+        if self.pid_dir is not None:
+            ctx = rc.operator_context
+            name = f"{ctx.attempt}-totals-{ctx.subtask_index}"
+            tmp = os.path.join(self.pid_dir, "." + name)
+            with open(tmp, "w") as f:
+                f.write(str(os.getpid()))
+            os.replace(tmp, os.path.join(self.pid_dir, name))
+
+    def process_element(self, value: tuple[int, int, int], ctx: Any, out: Any) -> None:
+        user, duration, nbytes = value
+        t = self.totals.value()
+        t = (1, duration, nbytes) if t is None else (t[0] + 1, t[1] + duration, t[2] + nbytes)
+        self.totals.update(t)
+        out.collect({"user": user, "n": t[0], "duration": t[1], "bytes": t[2]})
 
 
-class _Progress(threading.Thread):
-    """Prints the running Spark stages' task progress every few seconds."""
+# -- input -------------------------------------------------------------------------------
 
-    def __init__(self, sc: Any, t0: float, every: float = 3.0) -> None:
-        super().__init__(daemon=True, name="progress")
-        self.sc = sc
+
+def write_events(
+    directory: str, events: int, files: int, users: int, skew: float, seed: int
+) -> int:
+    """``events`` click events as JSON lines in ``files`` files; returns the bytes written."""
+    os.makedirs(directory, exist_ok=True)
+    per_file = [events // files] * files
+    per_file[-1] += events - sum(per_file)
+    total = 0
+    for i, n in enumerate(per_file):
+        lines = [
+            f'{{"user":{u},"ts":{ts},"type":"{kind}","page":{page},"duration":{d},"bytes":{b}}}\n'
+            for u, ts, kind, page, d, b in generate_events(i, n, users, skew, seed)
+        ]
+        data = "".join(lines).encode()
+        tmp = os.path.join(directory, f".clicks-{i:03d}.jsonl")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, os.path.join(directory, f"clicks-{i:03d}.jsonl"))  # whole files only
+        total += len(data)
+    return total
+
+
+# -- watching the job ----------------------------------------------------------------------
+
+
+class Watcher(threading.Thread):
+    """Prints the job's progress every ``every`` seconds (from the driver's JobStatus and
+    the daemon's /api/stats, the dashboard's own data), remembers the peak back pressure
+    of each task, and kills one task's worker once when ``kill_after`` events were read."""
+
+    def __init__(
+        self,
+        env: Any,
+        t0: float,
+        events: int,
+        stats_url: str | None,
+        pid_dir: str,
+        kill_after: int | None,
+        every: float = 2.0,
+    ) -> None:
+        super().__init__(daemon=True, name="job-watcher")
+        self.env = env
         self.t0 = t0
+        self.events = events
+        self.stats_url = stats_url
+        self.pid_dir = pid_dir
+        self.kill_after = kill_after
         self.every = every
         self.stop_event = threading.Event()
+        #: task -> (peak back-pressure ratio, its level)
+        self.peak: dict[str, tuple[float, str]] = {}
+        self.killed: dict[str, Any] | None = None
+        self.restored_from: int | None = None
+        self._next_print = 0.0
 
     def run(self) -> None:
-        tracker = self.sc.statusTracker()
-        while not self.stop_event.wait(self.every):
-            parts = []
-            for sid in tracker.getActiveStageIds():
-                info = tracker.getStageInfo(sid)
-                if info is not None:
-                    parts.append(f"stage {sid}: {info.numCompletedTasks}/{info.numTasks} tasks")
-            if parts:
-                _log(self.t0, "  " + "; ".join(parts))
+        while not self.stop_event.wait(0.2):
+            with contextlib.suppress(Exception):  # watching never fails the job
+                self.tick()
+
+    def daemon_view(self) -> dict[str, Any] | None:
+        if self.stats_url is None:
+            return None
+        with urllib.request.urlopen(self.stats_url, timeout=2) as resp:
+            stats = json.load(resp)
+        for job in stats.get("jobs", []):
+            if job["job"] == self.env.job_id:
+                return dict(job)
+        return None
+
+    def tick(self) -> None:
+        tracker = self.env.status
+        if tracker is None:
+            return
+        status = tracker.snapshot()
+        sources = [t for t in status.tasks if not t.channels]
+        read = sum(t.records_in for t in sources)
+        if (
+            self.killed is None
+            and self.kill_after is not None
+            and status.state == "RUNNING"
+            and status.checkpoints_completed >= 2
+            and read >= self.kill_after
+        ):
+            self.kill(status)
+        if (
+            self.killed is not None
+            and self.restored_from is None
+            and status.attempt != self.killed["attempt"]
+        ):
+            done = [c.checkpoint_id for c in status.checkpoints if c.status == "COMPLETED"]
+            self.restored_from = max(done) if done else 0
+        now = time.monotonic()
+        if now < self._next_print:
+            return
+        self._next_print = now + self.every
+        view = self.daemon_view()
+        bp = []
+        for t in view["tasks"] if view else []:
+            level, ratio = t["back_pressure"], t["back_pressure_ratio"]
+            if level is None:
+                continue
+            if ratio >= self.peak.get(t["task"], (-1.0, ""))[0]:
+                self.peak[t["task"]] = (ratio, level)
+            bp.append(f"{t['task']} {level} {100 * ratio:.0f}%")
+        last = next((c for c in reversed(status.checkpoints) if c.status == "COMPLETED"), None)
+        ck = f"checkpoints {status.checkpoints_completed}"
+        if last is not None and last.duration is not None:
+            ck += f" (#{last.checkpoint_id} took {1000 * last.duration:.0f} ms)"
+        _log(
+            self.t0,
+            f"{status.state.lower()}: attempt {status.restarts + 1} read {read:,} of "
+            f"{self.events:,} events, {ck}" + (f"; back pressure {', '.join(bp)}" if bp else ""),
+        )
+
+    def kill(self, status: Any) -> None:
+        victim = "totals-0"
+        path = os.path.join(self.pid_dir, f"{status.attempt}-{victim}")
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            pid = int(f.read())
+        read = sum(t.records_in for t in status.tasks if not t.channels)
+        os.kill(pid, signal.SIGKILL)
+        self.killed = {
+            "task": victim,
+            "pid": pid,
+            "at": time.monotonic() - self.t0,
+            "read": read,
+            "attempt": status.attempt,
+            "checkpoints": status.checkpoints_completed,
+        }
+        _log(
+            self.t0,
+            f"SIGKILL to the Python worker of task {victim} (pid {pid}) after {read:,} events "
+            f"and {status.checkpoints_completed} checkpoints",
+        )
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+# -- the check -----------------------------------------------------------------------------
+
+
+def check_output(spark: Any, in_glob: str, out_dir: str) -> dict[str, int]:
+    """Compare the committed running totals with Spark's DataFrame groupBy of the input.
+
+    Per user the committed files must hold exactly one line per input event: ``n`` lines
+    whose running counts are the distinct values 1..n and whose final sums are Spark's
+    sums. Returns the users, the users that differ, events, lines, duplicate lines and
+    missing events.
+    """
+    from pyspark.sql import functions as F
+
+    clicks = spark.read.schema("user long, duration long, bytes long").json(in_glob)
+    expected = {
+        r["user"]: (r["n"], r["d"], r["b"])
+        for r in clicks.groupBy("user")
+        .agg(F.count("*").alias("n"), F.sum("duration").alias("d"), F.sum("bytes").alias("b"))
+        .collect()
+    }
+    seen: dict[int, set[int]] = {}
+    final: dict[int, tuple[int, int, int]] = {}
+    lines = duplicates = 0
+    for name in sorted(os.listdir(out_dir)):
+        if name.startswith((".", "_")):
+            continue  # in-progress and pending files: never committed
+        with open(os.path.join(out_dir, name), "rb") as f:
+            for line in f:
+                r = json.loads(line)
+                user, n = r["user"], r["n"]
+                lines += 1
+                counts = seen.setdefault(user, set())
+                if n in counts:
+                    duplicates += 1
+                counts.add(n)
+                if n > final.get(user, (0, 0, 0))[0]:
+                    final[user] = (n, r["duration"], r["bytes"])
+    bad = missing = 0
+    for user in expected.keys() | final.keys():
+        want = expected.get(user, (0, 0, 0))
+        counts = seen.get(user, set())
+        missing += max(0, want[0] - len(counts))
+        if final.get(user) != want or counts != set(range(1, want[0] + 1)):
+            bad += 1
+    return {
+        "users": len(expected),
+        "bad_users": bad,
+        "events": sum(v[0] for v in expected.values()),
+        "lines": lines,
+        "duplicates": duplicates,
+        "missing": missing,
+    }
+
+
+# -- the command ---------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m client.main_job", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--events", type=int, default=1_000_000, help="number of click events")
-    p.add_argument("--users", type=int, default=100_000, help="number of distinct users")
+    p.add_argument("--events", type=int, default=500_000, help="click events to write")
+    p.add_argument("--users", type=int, default=50_000, help="distinct users")
     p.add_argument("--skew", type=float, default=1.1, help="Zipf exponent of user activity")
-    p.add_argument("--partitions", type=int, default=8, help="output partitions of the exchange")
-    p.add_argument("--slices", type=int, default=4, help="input partitions (generator tasks)")
-    p.add_argument("--mode", choices=("blocking", "pipelined"), default="blocking")
-    p.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
+    p.add_argument("--files", type=int, default=8, help="input files")
+    p.add_argument("--parallelism", type=int, default=2, help="subtasks per operator")
+    p.add_argument("--master", default=None, help="Spark master (default local[2 x parallelism])")
+    p.add_argument("--checkpoint-interval", type=float, default=1.0, help="seconds")
+    p.add_argument("--kill-at", type=float, default=0.4, help="kill after this share of events")
+    p.add_argument("--no-kill", action="store_true", help="do not kill a task midway")
+    p.add_argument("--linger", action="store_true", help="keep the dashboard up until Ctrl-C")
+    p.add_argument("--workdir", default=None, help="input, output, checkpoints (default: temp)")
     p.add_argument("--seed", type=int, default=7)
     args = p.parse_args(argv)
-    for name in ("events", "users", "partitions", "slices"):
+    for name in ("events", "users", "files", "parallelism"):
         if getattr(args, name) <= 0:
             p.error(f"--{name} must be positive")
-    if args.skew <= 0:
-        p.error("--skew must be positive")
+    if args.skew <= 0 or args.checkpoint_interval <= 0 or not 0 < args.kill_at < 1:
+        p.error("--skew and --checkpoint-interval must be positive, --kill-at in (0, 1)")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    chooser = argparse.ArgumentParser(add_help=False)
+    chooser.add_argument("--job", choices=("clickstream", "shuffle"), default="clickstream")
+    which, rest = chooser.parse_known_args(argv)
+    if which.job == "shuffle":
+        from client import shuffle_job
+
+        return shuffle_job.main(rest)
+    return run_clickstream(parse_args(rest))
+
+
+def run_clickstream(args: argparse.Namespace) -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     t0 = time.monotonic()
-    _log(t0, f"starting Spark ({args.master}) and the embedded exchange daemon")
-    from pyspark.sql import SparkSession
-    from pyspark.sql import functions as F
+    par = args.parallelism
+    master = args.master or f"local[{2 * par}]"
+    own_workdir = args.workdir is None
+    work = args.workdir or tempfile.mkdtemp(prefix="clickstream-")
+    in_dir, out_dir = os.path.join(work, "in"), os.path.join(work, "out")
+    pid_dir = os.path.join(work, "pids")
+    os.makedirs(pid_dir, exist_ok=True)
+    in_glob = os.path.join(in_dir, "clicks-*.jsonl")
 
-    from client.spark import (
-        exchange_hash,
-        exchange_shuffle,
-        get_embedded_daemon,
-        release_exchange,
-        stop_embedded_daemon,
+    _log(
+        t0, f"writing {args.events:,} click events of {args.users:,} users into {args.files} files"
     )
+    nbytes = write_events(in_dir, args.events, args.files, args.users, args.skew, args.seed)
+    _log(t0, f"wrote {nbytes / 2**20:.1f} MiB to {in_dir}")
 
+    _log(t0, f"starting Spark ({master}) and the embedded exchange daemon (debloating on)")
+    from pyspark.sql import SparkSession
+
+    from client.spark import get_embedded_daemon, stop_embedded_daemon
+    from client.streaming.environment import JobFailedError, StreamEnvironment
+
+    daemon = get_embedded_daemon(["--debloat"]) if master.startswith("local") else None
     spark = (
-        SparkSession.builder.master(args.master)
+        SparkSession.builder.master(master)
         .appName("exchange-main-job")
         .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", str(args.partitions))
-        .config("spark.driver.memory", "2g")
+        .config("spark.sql.shuffle.partitions", str(2 * par))
+        .config("spark.driver.memory", "1g")
         .getOrCreate()
     )
-    sc = spark.sparkContext
-    sc.setLogLevel("ERROR")
-    daemon = get_embedded_daemon() if args.master.startswith("local") else None
+    # A killed worker makes Spark log its task's failure at ERROR with a JVM stack trace;
+    # the job reports failures and restarts itself (the "restarts" line has the cause).
+    spark.sparkContext.setLogLevel("FATAL")
     if daemon is not None:
-        _log(
-            t0, f"exchange daemon up: data {daemon.data_address}, dashboard {daemon.dashboard_url}"
-        )
-    progress = _Progress(sc, t0)
-    progress.start()
+        _log(t0, f"dashboard {daemon.dashboard_url}  metrics {daemon.metrics_url}")
     ok = False
+    watcher: Watcher | None = None
     try:
-        per_slice = [args.events // args.slices] * args.slices
-        per_slice[-1] += args.events - sum(per_slice)
-        users, skew, seed = args.users, args.skew, args.seed
-
-        def gen(index: int, _: Iterable[int]) -> Iterator[tuple[int, int, str, int, int, int]]:
-            return generate_events(index, per_slice[index], users, skew, seed)
-
-        _log(t0, f"generating {args.events:,} click events over {args.users:,} Zipf({skew}) users")
-        events = sc.parallelize(range(args.slices), args.slices).mapPartitionsWithIndex(gen)
-        events.cache()
-        n_events = events.count()
-        _log(t0, f"generated {n_events:,} events")
-
+        env = StreamEnvironment(
+            spark,
+            checkpoint_dir=os.path.join(work, "checkpoints"),
+            checkpoint_interval=args.checkpoint_interval,
+            mode="exactly_once",
+            job_id=f"clickstream-{os.getpid()}",
+        )
+        (
+            env.from_files(in_glob, parallelism=par, name="clicks")
+            .map(parse_click, name="parse")
+            .key_by(lambda e: e[0], name="by-user")
+            .process(RunningTotals(pid_dir), parallelism=par, name="totals")
+            .sink_to_files(out_dir, parallelism=par)
+        )
+        stats_url = daemon.dashboard_url.rstrip("/") + "/api/stats" if daemon else None
+        kill_after = None if args.no_kill else int(args.events * args.kill_at)
+        watcher = Watcher(env, t0, args.events, stats_url, pid_dir, kill_after)
+        watcher.start()
         _log(
             t0,
-            f"exchanging by user through the daemons ({args.mode}, {args.partitions} partitions)",
+            f"streaming: files -> parse -> key_by(user) -> running totals -> two-phase-commit "
+            f"files, parallelism {par}, exactly-once checkpoints every "
+            f"{args.checkpoint_interval:g} s",
         )
-        t_ex = time.monotonic()
-        pairs = events.map(lambda e: (e[0], (e[4], e[5])))
-        shuffled = exchange_shuffle(pairs, args.partitions, mode=args.mode)
-        nparts = args.partitions
-
-        def agg_checked(index: int, recs: Iterable[Any]) -> Iterator[Row]:
-            for row in aggregate(recs):
-                if exchange_hash(row[0]) % nparts != index:
-                    raise AssertionError(f"user {row[0]} landed in the wrong partition {index}")
-                yield row
-
-        ours = shuffled.mapPartitionsWithIndex(agg_checked).collect()
-        dt = time.monotonic() - t_ex
-        rate = n_events / dt if dt > 0 else float("inf")
-        _log(
-            t0, f"exchanged and aggregated {n_events:,} events in {dt:.2f}s ({rate:,.0f} records/s)"
-        )
-        release_exchange(shuffled)
-
-        _log(t0, "checking against Spark's DataFrame aggregation")
-        df = spark.createDataFrame(
-            events, schema="user long, ts long, type string, page int, duration long, bytes long"
-        )
-        ref = df.groupBy("user").agg(
-            F.count("*").alias("n"), F.sum("duration").alias("d"), F.sum("bytes").alias("b")
-        )
-        expected = {r["user"]: (r["n"], r["d"], r["b"]) for r in ref.collect()}
-        got = {u: (n, d, b) for u, n, d, b in ours}
-        mismatched = [u for u in expected.keys() | got.keys() if expected.get(u) != got.get(u)]
-        total_events = sum(v[0] for v in got.values())
-        top = sorted(got.items(), key=lambda kv: -kv[1][0])[:5]
+        t_job = time.monotonic()
+        try:
+            result = env.execute(restart_attempts=3, restart_backoff=0.5)
+        except JobFailedError as e:
+            _log(t0, f"the job failed: {e}")
+            return 1
+        job_s = time.monotonic() - t_job
+        watcher.stop_event.set()
+        watcher.join(5)
+        _log(t0, f"job finished in {job_s:.1f} s; checking against Spark's DataFrame groupBy")
+        t_check = time.monotonic()
+        verdict = check_output(spark, in_glob, out_dir)
+        check_s = time.monotonic() - t_check
+        committed = [n for n in os.listdir(out_dir) if n.startswith("part-")]
 
         print()
-        print("=" * 72)
-        print(f"events exchanged       {n_events:,}  ({args.mode}, {args.partitions} partitions)")
-        print(f"distinct users         {len(got):,}")
-        print("busiest users          " + ", ".join(f"{u}:{v[0]:,}" for u, v in top))
-        print(f"exchange + aggregate   {dt:.2f} s, {rate:,.0f} records/s")
-        if not mismatched and total_events == n_events:
-            ok = True
+        print("=" * 78)
+        print(
+            f"pipeline         files -> parse -> key_by(user) -> running totals -> "
+            f"2PC file sink (x{par})"
+        )
+        print(
+            f"events           {args.events:,} in {args.files} files ({nbytes / 2**20:.1f} MiB), "
+            f"{args.users:,} users"
+        )
+        rate = args.events / job_s if job_s > 0 else 0.0
+        print(
+            f"job              {job_s:.1f} s ({rate:,.0f} events/s incl. the restart), "
+            f"{result.checkpoints_completed} checkpoints completed (exactly once, every "
+            f"{args.checkpoint_interval:g} s)"
+        )
+        k = watcher.killed
+        if k is not None:
             print(
-                f"check                  PASSED: all {len(expected):,} users' counts and sums "
-                "equal Spark's DataFrame groupBy"
+                f"kill             SIGKILL to task {k['task']}'s Python worker (pid {k['pid']}) "
+                f"at {k['at']:.1f} s, after {k['read']:,} events and {k['checkpoints']} checkpoints"
+            )
+        restored = watcher.restored_from
+        print(
+            f"restarts         {result.restarts}"
+            + (f", from checkpoint {restored}" if restored is not None else "")
+            + (f": {result.failures[0].splitlines()[0][:100]}" if result.failures else "")
+        )
+        peaks = ", ".join(
+            f"{task} {level} {100 * ratio:.0f}%"
+            for task, (ratio, level) in sorted(watcher.peak.items())
+        )
+        print(f"back pressure    peak per task: {peaks or 'not measured'}")
+        print(
+            f"committed        {verdict['lines']:,} running-total records in "
+            f"{len(committed)} files; checked in {check_s:.1f} s"
+        )
+        equal = (
+            verdict["bad_users"] == 0
+            and verdict["events"] == args.events
+            and verdict["lines"] == args.events
+        )
+        restarted = args.no_kill or (k is not None and result.restarts >= 1)
+        ok = equal and restarted
+        if ok:
+            print(
+                f"verdict          PASSED: the committed output equals Spark's DataFrame "
+                f"groupBy for all {verdict['users']:,} users (nothing lost, nothing twice)"
+            )
+        elif not equal:
+            print(
+                f"verdict          FAILED: {verdict['bad_users']:,} of {verdict['users']:,} users "
+                f"differ; {verdict['lines']:,} lines for {verdict['events']:,} events, "
+                f"{verdict['duplicates']:,} twice, {verdict['missing']:,} missing"
             )
         else:
             print(
-                f"check                  FAILED: {len(mismatched):,} users differ, "
-                f"{total_events:,} of {n_events:,} events accounted for"
+                "verdict          FAILED: the output is right, but no restart was tested "
+                "(the job ended before the kill, or the kill did not restart it): "
+                "more --events, or --no-kill"
             )
-            for u in mismatched[:5]:
-                print(f"    user {u}: ours {got.get(u)}  spark {expected.get(u)}")
         if daemon is not None:
-            print(f"metrics                {daemon.metrics_url}")
-            print(f"dashboard              {daemon.dashboard_url}")
-        print("=" * 72)
+            print(f"dashboard        {daemon.dashboard_url}")
+        print("=" * 78)
+        if args.linger and daemon is not None:
+            _log(t0, f"lingering: the dashboard stays at {daemon.dashboard_url} until Ctrl-C")
+            with contextlib.suppress(KeyboardInterrupt):
+                threading.Event().wait()
     finally:
-        progress.stop_event.set()
-        events_unpersist = locals().get("events")
-        if events_unpersist is not None:
-            events_unpersist.unpersist()
+        if watcher is not None:
+            watcher.stop_event.set()
         spark.stop()
         whole = stop_embedded_daemon()
         _log(t0, f"daemon stopped; network buffer pool whole: {whole}")
+        if own_workdir:
+            shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1
 
 

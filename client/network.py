@@ -16,9 +16,11 @@ import asyncio
 import contextlib
 import functools
 import logging
-from typing import Final
+import ssl
+from typing import Final, Literal
 
 from client.connection_base import HandshakingClientProtocol
+from client.tls import client_ssl_context, connect_kwargs
 from exchange.consumer.remote_input_channel import RemoteInputChannel
 from exchange.errors import (
     ExchangeError,
@@ -135,10 +137,13 @@ class ConnectionManager:
         connect_retries: int = 3,
         connect_backoff: float = 0.1,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        ssl_context: ssl.SSLContext | Literal["env"] | None = "env",
     ) -> None:
         if connect_retries < 0 or connect_backoff <= 0 or connect_timeout <= 0:
             raise UsageError("connect_retries >= 0, connect_backoff > 0, connect_timeout > 0")
         self._secret = secret
+        # TLS to data ports: the given context, or the one $EXCHANGE_TLS_CA_FILE names
+        self._ssl_context = client_ssl_context() if ssl_context == "env" else ssl_context
         self._max_frame_size = max_frame_size_for(segment_size)
         self._retries = connect_retries
         self._backoff = connect_backoff
@@ -175,7 +180,8 @@ class ConnectionManager:
                 if port == 0:
                     conn = loop.create_unix_connection(factory, host)
                 else:
-                    conn = loop.create_connection(factory, host, port)
+                    tls = connect_kwargs(host, self._ssl_context)
+                    conn = loop.create_connection(factory, host, port, **tls)
                 _, handler = await asyncio.wait_for(conn, self._timeout)
             except (OSError, TimeoutError) as e:
                 last = e

@@ -22,12 +22,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, Final
 
+from client._checks import check_codec, check_count, check_optional, check_selector
 from client.local_connection import LocalConnection, resolve_daemon_socket
 from client.runtime import ClientRuntime, get_runtime
 from exchange.errors import UsageError, WriterClosedError
@@ -95,6 +97,29 @@ class DaemonSink:
         await self.conn.aclose()
 
 
+def _check_writer_args(
+    partition_id: Any,
+    num_subpartitions: Any,
+    blocking: Any,
+    daemon_socket: Any,
+    secret: Any,
+    codec: Any,
+    selector: Any,
+    buffer_timeout: Any,
+) -> None:
+    """Every argument of a writer, checked before it connects (UsageError)."""
+    if not isinstance(partition_id, ResultPartitionID):
+        raise UsageError(f"partition_id must be a ResultPartitionID, got {partition_id!r}")
+    check_count("num_subpartitions", num_subpartitions, 1)
+    if not isinstance(blocking, bool):
+        raise UsageError(f"blocking must be a bool, got {blocking!r}")
+    check_optional("daemon_socket", daemon_socket, str)
+    check_optional("secret", secret, bytes)
+    check_codec(codec)
+    check_selector(selector)
+    _check_timeout(buffer_timeout)
+
+
 async def _open_partition(
     partition_id: ResultPartitionID,
     num_subpartitions: int,
@@ -102,14 +127,6 @@ async def _open_partition(
     daemon_socket: str | None,
     secret: bytes | None,
 ) -> tuple[LocalConnection, PartitionCreated]:
-    if not isinstance(partition_id, ResultPartitionID):
-        raise UsageError(f"partition_id must be a ResultPartitionID, got {partition_id!r}")
-    if (
-        not isinstance(num_subpartitions, int)
-        or isinstance(num_subpartitions, bool)
-        or num_subpartitions <= 0
-    ):
-        raise UsageError(f"num_subpartitions must be a positive int, got {num_subpartitions!r}")
     conn = await LocalConnection.connect(resolve_daemon_socket(daemon_socket), secret=secret)
     try:
         reply = await conn.request(CreatePartition(partition_id, blocking, num_subpartitions))
@@ -124,6 +141,7 @@ def _check_timeout(buffer_timeout: float) -> None:
     if (
         not isinstance(buffer_timeout, (int, float))
         or isinstance(buffer_timeout, bool)
+        or math.isnan(buffer_timeout)
         or (buffer_timeout != -1 and buffer_timeout < 0)
     ):
         raise UsageError(f"buffer_timeout must be >= 0 or -1, got {buffer_timeout!r}")
@@ -159,7 +177,16 @@ class AsyncPartitionWriter(AsyncRecordWriter):
         secret: bytes | None = None,
         buffer_timeout: float = DEFAULT_BUFFER_TIMEOUT,
     ) -> AsyncPartitionWriter:
-        _check_timeout(buffer_timeout)
+        _check_writer_args(
+            partition_id,
+            num_subpartitions,
+            blocking,
+            daemon_socket,
+            secret,
+            codec,
+            selector,
+            buffer_timeout,
+        )
         conn, created = await _open_partition(
             partition_id, num_subpartitions, blocking, daemon_socket, secret
         )
@@ -206,9 +233,17 @@ class PartitionWriter:
         runtime: ClientRuntime | None = None,
         window: int = _WINDOW,
     ) -> None:
-        _check_timeout(buffer_timeout)
-        if not isinstance(window, int) or window < 1:
-            raise UsageError(f"window must be a positive int, got {window!r}")
+        _check_writer_args(
+            partition_id,
+            num_subpartitions,
+            blocking,
+            daemon_socket,
+            secret,
+            codec,
+            selector,
+            buffer_timeout,
+        )
+        check_count("window", window, 1)
         self._rt = runtime if runtime is not None else get_runtime()
         conn, created = self._rt.run(
             _open_partition(partition_id, num_subpartitions, blocking, daemon_socket, secret)

@@ -381,19 +381,28 @@ def exchange_shuffle(
     ``$EXCHANGE_SECRET_FILE`` in the executors' environment); the path travels to the
     tasks, the secret does not.
     """
+    # the arguments first, the RDD last: a bad argument is named before Spark is touched
     if not isinstance(num_partitions, int) or isinstance(num_partitions, bool):
         raise UsageError(f"num_partitions must be an int, got {num_partitions!r}")
     if num_partitions <= 0:
         raise UsageError(f"num_partitions must be positive, got {num_partitions}")
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise UsageError(f"mode must be one of {MODES}, got {mode!r}")
     if partition_func is not None and not callable(partition_func):
-        raise UsageError("partition_func must be callable")
-    sc = rdd.context
+        raise UsageError(f"partition_func must be callable, got {partition_func!r}")
+    if codec is not None and not all(
+        callable(getattr(codec, m, None)) for m in ("new_encoder", "new_decoder")
+    ):
+        raise UsageError(f"codec must be a RecordCodec, got {codec!r}")
+    _check_secret_file(secret_file)
+    sc = getattr(rdd, "context", None)
+    if sc is None or not callable(getattr(rdd, "mapPartitionsWithIndex", None)):
+        raise UsageError(f"rdd must be a PySpark RDD of (key, value) pairs, got {rdd!r}")
     the_codec: RecordCodec = codec if codec is not None else default_codec()
     spec = _DaemonSpec(_daemon_hint(sc), secret_file)
     check_executor_python(sc)
     exchange_id = f"x-{uuid.uuid4().hex[:16]}"
+    _known_exchanges.add(exchange_id)
     if mode == "blocking":
         out = _blocking(rdd, num_partitions, partition_func, spec, exchange_id, the_codec)
     else:
@@ -403,6 +412,14 @@ def exchange_shuffle(
 
 
 _exchanges: dict[str, set[str]] = {}
+#: Every exchange id this driver made (a release of another id is a mistake).
+_known_exchanges: set[str] = set()
+
+
+def _check_secret_file(secret_file: object) -> None:
+    """A path (checked where it is read: on every host), or None."""
+    if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
+        raise UsageError(f"secret_file must be a path, got {secret_file!r}")
 
 
 def _blocking(
@@ -512,7 +529,10 @@ def release_exchange(rdd_or_id: Any, *, secret_file: str | None = None) -> int:
     exchange_id = getattr(rdd_or_id, "exchange_id", rdd_or_id)
     if not isinstance(exchange_id, str):
         raise UsageError(f"expected an exchanged RDD or an exchange id, got {rdd_or_id!r}")
-    addresses = _exchanges.pop(exchange_id, set())
+    _check_secret_file(secret_file)
+    if exchange_id not in _known_exchanges:
+        raise UsageError(f"unknown exchange {exchange_id!r}: no exchange_shuffle of this driver")
+    addresses = _exchanges.pop(exchange_id, set())  # empty: released before, or pipelined
     rt = get_runtime()
     released = 0
     for address in addresses:

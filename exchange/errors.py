@@ -19,6 +19,7 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     ├── PartitionError             per-stream failures; carry the partition id
     │   ├── PartitionNotFoundError       no such partition (yet) on that daemon
     │   ├── PartitionReleasedError       the partition was released while in use
+    │   │   └── PartitionDataLostError   its spilled data did not survive a daemon restart
     │   ├── SubpartitionIndexError       index out of range (also a UsageError in spirit)
     │   ├── ProducerFailedError          the producer failed: consumers never see a short read
     │   ├── ConsumerAlreadyAttachedError a pipelined subpartition is consumed once
@@ -51,6 +52,7 @@ __all__ = [
     "IllegalReferenceCountError",
     "IllegalStateError",
     "InsufficientBuffersError",
+    "PartitionDataLostError",
     "PartitionError",
     "PartitionNotFoundError",
     "PartitionNotReadyError",
@@ -174,6 +176,12 @@ class PartitionNotFoundError(PartitionError):
 
 class PartitionReleasedError(PartitionError):
     """The partition was released."""
+
+
+class PartitionDataLostError(PartitionReleasedError):
+    """A finished blocking partition cannot be served again after a daemon restart: a
+    spill file is missing, truncated or corrupt. Travels as PARTITION_RELEASED (its
+    message says which file and what is wrong); the producer has to run again."""
 
 
 class SubpartitionIndexError(PartitionError, IndexError):

@@ -104,6 +104,10 @@ class DaemonConfig:
     debloat_min_buffer_size: int = 256
     debloat_initial_buffer_size: int | None = None
     checkpoint_alignment_limit: int | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_client_auth: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -154,6 +158,21 @@ class DaemonConfig:
                 "debloat_initial_buffer_size",
                 f"{initial} bytes is outside [debloat_min_buffer_size, segment_size] = "
                 f"[{self.debloat_min_buffer_size}, {self.segment_size}]",
+            )
+        if (self.tls_key_file is None) != (self.tls_cert_file is None):
+            missing = "tls_key_file" if self.tls_key_file is None else "tls_cert_file"
+            raise ConfigError(
+                missing, "TLS needs both tls_cert_file and tls_key_file (set neither for none)"
+            )
+        if self.tls_ca_file is not None and self.tls_cert_file is None:
+            raise ConfigError(
+                "tls_ca_file", "checks client certificates of a TLS data port: set tls_cert_file"
+            )
+        if self.tls_client_auth and (self.tls_cert_file is None or self.tls_ca_file is None):
+            raise ConfigError(
+                "tls_client_auth",
+                "requiring client certificates needs TLS (tls_cert_file, tls_key_file) and "
+                "the CA that signs them (tls_ca_file)",
             )
         if self.data_port != 0 and self.data_port == self.http_port:
             raise ConfigError(
@@ -458,6 +477,21 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         "SIZE",
         "most bytes buffered while aligning a checkpoint; default unlimited",
     ),
+    "tls_cert_file": _Setting(
+        _optional_path, _STR, "FILE", "PEM certificate (chain) of the data port; enables TLS"
+    ),
+    "tls_key_file": _Setting(
+        _optional_path, _STR, "FILE", "PEM private key of tls_cert_file (chmod 600)"
+    ),
+    "tls_ca_file": _Setting(
+        _optional_path, _STR, "FILE", "PEM CA bundle that client certificates must chain to"
+    ),
+    "tls_client_auth": _Setting(
+        _bool,
+        (bool,),
+        "BOOL",
+        "require a client certificate signed by tls_ca_file (mutual TLS)",
+    ),
 }
 
 # A setting without a flag or coercer would be silently unconfigurable.
@@ -467,9 +501,13 @@ assert list(_SETTINGS) == [f.name for f in fields(DaemonConfig)]
 # --- loading -----------------------------------------------------------------------------
 
 
+#: Boolean settings: flags ``--x`` / ``--no-x`` (argparse.BooleanOptionalAction).
+_BOOL_FLAGS: Final = {"debloat_enabled": "--debloat", "tls_client_auth": "--tls-client-auth"}
+
+
 def flag_name(setting: str) -> str:
     """The command-line flag of a setting: ``network_memory`` -> ``--network-memory``."""
-    return "--debloat" if setting == "debloat_enabled" else "--" + setting.replace("_", "-")
+    return _BOOL_FLAGS.get(setting) or "--" + setting.replace("_", "-")
 
 
 def env_var_name(setting: str) -> str:
@@ -512,7 +550,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         spec = _SETTINGS[f.name]
         suffix = f" [env {env_var_name(f.name)}; default: {_default_text(f)}]"
         help_text = (spec.help + suffix).replace("%", "%%")
-        if f.name == "debloat_enabled":
+        if f.name in _BOOL_FLAGS:
             parser.add_argument(
                 flag_name(f.name),
                 dest=f.name,
@@ -556,7 +594,8 @@ def config_from_namespace(args: argparse.Namespace, env: Mapping[str, str]) -> D
             values[name] = _coerce(spec, raw, name, f"environment variable {env_var_name(name)}")
     for name, spec in _SETTINGS.items():
         if hasattr(args, name):
-            source = "--debloat/--no-debloat" if name == "debloat_enabled" else flag_name(name)
+            flag = flag_name(name)
+            source = f"{flag}/--no-{flag[2:]}" if name in _BOOL_FLAGS else flag
             values[name] = _coerce(spec, getattr(args, name), name, source)
     return DaemonConfig(**values)
 

@@ -6,6 +6,16 @@ dashboard). Blocking partitions are released explicitly (per exchange) or after 
 time to live. ``shutdown`` stops accepting work, lets in-flight streams finish for a grace
 period, fails what is left (consumers get a typed error, never a silent short read),
 and checks that every segment came back.
+
+Restarts: every partition keeps a manifest in the spill directory
+(``exchange.partition.partition_manifest``). At startup, before any port opens, the
+daemon reads the manifests its predecessor left: finished blocking partitions whose spill
+files are intact are served again (their time to live counted from when they were
+finished); those whose files are missing, truncated or corrupt are refused (readers get a
+PartitionDataLostError naming the file); partitions that were still being written or
+were pipelined died with the old daemon (readers get a ProducerFailedError instead of
+retrying a partition that will never come). A clean shutdown keeps finished blocking
+partitions on disk for the next daemon (an upgrade loses none of them).
 """
 
 from __future__ import annotations
@@ -17,10 +27,26 @@ import os
 import socket
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
-from exchange.errors import ProducerFailedError
+from exchange.errors import (
+    CorruptRecordError,
+    ExchangeError,
+    PartitionDataLostError,
+    PartitionReleasedError,
+    ProducerFailedError,
+)
 from exchange.memory.network_buffer_pool import NetworkBufferPool
+from exchange.partition.partition_manifest import (
+    ManifestState,
+    PartitionManifest,
+    delete_partition_files,
+    orphan_spill_files,
+    read_manifest,
+    scan_manifests,
+    verify_spilled_data,
+)
 from exchange.partition.result_partition import ResultPartition
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_manager import ResultPartitionManager
@@ -29,9 +55,11 @@ from exchange.protocol.codec import max_frame_size_for
 from exchange.protocol.local_messages import DaemonInfo
 from server.config import DaemonConfig
 from server.http_server import HttpServer
+from server.jobs import JobView
 from server.local_endpoint import LocalEndpoint
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer
+from server.tls import server_ssl_context
 
 __all__ = ["ExchangeDaemon"]
 
@@ -52,6 +80,7 @@ class ExchangeDaemon:
         self.data_address = ""
         self.http_address = ""
         self.local_socket = ""
+        self.tls = False
         self._secret = config.load_secret()
         common: dict[str, Any] = dict(
             segment_size=config.segment_size,
@@ -78,6 +107,8 @@ class ExchangeDaemon:
         self._released_bytes_out = 0
         self._released_buffers_out = 0
         self._released_back_pressure = 0.0
+        #: What startup found of the previous daemon's partitions.
+        self.recovered = {"restored": 0, "refused": 0, "failed": 0, "expired": 0}
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -85,7 +116,10 @@ class ExchangeDaemon:
         """Start every server; returns the ready line's fields."""
         cfg = self.config
         cfg.validate_paths()
-        host, port = await self.data_server.start(cfg.host, cfg.data_port)
+        ssl_context = server_ssl_context(cfg)
+        self.recover_partitions()
+        host, port = await self.data_server.start(cfg.host, cfg.data_port, ssl_context)
+        self.tls = ssl_context is not None
         self.data_address = f"{_fmt_host(_advertised_host(host))}:{port}"
         self.local_socket = await self.local_endpoint.start_unix(cfg.resolved_local_socket())
         self.http = HttpServer(self)
@@ -104,6 +138,8 @@ class ExchangeDaemon:
             "local_socket": self.local_socket,
             "segment_size": self.segment_size,
             "segments": self.network_pool.total_segments,
+            "recovered": dict(self.recovered),
+            "tls": self.tls,
         }
 
     #: The settings tasks on this host take from their daemon (``DaemonInfo.settings``).
@@ -150,6 +186,8 @@ class ExchangeDaemon:
         leftover = self._streams_in_flight()
         if leftover:
             log.warning("shutdown: failing %d unfinished stream(s)", leftover)
+        for part in self.manager.partitions:
+            part.keep_spilled_data()  # finished blocking partitions wait for the next daemon
         self.manager.release_all(ProducerFailedError("the exchange daemon is shutting down"))
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -185,7 +223,12 @@ class ExchangeDaemon:
         )
         try:
             part = ResultPartition(
-                pid, ptype, num_subpartitions, pool, spill_dir=self.config.spill_dir
+                pid,
+                ptype,
+                num_subpartitions,
+                pool,
+                spill_dir=self.config.spill_dir,
+                keep_manifest=True,
             )
             self.manager.register_result_partition(part)
         except BaseException:
@@ -194,6 +237,76 @@ class ExchangeDaemon:
         part.add_release_listener(self._on_partition_released)
         self.partitions_created += 1
         return part
+
+    def recover_partitions(self) -> None:
+        """Take over what a previous daemon left in the spill directory (see the module
+        docstring); called by ``start`` before any port opens."""
+        directory = Path(self.config.spill_dir)
+        ttl = self.config.blocking_partition_ttl
+        for path in scan_manifests(directory):
+            try:
+                manifest = read_manifest(path)
+            except (OSError, CorruptRecordError) as e:
+                log.warning("deleting a damaged partition manifest: %s", e)
+                delete_partition_files(path)
+                self.recovered["refused"] += 1
+                continue
+            pid = manifest.partition_id
+            if manifest.state is not ManifestState.FINISHED:
+                what = "pipelined" if manifest.partition_type.is_pipelined else "unfinished"
+                self.manager.remember_gone(
+                    pid,
+                    ProducerFailedError(
+                        f"the {what} partition died with its exchange daemon (restarted)", pid
+                    ),
+                )
+                delete_partition_files(path)
+                self.recovered["failed"] += 1
+                continue
+            age = max(0.0, time.time() - (manifest.finished_at or 0.0))
+            if ttl > 0 and age >= ttl:
+                self.manager.remember_gone(
+                    pid,
+                    PartitionReleasedError(
+                        f"partition was released (time to live of {ttl:.0f}s ran out)", pid
+                    ),
+                )
+                delete_partition_files(path)
+                self.recovered["expired"] += 1
+                continue
+            try:
+                verify_spilled_data(manifest, directory)
+                self._restore(path, manifest, age)
+            except (OSError, ExchangeError) as e:
+                error = (
+                    e
+                    if isinstance(e, PartitionDataLostError)
+                    else PartitionDataLostError(f"cannot be served again: {e}", pid)
+                )
+                log.warning("refusing blocking partition %s after restart: %s", pid, error)
+                self.manager.remember_gone(pid, error)
+                delete_partition_files(path)
+                self.recovered["refused"] += 1
+                continue
+            self.recovered["restored"] += 1
+        for orphan in orphan_spill_files(directory):
+            with contextlib.suppress(FileNotFoundError):
+                orphan.unlink()
+        if any(self.recovered.values()):
+            log.info("partitions of the previous daemon: %s", self.recovered)
+
+    def _restore(self, path: Path, manifest: PartitionManifest, age: float) -> None:
+        n = manifest.num_subpartitions
+        pool = self.network_pool.create_buffer_pool(n, max(n * 2 + 8, 16))
+        try:
+            part = ResultPartition.restore(path, manifest, pool)
+            self.manager.register_result_partition(part)
+        except BaseException:
+            pool.destroy()
+            raise
+        part.add_release_listener(self._on_partition_released)
+        self._finished_at[part.partition_id] = time.monotonic() - age
+        self.partitions_created += 1
 
     def _on_partition_released(self, part: ResultPartition) -> None:
         st = part.stats()
@@ -232,6 +345,10 @@ class ExchangeDaemon:
     def task_reports(self) -> list[TaskReport]:
         """What consumer tasks on this host last reported of their gates (TaskMetrics)."""
         return self.local_endpoint.task_reports()
+
+    def job_views(self) -> list[JobView]:
+        """The streaming jobs whose drivers published their status here (JobStatus)."""
+        return self.local_endpoint.jobs.views()
 
     def totals(self) -> dict[str, float]:
         live = [p.stats() for p in self.manager.partitions]

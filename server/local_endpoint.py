@@ -5,11 +5,18 @@ the producer messages of ``exchange.protocol.local_messages``. A producer connec
 one ResultPartition, driven by a sans-I/O ``exchange.local.ProducerSession``: the daemon
 grants the task credit as segments of the partition's pool are reserved for it, so a task
 pushes at most what the pool can hold and waits (for AddProducerCredit) when it is full:
-backpressure reaching the producer task. This module only moves bytes and messages.
+backpressure reaching the producer task. A pushed data buffer is received in place: the
+PushBuffer frame is a data frame of the connection's in-place decoder, whose body sink is
+the session's ``landing_view`` (the reserved segment), so the kernel writes the body
+straight into it. This module only moves bytes and messages.
 
 A consumer task may also report its gates' figures (TaskMetrics) on a connection of its
 own; the latest report per (connection, task, gate) is kept on that connection, so it
 goes when the connection closes: a task that stopped leaves no stale gauges.
+
+A streaming job's driver publishes its job's status (JobStatus) the same way; the latest
+status of each job is kept on the endpoint's ``jobs`` board (``server.jobs``), also after
+the driver's connection closes, so a finished job stays on the dashboard.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from exchange.errors import (
     PartitionError,
     ProtocolError,
 )
-from exchange.local.producer_session import ProducerSession
+from exchange.local.producer_session import PUSH_BUFFER_FRAMES, ProducerSession, PushHeader
 from exchange.network.server_connection import DATA_PORT_MESSAGES
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.local_messages import (
@@ -36,6 +43,7 @@ from exchange.protocol.local_messages import (
     DaemonInfoRequest,
     FailPartition,
     FinishPartition,
+    JobStatus,
     PartitionCreated,
     PushBuffer,
     Released,
@@ -43,6 +51,7 @@ from exchange.protocol.local_messages import (
     TaskMetrics,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_response_for
+from server.jobs import JobBoard
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
 
@@ -71,6 +80,7 @@ class LocalEndpoint(DataServer):
         self.buffers_received = 0
         self.partitions_created = 0
         self.producer_failures = 0
+        self.jobs = JobBoard(lambda: daemon.manager.partitions, self.task_reports, daemon.config)
 
     def protocol_factory(self) -> PartitionRequestServerProtocol:
         return LocalEndpointProtocol(self)
@@ -148,7 +158,10 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         FailPartition,
         DaemonInfoRequest,
         TaskMetrics,
+        JobStatus,
     }
+    #: A pushed data buffer's payload is received straight into its reserved segment.
+    data_frames = PUSH_BUFFER_FRAMES
 
     def __init__(self, endpoint: LocalEndpoint) -> None:
         super().__init__(endpoint)
@@ -172,6 +185,36 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         self.send(resp)
         self._loop.call_later(_FAILED_PRODUCER_GRACE, self.close)
 
+    # -- pushes: the payload lands in the segment reserved for it ----------------------------
+
+    def body_sink(self, header: PushHeader) -> memoryview | None:
+        session = self.session
+        if session is None or self._producer_failed:
+            return None  # decoded as a message: refused, or dropped (see on_message)
+        return session.landing_view(header)
+
+    def on_payload(self, header: PushHeader, payload: memoryview) -> None:
+        session = self.session
+        assert session is not None
+        was_open = session.is_open  # else the partition went while the bytes arrived
+        try:
+            session.on_data_pushed(header.subpartition, header.size)
+        except PartitionError as e:
+            self._push_refused(session, e)
+            return
+        if was_open:
+            self._count_push(header.size)
+
+    def _push_refused(self, session: ProducerSession, e: PartitionError) -> None:
+        """The partition is gone (released, or a consumer failed): tell the task."""
+        session.fail(str(e))
+        self.fail_producer(error_response_for(e))
+
+    def _count_push(self, n: int) -> None:
+        self.endpoint.bytes_received += n
+        self.endpoint.buffers_received += 1
+        self.daemon.bytes_in += n
+
     def on_message(self, msg: Message) -> None:
         if type(msg) is PushBuffer:
             if self._producer_failed:
@@ -179,18 +222,13 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             session = self.session
             if session is None:
                 raise ProtocolError("PushBuffer before CreatePartition")
-            try:
+            try:  # an event (data buffers land in place, see body_sink)
                 session.on_push(msg.subpartition, msg.data_type, memoryview(msg.payload))
             except PartitionError as e:
-                # The partition is gone (released, or a consumer failed): tell the task.
-                session.fail(str(e))
-                self.fail_producer(error_response_for(e))
+                self._push_refused(session, e)
                 return
             if msg.data_type.is_buffer:
-                n = len(msg.payload)
-                self.endpoint.bytes_received += n
-                self.endpoint.buffers_received += 1
-                self.daemon.bytes_in += n
+                self._count_push(len(msg.payload))
             return
         if self._producer_failed and isinstance(msg, (FinishPartition, FailPartition)):
             return
@@ -215,6 +253,8 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 self.send(self.daemon.info())
             case TaskMetrics():
                 self._task_report(msg)
+            case JobStatus():
+                self.endpoint.jobs.update(msg)
             case _:
                 super().on_message(msg)
 
@@ -250,6 +290,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             self.send,
             max_credit=self.daemon.config.producer_credit,
             on_abort=self.fail_producer,
+            schedule=self._loop.call_soon,
         )
         credit = self.session.start()
         self.send(PartitionCreated(credit, self.daemon.segment_size))
@@ -261,4 +302,6 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             self.endpoint.producers -= 1
             if session.fail("producer task disconnected before closing its partition"):
                 self._count_failure()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # stops the input: nothing lands any more
+        if session is not None:
+            session.drop_landing()

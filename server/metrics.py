@@ -20,6 +20,9 @@ Names follow Flink's meanings:
   (per producer: the same over ``exchange_partition_back_pressured_seconds_total``).
 - ``exchange_bytes_out_total`` / ``exchange_buffers_out_total`` are Flink's ``numBytesOut`` /
   ``numBuffersOut``: what producers wrote into result partitions, kept across releases.
+- ``exchange_asyncio_tasks`` counts the tasks alive on the daemon's event loop when scraped
+  (omitted when collected off the loop); steady under a steady load, so a long run
+  (``bench/soak.py``) watches it for leaks.
 
 Consumer tasks report their input gates' figures to the daemon (``TaskMetrics``, local
 message 76): ``exchange_gate_*`` (buffer debloating: the announced buffer size, throughput,
@@ -30,6 +33,14 @@ task's own counts, since a task's series vanish when its connection closes), lab
 :data:`MAX_LABELLED_TASKS` gates get series (the count ``exchange_task_gates_reporting``
 covers them all).
 
+Streaming jobs whose drivers publish their status here (``JobStatus``, local message 77;
+``server.jobs``) get ``exchange_job_*`` series labelled ``job`` (state, restarts,
+checkpoints completed and failed, the last completed checkpoint's duration, alignment and
+sizes) and ``exchange_task_*`` series labelled ``job`` and ``task``: Flink's back-pressure
+ratio (``backPressuredTimeMsPerSecond`` / 1000) and its status (OK / LOW / HIGH, as a
+``level`` label), input and output pool usage, the debloated buffer size, records in and
+out (gauges of the current attempt's counts).
+
 Per-partition series are bounded: the first :data:`MAX_LABELLED_PARTITIONS` partitions (in
 registration order, so a partition keeps its series while it lives) get their own labels, the
 rest are folded into one series labelled ``"_other"``: counts and bytes summed, pool usage the
@@ -38,6 +49,7 @@ maximum (a sum of ratios means nothing; the worst one is what shows backpressure
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -51,6 +63,7 @@ from exchange.memory.network_buffer_pool import NetworkBufferPoolStats
 from exchange.partition.result_partition import ResultPartition, ResultPartitionStats
 from exchange.partition.result_partition_type import ResultPartitionType
 from server.config import DaemonConfig
+from server.jobs import JobView
 
 __all__ = [
     "MAX_LABELLED_PARTITIONS",
@@ -147,7 +160,8 @@ class DaemonView(Protocol):
     partitions_created, partitions_released, partitions_failed, back_pressured_seconds
     (optionally bytes_sent / buffers_sent of the data port, preferred when present).
     A missing key reads as 0. ``shutting_down`` is read with ``getattr(..., False)``, and
-    ``task_reports()`` (a list of :class:`TaskReport`) is optional the same way.
+    ``task_reports()`` (a list of :class:`TaskReport`) and ``job_views()`` (a list of
+    ``server.jobs.JobView``) are optional the same way.
     """
 
     @property
@@ -191,6 +205,11 @@ class TaskReport:
     gate: str
     metrics: Mapping[str, float]
     received_at: float
+
+
+def _job_views(d: DaemonView) -> list[JobView]:
+    views = getattr(d, "job_views", None)
+    return list(views()) if views is not None else []
 
 
 def _task_reports(d: DaemonView) -> list[TaskReport]:
@@ -352,6 +371,113 @@ class ExchangeCollector:
         yield from self._partitions(d)
         yield from self._traffic_metrics(d)
         yield from self._tasks(_task_reports(d))
+        yield from self._jobs(_job_views(d))
+
+    def _jobs(self, jobs: list[JobView]) -> Iterator[Metric]:
+        state = GaugeMetricFamily(
+            "exchange_job_info",
+            "A streaming job whose driver publishes its status here (always 1).",
+            labels=["job", "state"],
+        )
+        job_gauges = {
+            name: GaugeMetricFamily(name, doc, labels=["job"])
+            for name, doc in (
+                ("exchange_job_attempt", "The job's current attempt (its id)."),
+                ("exchange_job_restarts", "Times the job restarted from a checkpoint."),
+                ("exchange_job_checkpoints_completed", "Checkpoints the job completed."),
+                ("exchange_job_checkpoints_failed", "Checkpoints the job aborted or lost."),
+                (
+                    "exchange_job_last_checkpoint_duration_seconds",
+                    "Trigger to completion of the job's last completed checkpoint.",
+                ),
+                (
+                    "exchange_job_last_checkpoint_alignment_seconds",
+                    "Longest alignment of any task in the job's last completed checkpoint.",
+                ),
+                (
+                    "exchange_job_last_checkpoint_size_bytes",
+                    "State written by all tasks for the job's last completed checkpoint.",
+                ),
+                (
+                    "exchange_job_last_checkpoint_aligned_bytes",
+                    "Bytes processed or parked while aligning the last completed checkpoint.",
+                ),
+            )
+        }
+        task_labels = ["job", "task"]
+        level = GaugeMetricFamily(
+            "exchange_task_back_pressure_status",
+            "Flink's back-pressure status of a task (always 1): OK <= 10 %, LOW <= 50 %, "
+            "HIGH above.",
+            labels=[*task_labels, "level"],
+        )
+        task_gauges = {
+            key: GaugeMetricFamily(name, doc, labels=task_labels)
+            for key, name, doc in (
+                (
+                    "back_pressure_ratio",
+                    "exchange_task_back_pressured_ratio",
+                    "Share of time a task waited for output buffers (Flink's "
+                    "backPressuredTimeMsPerSecond / 1000), over the last seconds.",
+                ),
+                (
+                    "out_pool_usage",
+                    "exchange_task_out_pool_usage",
+                    "Flink's outPoolUsage of a task: its fullest output partition's pool, 0..1.",
+                ),
+                (
+                    "in_pool_usage",
+                    "exchange_task_in_pool_usage",
+                    "Flink's inPoolUsage of a task: buffers its gate holds or was announced "
+                    "over the gate's buffers, 0..1 (buffer debloating on).",
+                ),
+                (
+                    "buffer_size",
+                    "exchange_task_buffer_size_bytes",
+                    "Buffer size a task's gate announced upstream (buffer debloating).",
+                ),
+                ("records_in", "exchange_task_records_in", "Records a task took in (attempt)."),
+                ("records_out", "exchange_task_records_out", "Records a task sent on (attempt)."),
+            )
+        }
+        for view in jobs:
+            s = view.status
+            state.add_metric([s.job, s.state], 1.0)
+            last = next((c for c in reversed(s.checkpoints) if c.status == "COMPLETED"), None)
+            values: dict[str, float | None] = {
+                "exchange_job_attempt": s.attempt,
+                "exchange_job_restarts": s.restarts,
+                "exchange_job_checkpoints_completed": s.checkpoints_completed,
+                "exchange_job_checkpoints_failed": s.checkpoints_failed,
+                "exchange_job_last_checkpoint_duration_seconds": None
+                if last is None
+                else last.duration,
+                "exchange_job_last_checkpoint_alignment_seconds": None
+                if last is None
+                else last.alignment,
+                "exchange_job_last_checkpoint_size_bytes": None
+                if last is None
+                else last.state_bytes,
+                "exchange_job_last_checkpoint_aligned_bytes": None
+                if last is None
+                else last.aligned_bytes,
+            }
+            for name, value in values.items():
+                if value is not None:
+                    job_gauges[name].add_metric([s.job], float(value))
+            for t in view.tasks:
+                labels = [s.job, t.task]
+                if t.back_pressure is not None:
+                    level.add_metric([*labels, t.back_pressure], 1.0)
+                figures = t.json()
+                for key, family in task_gauges.items():
+                    v = figures[key]
+                    if v is not None:
+                        family.add_metric(labels, float(v))
+        yield state
+        yield from job_gauges.values()
+        yield level
+        yield from task_gauges.values()
 
     def _tasks(self, reports: list[TaskReport]) -> Iterator[Metric]:
         yield GaugeMetricFamily(
@@ -393,6 +519,16 @@ class ExchangeCollector:
             "exchange_shutting_down",
             "1 while the daemon is shutting down, else 0.",
             value=1.0 if getattr(d, "shutting_down", False) else 0.0,
+        )
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # collected off the event loop (a test calling collect()):
+            return  # there is no loop whose tasks could be counted
+        yield GaugeMetricFamily(
+            "exchange_asyncio_tasks",
+            "asyncio tasks alive on the daemon's event loop (one per connection, reader, "
+            "sweeper...); a count that only grows is a leak.",
+            value=tasks,
         )
 
     def _network(self, s: NetworkBufferPoolStats) -> Iterator[Metric]:
@@ -652,6 +788,8 @@ def stats_snapshot(
     collector's ``sent`` so ``data_port.bytes_sent_total`` matches ``exchange_bytes_sent_total``.
     ``tasks.items`` are the consumer task gates reporting figures (``TaskReport``), at most
     ``max_partitions`` of them, each with the age of its last report and its ``metrics``.
+    ``jobs`` are the streaming jobs publishing their status here (``server.jobs.JobView``),
+    the most recently updated first.
     """
     d = daemon
     now = float(clock())
@@ -666,6 +804,7 @@ def stats_snapshot(
     if summary.other is not None:
         other = {**_row_json(summary.other), "count": summary.num_other}
     reports = _task_reports(d)
+    jobs = _job_views(d)
     cfg = d.config
     return {
         "daemon_id": d.daemon_id,
@@ -700,6 +839,7 @@ def stats_snapshot(
             "count": len(reports),
             "items": [_task_json(r, now) for r in reports[:max_partitions]],
         },
+        "jobs": [j.json(now) for j in reversed(jobs)],
         "config": {
             "network_memory": cfg.network_memory,
             "segment_size": cfg.segment_size,

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
-from typing import ClassVar, cast
+import ssl
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, cast
 
 from exchange.errors import IllegalStateError, UsageError
 from exchange.network.partition_request_queue import PartitionRequestQueue
@@ -26,6 +27,7 @@ from exchange.network.server_connection import (
     ServerConnectionSettings,
 )
 from exchange.partition.result_partition_manager import ResultPartitionManager
+from exchange.protocol.codec import DataFrameSpec
 from exchange.protocol.messages import ErrorCode, ErrorResponse, Message
 
 __all__ = ["DataServer", "PartitionRequestServerProtocol"]
@@ -80,10 +82,12 @@ class DataServer:
         self.closed_buffers_sent = 0
         self._no_connections: asyncio.Future[None] | None = None
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
+    async def start(
+        self, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+    ) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self.protocol_factory, host, port, reuse_address=True
+            self.protocol_factory, host, port, reuse_address=True, ssl=ssl_context
         )
         sock = self._server.sockets[0].getsockname()
         return str(sock[0]), int(sock[1])
@@ -95,6 +99,8 @@ class DataServer:
             handshake_timeout=self.handshake_timeout,
             close_timeout=self.close_timeout,
             max_frame_size=self.max_frame_size,
+            # Netty's rule: output not flushed yet counts towards the high watermark
+            write_batch_bytes=self.high_watermark,
         )
 
     def protocol_factory(self) -> PartitionRequestServerProtocol:
@@ -165,16 +171,20 @@ class DataServer:
         }
 
 
-class PartitionRequestServerProtocol(asyncio.Protocol):
+class PartitionRequestServerProtocol(asyncio.BufferedProtocol):
     """One client connection: asyncio's callbacks, forwarded to a ``ServerConnection``.
 
     Subclasses (the daemon's local endpoint) override ``on_message`` for the messages of
     their role, declare those in ``accepted_messages``, and call ``super().on_message``
-    for the data protocol's.
+    for the data protocol's. A role receiving data frames declares them in
+    ``data_frames`` and implements ``body_sink`` / ``on_payload``: the transport receives
+    straight into ``get_buffer()``'s view, which is the payload's segment while one lands.
     """
 
     #: Messages this role accepts after the handshake; any other is a protocol error.
     accepted_messages: ClassVar[frozenset[type[Message]]] = DATA_PORT_MESSAGES
+    #: Frames whose payload lands in place (None: every frame is decoded from scratch).
+    data_frames: ClassVar[Mapping[int, DataFrameSpec] | None] = None
 
     def __init__(self, server: DataServer) -> None:
         self._server = server
@@ -205,6 +215,9 @@ class PartitionRequestServerProtocol(asyncio.Protocol):
             accepted_messages=self.accepted_messages,
             release_dataset=srv.release_dataset,
             peer=self.peer,
+            data_frames=self.data_frames,
+            body_sink=self.body_sink if self.data_frames is not None else None,
+            on_payload=self.on_payload if self.data_frames is not None else None,
         )
         srv.total_connections += 1
         if len(srv.connections) >= srv.max_connections:
@@ -217,8 +230,11 @@ class PartitionRequestServerProtocol(asyncio.Protocol):
         srv.connections.add(self)
         transport.set_write_buffer_limits(high=srv.high_watermark, low=srv.low_watermark)
 
-    def data_received(self, data: bytes) -> None:
-        self._conn().receive_data(data)
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._conn().get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._conn().buffer_updated(nbytes)
 
     def pause_writing(self) -> None:
         self._conn().pause_writing()
@@ -237,6 +253,14 @@ class PartitionRequestServerProtocol(asyncio.Protocol):
     def on_message(self, msg: Message) -> None:
         """Handle one accepted message after the handshake (the data protocol here)."""
         self._conn().handle_message(msg)
+
+    def body_sink(self, header: Any) -> memoryview | None:
+        """Where the payload of a data frame lands (None: decode it as a message)."""
+        return None
+
+    def on_payload(self, header: Any, payload: memoryview) -> None:
+        """A data frame's payload has landed in the view ``body_sink`` returned."""
+        raise IllegalStateError("this connection takes no data frames")
 
     def send(self, message: Message) -> None:
         self._conn().send(message)

@@ -8,7 +8,10 @@ Task -> driver: ``register`` (token, attempt, task id, its local daemon) first, 
 ``ack`` (checkpoint id, state handle), ``decline``, ``exhausted`` (a bounded source ran
 out), ``finished``, ``failed`` (error text), ``results`` (a collect sink's records).
 Driver -> task: ``start`` (every task's daemon, the checkpoint to restore), ``trigger``
-(sources), ``complete``, ``abort``, ``finish`` (sources: end the stream), ``cancel``.
+(sources), ``complete``, ``abort``, ``stop`` (sources, a clean stop: end the input now, as
+if exhausted), ``finish`` (after the final checkpoint: end the stream), ``cancel``.
+An ``ack`` carries the state handle, its size (``bytes``) and the task's last alignment
+(``alignment``, seconds).
 
 Attempts are fenced: a task registers with its job attempt and the token of that attempt,
 so a task of a dead attempt (Spark lets it run on for seconds) is refused and its

@@ -28,11 +28,13 @@ import contextlib
 import operator
 import os
 import queue
+import re
 import secrets
+import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,12 +44,12 @@ from client.streaming.checkpoint_storage import CheckpointMetadata, CheckpointSt
 from client.streaming.control import ControlServer
 from client.streaming.functions import Operator
 from client.streaming.graph import JobGraph, Node, Partitioning
+from client.streaming.job_status import JobStatusTracker
 from client.streaming.task import JobSpec, dataset_of, run_task
 from exchange.checkpointing import CheckpointFailureReason
 from exchange.checkpointing.coordinator import (
     CheckpointConfig,
     CheckpointCoordinator,
-    CheckpointStatus,
     CompletedCheckpoint,
     DiscardCheckpoint,
     FailJob,
@@ -59,12 +61,32 @@ from exchange.checkpointing.coordinator import (
 from exchange.config_values import parse_duration
 from exchange.errors import ExchangeError, UsageError
 from exchange.state import DEFAULT_MAX_PARALLELISM
+from exchange.state.key_groups import MAX_MAX_PARALLELISM
 
 __all__ = ["DataStream", "JobFailedError", "JobResult", "KeyedStream", "StreamEnvironment"]
 
 
 class JobFailedError(ExchangeError):
-    """The job failed more often than ``restart_attempts`` allowed."""
+    """The job failed more often than ``restart_attempts`` allowed, or was cancelled hard;
+    ``failures`` holds why each attempt failed, oldest first."""
+
+    def __init__(self, message: str, failures: list[str]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One completed checkpoint, as ``JobResult.checkpoints`` lists it."""
+
+    checkpoint_id: int
+    #: seconds from the trigger to the metadata being durable
+    duration: float
+    #: the longest alignment of any task (seconds from its first barrier to its snapshot)
+    alignment: float
+    #: bytes of state written by all tasks
+    bytes: int
+    is_final: bool = False
 
 
 @dataclass
@@ -77,8 +99,18 @@ class JobResult:
     last_checkpoint_id: int | None
     duration: float
     failures: list[str] = field(default_factory=list)
-    #: every attempt's checkpoint history (the coordinator's, oldest first)
-    checkpoints: list[CheckpointStatus] = field(default_factory=list)
+    #: every checkpoint completed by this driver, oldest first, over all attempts
+    checkpoints: list[CheckpointInfo] = field(default_factory=list)
+    #: (checkpoint id, reason) of every checkpoint aborted by this driver
+    aborted_checkpoints: list[tuple[int, str]] = field(default_factory=list)
+    #: records each task of the last attempt took in (a source: records it emitted)
+    records: dict[str, int] = field(default_factory=dict)
+    #: True when the job ended by ``cancel()`` / Ctrl-C (a clean stop), not end of input
+    stopped: bool = False
+
+
+#: What a job id may be: it names the job's exchanges and its checkpoint directory.
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class StreamEnvironment:
@@ -100,7 +132,22 @@ class StreamEnvironment:
         job_id: str | None = None,
         buffer_timeout: float | str = 0.01,
     ) -> None:
-        self.sc = spark.sparkContext if hasattr(spark, "sparkContext") else spark
+        # the arguments first, Spark last: a bad argument is named before Spark is touched
+        #: how long a record may wait in a task's partly filled output buffer (Flink's
+        #: ``setBufferTimeout``)
+        self.buffer_timeout = parse_duration(buffer_timeout, "buffer_timeout")
+        if type(max_parallelism) is not int or not 1 <= max_parallelism <= MAX_MAX_PARALLELISM:
+            raise UsageError(
+                f"max_parallelism must be an int in [1, {MAX_MAX_PARALLELISM}], "
+                f"got {max_parallelism!r}"
+            )
+        if job_id is not None and (not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id)):
+            raise UsageError(
+                f"job_id must be 1 to 64 letters, digits, '.', '_' or '-' (starting with a "
+                f"letter or digit), got {job_id!r}"
+            )
+        if daemon is not None and (not isinstance(daemon, str) or not daemon):
+            raise UsageError(f"daemon must be a socket path or address, got {daemon!r}")
         self.config = CheckpointConfig(
             interval=parse_duration(checkpoint_interval, "checkpoint_interval"),
             timeout=parse_duration(checkpoint_timeout, "checkpoint_timeout"),
@@ -112,14 +159,18 @@ class StreamEnvironment:
         if not isinstance(checkpoint_dir, str) or not checkpoint_dir:
             raise UsageError(f"checkpoint_dir must be a path or URL, got {checkpoint_dir!r}")
         self.checkpoint_dir = checkpoint_dir
+        sc = getattr(spark, "sparkContext", spark)
+        if not hasattr(sc, "parallelize"):
+            raise UsageError(f"spark must be a SparkSession or SparkContext, got {spark!r}")
+        self.sc = sc
         self.max_parallelism = max_parallelism
-        #: how long a record may wait in a task's partly filled output buffer (Flink's
-        #: ``setBufferTimeout``)
-        self.buffer_timeout = parse_duration(buffer_timeout, "buffer_timeout")
         self.daemon = daemon
         self.job_id = job_id or f"job{uuid.uuid4().hex[:12]}"
         self._nodes: list[Node] = []
-        self._cancel = threading.Event()
+        self._stop = threading.Event()  # clean stop: final checkpoint, then end
+        self._cancel = threading.Event()  # hard cancel
+        #: the running (or last) job's status, published to the driver's local daemon
+        self.status: JobStatusTracker | None = None
 
     # -- building --------------------------------------------------------------------------
 
@@ -199,8 +250,16 @@ class StreamEnvironment:
         )
 
     def cancel(self) -> None:
-        """Stop the running job (from another thread): ``execute`` raises JobFailedError."""
-        self._cancel.set()
+        """Stop the running job (any thread; Ctrl-C in ``execute`` does the same).
+
+        The first call is a clean stop: the sources stop reading, a final checkpoint is
+        taken, sinks commit everything up to it, and ``execute`` returns a JobResult with
+        ``stopped=True`` (a new driver resumes from that checkpoint). A second call (or a
+        second Ctrl-C) cancels at once: ``execute`` raises JobFailedError and what was not
+        committed stays uncommitted."""
+        if self._stop.is_set():
+            self._cancel.set()
+        self._stop.set()
 
     # -- running ---------------------------------------------------------------------------
 
@@ -218,6 +277,14 @@ class StreamEnvironment:
         """Run the job until its bounded input is exhausted (or it is cancelled)."""
         if type(restart_attempts) is not int or restart_attempts < 0:
             raise UsageError(f"restart_attempts must be an int >= 0, got {restart_attempts!r}")
+        if (
+            not isinstance(restart_backoff, (int, float))
+            or isinstance(restart_backoff, bool)
+            or not 0 <= restart_backoff < float("inf")
+        ):
+            raise UsageError(
+                f"restart_backoff must be a number of seconds >= 0, got {restart_backoff!r}"
+            )
         graph = JobGraph.build(self._nodes, self.max_parallelism)
         if not any(v.is_source for v in graph.vertices):
             raise UsageError("the job has no source")
@@ -226,37 +293,68 @@ class StreamEnvironment:
             from client.spark import _daemon_hint
 
             self.daemon = _daemon_hint(self.sc)  # local mode: the embedded daemon
+        with self._ctrl_c_stops():
+            return self._run(graph, restart_attempts, restart_backoff)
+
+    @contextlib.contextmanager
+    def _ctrl_c_stops(self) -> Iterator[None]:
+        """Ctrl-C in the driver (SIGINT, main thread) is ``cancel()``: a clean stop, a
+        second one cancels. PySpark's own handler would cancel every Spark job at once."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_sigint(signum: int, frame: Any) -> None:
+            self.cancel()
+
+        previous = signal.signal(signal.SIGINT, on_sigint)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _run(self, graph: JobGraph, restart_attempts: int, restart_backoff: float) -> JobResult:
         storage = CheckpointStorage(self.checkpoint_dir, retained=self.config.retained)
+        self.status = status = JobStatusTracker(self.job_id, self.daemon)
         started = time.monotonic()
         failures: list[str] = []
-        completed = 0
-        history: list[CheckpointStatus] = []
+        checkpoints: list[CheckpointInfo] = []
+        aborted: list[tuple[int, str]] = []
         last_attempt = 0
         for restart in range(restart_attempts + 1):
             attempt = max(time.time_ns() // 1_000_000, last_attempt + 1)
             last_attempt = attempt
             run = _Attempt(self, graph, storage, attempt)
+            status.attempt_started(attempt, graph)
             error = run.run()
-            completed += run.completed
-            history.extend(run.history)
+            checkpoints.extend(run.checkpoints)
+            aborted.extend(run.aborted)
             if error is None:
+                status.job_ended("FINISHED")
                 latest = storage.latest_completed()
                 return JobResult(
                     self.job_id,
                     restart,
-                    completed,
+                    len(checkpoints),
                     latest.checkpoint_id if latest else None,
                     time.monotonic() - started,
                     failures,
-                    history,
+                    checkpoints,
+                    aborted,
+                    run.records,
+                    stopped=self._stop.is_set(),
                 )
             failures.append(error)
+            status.attempt_failed(error)
             if self._cancel.is_set():
                 break
             if restart < restart_attempts:
-                time.sleep(restart_backoff * (2**restart))
+                self._cancel.wait(restart_backoff * (2**restart))
+                if self._cancel.is_set():
+                    break
+        status.job_ended("CANCELED" if self._cancel.is_set() else "FAILED")
         raise JobFailedError(
-            f"job {self.job_id} failed after {len(failures)} attempt(s): {failures[-1]}"
+            f"job {self.job_id} failed after {len(failures)} attempt(s): {failures[-1]}", failures
         )
 
 
@@ -271,8 +369,11 @@ class _Attempt:
         self.storage = storage
         self.attempt = attempt
         self.task_ids = [t.task_id for t in graph.tasks]
-        self.completed = 0
-        self.history: tuple[CheckpointStatus, ...] = ()
+        self.sources = set(graph.source_task_ids())
+        self.checkpoints: list[CheckpointInfo] = []
+        self.aborted: list[tuple[int, str]] = []
+        self.records: dict[str, int] = {}
+        self._acks: dict[int, tuple[float, int]] = {}  # checkpoint -> (alignment, bytes)
 
     def run(self) -> str | None:
         env, graph = self.env, self.graph
@@ -323,74 +424,98 @@ class _Attempt:
 
         thread = threading.Thread(target=stage, name=f"stream-{group}", daemon=True)
         thread.start()
-        daemons: dict[str, dict[str, Any]] = {}
-        exhausted: set[str] = set()
-        finished: set[str] = set()
-        sources = set(graph.source_task_ids())
-        error: str | None = None
-        started = False
+        self._coord = coord
+        self._server = server
+        self._daemons: dict[str, dict[str, Any]] = {}
+        self._exhausted: set[str] = set()
+        self._finished: set[str] = set()
+        self._started = False
+        self._stopping = False
+        self._restore_msg = restore_msg
+        self.error: str | None = None
         try:
             while True:
                 with contextlib.suppress(queue.Empty):
                     done = outcome.get_nowait()
-                    if done is not None and error is None:
-                        error = f"the Spark stage failed: {type(done).__name__}: {done}"
-                    if done is None and len(finished) < n and error is None:
-                        error = "the Spark stage ended before every task finished"
+                    if done is not None and self.error is None:
+                        self.error = f"the Spark stage failed: {type(done).__name__}: {done}"
+                    if done is None and len(self._finished) < n and self.error is None:
+                        self.error = "the Spark stage ended before every task finished"
                     break
-                if env._cancel.is_set() and error is None:
-                    error = "cancelled"
+                self._step()
+                if self.error is not None:
                     sc.cancelJobGroup(group)
-                deadline = coord.next_deadline() if started else None
-                wait = (
-                    0.05 if deadline is None else min(0.05, max(0.0, deadline - time.monotonic()))
-                )
-                try:
-                    task, msg = server.inbox.get(timeout=wait)
-                except queue.Empty:
-                    task, msg = "", None
-                if msg is not None:
-                    kind = msg["type"]
-                    if kind == "register":
-                        daemons[task] = msg["daemon"]
-                        if len(daemons) == n:
-                            server.broadcast(
-                                {"type": "start", "daemons": daemons, "restore": restore_msg}
-                            )
-                            coord.start()
-                            started = True
-                    elif kind == "ack":
-                        coord.acknowledge(task, msg["checkpoint"], msg["handle"])
-                    elif kind == "decline":
-                        reason = CheckpointFailureReason[msg.get("reason", "DECLINED")]
-                        coord.decline(task, msg["checkpoint"], reason)
-                    elif kind == "exhausted":
-                        exhausted.add(task)
-                        if exhausted >= sources:
-                            coord.request_final_checkpoint()
-                    elif kind == "finished":
-                        finished.add(task)
-                    elif kind in ("failed", "lost") and error is None:
-                        error = f"task {task} {kind}: {msg.get('error', '')}".strip()
-                        sc.cancelJobGroup(group)
-                if started and error is None:
-                    coord.tick()
-                    self._execute(coord, server, sources)
-                    if coord.stats().completed > self.completed:
-                        self.completed = coord.stats().completed
         finally:
-            self.history = coord.history
-            if error is not None:
+            if self.error is not None:
                 sc.cancelJobGroup(group)
             thread.join(60)
             server.close()
-            self._release(daemons)
-        return error
+            self._release(self._daemons)
+        return self.error
 
-    def _execute(
-        self, coord: CheckpointCoordinator, server: ControlServer, sources: set[str]
-    ) -> None:
+    def _step(self) -> None:
+        """One turn of the driver loop: a control message, the coordinator's commands."""
+        env, coord, server = self.env, self._coord, self._server
+        if env._cancel.is_set() and self.error is None:
+            self.error = "cancelled"
+        if env._stop.is_set() and self._started and not self._stopping:
+            self._stopping = True  # a clean stop: sources end their input now
+            server.broadcast({"type": "stop"}, self.sources)
+        deadline = coord.next_deadline() if self._started else None
+        wait = 0.05 if deadline is None else min(0.05, max(0.0, deadline - time.monotonic()))
+        try:
+            task, msg = server.inbox.get(timeout=wait)
+        except queue.Empty:
+            task, msg = "", None
+        if msg is not None:
+            if env.status is not None:
+                env.status.on_message(task, msg)
+            self._handle(task, msg)
+        if self._started and self.error is None:
+            coord.tick()
+            try:
+                self._execute(coord, server)
+            except _AttemptFailed as e:
+                self.error = f"checkpoint failure: {e}"
+        if env.status is not None:
+            env.status.publish()
+
+    def _handle(self, task: str, msg: dict[str, Any]) -> None:
+        coord, server = self._coord, self._server
+        kind = msg["type"]
+        if kind == "register":
+            self._daemons[task] = msg["daemon"]
+            if len(self._daemons) == self.graph.num_tasks:
+                server.broadcast(
+                    {"type": "start", "daemons": self._daemons, "restore": self._restore_msg}
+                )
+                coord.start()
+                self._started = True
+        elif kind == "ack":
+            cid = msg["checkpoint"]
+            alignment, size = self._acks.get(cid, (0.0, 0))
+            self._acks[cid] = (
+                max(alignment, float(msg.get("alignment", 0.0))),
+                size + int(msg.get("bytes", 0)),
+            )
+            coord.acknowledge(task, cid, msg["handle"])
+        elif kind == "decline":
+            reason = CheckpointFailureReason[msg.get("reason", "DECLINED")]
+            coord.decline(task, msg["checkpoint"], reason)
+        elif kind == "exhausted":
+            self._exhausted.add(task)
+            if self._exhausted >= self.sources:
+                coord.request_final_checkpoint()
+        elif kind == "finished":
+            self._finished.add(task)
+            self.records[task] = int(msg.get("records_in", 0))
+        elif kind in ("failed", "lost") and self.error is None:
+            self.error = f"task {task} {kind}: {msg.get('error', '')}".strip()
+
+    def _execute(self, coord: CheckpointCoordinator, server: ControlServer) -> None:
         for cmd in coord.poll_commands():
+            if self.env.status is not None:
+                self.env.status.on_command(cmd)
             match cmd:
                 case TriggerCheckpoint():
                     server.broadcast(
@@ -419,10 +544,14 @@ class _Attempt:
                         coord.checkpoint_finalized(cmd.checkpoint_id)
                         self.storage.apply_retention()
                 case NotifyComplete():
+                    self._completed(coord, cmd.checkpoint_id, cmd.is_final)
                     server.broadcast({"type": "complete", "checkpoint": cmd.checkpoint_id})
                     if cmd.is_final:
                         server.broadcast({"type": "finish"})
                 case NotifyAborted():
+                    self._acks.pop(cmd.checkpoint_id, None)
+                    reason = cmd.reason.value + (f": {cmd.detail}" if cmd.detail else "")
+                    self.aborted.append((cmd.checkpoint_id, reason))
                     server.broadcast({"type": "abort", "checkpoint": cmd.checkpoint_id})
                 case DiscardCheckpoint():
                     if cmd.whole_checkpoint:
@@ -434,6 +563,13 @@ class _Attempt:
                                 self.storage.fs.rm_file(str(h))
                 case FailJob():
                     raise _AttemptFailed(cmd.reason)
+
+    def _completed(self, coord: CheckpointCoordinator, checkpoint_id: int, final: bool) -> None:
+        alignment, size = self._acks.pop(checkpoint_id, (0.0, 0))
+        duration = next(
+            (h.duration or 0.0 for h in coord.history if h.checkpoint_id == checkpoint_id), 0.0
+        )
+        self.checkpoints.append(CheckpointInfo(checkpoint_id, duration, alignment, size, final))
 
     def _release(self, daemons: dict[str, dict[str, Any]]) -> None:
         """Release this attempt's partitions on every daemon its tasks used: tasks killed

@@ -153,6 +153,7 @@ class StreamTask:
         self.records_in = 0
         self.checkpoints = 0
         self._finish = False
+        self._stop = False
         self._last_control = 0.0
         self._head: Collector | None = None
         self._out: _Out | None = None
@@ -284,6 +285,8 @@ class StreamTask:
             local_daemon_id=self.daemon_info.daemon_id,
             checkpoint_listener=self,
             checkpointing_mode=self.job.mode,
+            metrics_socket=self.daemon_socket,  # TaskMetrics: debloating, alignment
+            task_name=f"{self.job.job_id}/{self.task_id}",
             **settings,
         )
 
@@ -304,9 +307,35 @@ class StreamTask:
             }
         data = encode_snapshot(SnapshotKind.TASK_STATE, {"task": self.task_id, "operators": state})
         path = self.storage.write_task_state(checkpoint_id, self.task_id, data)
+        barrier = self.reader.barrier_stats if self.reader is not None else None
         assert self.ctl is not None
-        self.ctl.send({"type": "ack", "checkpoint": checkpoint_id, "handle": path})
+        self.ctl.send(
+            {
+                "type": "ack",
+                "checkpoint": checkpoint_id,
+                "handle": path,
+                "bytes": len(data),
+                "alignment": barrier.last_alignment_duration if barrier is not None else 0.0,
+                "metrics": self._ack_metrics(len(data)),
+            }
+        )
         self.checkpoints += 1
+
+    def _ack_metrics(self, state_bytes: int) -> dict[str, Any]:
+        """Figures an acknowledgement carries (Flink's CheckpointMetrics, and the task's
+        record counts for the job's status): the state's size, the alignment of this
+        checkpoint (a task that reads) and the records in and out so far."""
+        out = self._out.count if self._out is not None else 0
+        metrics: dict[str, Any] = {
+            "state_bytes": state_bytes,
+            "records_in": self.records_in,
+            "records_out": out,
+        }
+        stats = self.reader.barrier_stats if self.reader is not None else None
+        if stats is not None:
+            metrics["alignment"] = stats.last_alignment_duration
+            metrics["aligned_bytes"] = stats.last_aligned_bytes
+        return metrics
 
     def abort_checkpoint(self, checkpoint_id: int, reason: CheckpointFailureReason) -> None:
         for op in self.ops:
@@ -353,6 +382,8 @@ class StreamTask:
                         w.broadcast_cancel(cid)
             case "finish":
                 self._finish = True
+            case "stop":
+                self._stop = True
             case "cancel":
                 raise StreamTaskFailed(f"{self.task_id}: cancelled by the driver")
             case "refused":
@@ -403,10 +434,12 @@ class StreamTask:
             self._poll_control()
             if self._finish:
                 break
-            before = self._out.count if self._out is not None else 0
-            alive = source.poll(out, _POLL_BATCH)
-            emitted = (self._out.count if self._out is not None else 0) - before
-            self.records_in += emitted
+            alive, emitted = False, 0
+            if not self._stop:  # a clean stop ends the input here, as if exhausted
+                before = self._out.count if self._out is not None else 0
+                alive = source.poll(out, _POLL_BATCH)
+                emitted = (self._out.count if self._out is not None else 0) - before
+                self.records_in += emitted
             if alive and emitted == 0:  # idle, rate-limited or watching: wait, never spin
                 ready_in = getattr(source, "ready_in", None)
                 wait = ready_in() if callable(ready_in) else _IDLE_WAIT

@@ -21,11 +21,12 @@ lifecycle is one enum, with the transitions in ``_TRANSITIONS``:
 
 from __future__ import annotations
 
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
 from enum import Enum
-from typing import Final
+from typing import Final, NamedTuple
 
 from exchange.buffers.buffer import Buffer, DataType
 from exchange.errors import (
@@ -40,18 +41,51 @@ from exchange.events.events import EventSerializer
 from exchange.memory.buffer_listener import NotificationResult
 from exchange.partition.pipelined_subpartition import PipelinedSubpartition
 from exchange.partition.result_partition import ResultPartition
+from exchange.protocol.codec import DataFrameSpec
 from exchange.protocol.local_messages import (
     ALL_SUBPARTITIONS,
     AddProducerCredit,
     PartitionFinished,
     ProducerBufferSize,
+    PushBuffer,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_response_for
 
-__all__ = ["DEFAULT_PRODUCER_CREDIT", "ProducerSession", "ProducerSessionState"]
+__all__ = [
+    "DEFAULT_PRODUCER_CREDIT",
+    "PUSH_BUFFER_FRAMES",
+    "ProducerSession",
+    "ProducerSessionState",
+    "PushHeader",
+]
 
 #: Segments a producer may have in flight (its credit window) by default.
 DEFAULT_PRODUCER_CREDIT: Final = 8
+
+_PUSH_PREFIX: Final = struct.Struct(">IB")
+_DATA_TYPES: Final = tuple(DataType)
+
+
+class PushHeader(NamedTuple):
+    """The fixed fields of a PushBuffer frame; ``size`` is the payload's."""
+
+    subpartition: int
+    data_type: DataType
+    size: int
+
+
+def _parse_push(prefix: memoryview, payload_size: int) -> PushHeader:
+    sub, dt = _PUSH_PREFIX.unpack(prefix)
+    try:
+        data_type = DataType(dt)
+    except ValueError:
+        raise ProtocolError(f"bad data type {dt}") from None
+    return PushHeader(sub, data_type, payload_size)
+
+
+#: The local endpoint's data frame: a PushBuffer payload lands in its reserved segment
+#: (``ProducerSession.landing_view``), the header in the decoder's scratch space.
+PUSH_BUFFER_FRAMES: Final = {PushBuffer.MESSAGE_ID: DataFrameSpec(_PUSH_PREFIX.size, _parse_push)}
 
 
 class ProducerSessionState(Enum):
@@ -82,6 +116,7 @@ class ProducerSession:
         max_credit: int = DEFAULT_PRODUCER_CREDIT,
         on_abort: Callable[[ErrorResponse], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        schedule: Callable[[Callable[[], None]], object] | None = None,
     ) -> None:
         if max_credit < 1:
             raise IllegalStateError(f"max_credit must be >= 1, got {max_credit}")
@@ -91,9 +126,16 @@ class ProducerSession:
         self.max_credit = max_credit
         self._batch = max(1, max_credit // 4)
         self._reserved: deque[Buffer] = deque()
+        # taken for pushes whose bytes are arriving, in stream order (the decoder may
+        # hand out several views before the first one's payload is reported)
+        self._landing: deque[Buffer] = deque()
         self._granted = 0  # credit the task holds (granted, not yet used by a push)
         self._unannounced = 0  # reserved segments not yet granted
         self._listening = False
+        # Grants are decided once per event-loop callback (``schedule``: call_soon): a
+        # callback that frees or fills many segments sends one AddProducerCredit for all.
+        self._schedule = schedule
+        self._announce_pending = False
         self._clock = clock
         self._starved_since: float | None = None
         self.state = ProducerSessionState.OPEN
@@ -139,7 +181,19 @@ class ProducerSession:
             self._listening = pool.add_buffer_listener(self)
 
     def _announce(self) -> None:
-        """Grant the reserved segments in a batch, or at once if the task has none."""
+        """Grant the reserved segments in a batch, or at once if the task has none; with
+        ``schedule``, once the current callback is done (one message for what it freed)."""
+        if self._schedule is None:
+            self._announce_now()
+        elif not self._announce_pending:
+            self._announce_pending = True
+            self._schedule(self._announce_scheduled)
+
+    def _announce_scheduled(self) -> None:
+        self._announce_pending = False
+        self._announce_now()
+
+    def _announce_now(self) -> None:
         n = self._unannounced
         if self._granted == 0 and n == 0 and self._starved_since is None:
             self._starved_since = self._clock()  # the task waits for credit: backpressure
@@ -178,23 +232,44 @@ class ProducerSession:
 
     # -- pushes --------------------------------------------------------------------------
 
-    def next_segment(self, size: int) -> Buffer:
-        """The reserved buffer the next pushed data buffer of ``size`` bytes lands in
-        (the caller writes the bytes into ``buffer.segment.view()[:size]``, then calls
-        ``on_data_pushed``). ProtocolError if the task pushed without credit."""
+    def landing_view(self, header: PushHeader) -> memoryview | None:
+        """The body sink of the PushBuffer frame: the view of the reserved segment a
+        pushed data buffer lands in (then ``on_data_pushed``), or None for a frame to be
+        decoded as a message (an event, or a push to a session no longer open: the
+        endpoint drops or refuses those). ProtocolError if the task pushed without credit
+        or more than a segment."""
+        if header.data_type is not DataType.DATA_BUFFER or not self.is_open:
+            return None
+        return self._take_segment(header.size).segment.view()[: header.size]
+
+    def _take_segment(self, size: int) -> Buffer:
         if not self._reserved or self._granted <= 0:
             raise ProtocolError("PushBuffer without credit")
-        buf = self._reserved[0]
-        if size > buf.segment.size:
+        if size > self._reserved[0].segment.size:
             raise ProtocolError(
-                f"pushed buffer of {size} bytes exceeds the {buf.segment.size}-byte segment"
+                f"pushed buffer of {size} bytes exceeds the "
+                f"{self._reserved[0].segment.size}-byte segment"
             )
+        self._granted -= 1
+        buf = self._reserved.popleft()
+        self._landing.append(buf)
         return buf
 
+    def drop_landing(self) -> None:
+        """The connection died while pushes were landing: their segments go back (call
+        this once nothing writes into the views any more)."""
+        while self._landing:
+            self._landing.popleft().release()
+
     def on_data_pushed(self, subpartition: int, size: int) -> None:
-        """The bytes of the next reserved buffer are in place: queue it."""
-        buf = self._reserved.popleft()
-        self._granted -= 1
+        """The bytes of the oldest landing buffer are in place: queue it. A session that
+        ended while they arrived (the partition was released) drops them."""
+        if not self._landing:
+            raise IllegalStateError("no pushed buffer is landing")
+        buf = self._landing.popleft()
+        if not self.is_open:
+            buf.release()
+            return
         buf.set_size(size)
         n = self.partition.num_subpartitions
         if not 0 <= subpartition < n and subpartition != ALL_SUBPARTITIONS:
@@ -216,8 +291,7 @@ class ProducerSession:
             raise ProtocolError(f"PushBuffer after the partition was {self.state.value}")
         if data_type is DataType.DATA_BUFFER:
             size = len(payload)
-            buf = self.next_segment(size)
-            buf.segment.view()[:size] = payload
+            self._take_segment(size).segment.view()[:size] = payload
             self.on_data_pushed(subpartition, size)
             return
         if subpartition != ALL_SUBPARTITIONS:

@@ -14,7 +14,14 @@ Lifecycle, every transition in ``_transition``::
         \\__________________(close / error)__________________/          ^
          \\_____________________(connection lost)_______________________/
 
-Recycling: buffers are written zero-copy (``writelines([header, memoryview])``), so a
+Output: what one callback (received bytes, a deferred queue notification, ``resume_writing``,
+the recycling timer) writes is gathered and written with one ``writelines`` when it returns
+(one send syscall for many frames), or as soon as the output pending here and in the
+transport reaches ``write_batch_bytes`` (the high watermark: Netty counts unflushed bytes
+too), so the transport's watermarks still stop the queue; a write from outside these callbacks (the
+local endpoint answering its producer) goes out at once.
+
+Recycling: buffers are written zero-copy (``writelines([header, memoryview, ...])``), so a
 buffer may only be recycled once the transport no longer holds its bytes. The transport
 always holds the *last* ``get_write_buffer_size()`` bytes written, so a buffer whose frame
 ended at or before ``bytes_written - get_write_buffer_size()`` is out: it is recycled on the
@@ -32,10 +39,10 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Final, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 from exchange.buffers.buffer import Buffer
 from exchange.errors import IllegalStateError, PartitionError, ProtocolError, UsageError
@@ -44,7 +51,11 @@ from exchange.network.partition_request_queue import PartitionRequestQueue
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.protocol.codec import (
     MAX_CONTROL_FRAME_SIZE,
-    FrameDecoder,
+    BodySink,
+    DataFrameSpec,
+    InPlaceFrameDecoder,
+    PayloadReceived,
+    Piece,
     encode,
     encode_buffer_response_header,
 )
@@ -149,6 +160,8 @@ class ServerConnectionSettings:
     close_timeout: float = 1.0
     max_frame_size: int = MAX_CONTROL_FRAME_SIZE
     reap_interval: float = 0.005
+    #: Output of one callback pending at most before it is written (one writelines).
+    write_batch_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
         for name in ("handshake_timeout", "close_timeout", "reap_interval"):
@@ -174,6 +187,12 @@ class ServerConnection:
     ``handle_message`` (the data protocol). A role that accepts more (the daemon's local
     endpoint) passes its own handler and ``accepted_messages`` and delegates the data
     protocol's messages to ``handle_message``.
+
+    Input comes as ``get_buffer``/``buffer_updated`` (``asyncio.BufferedProtocol``'s pair)
+    or ``receive_data``. A role that receives data frames (the local endpoint's PushBuffer)
+    passes ``data_frames``, a ``body_sink`` (the header -> the view the payload lands in,
+    or None to decode the frame as an ordinary message) and ``on_payload`` (a payload has
+    landed): the kernel writes the payload straight into that view, no copy on the way.
     """
 
     def __init__(
@@ -188,7 +207,14 @@ class ServerConnection:
         release_dataset: Callable[[str], int] | None = None,
         nonce_factory: NonceFactory = os.urandom,
         peer: str = "?",
+        data_frames: Mapping[int, DataFrameSpec] | None = None,
+        body_sink: BodySink | None = None,
+        on_payload: Callable[[Any, memoryview], None] | None = None,
     ) -> None:
+        if (body_sink is None) != (on_payload is None) or (body_sink is None) != (
+            data_frames is None
+        ):
+            raise UsageError("data_frames, body_sink and on_payload go together")
         self._settings = settings = settings if settings is not None else _DEFAULT_SETTINGS
         self._transport = transport
         self._timers = timers
@@ -200,11 +226,20 @@ class ServerConnection:
         )
         self.peer = peer
         self._state = ServerConnectionState.HANDSHAKE
-        self._decoder = FrameDecoder(settings.max_frame_size)
+        self._decoder = InPlaceFrameDecoder(
+            settings.max_frame_size, body_sink=body_sink, data_frames=data_frames
+        )
+        self._on_payload = on_payload
         self._handshake = ServerHandshake(settings.secret, nonce_factory=nonce_factory)
         self._writable = True
         self.queue = PartitionRequestQueue(self, self._schedule)
         self._bytes_written = 0
+        # Output of the current callback, written with one writelines when it returns
+        # (``_corked`` > 0 inside a callback) or once ``write_batch_bytes`` are pending.
+        self._out: list[Piece] = []
+        self._out_bytes = 0
+        self._out_buffers: list[tuple[int, int, Buffer]] = []
+        self._corked = 0
         # (end offset of the frame in the byte stream, receiver id, buffer)
         self._in_flight: deque[tuple[int, int, Buffer]] = deque()
         self._reap_timer: Cancellable | None = None
@@ -227,13 +262,42 @@ class ServerConnection:
 
     # -- input ---------------------------------------------------------------------------
 
-    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
-        """Feed received bytes: frames are decoded and handled at once."""
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the transport writes the next received bytes (a payload's own segment
+        while one lands; scratch space otherwise, and once the connection is closing)."""
+        return self._decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        """``nbytes`` were written into the last ``get_buffer()``: handle what completed."""
         if self._state not in _OPEN:
             return  # closing: nothing the peer says matters any more
+        self._decode(self._decoder.buffer_updated, nbytes)
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed received bytes (copied in as a transport would): frames are decoded and
+        handled at once."""
+        if self._state not in _OPEN:
+            return
+        self._decode(self._decoder.feed, data)
+
+    def _decode(self, step: Callable[[Any], list[Message | PayloadReceived]], arg: Any) -> None:
+        self._corked += 1
         try:
-            for msg in self._decoder.feed(data):
-                self._receive(msg)
+            self._decode_corked(step, arg)
+            self._flush_or_fail()
+        finally:
+            self._uncork()
+
+    def _decode_corked(
+        self, step: Callable[[Any], list[Message | PayloadReceived]], arg: Any
+    ) -> None:
+        try:
+            for item in step(arg):
+                if type(item) is PayloadReceived:
+                    assert self._on_payload is not None
+                    self._on_payload(item.header, item.payload)
+                else:
+                    self._receive(item)  # type: ignore[arg-type]
                 if self._state not in _OPEN:
                     return
         except ProtocolError as e:
@@ -324,33 +388,76 @@ class ServerConnection:
         if self._state is not ServerConnectionState.ESTABLISHED:
             self._recycle(receiver_id, buf)
             return
-        transport = self._transport
         size = buf.size
         header = encode_buffer_response_header(
             receiver_id, sequence_number, backlog, buf.data_type, buf.compressed, size
         )
-        try:
-            transport.writelines((header, buf.memoryview()))
-        except BaseException:
-            self._recycle(receiver_id, buf)  # not taken over: ours to recycle
-            raise
-        self._bytes_written += len(header) + size
-        if transport.get_write_buffer_size() == 0:
-            self._recycle(receiver_id, buf)
-            if self._in_flight:
-                self._reap()
-        else:
-            self._in_flight.append((self._bytes_written, receiver_id, buf))
-            self._reap()
+        out = self._out
+        out.append(header)
+        out.append(buf.memoryview())
+        self._out_bytes += len(header) + size
+        self._out_buffers.append((self._bytes_written + self._out_bytes, receiver_id, buf))
+        if (
+            not self._corked
+            or self._out_bytes + self._transport.get_write_buffer_size()
+            >= self._settings.write_batch_bytes
+        ):
+            self._flush()
 
     def send(self, message: Message) -> None:
         """Write a control message (dropped once the transport is closing)."""
-        transport = self._transport
-        if self._state is ServerConnectionState.CLOSED or transport.is_closing():
+        if self._state is ServerConnectionState.CLOSED or self._transport.is_closing():
             return
         pieces = encode(message)
-        transport.writelines(pieces)
-        self._bytes_written += sum(len(p) for p in pieces)
+        self._out.extend(pieces)
+        self._out_bytes += sum(len(p) for p in pieces)
+        if not self._corked:
+            self._flush()
+
+    def _flush(self) -> None:
+        """One ``writelines`` for everything written since the last one (per callback)."""
+        out = self._out
+        if not out:
+            return
+        buffers = self._out_buffers
+        self._out, self._out_bytes, self._out_buffers = [], 0, []
+        transport = self._transport
+        if self._state is ServerConnectionState.CLOSED or transport.is_closing():
+            for _, rid, buf in buffers:  # never taken over: ours to recycle
+                self._recycle(rid, buf)
+            return
+        try:
+            transport.writelines(out)
+        except BaseException:
+            for _, rid, buf in buffers:
+                self._recycle(rid, buf)
+            raise
+        self._bytes_written += sum(len(p) for p in out)
+        if not buffers:
+            return
+        if transport.get_write_buffer_size() == 0:
+            for _, rid, buf in buffers:
+                self._recycle(rid, buf)
+            if self._in_flight:
+                self._reap()
+        else:
+            self._in_flight.extend(buffers)
+            self._reap()
+
+    def _flush_or_fail(self) -> None:
+        try:
+            self._flush()
+        except Exception as e:
+            self._fail(e)
+
+    def _uncork(self) -> None:
+        self._corked -= 1
+        if self._corked == 0 and self._out:
+            try:
+                self._flush()
+            except Exception:
+                log.exception("connection %s: writing failed", self.peer)
+                self.abort()
 
     def _reap(self) -> None:
         """Recycle the buffers whose bytes the transport has sent."""
@@ -385,10 +492,14 @@ class ServerConnection:
     def _guarded(self, callback: Callable[[], None]) -> None:
         if self._state is ServerConnectionState.CLOSED:
             return
+        self._corked += 1
         try:
             callback()
+            self._flush()
         except Exception as e:
             self._fail(e)
+        finally:
+            self._uncork()
 
     def _fail(self, exc: Exception) -> None:
         """An unexpected error: fatal for the connection, and the peer is told if the
@@ -429,8 +540,14 @@ class ServerConnection:
             return
         self._transition(ServerConnectionState.CLOSING)
         self._cancel_handshake_timer()
+        self._decoder.abort()  # a payload being landed is never written again
         # Nothing more will be sent: the views go now, not when the peer has read the rest.
         self.queue.release_all()
+        try:
+            self._flush()  # what this callback wrote so far goes out before the close
+        except Exception:
+            log.exception("connection %s: writing its last bytes failed", self.peer)
+            self._discard_output()
         self._transport.close()
         self._abort_timer = self._timers.call_later(self._settings.close_timeout, self.abort)
 
@@ -442,7 +559,9 @@ class ServerConnection:
         if self._state is not ServerConnectionState.CLOSING:
             self._transition(ServerConnectionState.CLOSING)
             self._cancel_handshake_timer()
+            self._decoder.abort()
             self.queue.release_all()
+        self._discard_output()
         self._transport.abort()
 
     def connection_lost(self, exc: BaseException | None = None) -> None:
@@ -450,15 +569,27 @@ class ServerConnection:
         if self._state is ServerConnectionState.CLOSED:
             return
         self._transition(ServerConnectionState.CLOSED)
+        self._decoder.abort()
         self._writable = False
         for timer in (self._handshake_timer, self._reap_timer, self._abort_timer):
             if timer is not None:
                 timer.cancel()
         self._handshake_timer = self._reap_timer = self._abort_timer = None
         self.queue.release_all()
+        self._discard_output()
         in_flight = self._in_flight
         while in_flight:
             _, rid, buf = in_flight.popleft()
+            try:
+                buf.release()
+            except Exception:
+                log.exception("%s: recycling a buffer of receiver %d failed", self.peer, rid)
+
+    def _discard_output(self) -> None:
+        """Drop output not written yet; its buffers are recycled."""
+        buffers = self._out_buffers
+        self._out, self._out_bytes, self._out_buffers = [], 0, []
+        for _, rid, buf in buffers:
             try:
                 buf.release()
             except Exception:

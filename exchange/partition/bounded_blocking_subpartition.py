@@ -113,6 +113,17 @@ class BoundedBlockingSubpartition:
         self._data.finish_write()
         self._transition(SubpartitionState.FINISHED)
 
+    def restore_finished(self, total_bytes: int, total_buffers: int, data_buffers: int) -> None:
+        """Take over data a previous daemon finished (its file is already complete)."""
+        self.total_bytes = total_bytes
+        self.total_buffers = total_buffers
+        self.num_data_buffers = data_buffers
+        self._transition(SubpartitionState.FINISHED)
+
+    def keep_data(self) -> None:
+        """Leave the data's file on disk when released (a daemon shutting down)."""
+        self._data.keep_file()
+
     def release(self, cause: BaseException | None = None) -> None:
         if self.state is SubpartitionState.RELEASED:
             return

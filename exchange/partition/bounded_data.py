@@ -7,7 +7,10 @@ Flink's BufferReaderWriterUtil layout in spirit) followed by its bytes.
 * ``FileBoundedData`` reads with plain file reads into a few read segments per reader.
 * ``MmapBoundedData`` maps the finished file and hands out zero-copy slices of the map.
 
-Files live in the spill directory and are deleted by ``close``.
+Files live in the spill directory and are deleted by ``close`` (unless ``keep_file`` was
+called: a daemon shutting down leaves finished partitions for its successor). The writer
+keeps a CRC-32 of everything it wrote (``crc32``) for the partition's manifest;
+``create_bounded_data(..., existing=(size, crc32))`` opens a finished file again.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import io
 import mmap
 import os
 import struct
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Final, Protocol
@@ -63,18 +67,31 @@ class BoundedData(Protocol):
     @property
     def size(self) -> int: ...
 
+    @property
+    def crc32(self) -> int: ...
+
+    def keep_file(self) -> None: ...
+
     def close(self) -> None: ...
 
 
 class _FileWriterBase:
-    """Writes buffers into a file in the spill directory."""
+    """Writes buffers into a file in the spill directory (or, given ``existing`` =
+    ``(size, crc32)``, takes a finished file over)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, existing: tuple[int, int] | None = None) -> None:
         self.path = path
-        self._file: BinaryIO | None = open(path, "xb", buffering=1 << 16)  # noqa: SIM115
-        self._size = 0
-        self._finished = False
+        self._keep = False
         self._closed = False
+        if existing is not None:
+            self._file: BinaryIO | None = None
+            self._size, self._crc = existing
+            self._finished = True
+            return
+        self._file = open(path, "xb", buffering=1 << 16)  # noqa: SIM115
+        self._size = 0
+        self._crc = 0
+        self._finished = False
 
     def write_buffer(self, buffer: Buffer) -> None:
         f = self._file
@@ -82,9 +99,14 @@ class _FileWriterBase:
             raise IllegalStateError(f"bounded data {self.path} is no longer writable")
         n = buffer.size
         flags = FLAG_COMPRESSED if buffer.compressed else 0
-        f.write(HEADER.pack(buffer.data_type, flags, n))
+        header = HEADER.pack(buffer.data_type, flags, n)
+        f.write(header)
+        crc = zlib.crc32(header, self._crc)
         if n:
-            f.write(buffer.memoryview())
+            view = buffer.memoryview()
+            f.write(view)
+            crc = zlib.crc32(view, crc)
+        self._crc = crc
         self._size += HEADER.size + n
 
     def _finish_file(self) -> None:
@@ -101,10 +123,21 @@ class _FileWriterBase:
     def size(self) -> int:
         return self._size
 
+    @property
+    def crc32(self) -> int:
+        """CRC-32 of the file's bytes as written."""
+        return self._crc
+
+    def keep_file(self) -> None:
+        """``close`` leaves the file on disk (for the next daemon)."""
+        self._keep = True
+
     def _delete(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._keep:
+            return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -200,8 +233,10 @@ class _FileReader:
 class FileBoundedData(_FileWriterBase):
     """Blocking-partition storage in a file, read with plain reads."""
 
-    def __init__(self, path: Path, segment_size: int) -> None:
-        super().__init__(path)
+    def __init__(
+        self, path: Path, segment_size: int, existing: tuple[int, int] | None = None
+    ) -> None:
+        super().__init__(path, existing)
         self._segment_size = segment_size
 
     def finish_write(self) -> None:
@@ -268,13 +303,20 @@ class _MmapReader:
 class MmapBoundedData(_FileWriterBase):
     """Blocking-partition storage in a file, read through one private memory map."""
 
-    def __init__(self, path: Path, segment_size: int) -> None:
-        super().__init__(path)
+    def __init__(
+        self, path: Path, segment_size: int, existing: tuple[int, int] | None = None
+    ) -> None:
+        super().__init__(path, existing)
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
+        if existing is not None:
+            self._map_file()
 
     def finish_write(self) -> None:
         self._finish_file()
+        self._map_file()
+
+    def _map_file(self) -> None:
         if self._size:
             with open(self.path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -300,10 +342,13 @@ class MmapBoundedData(_FileWriterBase):
         self._delete()
 
 
-def create_bounded_data(kind: str, path: Path, segment_size: int) -> BoundedData:
-    """``kind`` is ``"file"`` or ``"mmap"``."""
+def create_bounded_data(
+    kind: str, path: Path, segment_size: int, *, existing: tuple[int, int] | None = None
+) -> BoundedData:
+    """``kind`` is ``"file"`` or ``"mmap"``; ``existing`` = ``(size, crc32)`` of a finished
+    file to read again (a restored partition) instead of a new file to write."""
     if kind == "file":
-        return FileBoundedData(path, segment_size)
+        return FileBoundedData(path, segment_size, existing)
     if kind == "mmap":
-        return MmapBoundedData(path, segment_size)
+        return MmapBoundedData(path, segment_size, existing)
     raise IllegalStateError(f"unknown bounded data kind {kind!r} (use 'file' or 'mmap')")

@@ -16,11 +16,18 @@ its pool back at ``finish``). A pipelined partition is released once every subpa
 is done: consumed (its reader polled EndOfPartition) or failed (its reader left early).
 Whoever must hear of the end registers a listener (``add_release_listener``,
 ``add_consumer_failure_listener``); listeners are called in order, each once.
+
+With ``keep_manifest`` (the daemon's partitions) the partition keeps a manifest next to
+its spill files (``partition_manifest.py``) so that a restarted daemon serves a finished
+blocking partition again and fails the readers of one that died unfinished;
+``ResultPartition.restore`` builds a finished blocking partition from such a manifest.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +46,13 @@ from exchange.events.events import AbstractEvent, EventSerializer
 from exchange.memory.local_buffer_pool import LocalBufferPool
 from exchange.partition.bounded_blocking_subpartition import BoundedBlockingSubpartition
 from exchange.partition.bounded_data import create_bounded_data
+from exchange.partition.partition_manifest import (
+    MANIFEST_SUFFIX,
+    ManifestState,
+    PartitionManifest,
+    SpilledSubpartition,
+    write_manifest,
+)
 from exchange.partition.pipelined_subpartition import PipelinedSubpartition
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_type import ResultPartitionType
@@ -88,6 +102,8 @@ class ResultPartition:
         *,
         spill_dir: str | os.PathLike[str] | None = None,
         bounded_data_kind: str = "file",
+        keep_manifest: bool = False,
+        restore_from: PartitionManifest | None = None,
     ) -> None:
         if not isinstance(num_subpartitions, int) or num_subpartitions <= 0:
             raise UsageError(f"num_subpartitions must be a positive int, got {num_subpartitions!r}")
@@ -104,18 +120,34 @@ class ResultPartition:
         self.buffer_pool = buffer_pool
         self.segment_size = buffer_pool.segment_size
         self.subpartitions: list[ResultSubpartition] = []
-        if partition_type.is_blocking:
-            directory = Path(spill_dir if spill_dir is not None else "/tmp/exchange-spill")
+        self._bounded_data_kind = bounded_data_kind
+        self._manifest_path: Path | None = None
+        self._keep_spilled = False
+        directory = Path(spill_dir if spill_dir is not None else "/tmp/exchange-spill")
+        stem = f"{_safe(partition_id.dataset_id)}-{partition_id.partition_index}-" + (
+            f"{partition_id.attempt_id}-{uuid.uuid4().hex[:8]}"
+        )
+        if restore_from is not None:
+            self._restore_subpartitions(restore_from, directory)
+        elif partition_type.is_blocking:
             directory.mkdir(parents=True, exist_ok=True)
-            stem = f"{_safe(partition_id.dataset_id)}-{partition_id.partition_index}-" + (
-                f"{partition_id.attempt_id}-{uuid.uuid4().hex[:8]}"
-            )
+            if keep_manifest:  # first, so that no spill file exists without its manifest
+                self._manifest_path = directory / (stem + MANIFEST_SUFFIX)
+                write_manifest(
+                    self._manifest_path, self._manifest(num_subpartitions, False), sync=False
+                )
             for i in range(num_subpartitions):
                 data = create_bounded_data(
                     bounded_data_kind, directory / f"{stem}.{i}.bin", self.segment_size
                 )
                 self.subpartitions.append(BoundedBlockingSubpartition(i, self, data))
         else:
+            if keep_manifest:
+                directory.mkdir(parents=True, exist_ok=True)
+                self._manifest_path = directory / (stem + MANIFEST_SUFFIX)
+                write_manifest(
+                    self._manifest_path, self._manifest(num_subpartitions, False), sync=False
+                )
             for i in range(num_subpartitions):
                 self.subpartitions.append(PipelinedSubpartition(i, self))
         self._state = _WRITING
@@ -127,6 +159,84 @@ class ResultPartition:
         self._back_pressured = 0.0
         self._release_listeners: list[ReleaseListener] = []
         self._consumer_failure_listeners: list[ConsumerFailureListener] = []
+        if restore_from is not None:
+            self._transition(_FINISHED)
+            self.buffer_pool.destroy()  # a finished blocking partition needs no pool
+
+    @classmethod
+    def restore(
+        cls, manifest_path: Path, manifest: PartitionManifest, buffer_pool: LocalBufferPool
+    ) -> ResultPartition:
+        """A finished blocking partition a previous daemon left (its files checked by
+        ``verify_spilled_data``); it keeps ``manifest_path`` as its manifest."""
+        if manifest.state is not ManifestState.FINISHED or not manifest.partition_type.is_blocking:
+            raise UsageError(f"{manifest_path}: only finished blocking partitions are restored")
+        if manifest.segment_size != buffer_pool.segment_size:
+            raise UsageError(
+                f"{manifest_path}: written with segment size {manifest.segment_size}, "
+                f"the daemon now uses {buffer_pool.segment_size}"
+            )
+        part = cls(
+            manifest.partition_id,
+            manifest.partition_type,
+            manifest.num_subpartitions,
+            buffer_pool,
+            spill_dir=manifest_path.parent,
+            bounded_data_kind=manifest.bounded_data_kind,
+            restore_from=manifest,
+        )
+        part._manifest_path = manifest_path
+        return part
+
+    def _restore_subpartitions(self, manifest: PartitionManifest, directory: Path) -> None:
+        for i, spilled in enumerate(manifest.subpartitions):
+            data = create_bounded_data(
+                manifest.bounded_data_kind,
+                directory / spilled.file,
+                self.segment_size,
+                existing=(spilled.size, spilled.crc32),
+            )
+            sub = BoundedBlockingSubpartition(i, self, data)
+            sub.restore_finished(spilled.payload_bytes, spilled.buffers, spilled.data_buffers)
+            self.subpartitions.append(sub)
+
+    def _manifest(self, num_subpartitions: int, finished: bool) -> PartitionManifest:
+        subs: tuple[SpilledSubpartition, ...] = ()
+        if finished:
+            subs = tuple(
+                SpilledSubpartition(
+                    s.data.path.name,
+                    s.data.size,
+                    s.data.crc32,
+                    s.total_buffers,
+                    s.num_data_buffers,
+                    s.total_bytes,
+                )
+                for s in self.subpartitions
+                if isinstance(s, BoundedBlockingSubpartition)
+            )
+        return PartitionManifest(
+            self.partition_id,
+            self.partition_type,
+            ManifestState.FINISHED if finished else ManifestState.WRITING,
+            num_subpartitions,
+            self.segment_size,
+            self._bounded_data_kind,
+            time.time() if finished else None,
+            subs,
+        )
+
+    def keep_spilled_data(self) -> None:
+        """A finished blocking partition with a manifest keeps its files and manifest when
+        released (the daemon shuts down; the next one serves them again). No-op otherwise."""
+        if self._manifest_path is None or self._state is not _FINISHED:
+            return
+        if not self.partition_type.is_blocking:
+            return
+        self._keep_spilled = True
+        for sub in self.subpartitions:
+            if isinstance(sub, BoundedBlockingSubpartition):
+                sub.keep_data()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -300,6 +410,8 @@ class ResultPartition:
         for sub in self.subpartitions:
             sub.finish()
         self._transition(_FINISHED)
+        if self._manifest_path is not None and self.partition_type.is_blocking:
+            write_manifest(self._manifest_path, self._manifest(len(self.subpartitions), True))
         if self.partition_type.is_blocking:
             # Everything is spilled and nothing more will be requested: give the pool's
             # segments and its claim on the global pool back now. A pipelined partition
@@ -336,6 +448,10 @@ class ResultPartition:
         self._finished_at_release = self._state is _FINISHED
         self._transition(_FAILED if isinstance(cause, ProducerFailedError) else _RELEASED)
         self._failure = cause
+        if self._manifest_path is not None and not self._keep_spilled:
+            # before the files: a crash in between leaves orphans the next daemon deletes
+            with contextlib.suppress(FileNotFoundError):
+                self._manifest_path.unlink()
         for sub in self.subpartitions:
             sub.release(cause)
         self.buffer_pool.destroy()

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from typing import Final
 
 from exchange.errors import (
+    PartitionError,
     PartitionNotFoundError,
     PartitionReleasedError,
     ProducerFailedError,
@@ -25,9 +26,12 @@ class ResultPartitionManager:
 
     def __init__(self) -> None:
         self._partitions: dict[ResultPartitionID, ResultPartition] = {}
-        # Recently released ids, so a late reader hears "released" (or "producer failed"),
-        # not "not found". Kept as (failed, text): an exception would pin its traceback.
-        self._released: OrderedDict[ResultPartitionID, tuple[bool, str]] = OrderedDict()
+        # Recently released ids, so a late reader hears "released" (or "producer failed",
+        # or "data lost"), not "not found". Kept as (error type, text): an exception would
+        # pin its traceback.
+        self._released: OrderedDict[ResultPartitionID, tuple[type[PartitionError], str]] = (
+            OrderedDict()
+        )
 
     def register_result_partition(self, partition: ResultPartition) -> None:
         pid = partition.partition_id
@@ -42,10 +46,8 @@ class ResultPartitionManager:
         if part is None:
             released = self._released.get(pid)
             if released is not None:
-                failed, reason = released
-                if failed:
-                    raise ProducerFailedError(f"partition was released ({reason})", pid)
-                raise PartitionReleasedError(f"partition was released ({reason})", pid)
+                error_type, reason = released
+                raise error_type(reason, pid)
             raise PartitionNotFoundError("partition not found", pid)
         return part
 
@@ -79,9 +81,27 @@ class ResultPartitionManager:
             del self._partitions[pid]
             cause = partition.failure_cause
             failed = isinstance(cause, ProducerFailedError)
-            self._released[pid] = (failed, "failed: " + str(cause) if cause else "released")
-            while len(self._released) > _REMEMBER_RELEASED:
-                self._released.popitem(last=False)
+            reason = "failed: " + str(cause) if cause else "released"
+            self._remember(
+                pid,
+                ProducerFailedError if failed else PartitionReleasedError,
+                f"partition was released ({reason})",
+            )
+
+    def remember_gone(self, pid: ResultPartitionID, error: PartitionError) -> None:
+        """A partition this manager never held is gone for good (it died with a previous
+        daemon, or its data did not survive): readers asking for it get ``error``'s type
+        and message instead of a not-found they would retry."""
+        if pid not in self._partitions:
+            text = str(error).removesuffix(f" (partition={pid})")
+            self._remember(pid, type(error), text)
+
+    def _remember(
+        self, pid: ResultPartitionID, error_type: type[PartitionError], text: str
+    ) -> None:
+        self._released[pid] = (error_type, text)
+        while len(self._released) > _REMEMBER_RELEASED:
+            self._released.popitem(last=False)
 
     @property
     def partitions(self) -> list[ResultPartition]:

@@ -16,6 +16,12 @@ other bodies are msgpack maps (not on the data path; easy to extend).
 A consumer task reports its input gate's figures (buffer debloating, checkpoint alignment)
 with TaskMetrics about once a second; the daemon keeps the latest report per connection,
 task and gate for ``/metrics`` and the dashboard, and forgets it when the connection closes.
+
+A streaming job's driver (its CheckpointCoordinator) publishes the job's status to its
+local daemon with JobStatus: state, attempt and restarts, each task's record counts and
+output partitions, the recent checkpoint history. The daemon keeps the latest status per
+job and joins it with what it measures itself (its partitions' back pressure and pool
+usage, the tasks' TaskMetrics) for ``/metrics`` and the dashboard.
 """
 
 from __future__ import annotations
@@ -36,15 +42,23 @@ from exchange.protocol.messages import Message
 
 __all__ = [
     "ALL_SUBPARTITIONS",
+    "CHECKPOINT_STATES",
+    "JOB_STATES",
+    "MAX_JOB_CHECKPOINTS",
+    "MAX_JOB_FAILURES",
+    "MAX_JOB_TASKS",
     "MAX_TASK_METRICS",
     "MAX_TASK_NAME_LENGTH",
     "TASK_METRIC_NAMES",
     "AddProducerCredit",
+    "CheckpointRecord",
     "CreatePartition",
     "DaemonInfo",
     "DaemonInfoRequest",
     "FailPartition",
     "FinishPartition",
+    "JobStatus",
+    "JobTask",
     "PartitionCreated",
     "PartitionFinished",
     "ProducerBufferSize",
@@ -232,6 +246,154 @@ class TaskMetrics(Message):
                 raise ProtocolError(f"task metric {k} must be a finite number, got {v!r:.80}")
 
 
+#: A streaming job's states (Flink's JobStatus, the ones this runtime has).
+JOB_STATES: Final = ("RUNNING", "RESTARTING", "FINISHED", "FAILED", "CANCELED")
+#: A checkpoint's states in a JobStatus history (Flink's CheckpointStatsStatus).
+CHECKPOINT_STATES: Final = ("IN_PROGRESS", "COMPLETED", "FAILED")
+#: Most tasks, history entries and failure texts one JobStatus carries (the frame limit of
+#: the local endpoint, 32 KiB by default, bounds the whole message too).
+MAX_JOB_TASKS: Final = 64
+MAX_JOB_CHECKPOINTS: Final = 16
+MAX_JOB_FAILURES: Final = 4
+#: Longest failure text (characters) a JobStatus carries.
+MAX_JOB_FAILURE_LENGTH: Final = 512
+_U64: Final = 2**64 - 1
+
+
+def _check_name(v: Any, what: str) -> None:
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_TASK_NAME_LENGTH:
+        raise ProtocolError(
+            f"{what} must be a string of 1 to {MAX_TASK_NAME_LENGTH} characters, got {v!r:.80}"
+        )
+
+
+def _check_uint(v: Any, what: str, limit: int = _U64) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= limit:
+        raise ProtocolError(f"{what} must be an int in [0, {limit}], got {v!r:.80}")
+
+
+def _check_seconds(v: Any, what: str, *, optional: bool = False) -> None:
+    if v is None and optional:
+        return
+    if (
+        not isinstance(v, int | float)
+        or isinstance(v, bool)
+        or not math.isfinite(v)
+        or not 0 <= v <= _MAX_METRIC_VALUE
+    ):
+        raise ProtocolError(f"{what} must be a finite number >= 0, got {v!r:.80}")
+
+
+@dataclass(frozen=True, slots=True)
+class JobTask:
+    """One task (subtask) of a streaming job in a JobStatus.
+
+    ``outputs`` are the datasets of its output exchanges (its partition in each has index
+    ``subtask``); ``channels`` the number of its input channels (0 for a source).
+    """
+
+    task: str
+    name: str
+    subtask: int
+    outputs: tuple[str, ...]
+    channels: int
+    records_in: int
+    records_out: int
+
+    def __post_init__(self) -> None:
+        _check_name(self.task, "JobTask task")
+        _check_name(self.name, "JobTask name")
+        _check_uint(self.subtask, "JobTask subtask", 0xFFFFFFFF)
+        _check_uint(self.channels, "JobTask channels", 0xFFFFFFFF)
+        _check_uint(self.records_in, "JobTask records_in")
+        _check_uint(self.records_out, "JobTask records_out")
+        if not isinstance(self.outputs, tuple) or len(self.outputs) > 8:
+            raise ProtocolError("JobTask outputs must be a list of at most 8 datasets")
+        for d in self.outputs:
+            _check_name(d, "JobTask output dataset")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRecord:
+    """One checkpoint of a JobStatus history (Flink's checkpoint statistics).
+
+    ``trigger_time`` is Unix seconds; ``duration`` trigger to completion (None while in
+    progress); ``alignment`` the longest alignment of any task, ``aligned_bytes`` the bytes
+    processed or parked while aligning (all tasks), ``state_bytes`` the size of the state
+    written (all tasks), from the tasks' acknowledgements.
+    """
+
+    checkpoint_id: int
+    status: str
+    trigger_time: float
+    duration: float | None
+    alignment: float | None
+    aligned_bytes: int
+    state_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_uint(self.checkpoint_id, "checkpoint id")
+        if self.status not in CHECKPOINT_STATES:
+            raise ProtocolError(
+                f"checkpoint status must be one of {', '.join(CHECKPOINT_STATES)}, "
+                f"got {self.status!r:.80}"
+            )
+        _check_seconds(self.trigger_time, "checkpoint trigger_time")
+        _check_seconds(self.duration, "checkpoint duration", optional=True)
+        _check_seconds(self.alignment, "checkpoint alignment", optional=True)
+        _check_uint(self.aligned_bytes, "checkpoint aligned_bytes")
+        _check_uint(self.state_bytes, "checkpoint state_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class JobStatus(Message):
+    """Driver -> its local daemon: the status of one streaming job (no reply).
+
+    Sent when the job's state changes and about once a second while it runs; the daemon
+    keeps the latest per ``job``. Anything out of bounds raises ProtocolError, on whichever
+    side builds or decodes the message.
+    """
+
+    MESSAGE_ID: ClassVar[int] = 77
+    job: str
+    state: str
+    attempt: int
+    restarts: int
+    started_at: float
+    checkpoints_completed: int
+    checkpoints_failed: int
+    tasks: tuple[JobTask, ...] = ()
+    checkpoints: tuple[CheckpointRecord, ...] = ()
+    failures: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_name(self.job, "JobStatus job")
+        if self.state not in JOB_STATES:
+            raise ProtocolError(
+                f"job state must be one of {', '.join(JOB_STATES)}, got {self.state!r:.80}"
+            )
+        _check_uint(self.attempt, "JobStatus attempt")
+        _check_uint(self.restarts, "JobStatus restarts", 0xFFFFFFFF)
+        _check_seconds(self.started_at, "JobStatus started_at")
+        _check_uint(self.checkpoints_completed, "JobStatus checkpoints_completed")
+        _check_uint(self.checkpoints_failed, "JobStatus checkpoints_failed")
+        for name, items, kind, limit in (
+            ("tasks", self.tasks, JobTask, MAX_JOB_TASKS),
+            ("checkpoints", self.checkpoints, CheckpointRecord, MAX_JOB_CHECKPOINTS),
+            ("failures", self.failures, str, MAX_JOB_FAILURES),
+        ):
+            if not isinstance(items, tuple) or len(items) > limit:
+                raise ProtocolError(f"JobStatus {name} must be a list of at most {limit}")
+            for item in items:
+                if not isinstance(item, kind):
+                    raise ProtocolError(f"JobStatus {name} holds a {type(item).__name__}")
+        for text in self.failures:
+            if len(text) > MAX_JOB_FAILURE_LENGTH:
+                raise ProtocolError(
+                    f"a JobStatus failure is at most {MAX_JOB_FAILURE_LENGTH} characters"
+                )
+
+
 # -- codecs ------------------------------------------------------------------------------
 
 
@@ -391,6 +553,122 @@ def _register() -> None:
         TaskMetrics,
         _dec_task_metrics,
         lambda m: _pack({"task": m.task, "gate": m.gate, "metrics": m.metrics}),
+    )
+    register_message(77, JobStatus, _dec_job_status, _enc_job_status)
+
+
+_TASK_KEYS: Final = ("task", "name", "subtask", "outputs", "channels", "in", "out")
+_CHECKPOINT_KEYS: Final = ("id", "status", "trigger", "duration", "alignment", "aligned", "size")
+_JOB_KEYS: Final = (
+    "job",
+    "state",
+    "attempt",
+    "restarts",
+    "started",
+    "completed",
+    "failed",
+    "tasks",
+    "checkpoints",
+    "failures",
+)
+
+
+def _exact_map(v: Any, keys: tuple[str, ...], what: str) -> dict[str, Any]:
+    if not isinstance(v, dict) or set(v) != set(keys):
+        raise ProtocolError(f"{what} must be a map with keys {sorted(keys)}")
+    return v
+
+
+def _list(v: Any, what: str, limit: int) -> list[Any]:
+    if not isinstance(v, list) or len(v) > limit:
+        raise ProtocolError(f"{what} must be a list of at most {limit}")
+    return v
+
+
+def _dec_job_status(body: memoryview) -> JobStatus:
+    m = _unpack_map(body, _JOB_KEYS)
+    tasks = []
+    for t in _list(m["tasks"], "tasks", MAX_JOB_TASKS):
+        t = _exact_map(t, _TASK_KEYS, "a JobStatus task")
+        outputs = _list(t["outputs"], "outputs", 8)
+        tasks.append(
+            JobTask(
+                t["task"],
+                t["name"],
+                t["subtask"],
+                tuple(outputs),
+                t["channels"],
+                t["in"],
+                t["out"],
+            )
+        )
+    checkpoints = []
+    for c in _list(m["checkpoints"], "checkpoints", MAX_JOB_CHECKPOINTS):
+        c = _exact_map(c, _CHECKPOINT_KEYS, "a JobStatus checkpoint")
+        checkpoints.append(
+            CheckpointRecord(
+                c["id"],
+                c["status"],
+                c["trigger"],
+                c["duration"],
+                c["alignment"],
+                c["aligned"],
+                c["size"],
+            )
+        )
+    failures = _list(m["failures"], "failures", MAX_JOB_FAILURES)
+    for f in failures:
+        _str(f, "a failure")
+    return JobStatus(
+        m["job"],
+        m["state"],
+        m["attempt"],
+        m["restarts"],
+        m["started"],
+        m["completed"],
+        m["failed"],
+        tuple(tasks),
+        tuple(checkpoints),
+        tuple(failures),
+    )
+
+
+def _enc_job_status(m: JobStatus) -> list[bytes]:
+    return _pack(
+        {
+            "job": m.job,
+            "state": m.state,
+            "attempt": m.attempt,
+            "restarts": m.restarts,
+            "started": m.started_at,
+            "completed": m.checkpoints_completed,
+            "failed": m.checkpoints_failed,
+            "tasks": [
+                {
+                    "task": t.task,
+                    "name": t.name,
+                    "subtask": t.subtask,
+                    "outputs": list(t.outputs),
+                    "channels": t.channels,
+                    "in": t.records_in,
+                    "out": t.records_out,
+                }
+                for t in m.tasks
+            ],
+            "checkpoints": [
+                {
+                    "id": c.checkpoint_id,
+                    "status": c.status,
+                    "trigger": c.trigger_time,
+                    "duration": c.duration,
+                    "alignment": c.alignment,
+                    "aligned": c.aligned_bytes,
+                    "size": c.state_bytes,
+                }
+                for c in m.checkpoints
+            ],
+            "failures": list(m.failures),
+        }
     )
 
 

@@ -291,6 +291,24 @@ class RecordWriter:
                 # also when a record was refused: the others are pending, to be flushed
                 self._account(count)
             return count
+        if n == 1 and partition_func is None and key_func is None:
+            # One subpartition and nothing to call: no key to look at, no routing.
+            stream = streams[0]
+            it = iter(records)
+            try:
+                while True:
+                    pending = stream.records  # a new list after each _encode
+                    before = len(pending)
+                    pending.extend(itertools.islice(it, _SLICE))
+                    taken = len(pending) - before
+                    count += taken
+                    if len(pending) >= min(stream.batch, self._batch_hint):
+                        self._encode(0, stream)
+                    if taken < _SLICE:
+                        break
+            finally:
+                self._account(count)
+            return count
         # Only keys of exactly these types are cached: keys Python finds equal but the
         # hash tells apart (1, True, 1.0, or tuples of them) must not share an entry.
         cache: dict[Any, int] = {}

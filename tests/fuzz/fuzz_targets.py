@@ -11,7 +11,8 @@ Targets (``TARGETS``): ``frame`` (``FrameDecoder`` and ``InPlaceFrameDecoder``, 
 local-endpoint ids), ``handshake`` (``ServerHandshake``/``ClientHandshake`` fed the messages
 the frame decoder makes of the input), ``local_messages`` (the bodies of the local-endpoint
 messages, ids 64..75), ``msgpack`` (``MsgpackDecoder``), ``framed`` (``FramedDecoder`` of
-``BytesCodec`` and of a UTF-8 payload codec), ``pickle_framing`` (``PickleBatchDecoder``).
+``BytesCodec`` and of a UTF-8 payload codec), ``pickle_framing`` (``PickleBatchDecoder``),
+``manifest`` (the partition manifests a restarted daemon reads, ``decode_manifest``).
 
 The rule, as in python-websockets' fuzzers: **every input either parses or raises a
 documented error** (``DOCUMENTED[target]``, typed errors of ``exchange/errors.py``). Each
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import pickle
 import random
@@ -83,7 +85,16 @@ with _instrumented():
     import msgpack
 
     from exchange.errors import CorruptRecordError, ExchangeError, ProtocolError
+    from exchange.partition.partition_manifest import (
+        ManifestState,
+        PartitionManifest,
+        SpilledSubpartition,
+        decode_manifest,
+        encode_manifest,
+        wrap_body,
+    )
     from exchange.partition.result_partition_id import ResultPartitionID
+    from exchange.partition.result_partition_type import ResultPartitionType
     from exchange.protocol import local_messages  # registers ids 64..
     from exchange.protocol.codec import (
         FRAME_HEADER_SIZE,
@@ -139,6 +150,7 @@ DOCUMENTED: dict[str, tuple[type[BaseException], ...]] = {
     "msgpack": (CorruptRecordError,),
     "framed": (CorruptRecordError,),
     "pickle_framing": (CorruptRecordError,),
+    "manifest": (CorruptRecordError,),
 }
 
 #: Record decoders get a small limit, so that the fuzzer reaches it with small inputs.
@@ -464,6 +476,26 @@ def run_pickle_framing(data: bytes) -> None:
             raise InvariantError(f"{name}: a stream of valid pickles fails with {err}")
 
 
+_MANIFEST_PATH = Path("fuzz.manifest")
+
+
+def run_manifest(data: bytes) -> None:
+    """A partition manifest a restarted daemon reads (``decode_manifest``). The first byte
+    picks how the rest is used: 0 = the file's bytes as they are (the checksum guards the
+    body), else = a body the target wraps with its right checksum, so the fuzzer reaches
+    the body's parser. A manifest that parses re-encodes to one that parses equal."""
+    if not data:
+        return
+    raw = data[1:] if data[0] == 0 else wrap_body(data[1:].decode("utf-8", "replace"))
+    try:
+        manifest = decode_manifest(raw, _MANIFEST_PATH)
+    except DOCUMENTED["manifest"]:
+        return
+    again = decode_manifest(encode_manifest(manifest), _MANIFEST_PATH)
+    if again != manifest:
+        raise InvariantError(f"manifest does not survive re-encoding: {manifest} -> {again}")
+
+
 # -- the table --------------------------------------------------------------------------------
 
 
@@ -566,6 +598,29 @@ def _framed_seeds() -> list[bytes]:
     return [*frames, b"".join(frames), _LEN.pack(RECORD_LIMIT + 1) + b"z" * 8]
 
 
+def _manifest_seeds() -> list[bytes]:
+    pid = ResultPartitionID("ds", 3, 1)
+    writing = PartitionManifest(
+        pid, ResultPartitionType.PIPELINED, ManifestState.WRITING, 2, 32768, "file"
+    )
+    finished = PartitionManifest(
+        pid,
+        ResultPartitionType.BLOCKING,
+        ManifestState.FINISHED,
+        1,
+        32768,
+        "mmap",
+        1.7e9,
+        (SpilledSubpartition("ds-3-1-abcd.0.bin", 100, 12345, 3, 2, 82),),
+    )
+    out = []
+    for m in (writing, finished):
+        file = encode_manifest(m)
+        out.append(b"\x00" + file)
+        out.append(b"\x01" + json.loads(file)["body"].encode())
+    return out
+
+
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
@@ -575,6 +630,7 @@ TARGETS: dict[str, Target] = {
         Target("msgpack", run_msgpack, _msgpack_seeds),
         Target("framed", run_framed, _framed_seeds),
         Target("pickle_framing", run_pickle_framing, _framed_seeds),
+        Target("manifest", run_manifest, _manifest_seeds),
     )
 }
 

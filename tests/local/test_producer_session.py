@@ -22,8 +22,15 @@ from exchange.errors import (
 )
 from exchange.events.events import CancelCheckpointMarker, EventSerializer
 from exchange.local import ProducerSession, ProducerSessionState
+from exchange.local.producer_session import PUSH_BUFFER_FRAMES, PushHeader
 from exchange.partition import ALL_SUBPARTITIONS, ResultPartition, ResultPartitionType
-from exchange.protocol.local_messages import AddProducerCredit, PartitionFinished
+from exchange.protocol.codec import (
+    DEFAULT_MAX_FRAME_SIZE,
+    InPlaceFrameDecoder,
+    PayloadReceived,
+    encode,
+)
+from exchange.protocol.local_messages import AddProducerCredit, PartitionFinished, PushBuffer
 from exchange.protocol.messages import ErrorResponse, Message
 
 PIPELINED = ResultPartitionType.PIPELINED
@@ -98,6 +105,29 @@ def test_credit_comes_back_in_batches_as_consumers_free_segments(
         push(s, 0, b"again")
     assert task.credit == 8 and s.credit_outstanding == unannounced
     part.release()
+
+
+def test_with_a_scheduler_one_grant_per_callback(make_partition: Callable[..., Any]) -> None:
+    part = make_partition("p", PIPELINED, 1, pool_size=(1, 8))
+    task = Task()
+    later: list[Callable[[], None]] = []
+    s = ProducerSession(part, task.sent.append, max_credit=8, schedule=later.append)
+    part.create_subpartition_view(0, Listener())
+    assert s.start() == 8
+    for i in range(8):
+        push(s, 0, bytes([i]) * 100)
+    assert len(later) == 1  # decided once the callback is done, whatever it pushed
+    later.pop()()
+    assert task.sent == []  # nothing was free: no grant
+    assert drain(part, 0) == 8  # one callback frees eight segments...
+    assert len(later) == 1
+    later.pop()()
+    assert task.sent == [AddProducerCredit(8)]  # ...and the task hears once
+    push(s, 0, b"x")
+    assert len(later) == 1
+    part.release()
+    later.pop()()  # a grant decided after the partition went sends nothing
+    assert task.sent == [AddProducerCredit(8)]
 
 
 def test_push_without_credit_or_too_large_is_a_protocol_error(
@@ -197,3 +227,97 @@ def test_reader_leaving_early_fails_the_partition_for_every_other_reader(
     assert staying.is_released
     assert isinstance(staying.failure_cause, PartitionReleasedError | ProducerFailedError)
     staying.release_all_resources()
+
+
+# -- pushes land in place: the decoder receives the payload straight into the segment ----
+
+
+def push_frame(target: int, data_type: DataType, payload: bytes) -> bytes:
+    return b"".join(encode(PushBuffer(target, data_type, payload)))
+
+
+def in_place_decoder(s: ProducerSession) -> InPlaceFrameDecoder:
+    return InPlaceFrameDecoder(
+        DEFAULT_MAX_FRAME_SIZE, body_sink=s.landing_view, data_frames=PUSH_BUFFER_FRAMES
+    )
+
+
+def test_pushed_payloads_land_in_their_reserved_segments(
+    make_partition: Callable[..., Any],
+) -> None:
+    part, s, _ = session_for(make_partition, 1, (1, 4), credit=4)
+    view = part.create_subpartition_view(0, Listener())
+    s.start()
+    segments = [b.segment for b in s._reserved]
+    dec = in_place_decoder(s)
+    big = bytes(range(256)) * 12  # larger than the read-ahead: most of it lands in place
+    stream = push_frame(0, DataType.DATA_BUFFER, b"small") + push_frame(
+        0, DataType.DATA_BUFFER, big
+    )
+    out: list[Any] = []
+    pos = 0
+    while pos < len(stream):  # as the transport does: into get_buffer(), then report
+        target = dec.get_buffer()
+        k = min(len(target), len(stream) - pos)
+        target[:k] = stream[pos : pos + k]
+        pos += k
+        out.extend(dec.buffer_updated(k))
+    # the second payload was written by the "transport" into the reserved segment itself
+    assert [type(o) for o in out] == [PayloadReceived, PayloadReceived]
+    for o in out:
+        s.on_data_pushed(o.header.subpartition, o.header.size)
+    got = []
+    while (b := view.get_next_buffer()) is not None:
+        got.append((b.buffer.segment, bytes(b.buffer.memoryview())))
+        b.buffer.release()
+    assert got == [(segments[0], b"small"), (segments[1], big)]
+    # an event is decoded as a message, not landed
+    (event,) = dec.feed(
+        push_frame(
+            ALL_SUBPARTITIONS,
+            DataType.EVENT_BUFFER,
+            EventSerializer.to_bytes(CancelCheckpointMarker(1)),
+        )
+    )
+    assert isinstance(event, PushBuffer)
+    view.release_all_resources()
+    part.release()
+
+
+def test_push_without_credit_stops_the_in_place_decoder(
+    make_partition: Callable[..., Any],
+) -> None:
+    part, s, _ = session_for(make_partition, 1, (1, 1), credit=1)
+    s.start()
+    dec = in_place_decoder(s)
+    frames = push_frame(0, DataType.DATA_BUFFER, b"a") + push_frame(0, DataType.DATA_BUFFER, b"b")
+    with pytest.raises(ProtocolError, match="without credit"):
+        dec.feed(frames)
+    s.drop_landing()  # the connection dies: the landed, unreported segment goes back
+    part.release()
+
+
+def test_partition_released_while_a_push_lands_drops_it(
+    make_partition: Callable[..., Any], nbp: Any
+) -> None:
+    part, s, task = session_for(make_partition, 1, (1, 2), credit=2)
+    s.start()
+    target = s.landing_view(PushHeader(0, DataType.DATA_BUFFER, 4))
+    assert target is not None
+    part.release(PartitionReleasedError("released"))  # while the bytes arrive
+    assert s.state is ProducerSessionState.ABORTED and len(task.aborted) == 1
+    target[:] = b"late"  # the segment is still ours until the payload is reported
+    s.on_data_pushed(0, 4)  # dropped: back to the pool
+    assert s.landing_view(PushHeader(0, DataType.DATA_BUFFER, 4)) is None
+
+
+def test_connection_lost_while_a_push_lands_returns_the_segment(
+    make_partition: Callable[..., Any],
+) -> None:
+    _part, s, _ = session_for(make_partition, 1, (1, 2), credit=2)
+    s.start()
+    assert s.landing_view(PushHeader(0, DataType.DATA_BUFFER, 10)) is not None
+    assert s.fail("task disconnected")
+    s.drop_landing()
+    with pytest.raises(IllegalStateError):
+        s.on_data_pushed(0, 10)

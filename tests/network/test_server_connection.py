@@ -137,8 +137,10 @@ class FakeTransport:
         self.closing = False
         self.aborted = False
         self.fail_buffer_writes = False
+        self.writes = 0  # writelines calls (send syscalls, for a real transport)
 
     def writelines(self, list_of_data: Iterable[bytes | memoryview], /) -> None:
+        self.writes += 1
         pieces = [memoryview(p).cast("B") for p in list_of_data]
         if self.fail_buffer_writes and len(pieces) == 2:
             raise RuntimeError("transport broke")
@@ -273,6 +275,8 @@ def connect(
         handshake_timeout=HANDSHAKE_TIMEOUT,
         close_timeout=CLOSE_TIMEOUT,
         reap_interval=REAP_INTERVAL,
+        # as the DataServer sets it: unflushed output counts towards the high watermark
+        write_batch_bytes=min(transport.high, 256 * 1024),
     )
     conn = ServerConnection(transport, timers, manager, settings, peer="test")
     transport.conn = conn
@@ -674,4 +678,45 @@ def test_an_error_in_resume_writing_is_fatal(
     err = fatal(s.peer, ErrorCode.INTERNAL)
     assert "transport broke" in err.message
     assert s.conn.queue.num_readers == 0
+    finish_close(s)
+
+
+def test_one_callback_writes_its_frames_with_one_writelines(
+    make_partition: PartitionFactory, manager: ResultPartitionManager, nbp: NetworkBufferPool
+) -> None:
+    seg = nbp.segment_size
+    part = make_partition(1, "pipelined", 2, (2, 12))
+    s = connect(manager, seg, high=16 * seg)
+    s.peer.send(
+        PartitionRequest(part.partition_id, 0, 1, 0),
+        PartitionRequest(part.partition_id, 1, 2, 0),
+    )
+    add_full_buffers(part, 0, 3)
+    add_full_buffers(part, 1, 3)
+    s.timers.run()
+    before = s.transport.writes
+    s.peer.send(AddCredit(1, 3), AddCredit(2, 3))  # one read: six buffers to send
+    assert s.transport.writes == before + 1
+    s.peer.read()
+    assert s.peer.tags(1) == [0, 1, 2] and s.peer.tags(2) == [0, 1, 2]
+    assert s.conn.statistics().in_flight_buffers == 0  # all out: recycled at once
+    part.release()
+    finish_close(s)
+
+
+def test_a_callback_writing_more_than_the_high_watermark_writes_in_batches(
+    make_partition: PartitionFactory, manager: ResultPartitionManager, nbp: NetworkBufferPool
+) -> None:
+    seg = nbp.segment_size
+    part = make_partition(1, "pipelined", 1, (1, 8))
+    s = connect(manager, seg, high=2 * seg)
+    s.peer.send(PartitionRequest(part.partition_id, 0, 1, 0))
+    add_full_buffers(part, 0, 6)
+    s.timers.run()
+    before = s.transport.writes
+    s.peer.send(AddCredit(1, 6))
+    assert s.transport.writes == before + 3  # two frames exceed 2 segments: written
+    s.peer.read()
+    assert s.peer.tags(1) == list(range(6))
+    part.release()
     finish_close(s)

@@ -489,6 +489,10 @@ def test_all_flags() -> None:
         "--debloat-min-buffer-size=1k",
         "--debloat-initial-buffer-size=2k",
         "--checkpoint-alignment-limit=16mb",
+        "--tls-cert-file=/etc/exchange/daemon.pem",
+        "--tls-key-file=/etc/exchange/daemon.key",
+        "--tls-ca-file=/etc/exchange/ca.pem",
+        "--tls-client-auth",
     ]
     assert load_config(argv, env={}).to_dict() == {
         "host": "0.0.0.0",
@@ -519,6 +523,10 @@ def test_all_flags() -> None:
         "debloat_min_buffer_size": 1024,
         "debloat_initial_buffer_size": 2048,
         "checkpoint_alignment_limit": 16 * MIB,
+        "tls_cert_file": "/etc/exchange/daemon.pem",
+        "tls_key_file": "/etc/exchange/daemon.key",
+        "tls_ca_file": "/etc/exchange/ca.pem",
+        "tls_client_auth": True,
     }
 
 

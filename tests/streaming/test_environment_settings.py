@@ -11,6 +11,9 @@ from exchange.errors import ConfigError
 class _Context:
     """Stands for the SparkContext: settings are checked before Spark is used."""
 
+    def parallelize(self, *args: object) -> None:
+        raise AssertionError("no job runs here")
+
 
 def test_buffer_timeout_takes_a_duration() -> None:
     env = StreamEnvironment(_Context(), checkpoint_dir="/tmp/ckpt", buffer_timeout="100ms")

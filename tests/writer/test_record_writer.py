@@ -93,6 +93,21 @@ def test_emit_all_routes_by_key_hash_and_round_trips_exactly(n: int, size: int) 
     assert w.stats.records_out == len(RECORDS)
 
 
+def test_one_subpartition_takes_any_record_without_a_key_in_order() -> None:
+    # the single-subpartition path routes nothing: records need no [0] (ints, None, sets)
+    records: list[Any] = [*range(3000), None, {1, 2}, b"", *RECORDS[:2000]]
+    w = RecordWriter(1, buffer_size=4096, buffer_timeout=-1)
+    assert w.emit_all(iter(records)) == len(records)
+    assert w.emit_all([]) == 0
+    got = decode(w.close(), 1)[0]
+    assert got == records and [type(r) for r in got] == [type(r) for r in records]
+    assert w.stats.records_out == len(records)
+    # a key function given is still called (and its errors still reach the caller)
+    k = RecordWriter(1, buffer_size=4096, buffer_timeout=-1)
+    with pytest.raises(TypeError):
+        k.emit_all([1, 2], key_func=lambda r: r[0])
+
+
 def test_emit_and_emit_all_agree_and_keys_of_equal_value_hash_apart() -> None:
     keys: list[Any] = [1, True, 1.0, 0, False, 0.0, (1, 2), (True, 2), "1", b"1", 2**70]
     records = [(k, i) for i in range(5) for k in keys]

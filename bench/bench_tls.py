@@ -1,0 +1,136 @@
+"""Benchmark: the cost of TLS on the data port, with and without it in one run.
+
+Run ``python bench/bench_tls.py`` (``--quick`` for a short run). Two real daemons
+(``python -m server``), identical but for ``--tls-cert-file/--tls-key-file`` on one
+(certificates made with the openssl CLI at start, ``tests/security/certs.py``), each hold
+a FILLED blocking partition of 4 KiB ``bytes`` records written by a producer task
+process over the local socket (``PartitionWriter``). Each round, a fresh consumer task
+process reads each partition over loopback TCP with ``PartitionReader`` and checks every
+record (``_common.Checker``): the plain daemon, then the TLS one (the reader trusts the
+CA through ``$EXCHANGE_TLS_CA_FILE``). Figures: GB/s of record payload, medians of the rounds,
+and their ratio (plain / TLS; Flink reports losing about 4x with SSL). The last line
+printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (
+    GB,
+    READY_TIMEOUT,
+    ROOT,
+    BenchError,
+    Child,
+    Daemon,
+    consume,
+    json_line,
+    median,
+    produce,
+)
+
+RECORD = 4096
+CA_ENV = "EXCHANGE_TLS_CA_FILE"
+
+
+def _certs() -> Any:
+    path = ROOT / "tests" / "security" / "certs.py"
+    spec = importlib.util.spec_from_file_location("bench_tls_certs", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def fill(daemon: Daemon, dataset: str, count: int) -> None:
+    producer = Child(produce, daemon.socket_path, dataset, 1, RECORD, count, True)
+    try:
+        if producer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("producer did not open its partition")
+        producer.send("go")
+        producer.recv(600)
+    finally:
+        producer.close()
+
+
+def read_once(daemon: Daemon, dataset: str, count: int, ca: str | None) -> float:
+    """GB/s of one consumer task process reading the partition over TCP (TLS if ``ca``)."""
+    if ca is None:
+        os.environ.pop(CA_ENV, None)
+    else:
+        os.environ[CA_ENV] = ca  # the spawned task inherits it, as executors would
+    locations = [(dataset, 0, daemon.data_address, None, None)]
+    consumer = Child(consume, locations, None, RECORD, count, False, False)
+    try:
+        if consumer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("consumer did not start")
+        consumer.send("go")
+        res = consumer.recv(600)
+    finally:
+        consumer.close()
+        os.environ.pop(CA_ENV, None)
+    return float(count * RECORD / (res["t1"] - res["t0"]) / GB)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="64 MB per run, 3 rounds")
+    args = ap.parse_args()
+    rounds = 3 if args.quick else 5
+    total = 64_000_000 if args.quick else 512_000_000
+    count = total // RECORD // 4096 * 4096
+
+    work = Path(tempfile.mkdtemp(prefix="xbench-tls-"))
+    pki = _certs().make_pki(work / "pki")
+    tls = ["--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key)]
+    runs: dict[str, list[float]] = {"plain": [], "tls": []}
+    plain_d, tls_d = Daemon(), Daemon(*tls)
+    try:
+        if tls_d.info.get("tls") is not True:
+            raise BenchError(f"the TLS daemon does not report TLS: {tls_d.info}")
+        fill(plain_d, "plain", count)
+        fill(tls_d, "tls", count)
+        for _ in range(rounds):
+            runs["plain"].append(read_once(plain_d, "plain", count, None))
+            runs["tls"].append(read_once(tls_d, "tls", count, str(pki.ca)))
+        whole = plain_d.stop() and tls_d.stop()
+    finally:
+        plain_d.close()
+        tls_d.close()
+        shutil.rmtree(work, ignore_errors=True)
+    if not whole:
+        raise BenchError("a daemon's network pool was not whole when it stopped")
+
+    m = {k: median(v) for k, v in runs.items()}
+    results: dict[str, Any] = {
+        "bench": "tls",
+        "quick": args.quick,
+        "rounds": rounds,
+        "payload_bytes_per_run": count * RECORD,
+        "record_bytes": RECORD,
+        "plain_gbps": m["plain"],
+        "tls_gbps": m["tls"],
+        "plain_over_tls": m["plain"] / m["tls"],
+        "flink_plain_over_ssl": 4.0,
+        "plain_runs": [round(v, 3) for v in runs["plain"]],
+        "tls_runs": [round(v, 3) for v in runs["tls"]],
+    }
+    print(f"data port, loopback, {count * RECORD / 1e6:.0f} MB per run, median of {rounds}")
+    print(f"  plain TCP   {m['plain']:6.2f} GB/s   runs {results['plain_runs']}")
+    print(f"  TLS         {m['tls']:6.2f} GB/s   runs {results['tls_runs']}")
+    print(f"  plain / TLS {results['plain_over_tls']:.2f} (Flink: about 4)")
+    print(json_line(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""The driver's view of a running streaming job, published to its local daemon.
+
+The coordinator loop (``client.streaming.environment``) feeds a :class:`JobStatusTracker`
+what it sees: each attempt's start, the tasks' messages (an acknowledgement carries the
+task's record counts and the checkpoint's alignment and state size, as Flink's
+``CheckpointMetrics`` do), the coordinator's commands (trigger, complete, abort) and the
+attempt's end. The tracker keeps the job's state, the tasks' latest figures and the
+recent checkpoint history, and sends them as ``JobStatus`` (local message 77) to the
+driver's local daemon (the daemon given to the environment, else ``$EXCHANGE_DAEMON`` or
+the default socket) when something changes and at most every ``interval`` seconds; that
+daemon's dashboard and ``/metrics`` show it. A failure to publish (no daemon on the
+driver's host, a refused message) stops the publishing, never the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from client.local_connection import LocalConnection, resolve_daemon_socket
+from client.runtime import get_runtime
+from client.streaming.graph import JobGraph
+from client.streaming.task import dataset_of
+from exchange.checkpointing.coordinator import NotifyAborted, NotifyComplete, TriggerCheckpoint
+from exchange.protocol.local_messages import (
+    MAX_JOB_CHECKPOINTS,
+    MAX_JOB_FAILURE_LENGTH,
+    MAX_JOB_FAILURES,
+    MAX_JOB_TASKS,
+    CheckpointRecord,
+    JobStatus,
+    JobTask,
+)
+
+__all__ = ["CheckpointEntry", "JobStatusTracker", "TaskFigures"]
+
+log = logging.getLogger("exchange.streaming.status")
+
+#: Seconds between two JobStatus messages while nothing but counts changes.
+PUBLISH_INTERVAL: Final = 1.0
+
+
+@dataclass
+class TaskFigures:
+    """One task of the current attempt, as its acknowledgements reported it."""
+
+    task: str
+    name: str
+    subtask: int
+    outputs: tuple[str, ...]
+    channels: int
+    records_in: int = 0
+    records_out: int = 0
+
+
+@dataclass
+class CheckpointEntry:
+    """One checkpoint of the history (see ``CheckpointRecord``)."""
+
+    checkpoint_id: int
+    trigger_time: float
+    started: float
+    status: str = "IN_PROGRESS"
+    duration: float | None = None
+    alignment: float | None = None
+    aligned_bytes: int = 0
+    state_bytes: int = 0
+    acks: int = 0
+
+    def record(self) -> CheckpointRecord:
+        return CheckpointRecord(
+            self.checkpoint_id,
+            self.status,
+            self.trigger_time,
+            self.duration,
+            self.alignment,
+            self.aligned_bytes,
+            self.state_bytes,
+        )
+
+
+def _uint(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+
+class JobStatusTracker:
+    """State, tasks and checkpoint history of one job (thread-safe; read with ``snapshot``)."""
+
+    def __init__(
+        self,
+        job_id: str,
+        daemon_socket: str | None,
+        *,
+        interval: float = PUBLISH_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.job_id = job_id
+        self.interval = interval
+        self._clock = clock
+        self._wall = wall_clock
+        self._lock = threading.Lock()
+        self.state = "RUNNING"
+        self.attempt = 0
+        self.restarts = -1  # the first attempt makes it 0
+        self.started_at = wall_clock()
+        self.completed = 0
+        self.failed = 0
+        self.tasks: dict[str, TaskFigures] = {}
+        #: (attempt, checkpoint id) -> entry: a restored job reuses the ids after the
+        #: checkpoint it restored, so a failed attempt's checkpoint keeps its own entry
+        self.history: OrderedDict[tuple[int, int], CheckpointEntry] = OrderedDict()
+        self.failures: list[str] = []
+        self._socket = daemon_socket
+        self._conn: LocalConnection | None = None
+        self._last_sent = float("-inf")
+        self._dirty = True
+        #: JobStatus messages sent; True once publishing failed (no more are sent)
+        self.published = 0
+        self.publish_failed = False
+
+    # -- what the coordinator loop reports --------------------------------------------------
+
+    def attempt_started(self, attempt: int, graph: JobGraph) -> None:
+        """A new attempt runs ``graph``: RUNNING, its tasks at zero."""
+        tasks: dict[str, TaskFigures] = {}
+        for spec in graph.tasks[:MAX_JOB_TASKS]:
+            vertex = graph.vertex(spec.vertex_id)
+            outputs = tuple(dataset_of(self.job_id, attempt, e) for e in vertex.outputs)
+            channels = sum(graph.vertex(e.source).parallelism for e in vertex.inputs)
+            name = " -> ".join(n.name for n in vertex.nodes)[:256]
+            tasks[spec.task_id] = TaskFigures(
+                spec.task_id, name, spec.subtask, outputs[:8], channels
+            )
+        with self._lock:
+            self.attempt = attempt
+            self.restarts += 1
+            self.state = "RUNNING"
+            self.tasks = tasks
+            for entry in self.history.values():  # a dead attempt's checkpoints never complete
+                if entry.status == "IN_PROGRESS":
+                    entry.status = "FAILED"
+                    self.failed += 1
+            self._dirty = True
+        self.publish(force=True)
+
+    def on_message(self, task: str, msg: dict[str, Any]) -> None:
+        """A task's control message: acknowledgements and ``finished`` carry figures."""
+        kind = msg.get("type")
+        if kind not in ("ack", "finished"):
+            return
+        with self._lock:
+            figures = self.tasks.get(task)
+            metrics = msg.get("metrics") if kind == "ack" else msg
+            if figures is not None and isinstance(metrics, dict):
+                figures.records_in = max(figures.records_in, _uint(metrics.get("records_in")))
+                figures.records_out = max(figures.records_out, _uint(metrics.get("records_out")))
+            if kind == "ack" and isinstance(metrics, dict):
+                entry = self.history.get((self.attempt, msg.get("checkpoint", -1)))
+                if entry is not None:
+                    entry.acks += 1
+                    entry.state_bytes += _uint(metrics.get("state_bytes"))
+                    entry.aligned_bytes += _uint(metrics.get("aligned_bytes"))
+                    alignment = metrics.get("alignment")
+                    if isinstance(alignment, int | float) and alignment >= 0:
+                        entry.alignment = max(entry.alignment or 0.0, float(alignment))
+
+    def on_command(self, cmd: object) -> None:
+        """A command of the CheckpointCoordinator, as the loop carries it out."""
+        now = self._clock()
+        with self._lock:
+            match cmd:
+                case TriggerCheckpoint():
+                    self.history[(self.attempt, cmd.checkpoint_id)] = CheckpointEntry(
+                        cmd.checkpoint_id, cmd.timestamp / 1000.0, now
+                    )
+                    while len(self.history) > MAX_JOB_CHECKPOINTS:
+                        self.history.popitem(last=False)
+                case NotifyComplete():
+                    self._end(cmd.checkpoint_id, "COMPLETED", now)
+                    self.completed += 1
+                case NotifyAborted():
+                    self._end(cmd.checkpoint_id, "FAILED", now)
+                    self.failed += 1
+                case _:
+                    return
+            self._dirty = True
+
+    def _end(self, checkpoint_id: int, status: str, now: float) -> None:
+        entry = self.history.get((self.attempt, checkpoint_id))
+        if entry is not None:
+            entry.status = status
+            entry.duration = max(0.0, now - entry.started)
+
+    def attempt_failed(self, error: str) -> None:
+        with self._lock:
+            self.state = "RESTARTING"
+            self.failures.append(error[:MAX_JOB_FAILURE_LENGTH])
+            del self.failures[:-MAX_JOB_FAILURES]
+            self._dirty = True
+        self.publish(force=True)
+
+    def job_ended(self, state: str) -> None:
+        """FINISHED, FAILED or CANCELED; the last status is sent, the connection closed."""
+        with self._lock:
+            self.state = state
+            self._dirty = True
+        self.publish(force=True)
+        self.close()
+
+    # -- reading and publishing -------------------------------------------------------------
+
+    def snapshot(self) -> JobStatus:
+        with self._lock:
+            return JobStatus(
+                self.job_id,
+                self.state,
+                self.attempt,
+                max(self.restarts, 0),
+                self.started_at,
+                self.completed,
+                self.failed,
+                tuple(
+                    JobTask(
+                        t.task,
+                        t.name,
+                        t.subtask,
+                        t.outputs,
+                        t.channels,
+                        t.records_in,
+                        t.records_out,
+                    )
+                    for t in self.tasks.values()
+                ),
+                tuple(e.record() for e in self.history.values()),
+                tuple(self.failures),
+            )
+
+    def publish(self, *, force: bool = False) -> None:
+        """Send the status if it changed (``force``) or ``interval`` passed since the last."""
+        if self.publish_failed:
+            return
+        now = self._clock()
+        elapsed = now - self._last_sent
+        due = elapsed >= self.interval or (self._dirty and elapsed >= self.interval / 4)
+        if not (force or due):
+            return
+        self._last_sent = now
+        self._dirty = False
+        status = self.snapshot()
+        try:
+            get_runtime().run(self._send(status))
+            self.published += 1
+        except Exception as e:
+            log.info("job %s: stops publishing its status to the daemon: %r", self.job_id, e)
+            self.publish_failed = True
+            self.close()
+
+    async def _send(self, status: JobStatus) -> None:
+        if self._conn is None:
+            self._conn = await LocalConnection.connect(resolve_daemon_socket(self._socket))
+        self._conn.check()
+        self._conn.send(status)
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+
+            async def stop() -> None:
+                conn.close()
+
+            with contextlib.suppress(Exception):
+                get_runtime().run(stop())

@@ -1,0 +1,275 @@
+"""PartitionManifest: what a daemon leaves on disk so that its successor knows its partitions.
+
+A daemon's partition (``ResultPartition(..., keep_manifest=True)``) keeps one small JSON
+file, ``<stem>.manifest``, next to its spill files ``<stem>.<i>.bin``:
+
+* from creation on, state ``writing`` (pipelined and blocking partitions alike);
+* once a blocking partition is finished, state ``finished`` with every subpartition's
+  file name, size, CRC-32 and buffer counts;
+* deleted when the partition is released (before its files), kept when a daemon shuts
+  down cleanly (``ResultPartition.keep_spilled_data``).
+
+Every write goes to a temporary file that is fsynced and renamed over the manifest, so a
+crash leaves the old manifest or the new one, never half of one; the body carries its own
+CRC-32, so a damaged manifest is told from a valid one.
+
+At startup the daemon reads every manifest of its spill directory (``scan``): a
+``finished`` blocking partition whose files are intact (present, of the recorded size,
+with the recorded checksum) is served again; one whose files are not is refused with a
+:class:`~exchange.errors.PartitionDataLostError`; a partition still ``writing`` died with
+the old daemon and its readers get a ProducerFailedError. ``exchange/`` does no socket
+I/O; reading and writing these files is the partition's own storage, as BoundedData is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Final
+
+from exchange.errors import CorruptRecordError, PartitionDataLostError
+from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.partition.result_partition_type import ResultPartitionType
+
+__all__ = [
+    "MANIFEST_SUFFIX",
+    "ManifestState",
+    "PartitionManifest",
+    "SpilledSubpartition",
+    "decode_manifest",
+    "delete_partition_files",
+    "encode_manifest",
+    "orphan_spill_files",
+    "read_manifest",
+    "scan_manifests",
+    "verify_spilled_data",
+    "wrap_body",
+    "write_manifest",
+]
+
+MANIFEST_SUFFIX: Final = ".manifest"
+_TMP_SUFFIX: Final = ".manifest.tmp"
+FORMAT_VERSION: Final = 1
+#: A manifest is a few hundred bytes per subpartition; anything far larger is not one.
+MAX_MANIFEST_BYTES: Final = 16 * 1024 * 1024
+_CHUNK: Final = 1 << 20
+
+
+class ManifestState(Enum):
+    WRITING = "writing"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class SpilledSubpartition:
+    """One finished blocking subpartition's file."""
+
+    file: str  # name in the manifest's directory
+    size: int
+    crc32: int
+    buffers: int
+    data_buffers: int
+    payload_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionManifest:
+    partition_id: ResultPartitionID
+    partition_type: ResultPartitionType
+    state: ManifestState
+    num_subpartitions: int
+    segment_size: int
+    bounded_data_kind: str
+    finished_at: float | None = None  # wall-clock seconds, when finished
+    subpartitions: tuple[SpilledSubpartition, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        pid = self.partition_id
+        return {
+            "version": FORMAT_VERSION,
+            "dataset_id": pid.dataset_id,
+            "partition_index": pid.partition_index,
+            "attempt_id": pid.attempt_id,
+            "type": self.partition_type.value,
+            "state": self.state.value,
+            "num_subpartitions": self.num_subpartitions,
+            "segment_size": self.segment_size,
+            "bounded_data_kind": self.bounded_data_kind,
+            "finished_at": self.finished_at,
+            "subpartitions": [
+                [s.file, s.size, s.crc32, s.buffers, s.data_buffers, s.payload_bytes]
+                for s in self.subpartitions
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, body: Any, path: Path) -> PartitionManifest:
+        """Parse a manifest body; CorruptRecordError naming ``path`` when it is not one."""
+        try:
+            if body["version"] != FORMAT_VERSION:
+                raise CorruptRecordError(
+                    f"{path}: manifest format {body['version']!r}, expected {FORMAT_VERSION}"
+                )
+            pid = ResultPartitionID(body["dataset_id"], body["partition_index"], body["attempt_id"])
+            subs = tuple(
+                SpilledSubpartition(_str(f), *map(_count, (size, crc, b, d, n)))
+                for f, size, crc, b, d, n in body["subpartitions"]
+            )
+            finished_at = body["finished_at"]
+            if finished_at is not None and (
+                type(finished_at) not in (int, float) or not math.isfinite(finished_at)
+            ):
+                raise ValueError(f"finished_at {finished_at!r}")
+            manifest = cls(
+                pid,
+                ResultPartitionType(body["type"]),
+                ManifestState(body["state"]),
+                _count(body["num_subpartitions"]),
+                _count(body["segment_size"]),
+                _str(body["bounded_data_kind"]),
+                None if finished_at is None else float(finished_at),
+                subs,
+            )
+        except CorruptRecordError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:  # UsageError is a ValueError
+            raise CorruptRecordError(f"{path}: not a partition manifest: {e!r}") from None
+        if manifest.state is ManifestState.FINISHED and (
+            len(subs) != manifest.num_subpartitions
+            or any(os.sep in s.file or s.file in ("", ".", "..") for s in subs)
+        ):
+            raise CorruptRecordError(f"{path}: manifest lists bad subpartition files")
+        return manifest
+
+
+def _count(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{value!r} is not a count")
+    return value
+
+
+def _str(value: Any) -> str:
+    if type(value) is not str:
+        raise ValueError(f"{value!r} is not a string")
+    return value
+
+
+def encode_manifest(manifest: PartitionManifest) -> bytes:
+    """The manifest file's bytes: its body as JSON, with the body's CRC-32."""
+    return wrap_body(json.dumps(manifest.to_json(), sort_keys=True, separators=(",", ":")))
+
+
+def wrap_body(body: str) -> bytes:
+    """A manifest body (JSON text) with its checksum, as a manifest file holds it."""
+    return json.dumps({"crc32": zlib.crc32(body.encode()), "body": body}).encode() + b"\n"
+
+
+def decode_manifest(data: bytes, path: Path) -> PartitionManifest:
+    """Parse a manifest file's bytes; CorruptRecordError (naming ``path``) for anything
+    that is not an intact manifest."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptRecordError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        outer = json.loads(data)
+        body_bytes = outer["body"].encode()
+        if zlib.crc32(body_bytes) != outer["crc32"]:
+            raise CorruptRecordError(f"{path}: manifest checksum mismatch")
+        body = json.loads(body_bytes)
+    except CorruptRecordError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CorruptRecordError(f"{path}: manifest is not valid JSON: {e!r}") from None
+    return PartitionManifest.from_json(body, path)
+
+
+def write_manifest(path: Path, manifest: PartitionManifest, *, sync: bool = True) -> None:
+    """Write atomically: a temporary file (fsynced when ``sync``) renamed over ``path``."""
+    tmp = path.with_name(path.name[: -len(MANIFEST_SUFFIX)] + _TMP_SUFFIX)
+    data = encode_manifest(manifest)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_manifest(path: Path) -> PartitionManifest:
+    """Read and check one manifest; CorruptRecordError when it is damaged."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_MANIFEST_BYTES + 1)
+    return decode_manifest(data, path)
+
+
+def verify_spilled_data(manifest: PartitionManifest, directory: Path) -> None:
+    """Check that every file of a finished manifest is present, whole and unchanged.
+
+    Raises PartitionDataLostError saying which file and what is wrong with it.
+    """
+    pid = manifest.partition_id
+    for sub in manifest.subpartitions:
+        path = directory / sub.file
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise PartitionDataLostError(f"spill file {path} is missing", pid) from None
+        if size != sub.size:
+            what = "truncated" if size < sub.size else "longer than written"
+            raise PartitionDataLostError(
+                f"spill file {path} is {what} ({size} of {sub.size} bytes)", pid
+            )
+        crc = 0
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(_CHUNK):
+                crc = zlib.crc32(chunk, crc)
+        if crc != sub.crc32:
+            raise PartitionDataLostError(
+                f"spill file {path} is corrupt (CRC-32 {crc:08x}, written {sub.crc32:08x})", pid
+            )
+
+
+def scan_manifests(directory: Path) -> Iterator[Path]:
+    """The manifests in ``directory`` (leftover temporary files are deleted)."""
+    for path in sorted(directory.iterdir()):
+        if path.name.endswith(_TMP_SUFFIX):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        elif path.name.endswith(MANIFEST_SUFFIX):
+            yield path
+
+
+def delete_partition_files(manifest_path: Path) -> None:
+    """Delete a manifest and every spill file of its stem (``<stem>.<i>.bin``)."""
+    stem = manifest_path.name[: -len(MANIFEST_SUFFIX)]
+    with contextlib.suppress(FileNotFoundError):
+        manifest_path.unlink()
+    for path in manifest_path.parent.glob(f"{_glob_escape(stem)}.*.bin"):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def orphan_spill_files(directory: Path) -> list[Path]:
+    """Spill files (``<stem>.<i>.bin``) whose stem has no manifest: left by a crash between
+    a release's manifest deletion and its file deletion."""
+    stems = {p.name[: -len(MANIFEST_SUFFIX)] for p in directory.glob("*" + MANIFEST_SUFFIX)}
+    orphans = []
+    for path in directory.glob("*.bin"):
+        stem, _, rest = path.name[: -len(".bin")].rpartition(".")
+        if stem and rest.isdigit() and stem not in stems:
+            orphans.append(path)
+    return orphans
+
+
+def _glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)

@@ -1,0 +1,121 @@
+"""A streaming job's driver publishes its status to a real daemon process (JobStatus,
+local message 77): what the coordinator loop reports (attempts, acknowledgements,
+checkpoint commands, failures) appears on the daemon's /api/stats and /metrics, and the
+last status stays after the driver's connection closes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from client.streaming.environment import StreamEnvironment
+from client.streaming.graph import JobGraph
+from client.streaming.job_status import JobStatusTracker
+from exchange.checkpointing.coordinator import (
+    AbortReason,
+    NotifyAborted,
+    NotifyComplete,
+    TriggerCheckpoint,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _graph(tmp_path: Path) -> JobGraph:
+    env = StreamEnvironment(None, checkpoint_dir=str(tmp_path))
+    (
+        env.from_generator(lambda i: i, count=10, parallelism=2, name="numbers")
+        .key_by(lambda x: x % 3, name="by-key")
+        .process(lambda v, ctx, out: None, parallelism=1, name="sink")
+    )
+    return JobGraph.build(env._nodes, env.max_parallelism)
+
+
+def _job(daemon: Any, job: str, until: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    seen = None
+    while time.monotonic() < deadline:
+        for j in daemon.stats()["jobs"]:
+            if j["job"] == job:
+                seen = j
+                if until(j):
+                    return dict(j)
+        time.sleep(0.05)
+    raise AssertionError(f"job {job} never got there; last seen {seen}")
+
+
+def test_the_drivers_view_reaches_the_daemon(
+    start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    daemon = start_daemon()
+    tracker = JobStatusTracker("job-x", daemon.local_socket)
+    graph = _graph(tmp_path)
+    tracker.attempt_started(17, graph)
+    first = _job(daemon, "job-x", lambda j: j["attempt"] == 17)
+    assert first["state"] == "RUNNING" and first["restarts"] == 0
+    assert [(t["task"], t["name"]) for t in first["tasks"]] == [
+        ("v0-0", "numbers -> by-key"),
+        ("v0-1", "numbers -> by-key"),
+        ("v1-0", "sink"),
+    ]
+
+    tracker.on_command(TriggerCheckpoint(1, 1_764_000_000_000, ("v0-0", "v0-1")))
+    for task, alignment in (("v0-0", None), ("v0-1", None), ("v1-0", 0.02)):
+        metrics: dict[str, Any] = {"state_bytes": 1000, "records_in": 50, "records_out": 40}
+        if alignment is not None:
+            metrics.update(alignment=alignment, aligned_bytes=4096)
+        tracker.on_message(
+            task, {"type": "ack", "checkpoint": 1, "handle": "h", "metrics": metrics}
+        )
+    tracker.on_command(NotifyComplete(1))
+    tracker.on_command(TriggerCheckpoint(2, 1_764_000_001_000, ("v0-0", "v0-1")))
+    tracker.on_command(NotifyAborted(2, AbortReason.EXPIRED))
+    tracker.on_command(TriggerCheckpoint(3, 1_764_000_002_000, ("v0-0", "v0-1")))
+    tracker.attempt_failed("task v1-0 lost: killed")
+    tracker.attempt_started(18, graph)  # restored from 1: its next checkpoint is 2 again
+    tracker.on_command(TriggerCheckpoint(2, 1_764_000_003_000, ("v0-0", "v0-1")))
+    tracker.publish(force=True)
+
+    job = _job(daemon, "job-x", lambda j: j["attempt"] == 18 and len(j["checkpoints"]) == 4)
+    assert job["state"] == "RUNNING" and job["restarts"] == 1
+    assert job["checkpoints_completed"] == 1 and job["checkpoints_failed"] == 2
+    assert [(c["id"], c["status"]) for c in job["checkpoints"]] == [
+        (1, "COMPLETED"),
+        (2, "FAILED"),
+        (3, "FAILED"),  # in flight when its attempt failed
+        (2, "IN_PROGRESS"),  # the new attempt's
+    ]
+    one = job["checkpoints"][0]
+    assert one["trigger_time"] == 1_764_000_000.0
+    assert one["duration"] is not None and one["duration"] >= 0
+    assert one["alignment"] == 0.02 and one["aligned_bytes"] == 4096
+    assert one["state_bytes"] == 3000
+    assert job["failures"] == ["task v1-0 lost: killed"]
+    assert all(t["records_in"] == 0 for t in job["tasks"])  # the new attempt's counts
+
+    families = {
+        f.name: f for f in text_string_to_metric_families(daemon.http_get("/metrics").decode())
+    }
+    (restarts,) = families["exchange_job_restarts"].samples
+    assert restarts.labels == {"job": "job-x"} and restarts.value == 1
+    (size,) = families["exchange_job_last_checkpoint_size_bytes"].samples
+    assert size.value == 3000
+
+    tracker.job_ended("FINISHED")  # the last status, then the connection closes
+    done = _job(daemon, "job-x", lambda j: j["state"] == "FINISHED")
+    assert done["restarts"] == 1
+    assert tracker.published >= 3 and not tracker.publish_failed
+
+
+def test_no_daemon_stops_the_publishing_never_the_job(tmp_path: Path) -> None:
+    tracker = JobStatusTracker("job-y", str(tmp_path / "no-such.sock"))
+    tracker.attempt_started(1, _graph(tmp_path))
+    assert tracker.publish_failed and tracker.published == 0
+    tracker.on_command(TriggerCheckpoint(1, 0, ("v0-0",)))
+    tracker.publish(force=True)  # nothing raised, nothing sent
+    assert tracker.snapshot().checkpoints[0].status == "IN_PROGRESS"

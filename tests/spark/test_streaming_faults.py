@@ -1,0 +1,372 @@
+"""Streaming jobs under faults, on local PySpark with real daemons (issue 10's Tests).
+
+The pipeline (``_streaming.py``): generator -> key_by -> keyed running sum -> two-phase
+commit file sink. Every case checks the committed output against the events: each once
+(exactly-once) or each at least once (at-least-once), and every key's running totals chain
+(keyed state restored at the checkpoint the sources resumed from).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(240)]
+
+
+def _load(name: str) -> ModuleType:
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).with_name("_streaming.py")
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+st: Any = _load("exchange_tests_streaming_pipeline")
+
+
+@pytest.fixture(scope="module")
+def spark(sx: ModuleType) -> Iterator[Any]:
+    """local[4]: a source of parallelism 2 and its keyed task need 3 slots at once."""
+    pytest.importorskip("pyspark")
+    from pyspark import cloudpickle
+
+    from client import spark as xs
+
+    cloudpickle.register_pickle_by_value(st)  # type: ignore[no-untyped-call]
+    session = sx.local_session("local[4]", "exchange-streaming-faults")
+    try:
+        yield session
+    finally:
+        session.stop()
+        assert xs.stop_embedded_daemon() is True, "embedded daemon's pool not whole at exit"
+
+
+def _dirs(tmp_path: Path) -> tuple[Path, Path, str]:
+    probes, out = tmp_path / "probes", tmp_path / "out"
+    probes.mkdir()
+    out.mkdir()
+    return probes, out, str(tmp_path / "ckpt")
+
+
+def _env(spark: Any, ckpt: str, **kw: Any) -> Any:
+    from client.streaming.environment import StreamEnvironment
+
+    kw.setdefault("checkpoint_interval", "300ms")
+    return StreamEnvironment(spark, checkpoint_dir=ckpt, job_id="faults", **kw)
+
+
+class _Run:
+    """``execute`` on a thread, so the test can watch and kill the job."""
+
+    def __init__(self, env: Any, **kw: Any) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(env, kw), daemon=True)
+        self.thread.start()
+
+    def _run(self, env: Any, kw: dict[str, Any]) -> None:
+        try:
+            self.result = env.execute(**kw)
+        except BaseException as e:
+            self.error = e
+
+    def join(self, timeout: float = 180.0) -> Any:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the job did not end within {timeout} s"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _first_attempt_pids(probes: Path, tasks: int) -> dict[str, int]:
+    def ready() -> dict[str, int] | None:
+        seen = st.pids(probes)
+        if not seen:
+            return None
+        first = seen[min(seen)]
+        return first if len(first) == tasks else None
+
+    got: dict[str, int] = st.wait_for(ready, 60, "every task of the first attempt opened")
+    return got
+
+
+def _state_file(ckpt: str, checkpoint_id: int, task: str) -> Path:
+    return Path(ckpt) / f"chk-{checkpoint_id}" / f"{task}.state"
+
+
+def _aligning_checkpoint(ckpt: str) -> int | None:
+    """A checkpoint source 0 snapshotted (its barrier is downstream) and source 1 not."""
+    for d in Path(ckpt).glob("chk-*"):
+        cid = int(d.name[4:])
+        if _state_file(ckpt, cid, "v0-0").exists() and not _state_file(ckpt, cid, "v0-1").exists():
+            return cid
+    return None
+
+
+def _completed(ckpt: str, checkpoint_id: int) -> bool:
+    return (Path(ckpt) / f"chk-{checkpoint_id}" / "_metadata").exists()
+
+
+# (case, seed, events, mode). Unthrottled, the sources emit everything into the daemon's
+# pool within a second, so the random cases are rate-limited to keep data flowing for
+# several checkpoints (500k at 125k/s: 4 s), which is where the kill must land.
+KILLS = [
+    ("random", 1, 500_000, "exactly_once"),
+    ("random", 2, 150_000, "exactly_once"),
+    ("alignment", 3, 150_000, "exactly_once"),
+    ("snapshot", 4, 150_000, "exactly_once"),
+    ("random", 5, 150_000, "at_least_once"),
+]
+RATE = {500_000: 125_000.0, 150_000: 50_000.0}
+
+
+@pytest.mark.parametrize(
+    ("case", "seed", "n", "mode"), KILLS, ids=[f"{c}-{s}" for c, s, *_ in KILLS]
+)
+def test_a_killed_worker_restarts_the_job_from_its_last_checkpoint(
+    spark: Any, tmp_path: Path, case: str, seed: int, n: int, mode: str
+) -> None:
+    """SIGKILL of a task's Python worker at a random point, during barrier alignment or
+    during a snapshot: the job restarts from the last completed checkpoint and the
+    committed output holds every event exactly once (at least once in at_least_once)."""
+    rng = random.Random(seed)
+    probes, out, ckpt = _dirs(tmp_path)
+    env = _env(spark, ckpt, mode=mode)
+    sink: dict[str, Any] = {}
+    stall_at = None
+    rate = RATE[n] if case == "random" else None
+    if case == "alignment":
+        stall_at = 20_000
+    elif case == "snapshot":
+        sink["hold_snapshot"] = 2
+    st.build(env, probes, out, n, rate=rate, stall_at=stall_at, **sink)
+    run = _Run(env, restart_attempts=2, restart_backoff=0.2)
+    try:
+        tasks = _first_attempt_pids(probes, 3)
+        if case == "random":
+            after = rng.randint(1, 3)  # a completed checkpoint, then a random moment
+            st.wait_for(lambda: _completed(ckpt, after), 60, f"checkpoint {after} completed")
+            time.sleep(rng.uniform(0.0, 0.3))
+            victim = rng.choice(sorted(tasks))
+        elif case == "alignment":
+            st.wait_for(lambda: (probes / "stalled").exists(), 60, "source 1 stalled")
+            cid = st.wait_for(lambda: _aligning_checkpoint(ckpt), 60, "an alignment began")
+            assert not _completed(ckpt, cid)
+            victim = "sink-0"  # the keyed task, aligning its two inputs
+        else:
+            st.wait_for(lambda: (probes / "snapshotting").exists(), 60, "the sink snapshots")
+            victim = "sink-0"
+        os.kill(tasks[victim], signal.SIGKILL)
+        (probes / "release").touch()  # a held zombie of the first attempt may go on
+        result = run.join()
+    finally:
+        (probes / "release").touch()
+        env.cancel()
+        env.cancel()
+        run.thread.join(120)
+    assert result.restarts == 1, result
+    assert result.checkpoints and result.checkpoints[-1].is_final
+    if mode == "exactly_once":
+        st.check_exactly_once(out, n)
+    else:
+        values = {r[1] for r in st.committed(out)}
+        assert values == {st.event(i) for i in range(n)}  # nothing missing
+
+
+def test_a_checkpoint_that_times_out_is_aborted_and_the_job_goes_on(
+    spark: Any, tmp_path: Path
+) -> None:
+    """The sink holds its snapshot past the checkpoint timeout: the coordinator aborts the
+    checkpoint (discarding what was written for it), the tasks hear it, the job goes on
+    without a restart and the next checkpoint completes."""
+    probes, out, ckpt = _dirs(tmp_path)
+    env = _env(spark, ckpt, checkpoint_timeout="1s", tolerable_failed_checkpoints=2)
+    n = 60_000
+    st.build(env, probes, out, n, rate=20_000.0, hold_snapshot=2)
+    run = _Run(env, restart_attempts=0)
+    try:
+        st.wait_for(lambda: (probes / "snapshotting").exists(), 60, "the sink snapshots")
+        cid = int((probes / "snapshotting").read_text())
+        # the abort discards the checkpoint's directory (the sources' state in it)
+        st.wait_for(lambda: not (Path(ckpt) / f"chk-{cid}").exists(), 30, "the abort")
+        (probes / "release").touch()
+        result = run.join()
+    finally:
+        (probes / "release").touch()
+        env.cancel()
+        env.cancel()
+        run.thread.join(120)
+    assert result.restarts == 0, result
+    assert cid in dict(result.aborted_checkpoints), result.aborted_checkpoints
+    assert "expired" in dict(result.aborted_checkpoints)[cid]
+    assert (probes / f"aborted-{cid}").exists()  # the held task heard the abort too
+    assert any(c.checkpoint_id > cid for c in result.checkpoints), result.checkpoints
+    assert not _completed(ckpt, cid)
+    st.check_exactly_once(out, n)
+
+
+def test_a_failed_sink_commit_restarts_and_commits_nothing_twice(
+    spark: Any, tmp_path: Path
+) -> None:
+    """The sink's commit for a completed checkpoint raises (a typed SinkCommitError): the
+    task fails, the job restarts from that checkpoint, whose restored sink commits the
+    files that failed; nothing is lost and nothing committed twice."""
+    probes, out, ckpt = _dirs(tmp_path)
+    env = _env(spark, ckpt)
+    n = 60_000
+    st.build(env, probes, out, n, rate=20_000.0, fail_commit=2)
+    result = env.execute(restart_attempts=2, restart_backoff=0.2)
+    assert (probes / "commit-failed").exists()
+    assert result.restarts == 1, result
+    assert "SinkCommitError" in result.failures[0] and "injected" in result.failures[0]
+    st.check_exactly_once(out, n)
+
+
+def test_a_new_driver_resumes_from_the_checkpoint_directory(spark: Any, tmp_path: Path) -> None:
+    """The first driver's job fails for good (a worker killed, no restarts allowed); a new
+    StreamEnvironment on the same checkpoint directory resumes from its latest completed
+    checkpoint and finishes the job exactly once."""
+    from client.streaming.environment import JobFailedError
+
+    probes, out, ckpt = _dirs(tmp_path)
+    n = 60_000
+    first = _env(spark, ckpt)
+    st.build(first, probes, out, n, rate=20_000.0)
+    run = _Run(first, restart_attempts=0)
+    tasks = _first_attempt_pids(probes, 3)
+    st.wait_for(lambda: _completed(ckpt, 2), 60, "checkpoint 2 completed")
+    os.kill(tasks["sink-0"], signal.SIGKILL)
+    with pytest.raises(JobFailedError):
+        run.join()
+    from client.streaming.checkpoint_storage import CheckpointStorage
+
+    latest = CheckpointStorage(ckpt).latest_completed()
+    assert latest is not None and latest.checkpoint_id >= 2
+    before = len(st.committed(out))
+    assert 0 < before < n
+
+    second = _env(spark, ckpt)  # a new driver: new environment, same directory
+    st.build(second, probes, out, n, rate=20_000.0)
+    result = second.execute(restart_attempts=0)
+    assert result.restarts == 0
+    assert result.checkpoints[0].checkpoint_id == latest.checkpoint_id + 1
+    st.check_exactly_once(out, n)
+
+
+@pytest.mark.parametrize("how", ["cancel", "ctrl-c"])
+def test_a_clean_stop_takes_a_final_checkpoint_and_commits_everything(
+    spark: Any, tmp_path: Path, how: str
+) -> None:
+    """An unbounded job stopped by ``cancel()`` or Ctrl-C in ``execute``: the sources end
+    their input, a final checkpoint completes and the sinks commit every record emitted."""
+    import _thread
+
+    probes, out, ckpt = _dirs(tmp_path)
+    env = _env(spark, ckpt)
+    st.build(env, probes, out, None, rate=20_000.0)
+
+    def stop_later() -> None:
+        st.wait_for(lambda: _completed(ckpt, 2), 60, "checkpoint 2 completed")
+        if how == "cancel":
+            env.cancel()
+        else:
+            _thread.interrupt_main()  # SIGINT's KeyboardInterrupt in the driver's thread
+
+    stopper = threading.Thread(target=stop_later, daemon=True)
+    stopper.start()
+    result = env.execute(restart_attempts=0)
+    stopper.join(5)
+    assert result.stopped and result.restarts == 0, result
+    assert result.checkpoints[-1].is_final
+    rows = st.committed(out)
+    emitted = result.records["v0-0"] + result.records["v0-1"]
+    assert len(rows) == emitted == result.records["v1-0"] > 0
+    for k in range(2):  # each source subtask: indices k, k+2, ... without a gap or a repeat
+        mine = sorted(r[1] - 1 for r in rows if (r[1] - 1) % 2 == k)
+        assert mine == list(range(k, k + 2 * len(mine), 2))
+    st.check_running_sums(rows)
+
+
+def _daemon_module() -> Any:
+    name = "exchange_tests_daemon_process"
+    module = sys.modules.get(name)
+    if module is None:
+        path = Path(__file__).parents[1] / "daemon" / "_daemon.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("comes_back", [True, False], ids=["daemon-restarted", "daemon-gone"])
+def test_a_killed_daemon_fails_the_attempt_fast(
+    spark: Any, tmp_path: Path, comes_back: bool
+) -> None:
+    """SIGKILL of the daemon every task writes to and reads from: the attempt fails within
+    seconds (no task hangs on the dead daemon). With a daemon back on the same socket the
+    job restarts from its checkpoint and ends exactly once; with none, every restart fails
+    at once and ``execute`` raises JobFailedError naming the unreachable daemon."""
+    from client.streaming.environment import JobFailedError
+
+    dp = _daemon_module()
+    spill = tmp_path / "daemon"
+    spill.mkdir()
+    daemon = dp.DaemonProcess(spill_dir=str(spill))
+    again = None
+    probes, out, ckpt = _dirs(tmp_path)
+    n = 60_000
+    env = _env(spark, ckpt, daemon=daemon.local_socket)
+    st.build(env, probes, out, n, rate=20_000.0)
+    run = _Run(env, restart_attempts=2 if comes_back else 1, restart_backoff=0.2)
+    try:
+        _first_attempt_pids(probes, 3)
+        st.wait_for(lambda: _completed(ckpt, 1), 60, "checkpoint 1 completed")
+        daemon.kill()
+        killed = time.monotonic()
+        if comes_back:
+            again = dp.DaemonProcess(spill_dir=str(spill))  # the same socket path
+            assert again.local_socket == daemon.local_socket
+            st.wait_for(lambda: len(st.pids(probes)) >= 2, 60, "a restarted attempt")
+            restarted_after = time.monotonic() - killed
+            result = run.join()
+            print(f"daemon killed: next attempt's tasks open after {restarted_after:.2f} s")
+            assert restarted_after < 30
+            assert result.restarts >= 1, result
+            st.check_exactly_once(out, n)
+            again.wait_pool_whole()
+        else:
+            with pytest.raises(JobFailedError) as failed:
+                run.join()
+            gone_after = time.monotonic() - killed
+            print(f"daemon gone: execute raised after {gone_after:.2f} s")
+            assert gone_after < 60
+            assert len(failed.value.failures) == 2
+            assert daemon.local_socket in str(failed.value), failed.value
+            assert not st.committed(out) or len(st.committed(out)) < n
+    finally:
+        env.cancel()
+        env.cancel()
+        run.thread.join(120)
+        daemon.cleanup()
+        if again is not None:
+            again.stop_clean()
+            again.cleanup()
