@@ -5,7 +5,7 @@ default 40; ``--parallelism`` per operator, default 1). Flink's
 ``CheckpointingTimeBenchmark`` shape, run by the streaming runtime on local PySpark
 (``client.streaming``): an unbounded-speed generator source -> rebalance -> map
 (identity) -> rebalance -> a sink that sleeps 1 ms per record, so every exchange is full
-(full backpressure: the source is far faster than the sink), 1000-byte records, the
+(full backpressure: the source is far faster than the sink), 500-byte records, the
 runtime's default buffer timeout of 10 ms (``--buffer-timeout``; Flink's default 100 ms
 measured longer checkpoints with debloating here). Exactly-once (aligned)
 checkpoints every second with a ``min_pause`` of 1 s, so the exchanges fill up again
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import ROOT, BenchError, Daemon, json_line, median
 
-RECORD = 1000  # bytes per record
+RECORD = 500  # bytes per record
 SINK_DELAY = 0.001  # seconds the sink spends per record
 TARGET_MS = 300  # debloat target per exchange
 EXCHANGES = 2
