@@ -162,7 +162,7 @@ def consumer_task(
             for p, s in channels
         ]
         checker = ChannelChecker(channels)
-        stalled = 0.0
+        stalled, changes = 0.0, pace.changes
         with PartitionReader(locations, local_daemon_id=own_daemon) as reader:
             it = reader.records()
             while chunk := list(itertools.islice(it, 64)):
@@ -178,7 +178,7 @@ def consumer_task(
                 "records": checker.records,
                 "payload": checker.payload,
                 "paused": stalled,
-                "pace_changes": pace.changes,
+                "pace_changes": pace.changes - changes,
             }
         )
 
@@ -380,11 +380,13 @@ def run(seconds: float, records: int, interval: float, seed: int) -> dict[str, A
             "rounds": len(rounds),
             "channels": DAEMONS * SUBPARTITIONS,
             "records": moved,
-            "lost_or_duplicated": 0,
             "payload_mb": round(payload / MB, 1),
             "throughput_mb_per_s": payload / elapsed / MB,
             "round_mb_per_s_median": median(round_rates),
             "round_mb_per_s_min": min(round_rates),
+            # the same, first and last third of the rounds: throughput that does not decay
+            "round_mb_per_s_first_third": median(round_rates[: max(1, len(rounds) // 3)]),
+            "round_mb_per_s_last_third": median(round_rates[-max(1, len(rounds) // 3) :]),
             "consumer_pace_changes": sum(r["pace_changes"] for r in rounds),
             "consumer_paused_s": round(sum(r["paused"] for r in rounds), 1),
             "rss_mb_first_last": [
