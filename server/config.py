@@ -92,6 +92,7 @@ class DaemonConfig:
     buffer_timeout: float = 0.1
     max_connections: int = 1024
     handshake_timeout: float = 10.0
+    peer_timeout: float = 60.0
     spill_dir: str = field(default_factory=_default_spill_dir)
     secret_file: str | None = None
     log_level: str = "INFO"
@@ -433,6 +434,13 @@ _SETTINGS: Final[dict[str, _Setting]] = {
     "max_connections": _Setting(_int(1), _INT, "N", "most TCP connections served at once"),
     "handshake_timeout": _Setting(
         _duration(positive=True), _DURATION, "DURATION", "time a new connection has to authenticate"
+    ),
+    "peer_timeout": _Setting(
+        _duration(positive=False),
+        _DURATION,
+        "DURATION",
+        "drop a client that leaves a keepalive Ping unanswered this long (it stopped reading "
+        "or stopped mid-frame) and release its buffers; 0 = never",
     ),
     "spill_dir": _Setting(
         _path, _STR, "DIR", "directory for spilled and blocking partitions (created if missing)"

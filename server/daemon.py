@@ -89,6 +89,7 @@ class ExchangeDaemon:
             low_watermark=config.effective_low_watermark,
             max_connections=config.max_connections,
             handshake_timeout=config.handshake_timeout,
+            peer_timeout=config.peer_timeout or None,
             release_dataset=self.release_dataset,
         )
         self.data_server = DataServer(self.manager, **common)

@@ -27,6 +27,14 @@ always holds the *last* ``get_write_buffer_size()`` bytes written, so a buffer w
 ended at or before ``bytes_written - get_write_buffer_size()`` is out: it is recycled on the
 next write, on ``resume_writing``, or by a short timer while any are left.
 
+Keepalive: once established, the connection sends a ``Ping`` every ``peer_timeout / 2``
+seconds while none is unanswered; a peer that has not answered with a ``Pong`` within
+``peer_timeout`` of the ``Ping`` is aborted and its views and buffers are released. The
+``Ping`` travels behind everything sent before it, so the rule catches a peer that stopped
+reading (its TCP window closed, output no longer drained), a network that went silent and
+a peer that sent half a frame and stopped (no ``Pong`` can follow the half frame); a
+consumer that is merely slow or backpressured still reads its socket and answers.
+
 Errors: a reader's view error fails that channel only (the queue's rule). A protocol
 violation, and any unexpected error, in whatever callback it surfaces (received bytes, the
 queue's deferred notifications, ``resume_writing``, the recycling timer), closes the
@@ -70,6 +78,8 @@ from exchange.protocol.messages import (
     Message,
     NewBufferSize,
     PartitionRequest,
+    Ping,
+    Pong,
     ResumeConsumption,
     error_response_for,
 )
@@ -151,6 +161,8 @@ class ServerConnectionSettings:
     ``close_timeout``: how long a closing connection may take to flush its last bytes (an
     error, the shutdown notice) before it is aborted, so that a peer that stopped reading
     cannot keep a closed connection, and the buffers it holds, forever.
+    ``peer_timeout``: a peer that does not answer a keepalive ``Ping`` within this many
+    seconds (it stopped reading, or stopped mid-frame) is dropped; None: never.
     ``max_frame_size``: only control frames arrive on the server side; a small limit keeps
     hostile lengths cheap.
     """
@@ -162,11 +174,14 @@ class ServerConnectionSettings:
     reap_interval: float = 0.005
     #: Output of one callback pending at most before it is written (one writelines).
     write_batch_bytes: int = 256 * 1024
+    peer_timeout: float | None = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("handshake_timeout", "close_timeout", "reap_interval"):
+        for name in ("handshake_timeout", "close_timeout", "reap_interval", "peer_timeout"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or value <= 0:
+            if name == "peer_timeout" and value is None:
+                continue
+            if not isinstance(value, int | float) or not 0 < value < float("inf"):
                 raise UsageError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
@@ -247,7 +262,12 @@ class ServerConnection:
         self._handshake_timer: Cancellable | None = timers.call_later(
             settings.handshake_timeout, self._on_handshake_timeout
         )
+        self._keepalive_timer: Cancellable | None = None
+        # keepalive ticks (every peer_timeout / 2) since the unanswered Ping went out
+        self._ping_ticks: int | None = None
         self.paused_count = 0
+        #: True once the peer was dropped for not answering a Ping in time.
+        self.timed_out = False
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -315,6 +335,10 @@ class ServerConnection:
             if hs.is_established:
                 self._cancel_handshake_timer()
                 self._transition(ServerConnectionState.ESTABLISHED)
+                self._arm_keepalive()
+            return
+        if type(msg) is Pong:
+            self._ping_ticks = None
             return
         if type(msg) not in self._accepted:
             raise ProtocolError(f"{type(msg).__name__} is not accepted on this connection")
@@ -516,6 +540,44 @@ class ServerConnection:
         if self._state is ServerConnectionState.HANDSHAKE:
             self.close_with_error(ErrorCode.PROTOCOL_ERROR, "handshake timed out")
 
+    def _arm_keepalive(self) -> None:
+        timeout = self._settings.peer_timeout
+        if timeout is not None and self._state is ServerConnectionState.ESTABLISHED:
+            self._keepalive_timer = self._timers.call_later(timeout / 2, self._on_keepalive)
+
+    def _on_keepalive(self) -> None:
+        """Every ``peer_timeout / 2``: a Ping, unless one is out; a Ping out for two ticks
+        (``peer_timeout``) drops the peer."""
+        self._keepalive_timer = None
+        if self._state is not ServerConnectionState.ESTABLISHED:
+            return
+        ticks = self._ping_ticks
+        if ticks is None:
+            self._ping_ticks = 0
+            self._guarded(lambda: self.send(Ping()))
+        elif ticks + 1 >= 2:
+            self._on_peer_timeout()
+            return
+        else:
+            self._ping_ticks = ticks + 1
+        self._arm_keepalive()
+
+    def _on_peer_timeout(self) -> None:
+        log.warning(
+            "connection %s: no Pong within peer_timeout=%ss (the peer stopped reading or "
+            "stopped mid-frame): dropped, %d readers released",
+            self.peer,
+            self._settings.peer_timeout,
+            self.queue.num_readers,
+        )
+        self.timed_out = True
+        self.abort()  # the peer does not read: nothing more is worth flushing
+
+    def _cancel_keepalive_timer(self) -> None:
+        timer, self._keepalive_timer = self._keepalive_timer, None
+        if timer is not None:
+            timer.cancel()
+
     def _cancel_handshake_timer(self) -> None:
         timer, self._handshake_timer = self._handshake_timer, None
         if timer is not None:
@@ -540,6 +602,7 @@ class ServerConnection:
             return
         self._transition(ServerConnectionState.CLOSING)
         self._cancel_handshake_timer()
+        self._cancel_keepalive_timer()
         self._decoder.abort()  # a payload being landed is never written again
         # Nothing more will be sent: the views go now, not when the peer has read the rest.
         self.queue.release_all()
@@ -559,6 +622,7 @@ class ServerConnection:
         if self._state is not ServerConnectionState.CLOSING:
             self._transition(ServerConnectionState.CLOSING)
             self._cancel_handshake_timer()
+            self._cancel_keepalive_timer()
             self._decoder.abort()
             self.queue.release_all()
         self._discard_output()
@@ -571,10 +635,12 @@ class ServerConnection:
         self._transition(ServerConnectionState.CLOSED)
         self._decoder.abort()
         self._writable = False
-        for timer in (self._handshake_timer, self._reap_timer, self._abort_timer):
+        timers = (self._handshake_timer, self._reap_timer, self._abort_timer, self._keepalive_timer)
+        for timer in timers:
             if timer is not None:
                 timer.cancel()
         self._handshake_timer = self._reap_timer = self._abort_timer = None
+        self._keepalive_timer = None
         self.queue.release_all()
         self._discard_output()
         in_flight = self._in_flight

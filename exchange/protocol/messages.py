@@ -45,6 +45,8 @@ __all__ = [
     "MessageId",
     "NewBufferSize",
     "PartitionRequest",
+    "Ping",
+    "Pong",
     "ResumeConsumption",
     "ServerHello",
     "error_for_response",
@@ -77,6 +79,8 @@ class MessageId(IntEnum):
     CANCEL_PARTITION_REQUEST = 15
     CLOSE_REQUEST = 16
     ERROR_RESPONSE = 17
+    PING = 18
+    PONG = 19
 
 
 class ErrorCode(IntEnum):
@@ -256,6 +260,13 @@ class CloseRequest(Message):
     MESSAGE_ID: ClassVar[int] = MessageId.CLOSE_REQUEST
 
 
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    """The answer to a ``Ping``: the client read everything the daemon sent before it."""
+
+    MESSAGE_ID: ClassVar[int] = MessageId.PONG
+
+
 # -- server to client ---------------------------------------------------------------------
 
 
@@ -323,6 +334,14 @@ class ErrorResponse(Message):
     def is_fatal(self) -> bool:
         """Without a receiver id the error concerns the whole connection (Flink's rule)."""
         return self.receiver_id is None
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """The daemon's keepalive: a client that does not answer with a ``Pong`` within the
+    daemon's ``peer_timeout`` (it stopped reading, or stopped mid-frame) is dropped."""
+
+    MESSAGE_ID: ClassVar[int] = MessageId.PING
 
 
 # -- errors <-> ErrorResponse -------------------------------------------------------------

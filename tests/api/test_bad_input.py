@@ -415,6 +415,7 @@ BAD_FLAG_VALUES: dict[str, list[str]] = {
     "buffer_timeout": ["-2", "-1s", "often"],
     "max_connections": ["0", "-1"],
     "handshake_timeout": ["0", "-1"],
+    "peer_timeout": ["-1", "-5s", "never"],
     "spill_dir": ["/proc/sys"],
     "secret_file": ["/nonexistent/secret"],
     "log_level": ["LOUD", "0"],

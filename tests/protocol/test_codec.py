@@ -48,6 +48,8 @@ from exchange.protocol import (
     MessageId,
     NewBufferSize,
     PartitionRequest,
+    Ping,
+    Pong,
     ResumeConsumption,
     ServerHello,
     encode,
@@ -331,7 +333,7 @@ def test_bad_magic() -> None:
 
 
 # 64..74 belong to the local endpoint (exchange.protocol.local_messages) once imported.
-@pytest.mark.parametrize("msg_id", [0, 5, 9, 18, 63, 100, 127, 128, 255])
+@pytest.mark.parametrize("msg_id", [0, 5, 9, 20, 63, 100, 127, 128, 255])
 def test_unknown_id_rejected_before_the_body(msg_id: int) -> None:
     with pytest.raises(UnknownMessageError) as info:
         FrameDecoder().feed(struct.pack(">IIB", 100, MAGIC, msg_id))
@@ -351,6 +353,8 @@ VALID: list[Message] = [
     CancelPartitionRequest(1),
     CloseRequest(),
     ErrorResponse(ErrorCode.INTERNAL, "boom", 7),
+    Ping(),
+    Pong(),
 ]
 
 
