@@ -106,16 +106,21 @@ class PartitionRequestClientHandler(HandshakingClientProtocol):
         secret: bytes | None,
         max_frame_size: int,
         read_timeout: float | None = None,
+        app_id: str | None = None,
     ) -> None:
         self._read_timeout = read_timeout
         self._read_timer: asyncio.TimerHandle | None = None
-        super().__init__(address, secret, max_frame_size)
+        super().__init__(address, secret, max_frame_size, app_id)
 
     def _new_connection(
         self, secret: bytes | None, max_frame_size: int
     ) -> PartitionRequestClientConnection:
         return PartitionRequestClientConnection(
-            self.address, secret, max_frame_size, read_timeout=self._read_timeout
+            self.address,
+            secret,
+            max_frame_size,
+            read_timeout=self._read_timeout,
+            app_id=self._app_id,
         )
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -200,7 +205,9 @@ class ConnectionManager:
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         ssl_context: ssl.SSLContext | Literal["env"] | None = "env",
         read_timeout: float | Literal["env"] | None = "env",
+        app_id: str | None = None,
     ) -> None:
+        """``app_id``: the application to authenticate for (None: ``$EXCHANGE_APP_ID``)."""
         if connect_retries < 0 or connect_backoff <= 0 or connect_timeout <= 0:
             raise UsageError("connect_retries >= 0, connect_backoff > 0, connect_timeout > 0")
         if read_timeout == "env":
@@ -212,6 +219,7 @@ class ConnectionManager:
                 f"read_timeout must be a positive number of seconds, got {read_timeout!r}"
             )
         self._read_timeout = read_timeout
+        self._app_id = app_id
         self._secret = secret
         # TLS to data ports: the given context, or the one $EXCHANGE_TLS_CA_FILE names
         self._ssl_context = client_ssl_context() if ssl_context == "env" else ssl_context
@@ -246,7 +254,7 @@ class ConnectionManager:
 
             def factory() -> PartitionRequestClientHandler:
                 return PartitionRequestClientHandler(
-                    address, self._secret, self._max_frame_size, self._read_timeout
+                    address, self._secret, self._max_frame_size, self._read_timeout, self._app_id
                 )
 
             try:

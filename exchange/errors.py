@@ -23,7 +23,8 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     │   ├── SubpartitionIndexError       index out of range (also a UsageError in spirit)
     │   ├── ProducerFailedError          the producer failed: consumers never see a short read
     │   ├── ConsumerAlreadyAttachedError a pipelined subpartition is consumed once
-    │   └── PartitionNotReadyError       a blocking partition is read before it is finished
+    │   ├── PartitionNotReadyError       a blocking partition is read before it is finished
+    │   └── AccessDeniedError            the partition belongs to another application
     ├── ProtocolError              the peer sent bytes that break the protocol (fatal for the
     │   │                          connection); carries what was wrong and the limit
     │   ├── FrameTooLargeError
@@ -41,6 +42,7 @@ its other streams alone; ``ProtocolError`` and ``TransportError`` end the whole 
 from __future__ import annotations
 
 __all__ = [
+    "AccessDeniedError",
     "AuthenticationError",
     "BadMagicError",
     "BufferRequestTimeoutError",
@@ -200,6 +202,14 @@ class PartitionNotReadyError(PartitionError):
     """The partition exists but cannot be read yet (a blocking partition still written).
 
     A per-channel error: the request fails, the connection and its other channels live on.
+    """
+
+
+class AccessDeniedError(PartitionError):
+    """The partition belongs to another application than the one this connection
+    authenticated for (``docs/security.md``): it may not be read, written or released.
+
+    Per channel on a read; a producer's connection is closed with it.
     """
 
 

@@ -217,8 +217,14 @@ class ExchangeDaemon:
     # -- partitions ----------------------------------------------------------------------
 
     def create_partition(
-        self, pid: ResultPartitionID, ptype: ResultPartitionType, num_subpartitions: int
+        self,
+        pid: ResultPartitionID,
+        ptype: ResultPartitionType,
+        num_subpartitions: int,
+        *,
+        app_id: str = "",
     ) -> ResultPartition:
+        """A new partition of application ``app_id`` (only its connections may use it)."""
         pool = self.network_pool.create_buffer_pool(
             num_subpartitions, max(num_subpartitions * 2 + 8, 16)
         )
@@ -231,6 +237,7 @@ class ExchangeDaemon:
                 spill_dir=self.config.spill_dir,
                 keep_manifest=True,
             )
+            part.app_id = app_id
             self.manager.register_result_partition(part)
         except BaseException:
             pool.destroy()
@@ -317,8 +324,10 @@ class ExchangeDaemon:
         self.partitions_released += 1
         self._finished_at.pop(part.partition_id, None)
 
-    def release_dataset(self, dataset_id: str) -> int:
-        return self.manager.release_dataset(dataset_id)
+    def release_dataset(self, dataset_id: str, app_id: str | None = None) -> int:
+        """Release the partitions of ``dataset_id`` that application ``app_id`` created
+        (another application's are neither released nor counted); None: every one."""
+        return self.manager.release_dataset(dataset_id, app_id=app_id)
 
     async def _sweep_loop(self) -> None:
         """Release blocking partitions whose time to live ran out (0 disables)."""

@@ -50,12 +50,14 @@ class DataServer:
         handshake_timeout: float = 10.0,
         peer_timeout: float | None = 60.0,
         max_frame_size: int | None = None,
-        release_dataset: Callable[[str], int] | None = None,
+        release_dataset: Callable[[str, str], int] | None = None,
         close_timeout: float = 1.0,
     ) -> None:
         self.manager = manager
-        self.release_dataset = (
-            release_dataset if release_dataset is not None else (manager.release_dataset)
+        self.release_dataset: Callable[[str, str], int] = (
+            release_dataset
+            if release_dataset is not None
+            else lambda ds, app: manager.release_dataset(ds, app_id=app)
         )
         self.segment_size = segment_size
         self.secret = secret

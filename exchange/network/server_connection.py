@@ -53,9 +53,16 @@ from enum import Enum
 from typing import Any, Final, NamedTuple, Protocol
 
 from exchange.buffers.buffer import Buffer
-from exchange.errors import IllegalStateError, PartitionError, ProtocolError, UsageError
+from exchange.errors import (
+    AccessDeniedError,
+    IllegalStateError,
+    PartitionError,
+    ProtocolError,
+    UsageError,
+)
 from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberingViewReader
 from exchange.network.partition_request_queue import PartitionRequestQueue
+from exchange.partition.result_partition import ResultPartition
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.protocol.codec import (
     MAX_CONTROL_FRAME_SIZE,
@@ -219,7 +226,7 @@ class ServerConnection:
         *,
         on_message: Callable[[Message], None] | None = None,
         accepted_messages: frozenset[type[Message]] = DATA_PORT_MESSAGES,
-        release_dataset: Callable[[str], int] | None = None,
+        release_dataset: Callable[[str, str], int] | None = None,
         nonce_factory: NonceFactory = os.urandom,
         peer: str = "?",
         data_frames: Mapping[int, DataFrameSpec] | None = None,
@@ -237,7 +244,9 @@ class ServerConnection:
         self._on_message = on_message if on_message is not None else self.handle_message
         self._accepted = accepted_messages
         self._release_dataset = (
-            release_dataset if release_dataset is not None else manager.release_dataset
+            release_dataset
+            if release_dataset is not None
+            else lambda ds, app: manager.release_dataset(ds, app_id=app)
         )
         self.peer = peer
         self._state = ServerConnectionState.HANDSHAKE
@@ -266,6 +275,8 @@ class ServerConnection:
         # keepalive ticks (every peer_timeout / 2) since the unanswered Ping went out
         self._ping_ticks: int | None = None
         self.paused_count = 0
+        #: The application the peer authenticated for ("": none); see ``check_access``.
+        self.app_id = ""
         #: True once the peer was dropped for not answering a Ping in time.
         self.timed_out = False
 
@@ -333,6 +344,7 @@ class ServerConnection:
             for out in hs.receive(msg):
                 self.send(out)
             if hs.is_established:
+                self.app_id = hs.app_id
                 self._cancel_handshake_timer()
                 self._transition(ServerConnectionState.ESTABLISHED)
                 self._arm_keepalive()
@@ -360,7 +372,7 @@ class ServerConnection:
             case CloseRequest():
                 self.close()
             case ReleaseDataset(dataset_id=ds):
-                self.send(Released(self._release_dataset(ds)))
+                self.send(Released(self._release_dataset(ds, self.app_id)))
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from a client")
 
@@ -371,6 +383,8 @@ class ServerConnection:
         reader = CreditBasedSequenceNumberingViewReader(rid, req.initial_credit, self.queue)
         self.queue.add_reader(reader)
         try:
+            if req.partition_id in self._manager:
+                self.check_access(self._manager.get_partition(req.partition_id))
             reader.request_subpartition_view(
                 self._manager, req.partition_id, req.subpartition_index
             )
@@ -382,6 +396,15 @@ class ServerConnection:
             self.send(error_response_for(e, rid))
             return
         log.debug("%s requested %s[%d]", self.peer, req.partition_id, req.subpartition_index)
+
+    def check_access(self, partition: ResultPartition) -> None:
+        """AccessDeniedError unless ``partition`` belongs to this connection's application."""
+        if partition.app_id != self.app_id:
+            mine = repr(self.app_id) if self.app_id else "none"
+            raise AccessDeniedError(
+                f"the partition belongs to another application (this connection's: {mine})",
+                partition.partition_id,
+            )
 
     # -- writability ---------------------------------------------------------------------
 

@@ -117,6 +117,8 @@ class ResultPartition:
             )
         self.partition_id = partition_id
         self.partition_type = partition_type
+        #: The application that created it ("": none); only its connections may use it.
+        self.app_id = ""
         self.buffer_pool = buffer_pool
         self.segment_size = buffer_pool.segment_size
         self.subpartitions: list[ResultSubpartition] = []

@@ -163,9 +163,10 @@ class ClientConnection:
         max_frame_size: int,
         *,
         accept: Collection[int] | None = None,
+        app_id: str = "",
     ) -> None:
         self.address = address
-        self._handshake = ClientHandshake(secret, address=address)
+        self._handshake = ClientHandshake(secret, address=address, app_id=app_id)
         self._decoder = self._new_decoder(max_frame_size, accept)
         self._out: list[Piece] = []
         self._events: list[ConnectionEvent] = []
@@ -198,6 +199,11 @@ class ClientConnection:
     @property
     def authenticated(self) -> bool:
         return self._handshake.authenticated
+
+    @property
+    def app_id(self) -> str:
+        """The application this connection authenticates for ("": none)."""
+        return self._handshake.app_id
 
     @property
     def bytes_received(self) -> int:
@@ -341,8 +347,11 @@ class PartitionRequestClientConnection(ClientConnection):
         max_frame_size: int,
         *,
         read_timeout: float | None = None,
+        app_id: str = "",
     ) -> None:
-        super().__init__(address, secret, max_frame_size, accept=DATA_PORT_CLIENT_MESSAGE_IDS)
+        super().__init__(
+            address, secret, max_frame_size, accept=DATA_PORT_CLIENT_MESSAGE_IDS, app_id=app_id
+        )
         if read_timeout is not None and not (
             isinstance(read_timeout, int | float) and 0 < read_timeout < float("inf")
         ):

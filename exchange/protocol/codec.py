@@ -175,7 +175,9 @@ def _enc_server_hello(m: ServerHello) -> list[Piece]:
 
 
 def _enc_auth_response(m: AuthResponse) -> list[Piece]:
-    return [_MAC.pack(_MAC.size, MAGIC, MessageId.AUTH_RESPONSE, m.mac)]
+    app = m.app_id.encode("utf-8")
+    head = _MAC.pack(_MAC.size + 1 + len(app), MAGIC, MessageId.AUTH_RESPONSE, m.mac)
+    return [b"".join((head, bytes((len(app),)), app))]
 
 
 def _enc_auth_ok(m: AuthOk) -> list[Piece]:
@@ -302,7 +304,14 @@ def _dec_server_hello(body: memoryview) -> Message:
 
 
 def _dec_auth_response(body: memoryview) -> Message:
-    return AuthResponse(_fixed(body, _MAC_BODY, "AuthResponse")[0])
+    fixed = _MAC_BODY.size
+    if len(body) < fixed + 1:
+        raise ProtocolError(f"AuthResponse body of {len(body)} bytes is too short")
+    n = body[fixed]
+    if len(body) != fixed + 1 + n:
+        raise ProtocolError(f"AuthResponse body has {len(body)} bytes, expected {fixed + 1 + n}")
+    app_id = _utf8(body[fixed + 1 :], "AuthResponse app_id")
+    return AuthResponse(bytes(body[:fixed]), app_id)
 
 
 def _dec_auth_ok(body: memoryview) -> Message:

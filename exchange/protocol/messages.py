@@ -14,6 +14,7 @@ from typing import ClassVar, Final
 
 from exchange.buffers.buffer import DataType
 from exchange.errors import (
+    AccessDeniedError,
     AuthenticationError,
     ExchangeError,
     PartitionError,
@@ -28,6 +29,7 @@ from exchange.errors import (
 from exchange.partition.result_partition_id import ResultPartitionID
 
 __all__ = [
+    "MAX_APP_ID_BYTES",
     "MAX_ERROR_MESSAGE_BYTES",
     "NONCE_SIZE",
     "PROTOCOL_VERSION",
@@ -49,6 +51,7 @@ __all__ = [
     "Pong",
     "ResumeConsumption",
     "ServerHello",
+    "check_app_id",
     "error_for_response",
     "error_response_for",
 ]
@@ -58,6 +61,8 @@ NONCE_SIZE: Final = 16
 MAC_SIZE: Final = 32
 # Long error texts (tracebacks) are cut so that every control frame stays small.
 MAX_ERROR_MESSAGE_BYTES: Final = 2048
+#: The longest application id (UTF-8) a ClientHello carries.
+MAX_APP_ID_BYTES: Final = 255
 
 _U16: Final = 0xFFFF
 _U32: Final = 0xFFFF_FFFF
@@ -97,6 +102,7 @@ class ErrorCode(IntEnum):
     INTERNAL = 9
     VERSION_MISMATCH = 10
     INVALID_REQUEST = 11
+    ACCESS_DENIED = 12
 
 
 class Message:
@@ -119,6 +125,19 @@ def _check_positive(name: str, value: int, limit: int) -> None:
 def _check_bytes(name: str, value: bytes, size: int) -> None:
     if not isinstance(value, bytes) or len(value) != size:
         raise UsageError(f"{name} must be {size} bytes, got {value!r}")
+
+
+def check_app_id(app_id: object) -> str:
+    """``app_id`` if it is a str of at most ``MAX_APP_ID_BYTES`` UTF-8 bytes, else UsageError."""
+    if not isinstance(app_id, str):
+        raise UsageError(f"app_id must be a str, got {app_id!r}")
+    try:
+        n = len(app_id.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise UsageError(f"app_id {app_id!r} is not encodable as UTF-8") from None
+    if n > MAX_APP_ID_BYTES:
+        raise UsageError(f"app_id of {n} bytes exceeds {MAX_APP_ID_BYTES}")
+    return app_id
 
 
 # -- handshake ----------------------------------------------------------------------------
@@ -157,14 +176,17 @@ class ServerHello(Message):
 
 @dataclass(frozen=True, slots=True)
 class AuthResponse(Message):
-    """The client's proof that it knows the shared secret (an HMAC over both nonces)."""
+    """The client's proof that it holds the credential of application ``app_id`` (an HMAC
+    over both nonces; ``""``: the daemon's secret itself, no application)."""
 
     MESSAGE_ID: ClassVar[int] = MessageId.AUTH_RESPONSE
 
     mac: bytes
+    app_id: str = ""
 
     def __post_init__(self) -> None:
         _check_bytes("mac", self.mac, MAC_SIZE)
+        check_app_id(self.app_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +382,8 @@ def error_for_response(
         return ProducerFailedError(text, partition_id, address)
     if code is ErrorCode.PARTITION_RELEASED:
         return PartitionReleasedError(text, partition_id, address)
+    if code is ErrorCode.ACCESS_DENIED:
+        return AccessDeniedError(text, partition_id, address)
     if code is ErrorCode.AUTH_FAILED:
         return AuthenticationError(text + where)
     if code in (ErrorCode.PROTOCOL_ERROR, ErrorCode.VERSION_MISMATCH):
@@ -383,6 +407,8 @@ def error_response_for(exc: BaseException, receiver_id: int | None = None) -> Er
             code = ErrorCode.PRODUCER_FAILED
         case PartitionReleasedError():
             code = ErrorCode.PARTITION_RELEASED
+        case AccessDeniedError():
+            code = ErrorCode.ACCESS_DENIED
         case PartitionError() | UsageError():
             code = ErrorCode.INVALID_REQUEST
         case AuthenticationError():

@@ -570,7 +570,7 @@ def test_a_receiver_id_used_twice_is_fatal(
 def test_an_unexpected_error_handling_a_message_is_fatal_internal(
     manager: ResultPartitionManager,
 ) -> None:
-    def broken(dataset: str) -> int:
+    def broken(dataset: str, app_id: str) -> int:
         raise KeyError(dataset)
 
     transport, timers = FakeTransport(), FakeTimers()

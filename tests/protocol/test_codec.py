@@ -193,7 +193,13 @@ def test_hello_and_auth_layouts() -> None:
         bytes.fromhex("0000001c badc0ffe 02 0001 01") + nonce
     )
     mac = bytes(range(32))
-    assert frame_bytes(AuthResponse(mac)) == bytes.fromhex("00000029 badc0ffe 03") + mac
+    assert frame_bytes(AuthResponse(mac)) == bytes.fromhex("0000002a badc0ffe 03") + mac + b"\0"
+    assert frame_bytes(AuthResponse(mac, "app-1")) == (
+        bytes.fromhex("0000002f badc0ffe 03") + mac + b"\x05app-1"
+    )
+    assert FrameDecoder().feed(frame_bytes(AuthResponse(mac, "app-1"))) == [
+        AuthResponse(mac, "app-1")
+    ]
     assert frame_bytes(AuthOk(mac)) == bytes.fromhex("00000029 badc0ffe 04") + mac
 
 
