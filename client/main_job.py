@@ -195,11 +195,13 @@ class Watcher(threading.Thread):
         ck = f"checkpoints {status.checkpoints_completed}"
         if last is not None and last.duration is not None:
             ck += f" (#{last.checkpoint_id} took {1000 * last.duration:.0f} ms)"
-        _log(
-            self.t0,
-            f"{status.state.lower()}: attempt {status.restarts + 1} read {read:,} of "
-            f"{self.events:,} events, {ck}" + (f"; back pressure {', '.join(bp)}" if bp else ""),
-        )
+        attempt = f"attempt {status.restarts + 1}"
+        if status.state == "RUNNING" and read == 0:  # counts come with the first ack
+            progress = f"{attempt} starting (tasks scheduled, registering, restoring)"
+        else:
+            progress = f"{attempt} read {read:,} of {self.events:,} events"
+        pressure = f"; back pressure {', '.join(bp)}" if bp else ""
+        _log(self.t0, f"{status.state.lower()}: {progress}, {ck}{pressure}")
 
     def kill(self, status: Any) -> None:
         victim = "totals-0"
@@ -376,6 +378,9 @@ def run_clickstream(args: argparse.Namespace) -> int:
             .sink_to_files(out_dir, parallelism=par)
         )
         stats_url = daemon.dashboard_url.rstrip("/") + "/api/stats" if daemon else None
+        if not args.no_kill and daemon is None:
+            _log(t0, "not a local master: the driver cannot kill a worker's process; --no-kill")
+            args.no_kill = True
         kill_after = None if args.no_kill else int(args.events * args.kill_at)
         watcher = Watcher(env, t0, args.events, stats_url, pid_dir, kill_after)
         watcher.start()
@@ -394,6 +399,13 @@ def run_clickstream(args: argparse.Namespace) -> int:
         job_s = time.monotonic() - t_job
         watcher.stop_event.set()
         watcher.join(5)
+        if result.stopped:  # Ctrl-C: a clean stop at a final checkpoint, input left unread
+            _log(
+                t0,
+                f"stopped after {job_s:.1f} s: the output is committed up to checkpoint "
+                f"{result.last_checkpoint_id}; no check of a partial run",
+            )
+            return 130
         _log(t0, f"job finished in {job_s:.1f} s; checking against Spark's DataFrame groupBy")
         t_check = time.monotonic()
         verdict = check_output(spark, in_glob, out_dir)
@@ -416,6 +428,14 @@ def run_clickstream(args: argparse.Namespace) -> int:
             f"{result.checkpoints_completed} checkpoints completed (exactly once, every "
             f"{args.checkpoint_interval:g} s)"
         )
+        if result.checkpoints:
+            took = sorted(c.duration for c in result.checkpoints)
+            print(
+                f"checkpoints      duration median {1000 * took[len(took) // 2]:.0f} ms, "
+                f"max {1000 * took[-1]:.0f} ms; longest alignment "
+                f"{1000 * max(c.alignment for c in result.checkpoints):.0f} ms; last state "
+                f"{result.checkpoints[-1].bytes / 1024:.0f} KiB"
+            )
         k = watcher.killed
         if k is not None:
             print(

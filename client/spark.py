@@ -29,6 +29,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -86,6 +87,7 @@ class EmbeddedDaemon:
     """A daemon subprocess started for a local Spark run, stopped at exit."""
 
     def __init__(self, extra_args: Iterable[str] = (), spill_dir: str | None = None) -> None:
+        self._own_spill_dir = spill_dir is None
         self.spill_dir = spill_dir or tempfile.mkdtemp(prefix="exchange-embedded-")
         self.socket = os.path.join(self.spill_dir, "exchange-daemon.sock")
         cmd = [
@@ -130,7 +132,10 @@ class EmbeddedDaemon:
         return f"http://{self.http_address}/metrics"
 
     def stop(self, timeout: float = 15.0) -> bool:
-        """SIGTERM the daemon; True if it reported every segment back in its pool."""
+        """SIGTERM the daemon; True if it reported every segment back in its pool.
+
+        A spill directory it made itself is deleted: a daemon keeps finished blocking
+        partitions on disk for its successor, and no daemon succeeds an embedded one."""
         if self.proc.poll() is not None:
             return False
         self.proc.send_signal(signal.SIGTERM)
@@ -140,6 +145,9 @@ class EmbeddedDaemon:
             self.proc.kill()
             self.proc.wait()
             return False
+        finally:
+            if self._own_spill_dir and self.proc.poll() is not None:
+                shutil.rmtree(self.spill_dir, ignore_errors=True)
         with contextlib.suppress(ValueError):
             for line in out.splitlines():
                 msg = json.loads(line)

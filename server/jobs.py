@@ -8,7 +8,8 @@ task, what only it knows:
 * **back pressure**, Flink's ``backPressuredTimeMsPerSecond`` / 1000: the share of the
   last :data:`BACK_PRESSURE_WINDOW` seconds the task spent waiting for credit on its
   output partitions (``ResultPartition.back_pressured_seconds``, the time the producer
-  session had no segment to grant), and Flink's status of it: OK up to 10 %, LOW up to
+  session had no segment to grant, plus the wait going on now, as Flink's TimerGauge
+  counts its current measurement), and Flink's status of it: OK up to 10 %, LOW up to
   50 %, HIGH above (the web UI's thresholds). The longest-waiting output counts.
 * **output pool usage**, Flink's ``outPoolUsage``: the fullest output partition's pool.
 * **input pool usage**, as Flink's ``inPoolUsage`` reads: the buffers the task's gate
@@ -172,8 +173,10 @@ class JobBoard:
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
         window: float = BACK_PRESSURE_WINDOW,
+        waiting: Callable[[], Mapping[tuple[str, int], float]] = dict,
     ) -> None:
         self._partitions = partitions
+        self._waiting = waiting
         self._reports = reports
         self.config = config
         self._clock = clock
@@ -205,6 +208,7 @@ class JobBoard:
     def _sample(self) -> dict[tuple[str, int], ResultPartition]:
         """Sample every running task's back-pressured time; returns the partitions read."""
         parts = self._outputs()
+        waiting = self._waiting()
         now = self._clock()
         live: set[tuple[str, str]] = set()
         for status, _ in self._jobs.values():
@@ -214,7 +218,11 @@ class JobBoard:
                 outs = [parts.get((d, t.subtask)) for d in t.outputs]
                 if not outs or any(p is None for p in outs):
                     continue
-                waited = max(p.stats().back_pressured_seconds for p in outs if p is not None)
+                waited = max(
+                    p.stats().back_pressured_seconds + waiting.get((d, t.subtask), 0.0)
+                    for d, p in zip(t.outputs, outs, strict=True)
+                    if p is not None
+                )
                 key = (status.job, t.task)
                 live.add(key)
                 self._samples.setdefault(key, _Samples()).add(now, waited, self.window)

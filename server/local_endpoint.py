@@ -80,7 +80,12 @@ class LocalEndpoint(DataServer):
         self.buffers_received = 0
         self.partitions_created = 0
         self.producer_failures = 0
-        self.jobs = JobBoard(lambda: daemon.manager.partitions, self.task_reports, daemon.config)
+        self.jobs = JobBoard(
+            lambda: daemon.manager.partitions,
+            self.task_reports,
+            daemon.config,
+            waiting=self.producers_waiting,
+        )
 
     def protocol_factory(self) -> PartitionRequestServerProtocol:
         return LocalEndpointProtocol(self)
@@ -118,6 +123,17 @@ class LocalEndpoint(DataServer):
             producer_failures=self.producer_failures,
         )
         return base
+
+    def producers_waiting(self) -> dict[tuple[str, int], float]:
+        """(dataset, partition index) -> seconds its producer task has been waiting for
+        credit in its current wait, for every producer waiting now."""
+        out: dict[tuple[str, int], float] = {}
+        for conn in self.connections:
+            session = getattr(conn, "session", None)
+            if session is not None and session.back_pressured_now > 0:
+                pid = session.partition.partition_id
+                out[(pid.dataset_id, pid.partition_index)] = session.back_pressured_now
+        return out
 
     def task_reports(self) -> list[TaskReport]:
         """The latest report of every task gate on an open connection, by (task, gate);

@@ -10,8 +10,10 @@ out), ``finished``, ``failed`` (error text), ``results`` (a collect sink's recor
 Driver -> task: ``start`` (every task's daemon, the checkpoint to restore), ``trigger``
 (sources), ``complete``, ``abort``, ``stop`` (sources, a clean stop: end the input now, as
 if exhausted), ``finish`` (after the final checkpoint: end the stream), ``cancel``.
-An ``ack`` carries the state handle, its size (``bytes``) and the task's last alignment
-(``alignment``, seconds).
+An ``ack`` carries the state handle and the task's figures (``metrics``, Flink's
+CheckpointMetrics and more): the state's size (``state_bytes``), for a task that reads its
+alignment (``alignment``, seconds) and the bytes processed or parked meanwhile
+(``aligned_bytes``), and its records so far (``records_in``, ``records_out``).
 
 Attempts are fenced: a task registers with its job attempt and the token of that attempt,
 so a task of a dead attempt (Spark lets it run on for seconds) is refused and its

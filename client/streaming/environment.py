@@ -156,13 +156,14 @@ class StreamEnvironment:
             raise UsageError(f"checkpoint_dir must be a path or URL, got {checkpoint_dir!r}")
         self.checkpoint_dir = checkpoint_dir
         sc = getattr(spark, "sparkContext", spark)
-        if not hasattr(sc, "parallelize"):
+        if spark is not None and not hasattr(sc, "parallelize"):
             raise UsageError(f"spark must be a SparkSession or SparkContext, got {spark!r}")
-        self.sc = sc
+        self.sc = sc  # None: a job graph is built, never executed
         self.max_parallelism = max_parallelism
         self.daemon = daemon
         self.job_id = job_id or f"job{uuid.uuid4().hex[:12]}"
         self._nodes: list[Node] = []
+        self._next_checkpoint_id = 1  # above every id an attempt of this driver used
         self._stop = threading.Event()  # clean stop: final checkpoint, then end
         self._cancel = threading.Event()  # hard cancel
         #: the running (or last) job's status, published to the driver's local daemon
@@ -281,6 +282,8 @@ class StreamEnvironment:
             raise UsageError(
                 f"restart_backoff must be a number of seconds >= 0, got {restart_backoff!r}"
             )
+        if self.sc is None:
+            raise UsageError("this environment has no Spark: give it a SparkSession to execute")
         graph = JobGraph.build(self._nodes, self.max_parallelism)
         if not any(v.is_source for v in graph.vertices):
             raise UsageError("the job has no source")
@@ -396,12 +399,14 @@ class _Attempt:
                 latest.checkpoint_id, latest.timestamp, files, latest.finished_tasks
             )
             restore_msg = {"checkpoint_id": latest.checkpoint_id, "files": files}
+        used = self.storage.checkpoint_ids()  # never reuse an id an earlier attempt used
         coord = CheckpointCoordinator(
             env.config,
             self.task_ids,
             clock=time.monotonic,
             source_tasks=graph.source_task_ids(),
             restored=restored,
+            first_checkpoint_id=max([env._next_checkpoint_id, *(i + 1 for i in used)]),
         )
         group = f"{env.job_id}-{self.attempt}"
         outcome: queue.Queue[BaseException | None] = queue.Queue()
@@ -441,6 +446,7 @@ class _Attempt:
                 if self.error is not None:
                     sc.cancelJobGroup(group)
         finally:
+            env._next_checkpoint_id = max(env._next_checkpoint_id, coord.next_checkpoint_id)
             if self.error is not None:
                 sc.cancelJobGroup(group)
             thread.join(60)
@@ -488,10 +494,11 @@ class _Attempt:
                 self._started = True
         elif kind == "ack":
             cid = msg["checkpoint"]
+            figures = msg.get("metrics") or {}  # the task's CheckpointMetrics
             alignment, size = self._acks.get(cid, (0.0, 0))
             self._acks[cid] = (
-                max(alignment, float(msg.get("alignment", 0.0))),
-                size + int(msg.get("bytes", 0)),
+                max(alignment, float(figures.get("alignment", 0.0))),
+                size + int(figures.get("state_bytes", 0)),
             )
             coord.acknowledge(task, cid, msg["handle"])
         elif kind == "decline":

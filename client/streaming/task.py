@@ -122,6 +122,20 @@ def _route(edge: Edge, writer: PartitionWriter, task: StreamTask) -> Callable[[A
             return writer.broadcast
 
 
+class _Counting:
+    """Counts what passes into the chain (a source task's records)."""
+
+    __slots__ = ("_out", "count")
+
+    def __init__(self, out: Collector) -> None:
+        self._out = out
+        self.count = 0
+
+    def collect(self, record: Any) -> None:
+        self.count += 1
+        self._out.collect(record)
+
+
 class _Chained:
     """Feeds the next operator of the chain."""
 
@@ -307,15 +321,12 @@ class StreamTask:
             }
         data = encode_snapshot(SnapshotKind.TASK_STATE, {"task": self.task_id, "operators": state})
         path = self.storage.write_task_state(checkpoint_id, self.task_id, data)
-        barrier = self.reader.barrier_stats if self.reader is not None else None
         assert self.ctl is not None
         self.ctl.send(
             {
                 "type": "ack",
                 "checkpoint": checkpoint_id,
                 "handle": path,
-                "bytes": len(data),
-                "alignment": barrier.last_alignment_duration if barrier is not None else 0.0,
                 "metrics": self._ack_metrics(len(data)),
             }
         )
@@ -425,7 +436,7 @@ class StreamTask:
     def _run_source(self) -> None:
         source = self.ops[0]
         assert isinstance(source, Source)
-        out = self._chain_out
+        out = _Counting(self._chain_out)  # what the source emits (a chained sink emits none)
         exhausted = False
         while not self._finish:
             if exhausted:
@@ -436,9 +447,9 @@ class StreamTask:
                 break
             alive, emitted = False, 0
             if not self._stop:  # a clean stop ends the input here, as if exhausted
-                before = self._out.count if self._out is not None else 0
+                before = out.count
                 alive = source.poll(out, _POLL_BATCH)
-                emitted = (self._out.count if self._out is not None else 0) - before
+                emitted = out.count - before
                 self.records_in += emitted
             if alive and emitted == 0:  # idle, rate-limited or watching: wait, never spin
                 ready_in = getattr(source, "ready_in", None)

@@ -48,7 +48,9 @@ Decisions, with Flink's behaviour where it has one:
   if newer than the last completed one; a completed checkpoint resets the count. More
   than ``tolerable_failed_checkpoints`` consecutive failures queue FailJob.
 * **Ids** strictly increase and are never reused, aborted or not; after a restore they
-  continue from the restored checkpoint's id + 1.
+  continue from the restored checkpoint's id + 1, or from ``first_checkpoint_id`` when
+  that is higher (the driver passes the next id no earlier attempt used: the failed
+  attempt's tasks may still write state under its ids).
 * **Finished tasks** (bounded inputs, FLIP-147) are not asked for later checkpoints; each
   completed checkpoint records which tasks had finished before it was triggered. A task
   that finishes while a checkpoint still waits for its ack aborts it (not counted).
@@ -365,8 +367,13 @@ class CheckpointCoordinator:
         clock: Clock,
         source_tasks: Iterable[str] | None = None,
         restored: CompletedCheckpoint | None = None,
+        first_checkpoint_id: int = 1,
         wall_clock_ms: Callable[[], int] = _wall_clock_ms,
     ) -> None:
+        if type(first_checkpoint_id) is not int or first_checkpoint_id < 1:
+            raise UsageError(
+                f"first_checkpoint_id must be an int >= 1, got {first_checkpoint_id!r}"
+            )
         self._config = config
         self._tasks: frozenset[str] = frozenset(tasks)
         if not self._tasks:
@@ -407,6 +414,9 @@ class CheckpointCoordinator:
             self._completed.append(restored)
             self._next_id = self._first_id = restored.checkpoint_id + 1
             self._last_success_id = restored.checkpoint_id
+        # Flink's CheckpointIDCounter outlives a failover: an id a failed attempt used
+        # (whose tasks may still write under it) is never handed out again.
+        self._next_id = self._first_id = max(self._next_id, first_checkpoint_id)
 
     # -- properties ------------------------------------------------------------------------
 

@@ -223,6 +223,13 @@ class ProducerSession:
         self._listening = False
 
     @property
+    def back_pressured_now(self) -> float:
+        """Seconds the task has waited for credit so far in the current wait (0 while it
+        has credit): back-pressured time the partition records only when the wait ends."""
+        since = self._starved_since
+        return 0.0 if since is None else max(0.0, self._clock() - since)
+
+    @property
     def credit_outstanding(self) -> int:
         return self._granted
 

@@ -107,7 +107,7 @@ class ResultPartition:
     ) -> None:
         if not isinstance(num_subpartitions, int) or num_subpartitions <= 0:
             raise UsageError(f"num_subpartitions must be a positive int, got {num_subpartitions!r}")
-        if buffer_pool.num_required < num_subpartitions:
+        if buffer_pool.num_required < num_subpartitions and restore_from is None:
             # One guaranteed segment per subpartition (Flink's minimum): with fewer, the
             # unread buffers of some subpartitions can hold every segment while the reader
             # that would free one waits for a subpartition that cannot get any.

@@ -387,11 +387,20 @@ class _FakeContext:
         ({"restart_backoff": math.inf}, "restart_backoff"),
         ({"restart_attempts": -1}, "restart_attempts"),
         ({"restart_attempts": 1.5}, "restart_attempts"),
+        ({"spark": None}, "SparkSession"),
     ],
-    ids=["backoff-negative", "backoff-str", "backoff-inf", "attempts-negative", "attempts-float"],
+    ids=[
+        "backoff-negative",
+        "backoff-str",
+        "backoff-inf",
+        "attempts-negative",
+        "attempts-float",
+        "no-spark",
+    ],
 )
 def test_stream_execute_arguments(kwargs: dict[str, Any], words: str, tmp_path: Any) -> None:
-    env = StreamEnvironment(_FakeContext(), checkpoint_dir=str(tmp_path))
+    spark = kwargs.pop("spark", _FakeContext())  # None: builds a graph, never executes it
+    env = StreamEnvironment(spark, checkpoint_dir=str(tmp_path))
     raises(lambda: env.execute(**kwargs), UsageError, words)
 
 

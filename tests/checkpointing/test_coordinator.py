@@ -522,6 +522,29 @@ def test_ids_continue_after_a_restore() -> None:
     assert out[-1] == DiscardCheckpoint(41, {"src-0": "old"})
 
 
+def test_ids_an_earlier_attempt_used_are_never_handed_out_again() -> None:
+    """The restored checkpoint is 41 but a failed attempt triggered up to 44 (its tasks
+    may still write state under those ids): the next attempt starts at 45."""
+    clock = FakeClock()
+    restored = CompletedCheckpoint(41, 123, {"src-0": "old"})
+    cfg = CheckpointConfig(interval=1.0)
+    coord = CheckpointCoordinator(
+        cfg, TASKS, clock=clock, restored=restored, first_checkpoint_id=45
+    )
+    coord.start()
+    assert coord.latest_completed == restored and coord.next_checkpoint_id == 45
+    coord.acknowledge("src-0", 43, "zombie")  # the failed attempt's id: unknown here
+    assert coord.poll_commands() == [] and coord.stats().unknown_messages == 1
+    clock.advance(1)
+    [trigger] = tick(coord)
+    assert isinstance(trigger, TriggerCheckpoint) and trigger.checkpoint_id == 45
+    # a floor below the restore changes nothing
+    low = CheckpointCoordinator(cfg, TASKS, clock=clock, restored=restored, first_checkpoint_id=3)
+    assert low.next_checkpoint_id == 42
+    with pytest.raises(UsageError):
+        CheckpointCoordinator(cfg, TASKS, clock=clock, first_checkpoint_id=0)
+
+
 def test_restart_aborts_pending_and_ids_keep_increasing() -> None:
     clock = FakeClock()
     coord = make(clock)

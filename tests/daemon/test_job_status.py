@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from client.streaming.environment import StreamEnvironment
-from client.streaming.graph import JobGraph
+from client.streaming.functions import Operator
+from client.streaming.graph import JobGraph, Node, Partitioning
 from client.streaming.job_status import JobStatusTracker
 from exchange.checkpointing.coordinator import (
     AbortReason,
@@ -26,14 +26,21 @@ from exchange.checkpointing.coordinator import (
 pytestmark = pytest.mark.timeout(120)
 
 
-def _graph(tmp_path: Path) -> JobGraph:
-    env = StreamEnvironment(None, checkpoint_dir=str(tmp_path))
-    (
-        env.from_generator(lambda i: i, count=10, parallelism=2, name="numbers")
-        .key_by(lambda x: x % 3, name="by-key")
-        .process(lambda v, ctx, out: None, parallelism=1, name="sink")
+def _graph() -> JobGraph:
+    """numbers (x2) -> by-key (chained) -> hash -> sink (x1), as the environment builds it."""
+    numbers = Node(0, "numbers", Operator, 2, is_source=True)
+    by_key = Node(1, "by-key", Operator, 2, inputs=[(numbers, Partitioning.FORWARD, None)])
+    sink = Node(
+        2,
+        "sink",
+        Operator,
+        1,
+        key_fn=lambda pair: pair[0],
+        inputs=[(by_key, Partitioning.HASH, lambda pair: pair[0])],
     )
-    return JobGraph.build(env._nodes, env.max_parallelism)
+    numbers.outputs.append(by_key)
+    by_key.outputs.append(sink)
+    return JobGraph.build([numbers, by_key, sink], 128)
 
 
 def _job(daemon: Any, job: str, until: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
@@ -54,7 +61,7 @@ def test_the_drivers_view_reaches_the_daemon(
 ) -> None:
     daemon = start_daemon()
     tracker = JobStatusTracker("job-x", daemon.local_socket)
-    graph = _graph(tmp_path)
+    graph = _graph()
     tracker.attempt_started(17, graph)
     first = _job(daemon, "job-x", lambda j: j["attempt"] == 17)
     assert first["state"] == "RUNNING" and first["restarts"] == 0
@@ -114,7 +121,7 @@ def test_the_drivers_view_reaches_the_daemon(
 
 def test_no_daemon_stops_the_publishing_never_the_job(tmp_path: Path) -> None:
     tracker = JobStatusTracker("job-y", str(tmp_path / "no-such.sock"))
-    tracker.attempt_started(1, _graph(tmp_path))
+    tracker.attempt_started(1, _graph())
     assert tracker.publish_failed and tracker.published == 0
     tracker.on_command(TriggerCheckpoint(1, 0, ("v0-0",)))
     tracker.publish(force=True)  # nothing raised, nothing sent

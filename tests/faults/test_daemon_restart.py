@@ -9,7 +9,8 @@
   daemon: their readers get a ProducerFailedError at once (not a not-found they would
   retry), a reader streaming when the daemon died gets a TransportError in bounded time,
   and the producer task gets a typed error;
-* a damaged manifest and orphan spill files are deleted at startup.
+* a damaged manifest and orphan spill files are deleted at startup; a partition older
+  than the new daemon's time to live is not served again.
 
 Every restarted daemon stops cleanly with its pool whole (the ``start_daemon`` fixture).
 """
@@ -267,3 +268,34 @@ def test_damaged_manifest_and_orphans_deleted_at_startup(
     assert d2.info["recovered"]["refused"] == 1
     assert spill_files(spill_dir) == []
     assert not (spill_dir / "x.manifest.tmp").exists()
+
+
+def test_expired_blocking_partition_not_served_again(
+    daemon_on: Callable[..., Daemon], spill_dir: Path
+) -> None:
+    d1 = daemon_on("--blocking-partition-ttl", "0")  # the first daemon keeps it forever
+    pid = ResultPartitionID("restart-old", 0, 0)
+    write_blocking(d1, pid, records(100))
+    d1.stop_clean()
+    # starting a daemon takes far longer than 10 ms: the partition is older than its TTL
+    d2 = daemon_on("--blocking-partition-ttl", "10ms")
+    assert d2.info["recovered"]["expired"] == 1
+    err, _ = read_error(d2, pid)
+    assert isinstance(err, PartitionReleasedError) and "time to live" in str(err), str(err)
+    assert spill_files(spill_dir) == []
+
+
+def test_restored_with_less_network_memory(
+    daemon_on: Callable[..., Daemon], spill_dir: Path
+) -> None:
+    """A finished blocking partition holds no segment: a daemon restarted with fewer
+    segments than it has subpartitions still serves it."""
+    d1 = daemon_on()
+    pid = ResultPartitionID("restart-small", 0, 0)
+    recs = records(2000)
+    write_blocking(d1, pid, recs, n=40)
+    d1.kill()
+    d2 = daemon_on("--network-memory", "512kb")  # 16 segments < 40 subpartitions
+    assert d2.info["recovered"]["restored"] == 1
+    for sub in (0, 39):
+        assert read(d2, pid, sub) == expected(recs, sub, n=40)

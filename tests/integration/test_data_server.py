@@ -58,11 +58,18 @@ async def test_handshake_timeout_closes_silent_and_slow_clients(slowloris: bool,
             for b in hello[:3]:
                 writer.write(bytes([b]))
                 await asyncio.sleep(0.05)
-        messages = await read_until_closed(reader, timeout=5)
+        try:
+            messages = await read_until_closed(reader, timeout=5)
+        except ConnectionResetError:
+            # under load a byte of the hello can still be on its way when the server
+            # closes: the kernel resets the connection and drops the error frame with it
+            assert slowloris
+            messages = []
         assert loop.time() - start < 2
-        [err] = messages
-        assert isinstance(err, ErrorResponse) and err.is_fatal
-        assert err.code is ErrorCode.PROTOCOL_ERROR and "timed out" in err.message
+        if messages or not slowloris:
+            [err] = messages
+            assert isinstance(err, ErrorResponse) and err.is_fatal
+            assert err.code is ErrorCode.PROTOCOL_ERROR and "timed out" in err.message
         await asyncio.sleep(0.01)
         assert server.connections == set()
     finally:

@@ -143,3 +143,27 @@ def test_ended_jobs_keep_their_status_without_live_figures(pool: NetworkBufferPo
     assert len(jobs) == MAX_JOBS and "a" not in jobs  # the least recently updated went
     board.update(status("job-0", "CANCELED"))
     assert [v.status.job for v in board.views()][-1] == "job-0"
+
+
+def test_a_wait_still_going_on_counts(pool: NetworkBufferPool) -> None:
+    """A producer starved for longer than the window records nothing until its wait ends;
+    the board counts the wait going on (the session's back_pressured_now)."""
+    clock = Clock()
+    p0 = partition(pool, "j-a1-e0", 0)
+    started = clock.now
+    board = JobBoard(
+        lambda: [p0],
+        lambda: [],
+        DaemonConfig(),
+        clock=clock,
+        waiting=lambda: {("j-a1-e0", 0): clock.now - started},
+    )
+    try:
+        for _ in range(8):
+            board.update(status())
+            clock.now += 1.0
+        v0 = board.views()[0].tasks[0]
+        assert p0.stats().back_pressured_seconds == 0.0
+        assert v0.back_pressure == "HIGH" and v0.back_pressure_ratio == pytest.approx(1.0)
+    finally:
+        p0.release()

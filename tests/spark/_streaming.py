@@ -52,6 +52,33 @@ def _hold(probes: str, release: str) -> None:
         time.sleep(0.02)
 
 
+class _Progress:
+    """Writes a running count to ``probes/name`` (atomically) at most every 0.1 s."""
+
+    def __init__(self, probes: str, name: str) -> None:
+        self.path = os.path.join(probes, name)
+        self.count = 0
+        self._last = 0.0
+
+    def add(self, n: int) -> None:
+        self.count += n
+        now = time.monotonic()
+        if now - self._last >= 0.1:
+            self._last = now
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                f.write(f"{time.time()} {self.count}")
+            os.replace(tmp, self.path)
+
+
+def progress(probes: Path, name: str) -> int:
+    """The last count ``name`` reported (0 before its first report)."""
+    try:
+        return int((probes / name).read_text().split()[1])
+    except FileNotFoundError:
+        return 0
+
+
 def _record_pid(probes: str, ctx: OperatorContext) -> None:
     name = f"pid-{ctx.attempt}-{ctx.operator_id}-{ctx.subtask_index}"
     _mark(probes, name, str(os.getpid()))
@@ -67,15 +94,18 @@ class ProbedGenerator(GeneratorSource):
         count: int | None,
         rate: float | None = None,
         stall_at: int | None = None,
+        report: bool = False,
     ) -> None:
         super().__init__(event, count=count, rate=rate)
         self.probes = probes
         self.stall_at = stall_at
+        self.report = report
         self.emitted = 0
 
     def open(self, ctx: OperatorContext) -> None:
         super().open(ctx)
         _record_pid(self.probes, ctx)
+        self.progress = _Progress(self.probes, f"emitted-{ctx.subtask_index}")
 
     def poll(self, out: Collector, max_records: int) -> bool:
         if (
@@ -85,11 +115,13 @@ class ProbedGenerator(GeneratorSource):
             and _mark(self.probes, "stalled")
         ):
             _hold(self.probes, "release")
-        if self.stall_at is None:
+        if self.stall_at is None and not self.report:
             return super().poll(out, max_records)
         counted = _Counting(out)
         alive = super().poll(counted, max_records)
         self.emitted += counted.n
+        if self.report:
+            self.progress.add(counted.n)
         return alive
 
 
@@ -139,12 +171,14 @@ class ProbedSink(FileSink):
     def open(self, ctx: OperatorContext) -> None:
         super().open(ctx)
         _record_pid(self.probes, ctx)
+        self.progress = _Progress(self.probes, f"sunk-{ctx.subtask_index}")
 
     def process(self, record: Any, out: Collector) -> None:
         if self.throttle:
             end = time.perf_counter() + self.throttle
             while time.perf_counter() < end:
                 pass
+            self.progress.add(1)
         super().process(record, out)
 
     def snapshot_state(self, checkpoint_id: int) -> None:
@@ -182,12 +216,15 @@ def build(
     parallelism: int = 2,
     rate: float | None = None,
     stall_at: int | None = None,
+    report: bool = False,
     **sink: Any,
 ) -> None:
     p, o = str(probes), str(out)
     (
         env.add_source(
-            lambda: ProbedGenerator(p, count, rate, stall_at), parallelism=parallelism, name="gen"
+            lambda: ProbedGenerator(p, count, rate, stall_at, report),
+            parallelism=parallelism,
+            name="gen",
         )
         .key_by(key_of, name="bykey")
         .process(RunningSum(), parallelism=1, name="sums")

@@ -4,12 +4,14 @@ The job's last operator is throttled (a few ms per record), so its upstream task
 source, whose output partition's pool stays full) spends most of its time waiting for
 buffers: the daemon measures that from the partition's back-pressured time and the
 dashboard, fed by the driver's JobStatus, shows the task HIGH, the throttled one OK, and
-the checkpoint history. Follows tests/server/test_http.py's browser test.
+the checkpoint history; cancelled, it shows CANCELED. Follows tests/server/test_http.py's
+browser test.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import threading
@@ -52,7 +54,11 @@ def _job(base: str, job_id: str) -> dict[str, Any] | None:
     return None
 
 
-def _chromium_dom(url: str, profile: Path) -> str:
+#: Set to a path (e.g. docs/dashboard-job.png) to keep a screenshot of the job's dashboard.
+SCREENSHOT_ENV = "EXCHANGE_JOB_DASHBOARD_SCREENSHOT"
+
+
+def _chromium(url: str, profile: Path, *out: str) -> str:
     args = [
         CHROMIUM or "chromium",
         "--headless",
@@ -65,7 +71,7 @@ def _chromium_dom(url: str, profile: Path) -> str:
         "--disable-sync",
         f"--user-data-dir={profile}",
         "--virtual-time-budget=5000",
-        "--dump-dom",
+        *out,
         url,
     ]
     proc = subprocess.run(args, capture_output=True, timeout=120)
@@ -97,10 +103,11 @@ def test_dashboard_shows_a_running_jobs_back_pressure_and_checkpoints(
         .process(Throttled(), parallelism=1, name="throttled")
     )
     failure: list[BaseException] = []
+    results: list[Any] = []
 
     def run() -> None:
         try:
-            env.execute(restart_attempts=0)
+            results.append(env.execute(restart_attempts=0))
         except BaseException as e:
             failure.append(e)
 
@@ -125,7 +132,10 @@ def test_dashboard_shows_a_running_jobs_back_pressure_and_checkpoints(
         assert tasks["v1-0"]["back_pressure"] == "OK"  # no output: never waits for buffers
         assert job["state"] == "RUNNING" and job["restarts"] == 0
 
-        dom = _chromium_dom(base, tmp_path / "profile")
+        dom = _chromium(base, tmp_path / "profile", "--dump-dom")
+        keep = os.environ.get(SCREENSHOT_ENV)
+        if keep:
+            _chromium(base, tmp_path / "shot", "--window-size=1280,900", f"--screenshot={keep}")
         assert '<span class="state RUNNING" id="job-state-throttled">RUNNING</span>' in dom
         source = _row(dom, 'data-task="throttled/v0-0"')
         assert source[:2] == ["v0-0", "numbers -&gt; by-key"], source
@@ -144,9 +154,11 @@ def test_dashboard_shows_a_running_jobs_back_pressure_and_checkpoints(
         completed = families["exchange_job_checkpoints_completed"].samples
         assert completed[0].labels == {"job": "throttled"} and completed[0].value >= 1
     finally:
-        env.cancel()
+        env.cancel()  # a clean stop would drain the back pressure first:
+        env.cancel()  # the second call cancels at once
         thread.join(120)
     assert not thread.is_alive()
-    assert len(failure) == 1 and isinstance(failure[0], JobFailedError), failure
+    assert not results and len(failure) == 1, (failure, results)
+    assert isinstance(failure[0], JobFailedError), failure
     job = _job(base, "throttled")
     assert job is not None and job["state"] == "CANCELED", job

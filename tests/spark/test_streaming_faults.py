@@ -8,6 +8,7 @@ commit file sink. Every case checks the committed output against the events: eac
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
@@ -121,7 +122,8 @@ def _aligning_checkpoint(ckpt: str) -> int | None:
 
 
 def _completed(ckpt: str, checkpoint_id: int) -> bool:
-    return (Path(ckpt) / f"chk-{checkpoint_id}" / "_metadata").exists()
+    """Checkpoint ``checkpoint_id`` or a later one completed (only the latest is retained)."""
+    return any(int(m.parent.name[4:]) >= checkpoint_id for m in Path(ckpt).glob("chk-*/_metadata"))
 
 
 # (case, seed, events, mode). Unthrottled, the sources emit everything into the daemon's
@@ -129,7 +131,6 @@ def _completed(ckpt: str, checkpoint_id: int) -> bool:
 # several checkpoints (500k at 125k/s: 4 s), which is where the kill must land.
 KILLS = [
     ("random", 1, 500_000, "exactly_once"),
-    ("random", 2, 150_000, "exactly_once"),
     ("alignment", 3, 150_000, "exactly_once"),
     ("snapshot", 4, 150_000, "exactly_once"),
     ("random", 5, 150_000, "at_least_once"),
@@ -168,13 +169,19 @@ def test_a_killed_worker_restarts_the_job_from_its_last_checkpoint(
         elif case == "alignment":
             st.wait_for(lambda: (probes / "stalled").exists(), 60, "source 1 stalled")
             cid = st.wait_for(lambda: _aligning_checkpoint(ckpt), 60, "an alignment began")
-            assert not _completed(ckpt, cid)
+            assert not (Path(ckpt) / f"chk-{cid}" / "_metadata").exists()
             victim = "sink-0"  # the keyed task, aligning its two inputs
         else:
             st.wait_for(lambda: (probes / "snapshotting").exists(), 60, "the sink snapshots")
             victim = "sink-0"
         os.kill(tasks[victim], signal.SIGKILL)
+        killed = time.monotonic()
         (probes / "release").touch()  # a held zombie of the first attempt may go on
+        st.wait_for(lambda: len(st.pids(probes)) >= 2, 60, "a restarted attempt")
+        print(
+            f"{case}-{seed}: {victim} killed, the next attempt's tasks open after "
+            f"{time.monotonic() - killed:.2f} s"
+        )
         result = run.join()
     finally:
         (probes / "release").touch()
@@ -190,17 +197,19 @@ def test_a_killed_worker_restarts_the_job_from_its_last_checkpoint(
         assert values == {st.event(i) for i in range(n)}  # nothing missing
 
 
+@pytest.mark.parametrize("tolerable", [2, 0])
 def test_a_checkpoint_that_times_out_is_aborted_and_the_job_goes_on(
-    spark: Any, tmp_path: Path
+    spark: Any, tmp_path: Path, tolerable: int
 ) -> None:
     """The sink holds its snapshot past the checkpoint timeout: the coordinator aborts the
     checkpoint (discarding what was written for it), the tasks hear it, the job goes on
-    without a restart and the next checkpoint completes."""
+    without a restart and the next checkpoint completes. With no failed checkpoint
+    tolerated, the expiry fails the attempt and the job restarts from the last one."""
     probes, out, ckpt = _dirs(tmp_path)
-    env = _env(spark, ckpt, checkpoint_timeout="1s", tolerable_failed_checkpoints=2)
+    env = _env(spark, ckpt, checkpoint_timeout="1s", tolerable_failed_checkpoints=tolerable)
     n = 60_000
     st.build(env, probes, out, n, rate=20_000.0, hold_snapshot=2)
-    run = _Run(env, restart_attempts=0)
+    run = _Run(env, restart_attempts=1, restart_backoff=0.2)
     try:
         st.wait_for(lambda: (probes / "snapshotting").exists(), 60, "the sink snapshots")
         cid = int((probes / "snapshotting").read_text())
@@ -213,12 +222,16 @@ def test_a_checkpoint_that_times_out_is_aborted_and_the_job_goes_on(
         env.cancel()
         env.cancel()
         run.thread.join(120)
-    assert result.restarts == 0, result
     assert cid in dict(result.aborted_checkpoints), result.aborted_checkpoints
     assert "expired" in dict(result.aborted_checkpoints)[cid]
-    assert (probes / f"aborted-{cid}").exists()  # the held task heard the abort too
+    if tolerable:
+        assert result.restarts == 0, result
+        assert (probes / f"aborted-{cid}").exists()  # the held task heard the abort too
+    else:
+        assert result.restarts == 1, result
+        assert "tolerable failure threshold" in result.failures[0], result.failures
     assert any(c.checkpoint_id > cid for c in result.checkpoints), result.checkpoints
-    assert not _completed(ckpt, cid)
+    assert cid not in [c.checkpoint_id for c in result.checkpoints]
     st.check_exactly_once(out, n)
 
 
@@ -266,7 +279,7 @@ def test_a_new_driver_resumes_from_the_checkpoint_directory(spark: Any, tmp_path
     st.build(second, probes, out, n, rate=20_000.0)
     result = second.execute(restart_attempts=0)
     assert result.restarts == 0
-    assert result.checkpoints[0].checkpoint_id == latest.checkpoint_id + 1
+    assert result.checkpoints[0].checkpoint_id > latest.checkpoint_id
     st.check_exactly_once(out, n)
 
 
@@ -370,3 +383,68 @@ def test_a_killed_daemon_fails_the_attempt_fast(
         if again is not None:
             again.stop_clean()
             again.cleanup()
+
+
+def test_backpressure_slows_the_sources_to_the_sinks_rate(spark: Any, tmp_path: Path) -> None:
+    """A sink spending 0.2 ms per record (at most 5k records/s) behind an unthrottled
+    source: the sources' emit rate falls to the sink's rate (measured between two moments
+    of the running job), the daemon's pool stays within its segments, checkpoints still
+    complete (debloating keeps in-flight data near its 0.5 s target) and a clean stop
+    drains within seconds."""
+    import json
+    import urllib.request
+
+    dp = _daemon_module()
+    daemon = dp.DaemonProcess("--debloat", "--debloat-target", "500ms")
+    probes, out, ckpt = _dirs(tmp_path)
+    env = _env(spark, ckpt, daemon=daemon.local_socket)
+    throttle = 0.0002
+    st.build(env, probes, out, None, report=True, throttle=throttle)
+    used: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def sample_pool() -> None:
+        while not done.is_set():
+            with contextlib.suppress(OSError, ValueError):
+                with urllib.request.urlopen(f"http://{daemon.info['http']}/api/stats") as r:
+                    net = json.loads(r.read())["network"]
+                used.append(
+                    (net["total_segments"] - net["available_segments"], net["total_segments"])
+                )
+            done.wait(0.1)
+
+    def emitted() -> int:
+        return int(st.progress(probes, "emitted-0") + st.progress(probes, "emitted-1"))
+
+    sampler = threading.Thread(target=sample_pool, daemon=True)
+    sampler.start()
+    run = _Run(env, restart_attempts=0)
+    try:
+        st.wait_for(lambda: _completed(ckpt, 1), 90, "checkpoint 1 completed")
+        t0, e0, s0 = time.monotonic(), emitted(), st.progress(probes, "sunk-0")
+        st.wait_for(lambda: time.monotonic() - t0 >= 2.0 and _completed(ckpt, 2), 90, "2 s more")
+        t1, e1, s1 = time.monotonic(), emitted(), st.progress(probes, "sunk-0")
+        stop = time.monotonic()
+        env.cancel()
+        result = run.join()
+        drained = time.monotonic() - stop
+    finally:
+        done.set()
+        sampler.join(5)
+        env.cancel()
+        env.cancel()
+        run.thread.join(120)
+    source_rate, sink_rate = (e1 - e0) / (t1 - t0), (s1 - s0) / (t1 - t0)
+    print(
+        f"source {source_rate:.0f}/s, sink {sink_rate:.0f}/s (at most {1 / throttle:.0f}/s), "
+        f"pool peak {max(u for u, _ in used)}/{used[0][1]} segments, clean stop drained in "
+        f"{drained:.2f} s, checkpoints {[round(c.duration, 2) for c in result.checkpoints]}"
+    )
+    assert sink_rate <= 1 / throttle * 1.05
+    assert source_rate <= sink_rate * 1.5 + 500, (source_rate, sink_rate)
+    assert used and all(u <= total for u, total in used)
+    assert result.stopped
+    assert len(st.committed(out)) == result.records["v1-0"]
+    daemon.wait_pool_whole()
+    daemon.stop_clean()
+    daemon.cleanup()
