@@ -47,6 +47,7 @@ class DataServer:
         high_watermark: int | None = None,
         low_watermark: int | None = None,
         max_connections: int = 1024,
+        max_requests: int = 16384,
         handshake_timeout: float = 10.0,
         peer_timeout: float | None = 60.0,
         max_frame_size: int | None = None,
@@ -69,6 +70,7 @@ class DataServer:
                 f"{self.high_watermark}"
             )
         self.max_connections = max_connections
+        self.max_requests = max_requests
         self.handshake_timeout = handshake_timeout
         # A peer that leaves a keepalive Ping unanswered this long is dropped (None: never).
         self.peer_timeout = peer_timeout
@@ -104,6 +106,7 @@ class DataServer:
             secret=self.secret,
             handshake_timeout=self.handshake_timeout,
             peer_timeout=self.peer_timeout,
+            max_requests=self.max_requests,
             close_timeout=self.close_timeout,
             max_frame_size=self.max_frame_size,
             # Netty's rule: output not flushed yet counts towards the high watermark

@@ -56,6 +56,7 @@ from exchange.buffers.buffer import Buffer
 from exchange.errors import (
     AccessDeniedError,
     IllegalStateError,
+    LimitExceededError,
     PartitionError,
     ProtocolError,
     UsageError,
@@ -168,6 +169,7 @@ class ServerConnectionSettings:
     ``close_timeout``: how long a closing connection may take to flush its last bytes (an
     error, the shutdown notice) before it is aborted, so that a peer that stopped reading
     cannot keep a closed connection, and the buffers it holds, forever.
+    ``max_requests``: partition requests open at once on one connection.
     ``peer_timeout``: a peer that does not answer a keepalive ``Ping`` within this many
     seconds (it stopped reading, or stopped mid-frame) is dropped; None: never.
     ``max_frame_size``: only control frames arrive on the server side; a small limit keeps
@@ -182,8 +184,13 @@ class ServerConnectionSettings:
     #: Output of one callback pending at most before it is written (one writelines).
     write_batch_bytes: int = 256 * 1024
     peer_timeout: float | None = 60.0
+    #: Partition requests (readers) open at once on one connection; more are refused
+    #: with LimitExceededError, per channel.
+    max_requests: int = 16384
 
     def __post_init__(self) -> None:
+        if not isinstance(self.max_requests, int) or self.max_requests < 1:
+            raise UsageError(f"max_requests must be a positive int, got {self.max_requests!r}")
         for name in ("handshake_timeout", "close_timeout", "reap_interval", "peer_timeout"):
             value = getattr(self, name)
             if name == "peer_timeout" and value is None:
@@ -380,6 +387,16 @@ class ServerConnection:
         rid = req.receiver_id
         if self.queue.get_reader(rid) is not None:
             raise ProtocolError(f"receiver id {rid} is already in use on this connection")
+        limit = self._settings.max_requests
+        if self.queue.num_readers >= limit:
+            err = LimitExceededError(
+                f"{self.queue.num_readers} partition requests are open on this connection",
+                req.partition_id,
+                setting="max_requests_per_connection",
+                limit=limit,
+            )
+            self.send(error_response_for(err, rid))
+            return
         reader = CreditBasedSequenceNumberingViewReader(rid, req.initial_credit, self.queue)
         self.queue.add_reader(reader)
         try:

@@ -17,6 +17,7 @@ from exchange.errors import (
     AccessDeniedError,
     AuthenticationError,
     ExchangeError,
+    LimitExceededError,
     PartitionError,
     PartitionNotFoundError,
     PartitionReleasedError,
@@ -103,6 +104,7 @@ class ErrorCode(IntEnum):
     VERSION_MISMATCH = 10
     INVALID_REQUEST = 11
     ACCESS_DENIED = 12
+    LIMIT_EXCEEDED = 13
 
 
 class Message:
@@ -384,6 +386,8 @@ def error_for_response(
         return PartitionReleasedError(text, partition_id, address)
     if code is ErrorCode.ACCESS_DENIED:
         return AccessDeniedError(text, partition_id, address)
+    if code is ErrorCode.LIMIT_EXCEEDED:
+        return LimitExceededError(text, partition_id, address)
     if code is ErrorCode.AUTH_FAILED:
         return AuthenticationError(text + where)
     if code in (ErrorCode.PROTOCOL_ERROR, ErrorCode.VERSION_MISMATCH):
@@ -409,6 +413,8 @@ def error_response_for(exc: BaseException, receiver_id: int | None = None) -> Er
             code = ErrorCode.PARTITION_RELEASED
         case AccessDeniedError():
             code = ErrorCode.ACCESS_DENIED
+        case LimitExceededError():
+            code = ErrorCode.LIMIT_EXCEEDED
         case PartitionError() | UsageError():
             code = ErrorCode.INVALID_REQUEST
         case AuthenticationError():

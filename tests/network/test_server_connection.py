@@ -268,6 +268,7 @@ def connect(
     secret: bytes | None = None,
     handshake: bool = True,
     peer_timeout: float | None = None,
+    max_requests: int = 16384,
     **transport_args: Any,
 ) -> Setup:
     socket_space = transport_args.pop("socket_space", None)
@@ -281,6 +282,7 @@ def connect(
         # as the DataServer sets it: unflushed output counts towards the high watermark
         write_batch_bytes=min(transport.high, 256 * 1024),
         peer_timeout=peer_timeout,
+        max_requests=max_requests,
     )
     conn = ServerConnection(transport, timers, manager, settings, peer="test")
     transport.conn = conn
@@ -552,6 +554,34 @@ def test_unknown_partition_is_a_channel_error_and_the_connection_stays(
     assert s.conn.state is ServerConnectionState.ESTABLISHED
     assert s.conn.queue.num_readers == 0
     finish_close(s)
+
+
+def test_requests_beyond_max_requests_fail_alone(
+    make_partition: PartitionFactory, manager: ResultPartitionManager
+) -> None:
+    part = make_partition(1, "pipelined", 3)
+    s = connect(manager, 4096, max_requests=2)
+    s.peer.send(*(PartitionRequest(part.partition_id, i, i + 1, 2) for i in range(3)))
+    s.timers.run()
+    s.peer.read()
+    [err] = s.peer.errors()
+    assert err.code is ErrorCode.LIMIT_EXCEEDED and err.receiver_id == 3
+    assert "max_requests_per_connection=2" in err.message
+    assert s.conn.queue.num_readers == 2 and state_of(s) is ServerConnectionState.ESTABLISHED
+    s.peer.send(CancelPartitionRequest(1))  # room again: the same subpartition is served
+    s.timers.run()
+    s.peer.send(PartitionRequest(part.partition_id, 2, 4, 2))
+    s.timers.run()
+    s.peer.read()
+    assert len(s.peer.errors()) == 1 and s.conn.queue.num_readers == 2
+    s.conn.close()
+    finish_close(s)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, None])
+def test_max_requests_must_be_a_positive_int(value: Any) -> None:
+    with pytest.raises(UsageError, match="max_requests"):
+        ServerConnectionSettings(max_requests=value)
 
 
 def test_a_receiver_id_used_twice_is_fatal(
