@@ -243,8 +243,8 @@ class ExchangeDaemon:
                 pool,
                 spill_dir=self.config.spill_dir,
                 keep_manifest=True,
+                app_id=app_id,
             )
-            part.app_id = app_id
             self.manager.register_result_partition(part)
         except BaseException:
             pool.destroy()

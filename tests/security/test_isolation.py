@@ -119,3 +119,36 @@ def test_a_forged_or_mismatched_credential_is_refused(daemon: Daemon) -> None:
     with pytest.raises(ExchangeError):
         get_runtime().run(release_dataset(daemon.local_socket, pid.dataset_id, secret=forged))
     assert daemon.stats()["partitions"]["count"] == 1
+
+
+def test_a_restarted_daemon_keeps_each_partitions_application(tmp_path: Path) -> None:
+    """The owner is in the partition's manifest: a blocking partition served again after
+    a restart is still its application's only."""
+    helpers: Any = __import__("exchange_tests_daemon_helpers")
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    pid = ResultPartitionID("app-a-kept", 0, 0)
+    cred_a = format_app_credential(SECRET, "app-a")
+    d1 = helpers.DaemonProcess("--secret-file", str(secret), spill_dir=str(spill))
+    d2 = None
+    try:
+        write(d1, pid, cred_a)
+        d1.kill()  # not even a clean stop
+        d2 = helpers.DaemonProcess("--secret-file", str(secret), spill_dir=str(spill))
+        assert read(d2, pid, cred_a, local=False) == RECORDS
+        with pytest.raises(AccessDeniedError):
+            read(d2, pid, format_app_credential(SECRET, "app-b"), local=False)
+        with pytest.raises(AccessDeniedError):
+            read(d2, pid, SECRET, local=False)  # no application
+        idle(d2)
+        assert (
+            get_runtime().run(release_dataset(d2.local_socket, pid.dataset_id, secret=cred_a)) == 1
+        )
+        d2.stop_clean()
+    finally:
+        for d in (d1, d2):
+            if d is not None:
+                d.cleanup()
