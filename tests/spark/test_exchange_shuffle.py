@@ -49,7 +49,7 @@ def _zipf_keys(count: int, num_keys: int, s: float, seed: int) -> list[int]:
 
 
 def _sizes() -> list[tuple[Any, bytes]]:
-    sizes = [0, 1, 2, 100, 32 * 1024 - 1, 32 * 1024, 32 * 1024 + 1, 100_000, MiB, 2 * MiB]
+    sizes = [0, 1, 2, 100, 32 * 1024 - 1, 32 * 1024, 32 * 1024 + 1, 100_000, MiB, 2 * MiB, 3 * MiB]
     return [(f"k{i}", bytes([i % 251]) * n) for i, n in enumerate(sizes)] + [
         (i, bytes(range(256)) * (n // 256)) for i, n in enumerate(sizes)
     ]
@@ -135,7 +135,7 @@ DATASETS: dict[str, tuple[Callable[[], list[Any]], int, int]] = {
         3,
         4,
     ),
-    "value-sizes-0-to-2MiB": (_sizes, 2, 3),
+    "value-sizes-0-to-3MiB": (_sizes, 2, 3),
     "unicode-and-binary-keys": (_odd_keys, 2, 5),
     # equal in Python (1 == True == 1.0), yet hashed apart by exchange_hash
     "equal-keys-of-different-types": (
