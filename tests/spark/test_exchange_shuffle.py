@@ -321,3 +321,38 @@ def test_retried_producer_task_leaves_no_duplicates(tmp_path: Path, sx: ModuleTy
     assert result["totals"]["partitions_created"] == 4, result["totals"]
     assert result["released"] == 3
     assert result["pool_whole"] is True
+
+
+def test_pipelined_consumer_stopping_early_ends_the_stage_and_frees_the_daemon(
+    spark: Any,
+) -> None:
+    """Each task takes one record and drops its reader with ~150 MB (more than the daemon's
+    64 MiB of buffers) still to come: the reader is closed before the task waits for its writer,
+    so the writer (held back by an unread stream) is failed, never left blocked."""
+    sc = spark.sparkContext
+    payload = b"x" * 1024
+
+    def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
+        return ((k, payload) for k in range(i, 150_000, 2))
+
+    rdd = sc.parallelize(range(2), 2).mapPartitionsWithIndex(rows)
+    out = exchange_shuffle(rdd, 2, mode="pipelined")
+    try:
+        firsts = out.mapPartitions(lambda it: [type(next(it)[1]).__name__]).collect()
+    except Exception as e:  # the stage fails: a reader left its stream early
+        text = str(e)
+        assert "released by its consumer before the end" in text or "ProducerFailedError" in text, (
+            text[-2000:]
+        )
+    else:  # every writer had finished before its readers stopped
+        assert firsts == ["bytes", "bytes"]
+    deadline = time.monotonic() + 60
+    while True:
+        stats = daemon_stats()
+        net = stats["network"]
+        if net["available_segments"] == net["total_segments"] and not [
+            p for p in stats["partitions"]["items"] if out.exchange_id in str(p)
+        ]:
+            break
+        assert time.monotonic() < deadline, (stats["network"], stats["partitions"])
+        time.sleep(0.1)
