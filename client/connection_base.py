@@ -14,7 +14,8 @@ and ``ready`` (the handshake is done, or failed with its typed error), ``closed`
 from __future__ import annotations
 
 import asyncio
-from typing import cast
+import os
+from typing import Final, cast
 
 from exchange.errors import ExchangeError
 from exchange.protocol.client_connection import (
@@ -26,14 +27,30 @@ from exchange.protocol.client_connection import (
 )
 from exchange.protocol.messages import Message
 
-__all__ = ["HandshakingClientProtocol"]
+__all__ = ["APP_ID_ENV", "HandshakingClientProtocol", "app_id_from_env"]
+
+#: Environment variable naming the application a task speaks for (docs/security.md).
+APP_ID_ENV: Final = "EXCHANGE_APP_ID"
+
+
+def app_id_from_env() -> str:
+    """``$EXCHANGE_APP_ID``, or "" (no application) when unset."""
+    return os.environ.get(APP_ID_ENV, "")
 
 
 class HandshakingClientProtocol(asyncio.BufferedProtocol):
     """Subclasses implement ``on_message`` and may extend ``on_connection_lost``."""
 
-    def __init__(self, address: str, secret: bytes | None, max_frame_size: int) -> None:
+    def __init__(
+        self,
+        address: str,
+        secret: bytes | None,
+        max_frame_size: int,
+        app_id: str | None = None,
+    ) -> None:
+        """``app_id``: the application to authenticate for; None: ``$EXCHANGE_APP_ID``."""
         self.address = address
+        self._app_id = app_id if app_id is not None else app_id_from_env()
         self._loop = asyncio.get_running_loop()
         self.connection = self._new_connection(secret, max_frame_size)
         self._transport: asyncio.Transport | None = None
@@ -41,7 +58,7 @@ class HandshakingClientProtocol(asyncio.BufferedProtocol):
         self.closed: asyncio.Future[None] = self._loop.create_future()
 
     def _new_connection(self, secret: bytes | None, max_frame_size: int) -> ClientConnection:
-        return ClientConnection(self.address, secret, max_frame_size)
+        return ClientConnection(self.address, secret, max_frame_size, app_id=self._app_id)
 
     @property
     def error(self) -> ExchangeError | None:

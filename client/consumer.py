@@ -811,18 +811,23 @@ class PartitionReader:
         return self._core.debloat_stats
 
     async def _pump(self) -> None:
-        """Loop thread: move buffers (themselves) and events to the task thread."""
+        """Loop thread: move buffers (themselves) and events to the task thread.
+
+        The end of the input, or the gate's error (a channel that failed), is the last item
+        of the last batch, after the buffers polled before it: those reach the task (and
+        go back to their channels) like any others, in order before the error."""
         gate = self._core.gate
         put = self._handoff.put
-        try:
-            while True:
-                batch: list[_Item] = []
+        last = False
+        while not last:
+            batch: list[_Item] = []
+            try:
                 boe = gate.poll_next()
                 if boe is None:
                     boe = await gate.get_next()
                     if boe is None:
-                        await put([(_END, 0, None)])
-                        return
+                        batch.append((_END, 0, None))
+                        last = True
                 while boe is not None:
                     if boe.buffer is not None:
                         batch.append((_DATA, boe.channel_index, boe.buffer))
@@ -831,19 +836,20 @@ class PartitionReader:
                     if len(batch) >= _BATCH_BUFFERS:
                         break
                     boe = gate.poll_next()
-                buffers = [item for kind, _, item in batch if kind == _DATA]
-                self._in_flight += len(buffers)
-                try:
-                    handed = await put(batch)
-                except asyncio.CancelledError:
-                    self._give_back(buffers)  # closed while waiting for room
-                    raise
-                if not handed:
-                    self._give_back(buffers)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            await put([(_ERROR, 0, e)])
+            except asyncio.CancelledError:
+                raise  # only get_next() waits: the batch is empty
+            except BaseException as e:  # a channel failed, maybe after others' buffers
+                batch.append((_ERROR, 0, e))
+                last = True
+            buffers = [item for kind, _, item in batch if kind == _DATA]
+            self._in_flight += len(buffers)
+            try:
+                handed = await put(batch)
+            except asyncio.CancelledError:
+                self._give_back(buffers)  # closed while waiting for room
+                raise
+            if not handed:
+                self._give_back(buffers)
 
     def _give_back(self, buffers: list[Buffer]) -> None:
         """Loop thread: release buffers the task thread has decoded (returns credit).

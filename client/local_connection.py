@@ -99,8 +99,14 @@ def resolve_daemon_socket(hint: str | None = None) -> str:
 class LocalConnection(HandshakingClientProtocol):
     """Client side of one local-endpoint connection."""
 
-    def __init__(self, address: str, secret: bytes | None, max_frame_size: int) -> None:
-        super().__init__(address, secret, max_frame_size)
+    def __init__(
+        self,
+        address: str,
+        secret: bytes | None,
+        max_frame_size: int,
+        app_id: str | None = None,
+    ) -> None:
+        super().__init__(address, secret, max_frame_size, app_id)
         self._replies: deque[asyncio.Future[Message]] = deque()
         self.credit = 0
         self.bytes_pushed = 0
@@ -116,8 +122,10 @@ class LocalConnection(HandshakingClientProtocol):
         secret: bytes | None = None,
         segment_size: int = 32 * 1024,
         timeout: float = 10.0,
+        app_id: str | None = None,
     ) -> LocalConnection:
-        """Connect to a daemon's local socket, or to ``host:port`` / ``unix:/path``."""
+        """Connect to a daemon's local socket, or to ``host:port`` / ``unix:/path``, for
+        application ``app_id`` (None: ``$EXCHANGE_APP_ID``)."""
         loop = asyncio.get_running_loop()
         if socket_path.startswith("unix:") or ":" not in socket_path:
             path = socket_path.removeprefix("unix:")
@@ -128,12 +136,14 @@ class LocalConnection(HandshakingClientProtocol):
         limit = max(max_frame_size_for(segment_size), _MAX_CONTROL_FRAME)
         try:
             if path is not None:
-                conn_coro = loop.create_unix_connection(lambda: cls(address, secret, limit), path)
+                conn_coro = loop.create_unix_connection(
+                    lambda: cls(address, secret, limit, app_id), path
+                )
             else:
                 host, port = parse_address(address)
                 tls = connect_kwargs(host, client_ssl_context())  # data port: TLS if set
                 conn_coro = loop.create_connection(
-                    lambda: cls(address, secret, limit), host, port, **tls
+                    lambda: cls(address, secret, limit, app_id), host, port, **tls
                 )
             _, conn = await asyncio.wait_for(conn_coro, timeout)
         except (OSError, TimeoutError) as e:
@@ -250,10 +260,13 @@ async def fetch_daemon_info(socket_path: str, *, secret: bytes | None = None) ->
     return info
 
 
-async def release_dataset(address: str, dataset_id: str, *, secret: bytes | None = None) -> int:
-    """Release every partition of one exchange on the daemon at ``address`` (its local
-    socket path, ``unix:/path``, or its data port ``host:port``)."""
-    conn = await LocalConnection.connect(address, secret=secret)
+async def release_dataset(
+    address: str, dataset_id: str, *, secret: bytes | None = None, app_id: str | None = None
+) -> int:
+    """Release every partition of one exchange that application ``app_id`` (None:
+    ``$EXCHANGE_APP_ID``) created on the daemon at ``address`` (its local socket path,
+    ``unix:/path``, or its data port ``host:port``); another application's stay."""
+    conn = await LocalConnection.connect(address, secret=secret, app_id=app_id)
     try:
         reply = await conn.request(ReleaseDataset(dataset_id))
     finally:

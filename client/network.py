@@ -8,6 +8,11 @@ BufferResponses by receiver id (each payload received straight into a credited b
 its channel), turns ErrorResponses into typed errors on the right channel (or on all of
 them when fatal), batches AddCredit (one per channel per loop iteration) and writes
 PartitionRequest / ResumeConsumption / NewBufferSize / CancelPartitionRequest.
+
+``read_timeout`` (``ConnectionManager(read_timeout=...)``, by default
+``$EXCHANGE_READ_TIMEOUT``, unset: off): the handler runs a timer that asks the connection
+whether nothing has arrived for that long while a channel has credit out; if so the
+connection is aborted and its channels fail with a ``TransportError``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
 import ssl
 from typing import Final, Literal
 
@@ -33,15 +39,33 @@ from exchange.protocol.codec import max_frame_size_for
 from exchange.protocol.messages import Message
 
 __all__ = [
+    "READ_TIMEOUT_ENV",
     "UNIX_PREFIX",
     "ConnectionManager",
     "PartitionRequestClientHandler",
     "parse_address",
+    "read_timeout_from_env",
 ]
 
 log = logging.getLogger("exchange.client.network")
 
 DEFAULT_CONNECT_TIMEOUT: Final = 10.0
+#: Environment variable with the default read timeout in seconds (unset or empty: off).
+READ_TIMEOUT_ENV: Final = "EXCHANGE_READ_TIMEOUT"
+
+
+def read_timeout_from_env() -> float | None:
+    """``$EXCHANGE_READ_TIMEOUT`` in seconds, or None when unset; UsageError when invalid."""
+    raw = os.environ.get(READ_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UsageError(f"${READ_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise UsageError(f"${READ_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+    return value
 
 
 UNIX_PREFIX: Final = "unix:"
@@ -76,13 +100,55 @@ class PartitionRequestClientHandler(HandshakingClientProtocol):
 
     connection: PartitionRequestClientConnection
 
-    def __init__(self, address: str, secret: bytes | None, max_frame_size: int) -> None:
-        super().__init__(address, secret, max_frame_size)
+    def __init__(
+        self,
+        address: str,
+        secret: bytes | None,
+        max_frame_size: int,
+        read_timeout: float | None = None,
+        app_id: str | None = None,
+    ) -> None:
+        self._read_timeout = read_timeout
+        self._read_timer: asyncio.TimerHandle | None = None
+        super().__init__(address, secret, max_frame_size, app_id)
 
     def _new_connection(
         self, secret: bytes | None, max_frame_size: int
     ) -> PartitionRequestClientConnection:
-        return PartitionRequestClientConnection(self.address, secret, max_frame_size)
+        return PartitionRequestClientConnection(
+            self.address,
+            secret,
+            max_frame_size,
+            read_timeout=self._read_timeout,
+            app_id=self._app_id,
+        )
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm_read_timer()
+
+    def _arm_read_timer(self) -> None:
+        timeout = self._read_timeout
+        if timeout is not None and self._transport is not None:
+            # a quarter of the timeout: it fires at most 25 % late
+            self._read_timer = self._loop.call_later(timeout / 4, self._on_read_timer)
+
+    def _on_read_timer(self) -> None:
+        self._read_timer = None
+        conn = self.connection
+        if conn.check_read_timeout(self._loop.time()):
+            log.warning("%s", conn.error)
+            self._handle(conn.events_received())
+            if self._transport is not None:
+                self._transport.abort()  # the peer may not read a FIN either
+            return
+        self._arm_read_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+        super().connection_lost(exc)
 
     def on_message(self, msg: Message) -> None:  # the connection handles every message
         raise ProtocolError(f"unexpected {type(msg).__name__} from daemon {self.address}")
@@ -138,9 +204,22 @@ class ConnectionManager:
         connect_backoff: float = 0.1,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         ssl_context: ssl.SSLContext | Literal["env"] | None = "env",
+        read_timeout: float | Literal["env"] | None = "env",
+        app_id: str | None = None,
     ) -> None:
+        """``app_id``: the application to authenticate for (None: ``$EXCHANGE_APP_ID``)."""
         if connect_retries < 0 or connect_backoff <= 0 or connect_timeout <= 0:
             raise UsageError("connect_retries >= 0, connect_backoff > 0, connect_timeout > 0")
+        if read_timeout == "env":
+            read_timeout = read_timeout_from_env()
+        elif read_timeout is not None and not (
+            isinstance(read_timeout, int | float) and 0 < read_timeout < float("inf")
+        ):
+            raise UsageError(
+                f"read_timeout must be a positive number of seconds, got {read_timeout!r}"
+            )
+        self._read_timeout = read_timeout
+        self._app_id = app_id
         self._secret = secret
         # TLS to data ports: the given context, or the one $EXCHANGE_TLS_CA_FILE names
         self._ssl_context = client_ssl_context() if ssl_context == "env" else ssl_context
@@ -174,7 +253,9 @@ class ConnectionManager:
                 delay *= 2
 
             def factory() -> PartitionRequestClientHandler:
-                return PartitionRequestClientHandler(address, self._secret, self._max_frame_size)
+                return PartitionRequestClientHandler(
+                    address, self._secret, self._max_frame_size, self._read_timeout, self._app_id
+                )
 
             try:
                 if port == 0:

@@ -62,6 +62,8 @@ _WINDOW: Final = 4
 #: Records taken from an iterable at a time by ``emit_all``: at most, and at first.
 _CHUNK: Final = 4096
 _FIRST_CHUNK: Final = 64
+#: Seconds the task waits for the flush timer to end (it is cancelled while it sleeps).
+_STOP_TIMER_TIMEOUT: Final = 5.0
 
 
 class DaemonSink:
@@ -282,9 +284,12 @@ class PartitionWriter:
         # debloating: sizes the daemon forwarded (loop thread), applied under the lock
         self._new_sizes: dict[int, int] = {}
         conn.buffer_size_listener = self._new_sizes.__setitem__
-        self._timer: concurrent.futures.Future[None] | None = None
-        if self._timeout > 0:
-            self._timer = self._rt.submit(self._flush_timer())
+        # The flush timer, a task of the loop: it ends with the daemon connection (nothing
+        # to flush to) and is cancelled and awaited on every way out of the writer.
+        self._timer: asyncio.Task[None] | None = None  # loop thread only
+        self._timer_started = self._timeout > 0
+        if self._timer_started:
+            self._rt.call_soon(self._start_timer)
 
     @property
     def records_written(self) -> int:
@@ -371,6 +376,7 @@ class PartitionWriter:
                 fut.result()
             except BaseException as e:
                 self._error = e
+                self._stop_timer()  # the writer is broken: nothing more to flush
                 raise
 
     def _after(self, force: bool = False) -> None:
@@ -380,10 +386,23 @@ class PartitionWriter:
 
     # -- the flush timer (loop thread) -----------------------------------------------------
 
+    def _start_timer(self) -> None:
+        timer = self._timer = self._rt.loop.create_task(
+            self._flush_timer(), name=f"flush-timer[{self.partition_id}]"
+        )
+        # a lost connection ends it at once, even while the task waits for its input
+        self._sink.conn.closed.add_done_callback(lambda _: timer.cancel())
+
+    async def _end_timer(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+            await asyncio.wait((timer,))
+
     async def _flush_timer(self) -> None:
         writer = self._writer
         interval = self._timeout
-        while not self._closed:
+        while not self._closed and self._error is None:
             await asyncio.sleep(interval)
             if self._closed or not self._lock.acquire(blocking=False):
                 continue  # the task thread is writing: it checks the timeout itself
@@ -569,11 +588,11 @@ class PartitionWriter:
             self._rt.run(self._sink.fail(cause if not isinstance(cause, str) else _Failure(cause)))
 
     def _stop_timer(self) -> None:
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
-            with contextlib.suppress(BaseException):
-                timer.result(5)
+        """Task thread: cancel the flush timer and wait until it has ended."""
+        if self._timer_started:
+            self._timer_started = False
+            with contextlib.suppress(TimeoutError):
+                self._rt.run(self._end_timer(), _STOP_TIMER_TIMEOUT)
 
     def __enter__(self) -> PartitionWriter:
         return self

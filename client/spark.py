@@ -53,6 +53,7 @@ from client.rendezvous import RendezvousServer, rendezvous, report_abort
 from client.runtime import get_runtime
 from exchange.errors import ExchangeError, TransportError, UsageError
 from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.protocol.handshake import APP_CREDENTIAL_PREFIX, format_app_credential
 from exchange.serialization.codec import RecordCodec, default_codec
 from exchange.writer.hashing import deterministic_hash
 
@@ -279,15 +280,25 @@ def _socket_identity(sock: str) -> tuple[int, int]:
 
 @dataclass(frozen=True, slots=True)
 class _DaemonSpec:
-    """How tasks reach their daemon: a socket hint (None: their environment) and the path
-    of the shared-secret file (None: $EXCHANGE_SECRET_FILE). Never the secret itself."""
+    """How tasks reach their daemon: a socket hint (None: their environment), the path
+    of the shared-secret file (None: $EXCHANGE_SECRET_FILE) and the Spark application the
+    exchange belongs to. Never the secret itself."""
 
     hint: str | None
     secret_file: str | None
+    app_id: str = ""
 
     @property
     def secret(self) -> bytes | None:
-        return resolve_secret(self.secret_file)
+        """What tasks authenticate with: the application's credential, derived from the
+        daemons' secret, so that they reach this application's partitions only."""
+        return _app_secret(resolve_secret(self.secret_file), self.app_id)
+
+
+def _app_secret(secret: bytes | None, app_id: str) -> bytes | None:
+    if secret is None or not app_id or secret.startswith(APP_CREDENTIAL_PREFIX):
+        return secret
+    return format_app_credential(secret, app_id)
 
 
 def _local_daemon(spec: _DaemonSpec) -> tuple[str, Any]:
@@ -426,10 +437,12 @@ def exchange_shuffle(
     if sc is None or not callable(getattr(rdd, "mapPartitionsWithIndex", None)):
         raise UsageError(f"rdd must be a PySpark RDD of (key, value) pairs, got {rdd!r}")
     the_codec: RecordCodec = codec if codec is not None else default_codec()
-    spec = _DaemonSpec(_daemon_hint(sc), secret_file)
+    app_id = str(getattr(sc, "applicationId", "") or "")
+    spec = _DaemonSpec(_daemon_hint(sc), secret_file, app_id)
     check_executor_python(sc)
     exchange_id = f"x-{uuid.uuid4().hex[:16]}"
     _known_exchanges.add(exchange_id)
+    _exchange_apps[exchange_id] = app_id
     if mode == "blocking":
         out = _blocking(rdd, num_partitions, partition_func, spec, exchange_id, the_codec)
     else:
@@ -441,6 +454,8 @@ def exchange_shuffle(
 _exchanges: dict[str, set[str]] = {}
 #: Every exchange id this driver made (a release of another id is a mistake).
 _known_exchanges: set[str] = set()
+#: exchange id -> the Spark application that made it (its partitions are that app's)
+_exchange_apps: dict[str, str] = {}
 
 
 def _check_secret_file(secret_file: object) -> None:
@@ -576,11 +591,10 @@ def release_exchange(rdd_or_id: Any, *, secret_file: str | None = None) -> int:
     addresses = _exchanges.pop(exchange_id, set())  # empty: released before, or pipelined
     rt = get_runtime()
     released = 0
+    secret = _app_secret(resolve_secret(secret_file), _exchange_apps.get(exchange_id, ""))
     for address in addresses:
         try:
-            released += rt.run(
-                release_dataset(address, exchange_id, secret=resolve_secret(secret_file))
-            )
+            released += rt.run(release_dataset(address, exchange_id, secret=secret))
         except ExchangeError:
             continue  # that daemon is gone; its partitions went with it
     return released

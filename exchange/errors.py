@@ -23,7 +23,9 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     │   ├── SubpartitionIndexError       index out of range (also a UsageError in spirit)
     │   ├── ProducerFailedError          the producer failed: consumers never see a short read
     │   ├── ConsumerAlreadyAttachedError a pipelined subpartition is consumed once
-    │   └── PartitionNotReadyError       a blocking partition is read before it is finished
+    │   ├── PartitionNotReadyError       a blocking partition is read before it is finished
+    │   ├── AccessDeniedError            the partition belongs to another application
+    │   └── LimitExceededError           a per-connection or per-application limit is reached
     ├── ProtocolError              the peer sent bytes that break the protocol (fatal for the
     │   │                          connection); carries what was wrong and the limit
     │   ├── FrameTooLargeError
@@ -41,6 +43,7 @@ its other streams alone; ``ProtocolError`` and ``TransportError`` end the whole 
 from __future__ import annotations
 
 __all__ = [
+    "AccessDeniedError",
     "AuthenticationError",
     "BadMagicError",
     "BufferRequestTimeoutError",
@@ -52,6 +55,7 @@ __all__ = [
     "IllegalReferenceCountError",
     "IllegalStateError",
     "InsufficientBuffersError",
+    "LimitExceededError",
     "PartitionDataLostError",
     "PartitionError",
     "PartitionNotFoundError",
@@ -201,6 +205,37 @@ class PartitionNotReadyError(PartitionError):
 
     A per-channel error: the request fails, the connection and its other channels live on.
     """
+
+
+class AccessDeniedError(PartitionError):
+    """The partition belongs to another application than the one this connection
+    authenticated for (``docs/security.md``): it may not be read, written or released.
+
+    Per channel on a read; a producer's connection is closed with it.
+    """
+
+
+class LimitExceededError(PartitionError):
+    """A per-connection or per-application limit of the daemon is reached (open requests
+    on one connection, partitions or pinned segments of one application). Only the one
+    that exceeds it is refused: per channel on a read, the producer's connection on a
+    write; everyone else goes on. ``setting`` and ``limit`` name the limit where it was
+    raised (the receiving side of an ``ErrorResponse`` has its text only)."""
+
+    def __init__(
+        self,
+        message: str,
+        partition_id: object = None,
+        address: str | None = None,
+        *,
+        setting: str | None = None,
+        limit: int | None = None,
+    ) -> None:
+        if setting is not None:
+            message = f"{message} ({setting}={limit})"
+        super().__init__(message, partition_id, address)
+        self.setting = setting
+        self.limit = limit
 
 
 class ProtocolError(ExchangeError):

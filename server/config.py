@@ -91,7 +91,11 @@ class DaemonConfig:
     partition_request_backoff_max: float = 10.0
     buffer_timeout: float = 0.1
     max_connections: int = 1024
+    max_requests_per_connection: int = 16384
+    max_partitions_per_app: int = 0
+    max_pinned_segments_per_app: int = 0
     handshake_timeout: float = 10.0
+    peer_timeout: float = 60.0
     spill_dir: str = field(default_factory=_default_spill_dir)
     secret_file: str | None = None
     log_level: str = "INFO"
@@ -431,8 +435,28 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         "flush interval of partly filled buffers; 0 = every record, -1 = only full buffers",
     ),
     "max_connections": _Setting(_int(1), _INT, "N", "most TCP connections served at once"),
+    "max_requests_per_connection": _Setting(
+        _int(1), _INT, "N", "partition requests open at once on one connection"
+    ),
+    "max_partitions_per_app": _Setting(
+        _int(0), _INT, "N", "partitions one application may hold at once; 0 = unlimited"
+    ),
+    "max_pinned_segments_per_app": _Setting(
+        _int(0),
+        _INT,
+        "N",
+        "segments the partitions of one application may pin (the sum of their pools' "
+        "maximum sizes); 0 = unlimited",
+    ),
     "handshake_timeout": _Setting(
         _duration(positive=True), _DURATION, "DURATION", "time a new connection has to authenticate"
+    ),
+    "peer_timeout": _Setting(
+        _duration(positive=False),
+        _DURATION,
+        "DURATION",
+        "drop a client that leaves a keepalive Ping unanswered this long (it stopped reading "
+        "or stopped mid-frame) and release its buffers; 0 = never",
     ),
     "spill_dir": _Setting(
         _path, _STR, "DIR", "directory for spilled and blocking partitions (created if missing)"

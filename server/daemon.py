@@ -34,6 +34,7 @@ from typing import Any
 from exchange.errors import (
     CorruptRecordError,
     ExchangeError,
+    LimitExceededError,
     PartitionDataLostError,
     PartitionReleasedError,
     ProducerFailedError,
@@ -89,7 +90,9 @@ class ExchangeDaemon:
             high_watermark=config.effective_high_watermark,
             low_watermark=config.effective_low_watermark,
             max_connections=config.max_connections,
+            max_requests=config.max_requests_per_connection,
             handshake_timeout=config.handshake_timeout,
+            peer_timeout=config.peer_timeout or None,
             release_dataset=self.release_dataset,
         )
         self.data_server = DataServer(self.manager, **common)
@@ -217,11 +220,21 @@ class ExchangeDaemon:
     # -- partitions ----------------------------------------------------------------------
 
     def create_partition(
-        self, pid: ResultPartitionID, ptype: ResultPartitionType, num_subpartitions: int
+        self,
+        pid: ResultPartitionID,
+        ptype: ResultPartitionType,
+        num_subpartitions: int,
+        *,
+        app_id: str = "",
     ) -> ResultPartition:
-        pool = self.network_pool.create_buffer_pool(
-            num_subpartitions, max(num_subpartitions * 2 + 8, 16)
-        )
+        """A new partition of application ``app_id`` (only its connections may use it).
+
+        LimitExceededError when ``app_id`` would exceed ``max_partitions_per_app`` or
+        ``max_pinned_segments_per_app``; other applications are not concerned.
+        """
+        max_segments = max(num_subpartitions * 2 + 8, 16)
+        self._check_app_limits(pid, app_id, max_segments)
+        pool = self.network_pool.create_buffer_pool(num_subpartitions, max_segments)
         try:
             part = ResultPartition(
                 pid,
@@ -230,6 +243,7 @@ class ExchangeDaemon:
                 pool,
                 spill_dir=self.config.spill_dir,
                 keep_manifest=True,
+                app_id=app_id,
             )
             self.manager.register_result_partition(part)
         except BaseException:
@@ -238,6 +252,30 @@ class ExchangeDaemon:
         part.add_release_listener(self._on_partition_released)
         self.partitions_created += 1
         return part
+
+    def _check_app_limits(self, pid: ResultPartitionID, app_id: str, max_segments: int) -> None:
+        cfg = self.config
+        if not (cfg.max_partitions_per_app or cfg.max_pinned_segments_per_app):
+            return
+        mine = [p for p in self.manager.partitions if p.app_id == app_id]
+        who = f"application {app_id!r}" if app_id else "no application"
+        limit = cfg.max_partitions_per_app
+        if limit and len(mine) >= limit:
+            raise LimitExceededError(
+                f"{who} holds {len(mine)} partitions on this daemon",
+                pid,
+                setting="max_partitions_per_app",
+                limit=limit,
+            )
+        limit = cfg.max_pinned_segments_per_app
+        pinned = sum(p.buffer_pool.max_segments for p in mine)
+        if limit and pinned + max_segments > limit:
+            raise LimitExceededError(
+                f"{who}'s partitions may pin {pinned} segments; this one would add {max_segments}",
+                pid,
+                setting="max_pinned_segments_per_app",
+                limit=limit,
+            )
 
     def recover_partitions(self) -> None:
         """Take over what a previous daemon left in the spill directory (see the module
@@ -318,8 +356,10 @@ class ExchangeDaemon:
         self.partitions_released += 1
         self._finished_at.pop(part.partition_id, None)
 
-    def release_dataset(self, dataset_id: str) -> int:
-        return self.manager.release_dataset(dataset_id)
+    def release_dataset(self, dataset_id: str, app_id: str | None = None) -> int:
+        """Release the partitions of ``dataset_id`` that application ``app_id`` created
+        (another application's are neither released nor counted); None: every one."""
+        return self.manager.release_dataset(dataset_id, app_id=app_id)
 
     async def _sweep_loop(self) -> None:
         """Release blocking partitions whose time to live ran out (0 disables)."""

@@ -264,7 +264,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 ):
                     self._count_failure()
             case ReleaseDataset(dataset_id=ds):
-                self.send(Released(self.daemon.release_dataset(ds)))
+                self.send(Released(self.daemon.release_dataset(ds, self._conn().app_id)))
             case DaemonInfoRequest():
                 self.send(self.daemon.info())
             case TaskMetrics():
@@ -290,11 +290,15 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
     def _create(self, msg: CreatePartition) -> None:
         if self.session is not None:
             raise ProtocolError("one partition per producer connection")
+        conn = self._conn()
         try:
+            if msg.partition_id in self.daemon.manager:
+                conn.check_access(self.daemon.manager.get_partition(msg.partition_id))
             partition = self.daemon.create_partition(
                 msg.partition_id,
                 ResultPartitionType.BLOCKING if msg.blocking else ResultPartitionType.PIPELINED,
                 msg.num_subpartitions,
+                app_id=conn.app_id,
             )
         except ExchangeError as e:
             self._close_with(error_response_for(e))

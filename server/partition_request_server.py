@@ -47,14 +47,18 @@ class DataServer:
         high_watermark: int | None = None,
         low_watermark: int | None = None,
         max_connections: int = 1024,
+        max_requests: int = 16384,
         handshake_timeout: float = 10.0,
+        peer_timeout: float | None = 60.0,
         max_frame_size: int | None = None,
-        release_dataset: Callable[[str], int] | None = None,
+        release_dataset: Callable[[str, str], int] | None = None,
         close_timeout: float = 1.0,
     ) -> None:
         self.manager = manager
-        self.release_dataset = (
-            release_dataset if release_dataset is not None else (manager.release_dataset)
+        self.release_dataset: Callable[[str, str], int] = (
+            release_dataset
+            if release_dataset is not None
+            else lambda ds, app: manager.release_dataset(ds, app_id=app)
         )
         self.segment_size = segment_size
         self.secret = secret
@@ -66,7 +70,10 @@ class DataServer:
                 f"{self.high_watermark}"
             )
         self.max_connections = max_connections
+        self.max_requests = max_requests
         self.handshake_timeout = handshake_timeout
+        # A peer that leaves a keepalive Ping unanswered this long is dropped (None: never).
+        self.peer_timeout = peer_timeout
         # How long a closing connection may take to flush its last bytes (an error, the
         # shutdown notice) before it is aborted: a peer that stopped reading must not
         # keep a closed connection, and the buffers it holds, forever.
@@ -77,6 +84,7 @@ class DataServer:
         self._server: asyncio.Server | None = None
         self.total_connections = 0
         self.rejected_connections = 0
+        self.timed_out_connections = 0
         # what connections sent before they closed (the counters are cumulative)
         self.closed_bytes_sent = 0
         self.closed_buffers_sent = 0
@@ -97,6 +105,8 @@ class DataServer:
         return ServerConnectionSettings(
             secret=self.secret,
             handshake_timeout=self.handshake_timeout,
+            peer_timeout=self.peer_timeout,
+            max_requests=self.max_requests,
             close_timeout=self.close_timeout,
             max_frame_size=self.max_frame_size,
             # Netty's rule: output not flushed yet counts towards the high watermark
@@ -151,6 +161,8 @@ class DataServer:
         if conn not in self.connections:
             return
         self.connections.discard(conn)
+        if conn.connection is not None and conn.connection.timed_out:
+            self.timed_out_connections += 1
         queue = conn.queue
         self.closed_bytes_sent += queue.bytes_sent
         self.closed_buffers_sent += queue.buffers_sent
@@ -163,6 +175,7 @@ class DataServer:
             "connections": len(self.connections),
             "total_connections": self.total_connections,
             "rejected_connections": self.rejected_connections,
+            "timed_out_connections": self.timed_out_connections,
             "readers": sum(c.queue.num_readers for c in self.connections),
             "bytes_sent": self.closed_bytes_sent
             + sum(c.queue.bytes_sent for c in self.connections),

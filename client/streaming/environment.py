@@ -130,8 +130,12 @@ class StreamEnvironment:
         max_parallelism: int = DEFAULT_MAX_PARALLELISM,
         daemon: str | None = None,
         job_id: str | None = None,
+        buffer_timeout: float | str = 0.01,
     ) -> None:
         # the arguments first, Spark last: a bad argument is named before Spark is touched
+        #: how long a record may wait in a task's partly filled output buffer (Flink's
+        #: ``setBufferTimeout``)
+        self.buffer_timeout = parse_duration(buffer_timeout, "buffer_timeout")
         if type(max_parallelism) is not int or not 1 <= max_parallelism <= MAX_MAX_PARALLELISM:
             raise UsageError(
                 f"max_parallelism must be an int in [1, {MAX_MAX_PARALLELISM}], "
@@ -388,6 +392,7 @@ class _Attempt:
             env.checkpoint_dir,
             env.config.mode,
             env.daemon,
+            env.buffer_timeout,
         )
         restored = None
         restore_msg = None

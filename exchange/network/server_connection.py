@@ -27,6 +27,14 @@ always holds the *last* ``get_write_buffer_size()`` bytes written, so a buffer w
 ended at or before ``bytes_written - get_write_buffer_size()`` is out: it is recycled on the
 next write, on ``resume_writing``, or by a short timer while any are left.
 
+Keepalive: once established, the connection sends a ``Ping`` every ``peer_timeout / 2``
+seconds while none is unanswered; a peer that has not answered with a ``Pong`` within
+``peer_timeout`` of the ``Ping`` is aborted and its views and buffers are released. The
+``Ping`` travels behind everything sent before it, so the rule catches a peer that stopped
+reading (its TCP window closed, output no longer drained), a network that went silent and
+a peer that sent half a frame and stopped (no ``Pong`` can follow the half frame); a
+consumer that is merely slow or backpressured still reads its socket and answers.
+
 Errors: a reader's view error fails that channel only (the queue's rule). A protocol
 violation, and any unexpected error, in whatever callback it surfaces (received bytes, the
 queue's deferred notifications, ``resume_writing``, the recycling timer), closes the
@@ -45,9 +53,17 @@ from enum import Enum
 from typing import Any, Final, NamedTuple, Protocol
 
 from exchange.buffers.buffer import Buffer
-from exchange.errors import IllegalStateError, PartitionError, ProtocolError, UsageError
+from exchange.errors import (
+    AccessDeniedError,
+    IllegalStateError,
+    LimitExceededError,
+    PartitionError,
+    ProtocolError,
+    UsageError,
+)
 from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberingViewReader
 from exchange.network.partition_request_queue import PartitionRequestQueue
+from exchange.partition.result_partition import ResultPartition
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.protocol.codec import (
     MAX_CONTROL_FRAME_SIZE,
@@ -70,6 +86,8 @@ from exchange.protocol.messages import (
     Message,
     NewBufferSize,
     PartitionRequest,
+    Ping,
+    Pong,
     ResumeConsumption,
     error_response_for,
 )
@@ -151,6 +169,9 @@ class ServerConnectionSettings:
     ``close_timeout``: how long a closing connection may take to flush its last bytes (an
     error, the shutdown notice) before it is aborted, so that a peer that stopped reading
     cannot keep a closed connection, and the buffers it holds, forever.
+    ``max_requests``: partition requests open at once on one connection.
+    ``peer_timeout``: a peer that does not answer a keepalive ``Ping`` within this many
+    seconds (it stopped reading, or stopped mid-frame) is dropped; None: never.
     ``max_frame_size``: only control frames arrive on the server side; a small limit keeps
     hostile lengths cheap.
     """
@@ -162,11 +183,19 @@ class ServerConnectionSettings:
     reap_interval: float = 0.005
     #: Output of one callback pending at most before it is written (one writelines).
     write_batch_bytes: int = 256 * 1024
+    peer_timeout: float | None = 60.0
+    #: Partition requests (readers) open at once on one connection; more are refused
+    #: with LimitExceededError, per channel.
+    max_requests: int = 16384
 
     def __post_init__(self) -> None:
-        for name in ("handshake_timeout", "close_timeout", "reap_interval"):
+        if not isinstance(self.max_requests, int) or self.max_requests < 1:
+            raise UsageError(f"max_requests must be a positive int, got {self.max_requests!r}")
+        for name in ("handshake_timeout", "close_timeout", "reap_interval", "peer_timeout"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or value <= 0:
+            if name == "peer_timeout" and value is None:
+                continue
+            if not isinstance(value, int | float) or not 0 < value < float("inf"):
                 raise UsageError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
@@ -204,7 +233,7 @@ class ServerConnection:
         *,
         on_message: Callable[[Message], None] | None = None,
         accepted_messages: frozenset[type[Message]] = DATA_PORT_MESSAGES,
-        release_dataset: Callable[[str], int] | None = None,
+        release_dataset: Callable[[str, str], int] | None = None,
         nonce_factory: NonceFactory = os.urandom,
         peer: str = "?",
         data_frames: Mapping[int, DataFrameSpec] | None = None,
@@ -222,7 +251,9 @@ class ServerConnection:
         self._on_message = on_message if on_message is not None else self.handle_message
         self._accepted = accepted_messages
         self._release_dataset = (
-            release_dataset if release_dataset is not None else manager.release_dataset
+            release_dataset
+            if release_dataset is not None
+            else lambda ds, app: manager.release_dataset(ds, app_id=app)
         )
         self.peer = peer
         self._state = ServerConnectionState.HANDSHAKE
@@ -247,7 +278,14 @@ class ServerConnection:
         self._handshake_timer: Cancellable | None = timers.call_later(
             settings.handshake_timeout, self._on_handshake_timeout
         )
+        self._keepalive_timer: Cancellable | None = None
+        # keepalive ticks (every peer_timeout / 2) since the unanswered Ping went out
+        self._ping_ticks: int | None = None
         self.paused_count = 0
+        #: The application the peer authenticated for ("": none); see ``check_access``.
+        self.app_id = ""
+        #: True once the peer was dropped for not answering a Ping in time.
+        self.timed_out = False
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -313,8 +351,13 @@ class ServerConnection:
             for out in hs.receive(msg):
                 self.send(out)
             if hs.is_established:
+                self.app_id = hs.app_id
                 self._cancel_handshake_timer()
                 self._transition(ServerConnectionState.ESTABLISHED)
+                self._arm_keepalive()
+            return
+        if type(msg) is Pong:
+            self._ping_ticks = None
             return
         if type(msg) not in self._accepted:
             raise ProtocolError(f"{type(msg).__name__} is not accepted on this connection")
@@ -336,7 +379,7 @@ class ServerConnection:
             case CloseRequest():
                 self.close()
             case ReleaseDataset(dataset_id=ds):
-                self.send(Released(self._release_dataset(ds)))
+                self.send(Released(self._release_dataset(ds, self.app_id)))
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from a client")
 
@@ -344,9 +387,21 @@ class ServerConnection:
         rid = req.receiver_id
         if self.queue.get_reader(rid) is not None:
             raise ProtocolError(f"receiver id {rid} is already in use on this connection")
+        limit = self._settings.max_requests
+        if self.queue.num_readers >= limit:
+            err = LimitExceededError(
+                f"{self.queue.num_readers} partition requests are open on this connection",
+                req.partition_id,
+                setting="max_requests_per_connection",
+                limit=limit,
+            )
+            self.send(error_response_for(err, rid))
+            return
         reader = CreditBasedSequenceNumberingViewReader(rid, req.initial_credit, self.queue)
         self.queue.add_reader(reader)
         try:
+            if req.partition_id in self._manager:
+                self.check_access(self._manager.get_partition(req.partition_id))
             reader.request_subpartition_view(
                 self._manager, req.partition_id, req.subpartition_index
             )
@@ -358,6 +413,15 @@ class ServerConnection:
             self.send(error_response_for(e, rid))
             return
         log.debug("%s requested %s[%d]", self.peer, req.partition_id, req.subpartition_index)
+
+    def check_access(self, partition: ResultPartition) -> None:
+        """AccessDeniedError unless ``partition`` belongs to this connection's application."""
+        if partition.app_id != self.app_id:
+            mine = repr(self.app_id) if self.app_id else "none"
+            raise AccessDeniedError(
+                f"the partition belongs to another application (this connection's: {mine})",
+                partition.partition_id,
+            )
 
     # -- writability ---------------------------------------------------------------------
 
@@ -516,6 +580,44 @@ class ServerConnection:
         if self._state is ServerConnectionState.HANDSHAKE:
             self.close_with_error(ErrorCode.PROTOCOL_ERROR, "handshake timed out")
 
+    def _arm_keepalive(self) -> None:
+        timeout = self._settings.peer_timeout
+        if timeout is not None and self._state is ServerConnectionState.ESTABLISHED:
+            self._keepalive_timer = self._timers.call_later(timeout / 2, self._on_keepalive)
+
+    def _on_keepalive(self) -> None:
+        """Every ``peer_timeout / 2``: a Ping, unless one is out; a Ping out for two ticks
+        (``peer_timeout``) drops the peer."""
+        self._keepalive_timer = None
+        if self._state is not ServerConnectionState.ESTABLISHED:
+            return
+        ticks = self._ping_ticks
+        if ticks is None:
+            self._ping_ticks = 0
+            self._guarded(lambda: self.send(Ping()))
+        elif ticks + 1 >= 2:
+            self._on_peer_timeout()
+            return
+        else:
+            self._ping_ticks = ticks + 1
+        self._arm_keepalive()
+
+    def _on_peer_timeout(self) -> None:
+        log.warning(
+            "connection %s: no Pong within peer_timeout=%ss (the peer stopped reading or "
+            "stopped mid-frame): dropped, %d readers released",
+            self.peer,
+            self._settings.peer_timeout,
+            self.queue.num_readers,
+        )
+        self.timed_out = True
+        self.abort()  # the peer does not read: nothing more is worth flushing
+
+    def _cancel_keepalive_timer(self) -> None:
+        timer, self._keepalive_timer = self._keepalive_timer, None
+        if timer is not None:
+            timer.cancel()
+
     def _cancel_handshake_timer(self) -> None:
         timer, self._handshake_timer = self._handshake_timer, None
         if timer is not None:
@@ -540,6 +642,7 @@ class ServerConnection:
             return
         self._transition(ServerConnectionState.CLOSING)
         self._cancel_handshake_timer()
+        self._cancel_keepalive_timer()
         self._decoder.abort()  # a payload being landed is never written again
         # Nothing more will be sent: the views go now, not when the peer has read the rest.
         self.queue.release_all()
@@ -559,6 +662,7 @@ class ServerConnection:
         if self._state is not ServerConnectionState.CLOSING:
             self._transition(ServerConnectionState.CLOSING)
             self._cancel_handshake_timer()
+            self._cancel_keepalive_timer()
             self._decoder.abort()
             self.queue.release_all()
         self._discard_output()
@@ -571,10 +675,12 @@ class ServerConnection:
         self._transition(ServerConnectionState.CLOSED)
         self._decoder.abort()
         self._writable = False
-        for timer in (self._handshake_timer, self._reap_timer, self._abort_timer):
+        timers = (self._handshake_timer, self._reap_timer, self._abort_timer, self._keepalive_timer)
+        for timer in timers:
             if timer is not None:
                 timer.cancel()
         self._handshake_timer = self._reap_timer = self._abort_timer = None
+        self._keepalive_timer = None
         self.queue.release_all()
         self._discard_output()
         in_flight = self._in_flight

@@ -89,6 +89,7 @@ class PartitionManifest:
     bounded_data_kind: str
     finished_at: float | None = None  # wall-clock seconds, when finished
     subpartitions: tuple[SpilledSubpartition, ...] = ()
+    app_id: str = ""  # the application that owns it ("": none; docs/security.md)
 
     def to_json(self) -> dict[str, Any]:
         pid = self.partition_id
@@ -103,6 +104,7 @@ class PartitionManifest:
             "segment_size": self.segment_size,
             "bounded_data_kind": self.bounded_data_kind,
             "finished_at": self.finished_at,
+            "app_id": self.app_id,
             "subpartitions": [
                 [s.file, s.size, s.crc32, s.buffers, s.data_buffers, s.payload_bytes]
                 for s in self.subpartitions
@@ -136,6 +138,7 @@ class PartitionManifest:
                 _str(body["bounded_data_kind"]),
                 None if finished_at is None else float(finished_at),
                 subs,
+                _app_id(body.get("app_id", "")),  # absent: written before applications
             )
         except CorruptRecordError:
             raise
@@ -159,6 +162,13 @@ def _str(value: Any) -> str:
     if type(value) is not str:
         raise ValueError(f"{value!r} is not a string")
     return value
+
+
+def _app_id(value: Any) -> str:
+    # the handshake's limit (exchange.protocol.messages.MAX_APP_ID_BYTES)
+    if len(_str(value).encode("utf-8", "surrogatepass")) > 255:
+        raise ValueError(f"app_id of more than 255 bytes: {value!r}")
+    return str(value)
 
 
 def encode_manifest(manifest: PartitionManifest) -> bytes:

@@ -104,6 +104,7 @@ class ResultPartition:
         bounded_data_kind: str = "file",
         keep_manifest: bool = False,
         restore_from: PartitionManifest | None = None,
+        app_id: str = "",
     ) -> None:
         if not isinstance(num_subpartitions, int) or num_subpartitions <= 0:
             raise UsageError(f"num_subpartitions must be a positive int, got {num_subpartitions!r}")
@@ -117,6 +118,8 @@ class ResultPartition:
             )
         self.partition_id = partition_id
         self.partition_type = partition_type
+        #: The application that created it ("": none); only its connections may use it.
+        self.app_id = app_id if restore_from is None else restore_from.app_id
         self.buffer_pool = buffer_pool
         self.segment_size = buffer_pool.segment_size
         self.subpartitions: list[ResultSubpartition] = []
@@ -224,6 +227,7 @@ class ResultPartition:
             self._bounded_data_kind,
             time.time() if finished else None,
             subs,
+            self.app_id,
         )
 
     def keep_spilled_data(self) -> None:

@@ -64,9 +64,16 @@ class ResultPartitionManager:
         part.release(cause)
         return True
 
-    def release_dataset(self, dataset_id: str, cause: BaseException | None = None) -> int:
-        """Release every partition of one exchange; returns how many."""
-        pids = [p for p in self._partitions if p.dataset_id == dataset_id]
+    def release_dataset(
+        self, dataset_id: str, cause: BaseException | None = None, *, app_id: str | None = None
+    ) -> int:
+        """Release every partition of one exchange (of application ``app_id`` only, unless
+        None); returns how many."""
+        pids = [
+            pid
+            for pid, part in self._partitions.items()
+            if pid.dataset_id == dataset_id and (app_id is None or part.app_id == app_id)
+        ]
         for pid in pids:
             self._partitions[pid].release(cause)
         return len(pids)

@@ -16,6 +16,14 @@ a receiver id, on the whole connection; batches AddCredit announcements (one per
 and ``flush_credits``); and writes PartitionRequest / ResumeConsumption / NewBufferSize /
 CancelPartitionRequest / CloseRequest for its channels.
 
+Liveness: every client answers the daemon's keepalive ``Ping`` with a ``Pong`` (the daemon
+drops a peer that does not, see ``exchange.network.server_connection``). The data-port
+client may also have a ``read_timeout``: ``check_read_timeout(now)``, called periodically
+with the caller's clock, fails the connection when no byte has arrived for that long while
+some channel has credit out (the daemon may send, and does not). A backpressured channel
+(no credit out) never times out, and the daemon's Pings keep an idle stream alive when
+``read_timeout`` exceeds half the daemon's ``peer_timeout``.
+
 The lifecycle is one enum; ``_TRANSITIONS`` is the only place that says which state may
 follow which::
 
@@ -38,6 +46,7 @@ from exchange.errors import (
     IllegalStateError,
     ProtocolError,
     TransportError,
+    UsageError,
 )
 from exchange.protocol.codec import (
     BufferResponseHeader,
@@ -58,6 +67,8 @@ from exchange.protocol.messages import (
     MessageId,
     NewBufferSize,
     PartitionRequest,
+    Ping,
+    Pong,
     ResumeConsumption,
     error_for_response,
 )
@@ -106,6 +117,7 @@ DATA_PORT_CLIENT_MESSAGE_IDS: Final = frozenset(
         MessageId.AUTH_OK,
         MessageId.BUFFER_RESPONSE,
         MessageId.ERROR_RESPONSE,
+        MessageId.PING,
     }
 )
 
@@ -151,9 +163,10 @@ class ClientConnection:
         max_frame_size: int,
         *,
         accept: Collection[int] | None = None,
+        app_id: str = "",
     ) -> None:
         self.address = address
-        self._handshake = ClientHandshake(secret, address=address)
+        self._handshake = ClientHandshake(secret, address=address, app_id=app_id)
         self._decoder = self._new_decoder(max_frame_size, accept)
         self._out: list[Piece] = []
         self._events: list[ConnectionEvent] = []
@@ -186,6 +199,11 @@ class ClientConnection:
     @property
     def authenticated(self) -> bool:
         return self._handshake.authenticated
+
+    @property
+    def app_id(self) -> str:
+        """The application this connection authenticates for ("": none)."""
+        return self._handshake.app_id
 
     @property
     def bytes_received(self) -> int:
@@ -241,6 +259,9 @@ class ClientConnection:
             if hs.is_established:
                 self._set_state(ClientConnectionState.ESTABLISHED)
                 self._events.append(HandshakeComplete(hs.authenticated))
+            return
+        if type(msg) is Ping:
+            self.send(Pong())
             return
         self.on_message(msg)
 
@@ -319,8 +340,28 @@ class ClientConnection:
 class PartitionRequestClientConnection(ClientConnection):
     """One connection to a daemon's data port, shared by RemoteInputChannels."""
 
-    def __init__(self, address: str, secret: bytes | None, max_frame_size: int) -> None:
-        super().__init__(address, secret, max_frame_size, accept=DATA_PORT_CLIENT_MESSAGE_IDS)
+    def __init__(
+        self,
+        address: str,
+        secret: bytes | None,
+        max_frame_size: int,
+        *,
+        read_timeout: float | None = None,
+        app_id: str = "",
+    ) -> None:
+        super().__init__(
+            address, secret, max_frame_size, accept=DATA_PORT_CLIENT_MESSAGE_IDS, app_id=app_id
+        )
+        if read_timeout is not None and not (
+            isinstance(read_timeout, int | float) and 0 < read_timeout < float("inf")
+        ):
+            raise UsageError(
+                f"read_timeout must be a positive number of seconds, got {read_timeout!r}"
+            )
+        self.read_timeout = read_timeout
+        # bytes_received when it last changed or no channel had credit out, and when
+        self._progress_bytes = -1
+        self._progress_at = 0.0
         self._channels: dict[int, RemoteInputChannel] = {}
         self._next_id = 1
         self._credit_pending: list[RemoteInputChannel] = []
@@ -408,6 +449,35 @@ class PartitionRequestClientConnection(ClientConnection):
             return
         self._channels.pop(rid, None)
         ch.set_error(error_for_response(msg, self.address, ch.partition_id))
+
+    # -- read timeout --------------------------------------------------------------------
+
+    def credit_out(self) -> int:
+        """Channels the daemon may send to now (announced credit not used yet)."""
+        return sum(
+            1 for ch in self._channels.values() if ch.num_available_buffers > ch.unannounced_credit
+        )
+
+    def check_read_timeout(self, now: float) -> bool:
+        """Fail the connection (and return True) when nothing has arrived for
+        ``read_timeout`` seconds of ``now``'s clock while a channel has credit out."""
+        timeout = self.read_timeout
+        if timeout is None or self.state is not ClientConnectionState.ESTABLISHED:
+            return False
+        received = self.bytes_received
+        waiting = self.credit_out()
+        if received != self._progress_bytes or not waiting:
+            self._progress_bytes, self._progress_at = received, now
+            return False
+        if now - self._progress_at < timeout:
+            return False
+        self.fail(
+            TransportError(
+                f"nothing from daemon {self.address} for {now - self._progress_at:.1f}s "
+                f"(read_timeout={timeout}s) while {waiting} channel(s) wait with credit"
+            )
+        )
+        return True
 
     # -- PartitionRequestClient (what channels ask) ---------------------------------------
 

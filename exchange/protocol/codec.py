@@ -47,6 +47,8 @@ from exchange.protocol.messages import (
     MessageId,
     NewBufferSize,
     PartitionRequest,
+    Ping,
+    Pong,
     ResumeConsumption,
     ServerHello,
 )
@@ -106,6 +108,10 @@ assert [int(t) for t in _DATA_TYPES] == list(range(_N_DATA_TYPES))
 _ERROR_CODES: Final = {int(c): c for c in ErrorCode}
 _CLOSE_REQUEST_FRAME: Final = _HEADER.pack(FRAME_HEADER_SIZE, MAGIC, MessageId.CLOSE_REQUEST)
 _CLOSE_REQUEST: Final = CloseRequest()
+_PING_FRAME: Final = _HEADER.pack(FRAME_HEADER_SIZE, MAGIC, MessageId.PING)
+_PING: Final = Ping()
+_PONG_FRAME: Final = _HEADER.pack(FRAME_HEADER_SIZE, MAGIC, MessageId.PONG)
+_PONG: Final = Pong()
 
 
 def max_frame_size_for(segment_size: int) -> int:
@@ -169,7 +175,9 @@ def _enc_server_hello(m: ServerHello) -> list[Piece]:
 
 
 def _enc_auth_response(m: AuthResponse) -> list[Piece]:
-    return [_MAC.pack(_MAC.size, MAGIC, MessageId.AUTH_RESPONSE, m.mac)]
+    app = m.app_id.encode("utf-8")
+    head = _MAC.pack(_MAC.size + 1 + len(app), MAGIC, MessageId.AUTH_RESPONSE, m.mac)
+    return [b"".join((head, bytes((len(app),)), app))]
 
 
 def _enc_auth_ok(m: AuthOk) -> list[Piece]:
@@ -208,6 +216,14 @@ def _enc_close_request(m: CloseRequest) -> list[Piece]:
     return [_CLOSE_REQUEST_FRAME]
 
 
+def _enc_ping(m: Ping) -> list[Piece]:
+    return [_PING_FRAME]
+
+
+def _enc_pong(m: Pong) -> list[Piece]:
+    return [_PONG_FRAME]
+
+
 def _enc_error_response(m: ErrorResponse) -> list[Piece]:
     text = m.message.encode("utf-8")
     size = FRAME_HEADER_SIZE + _ERR_FIXED.size + len(text)
@@ -229,6 +245,8 @@ _ENCODERS: dict[type[Message], Callable[[Any], list[Piece]]] = {
     CancelPartitionRequest: _enc_cancel_partition_request,
     CloseRequest: _enc_close_request,
     ErrorResponse: _enc_error_response,
+    Ping: _enc_ping,
+    Pong: _enc_pong,
 }
 
 
@@ -286,7 +304,14 @@ def _dec_server_hello(body: memoryview) -> Message:
 
 
 def _dec_auth_response(body: memoryview) -> Message:
-    return AuthResponse(_fixed(body, _MAC_BODY, "AuthResponse")[0])
+    fixed = _MAC_BODY.size
+    if len(body) < fixed + 1:
+        raise ProtocolError(f"AuthResponse body of {len(body)} bytes is too short")
+    n = body[fixed]
+    if len(body) != fixed + 1 + n:
+        raise ProtocolError(f"AuthResponse body has {len(body)} bytes, expected {fixed + 1 + n}")
+    app_id = _utf8(body[fixed + 1 :], "AuthResponse app_id")
+    return AuthResponse(bytes(body[:fixed]), app_id)
 
 
 def _dec_auth_ok(body: memoryview) -> Message:
@@ -357,6 +382,16 @@ def _dec_close_request(body: memoryview) -> Message:
     return _CLOSE_REQUEST
 
 
+def _dec_ping(body: memoryview) -> Message:
+    _fixed(body, _EMPTY_BODY, "Ping")
+    return _PING
+
+
+def _dec_pong(body: memoryview) -> Message:
+    _fixed(body, _EMPTY_BODY, "Pong")
+    return _PONG
+
+
 def _dec_error_response(body: memoryview) -> Message:
     n = len(body)
     fixed = _ERR_FIXED.size
@@ -391,6 +426,8 @@ _DECODERS: dict[int, Callable[[memoryview], Message]] = {
     MessageId.CANCEL_PARTITION_REQUEST: _dec_cancel_partition_request,
     MessageId.CLOSE_REQUEST: _dec_close_request,
     MessageId.ERROR_RESPONSE: _dec_error_response,
+    MessageId.PING: _dec_ping,
+    MessageId.PONG: _dec_pong,
 }
 
 

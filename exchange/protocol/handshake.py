@@ -7,11 +7,21 @@ closing in ``error_response``, and raises::
     client                                   server
       ClientHello(version, client_nonce)  ->
                                           <-  ServerHello(version, auth_required, server_nonce)
-      AuthResponse(mac)                   ->                          (only if auth_required)
+      AuthResponse(mac, app_id)           ->                          (only if auth_required)
                                           <-  AuthOk(server_proof) | ErrorResponse(AUTH_FAILED)
 
-    mac          = HMAC-SHA256(secret, b"exchange-auth-v1|c" + server_nonce + client_nonce)
-    server_proof = HMAC-SHA256(secret, b"exchange-auth-v1|s" + client_nonce + server_nonce)
+    key          = secret                                              if app_id == ""
+                 = HMAC-SHA256(secret, b"exchange-app-v1|" + app_id)   otherwise
+    mac          = HMAC-SHA256(key, b"exchange-auth-v1|c" + server_nonce + client_nonce)
+    server_proof = HMAC-SHA256(key, b"exchange-auth-v1|s" + client_nonce + server_nonce)
+
+The per-application credential (``app_credential``) lets a client authenticate for one
+application without holding the daemon's secret: the daemon derives the key from its
+secret and the ``app_id`` the client names, so a credential works for its application only
+and the connection is then confined to that application's partitions. A client holding the
+daemon's secret derives the credential of the application it names. A credential is
+handed to a task as text (``format_app_credential``: ``exchange-app-v1:<app_id>:<hex>``),
+which a client passes wherever it would pass the secret.
 
 Fresh nonces on both sides make every MAC valid for one connection only (no replay), and
 the distinct labels keep a server's proof from being reflected as a client's MAC. A server
@@ -45,21 +55,29 @@ from exchange.protocol.messages import (
     ErrorResponse,
     Message,
     ServerHello,
+    check_app_id,
     error_for_response,
     error_response_for,
 )
 
 __all__ = [
+    "APP_CREDENTIAL_PREFIX",
     "ClientHandshake",
     "ClientHandshakeState",
     "ServerHandshake",
     "ServerHandshakeState",
+    "app_credential",
     "client_mac",
+    "format_app_credential",
+    "parse_app_credential",
     "server_proof",
 ]
 
 _CLIENT_LABEL: Final = b"exchange-auth-v1|c"
 _SERVER_LABEL: Final = b"exchange-auth-v1|s"
+_APP_LABEL: Final = b"exchange-app-v1|"
+#: How a per-application credential starts when it is written down (a file, a variable).
+APP_CREDENTIAL_PREFIX: Final = b"exchange-app-v1:"
 
 NonceFactory = Callable[[int], bytes]
 
@@ -72,6 +90,36 @@ def client_mac(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes
 def server_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> bytes:
     """What the server sends in ``AuthOk``."""
     return hmac.new(secret, _SERVER_LABEL + client_nonce + server_nonce, hashlib.sha256).digest()
+
+
+def app_credential(secret: bytes, app_id: str) -> bytes:
+    """The key of application ``app_id`` under the daemon secret ``secret``."""
+    _check_secret(secret)
+    check_app_id(app_id)
+    if not app_id:
+        raise UsageError("app_id must not be empty for an application credential")
+    return hmac.new(secret, _APP_LABEL + app_id.encode("utf-8"), hashlib.sha256).digest()
+
+
+def format_app_credential(secret: bytes, app_id: str) -> bytes:
+    """The credential of ``app_id`` as text to hand to that application's tasks."""
+    key = app_credential(secret, app_id)
+    return APP_CREDENTIAL_PREFIX + app_id.encode("utf-8") + b":" + key.hex().encode()
+
+
+def parse_app_credential(text: bytes) -> tuple[str, bytes]:
+    """``(app_id, key)`` of a ``format_app_credential`` text; UsageError when malformed."""
+    if not text.startswith(APP_CREDENTIAL_PREFIX):
+        raise UsageError("not an application credential (exchange-app-v1:<app_id>:<hex>)")
+    app, sep, hexkey = text[len(APP_CREDENTIAL_PREFIX) :].rpartition(b":")
+    try:
+        app_id = app.decode("utf-8")
+        key = bytes.fromhex(hexkey.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise UsageError("malformed application credential") from None
+    if not sep or not app_id or len(key) != hashlib.sha256().digest_size:
+        raise UsageError("malformed application credential")
+    return check_app_id(app_id), key
 
 
 def _check_secret(secret: bytes | None) -> None:
@@ -102,7 +150,12 @@ class ServerHandshakeState(Enum):
 
 
 class ClientHandshake:
-    """The client's side: ``start()``, then ``receive()`` each message until established."""
+    """The client's side: ``start()``, then ``receive()`` each message until established.
+
+    ``secret`` is the daemon's secret, or an application credential
+    (``format_app_credential``), which names its application itself. ``app_id`` names the
+    application a holder of the daemon's secret speaks for (``""``: none).
+    """
 
     def __init__(
         self,
@@ -111,8 +164,18 @@ class ClientHandshake:
         nonce_factory: NonceFactory = os.urandom,
         version: int = PROTOCOL_VERSION,
         address: str | None = None,
+        app_id: str = "",
     ) -> None:
         _check_secret(secret)
+        check_app_id(app_id)
+        if secret is not None and secret.startswith(APP_CREDENTIAL_PREFIX):
+            cred_app, secret = parse_app_credential(secret)
+            if app_id and app_id != cred_app:
+                raise UsageError(f"the credential is application {cred_app!r}'s, not {app_id!r}'s")
+            app_id = cred_app
+        elif secret is not None and app_id:
+            secret = app_credential(secret, app_id)
+        self.app_id = app_id
         self._secret = secret
         self._nonce_factory = nonce_factory
         self._version = version
@@ -186,7 +249,8 @@ class ClientHandshake:
                 AuthenticationError("the server requires authentication; no secret configured")
             )
         self.state = ClientHandshakeState.AWAIT_AUTH_OK
-        return [AuthResponse(client_mac(self._secret, self._client_nonce, msg.server_nonce))]
+        mac = client_mac(self._secret, self._client_nonce, msg.server_nonce)
+        return [AuthResponse(mac, self.app_id)]
 
     def _on_auth_ok(self, msg: AuthOk) -> list[Message]:
         assert self._secret is not None
@@ -219,6 +283,8 @@ class ServerHandshake:
         self._version = version
         self._client_nonce = b""
         self._server_nonce = b""
+        #: The application the client authenticated for ("" : none, or no secret).
+        self.app_id = ""
         self.state = ServerHandshakeState.AWAIT_CLIENT_HELLO
         self.error_response: ErrorResponse | None = None
 
@@ -270,11 +336,15 @@ class ServerHandshake:
 
     def _on_auth_response(self, msg: AuthResponse) -> list[Message]:
         assert self._secret is not None
-        expected = client_mac(self._secret, self._client_nonce, self._server_nonce)
+        app = msg.app_id
+        key = app_credential(self._secret, app) if app else self._secret
+        expected = client_mac(key, self._client_nonce, self._server_nonce)
         if not hmac.compare_digest(msg.mac, expected):
-            raise self._fail(AuthenticationError("client failed authentication: wrong secret"))
+            what = f"application {app!r}'s credential" if app else "secret"
+            raise self._fail(AuthenticationError(f"client failed authentication: wrong {what}"))
+        self.app_id = app
         self.state = ServerHandshakeState.ESTABLISHED
-        return [AuthOk(server_proof(self._secret, self._client_nonce, self._server_nonce))]
+        return [AuthOk(server_proof(key, self._client_nonce, self._server_nonce))]
 
     def _fail(self, exc: ProtocolError) -> ProtocolError:
         self.state = ServerHandshakeState.FAILED

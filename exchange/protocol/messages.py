@@ -14,8 +14,10 @@ from typing import ClassVar, Final
 
 from exchange.buffers.buffer import DataType
 from exchange.errors import (
+    AccessDeniedError,
     AuthenticationError,
     ExchangeError,
+    LimitExceededError,
     PartitionError,
     PartitionNotFoundError,
     PartitionReleasedError,
@@ -28,6 +30,7 @@ from exchange.errors import (
 from exchange.partition.result_partition_id import ResultPartitionID
 
 __all__ = [
+    "MAX_APP_ID_BYTES",
     "MAX_ERROR_MESSAGE_BYTES",
     "NONCE_SIZE",
     "PROTOCOL_VERSION",
@@ -45,8 +48,11 @@ __all__ = [
     "MessageId",
     "NewBufferSize",
     "PartitionRequest",
+    "Ping",
+    "Pong",
     "ResumeConsumption",
     "ServerHello",
+    "check_app_id",
     "error_for_response",
     "error_response_for",
 ]
@@ -56,6 +62,8 @@ NONCE_SIZE: Final = 16
 MAC_SIZE: Final = 32
 # Long error texts (tracebacks) are cut so that every control frame stays small.
 MAX_ERROR_MESSAGE_BYTES: Final = 2048
+#: The longest application id (UTF-8) a ClientHello carries.
+MAX_APP_ID_BYTES: Final = 255
 
 _U16: Final = 0xFFFF
 _U32: Final = 0xFFFF_FFFF
@@ -77,6 +85,8 @@ class MessageId(IntEnum):
     CANCEL_PARTITION_REQUEST = 15
     CLOSE_REQUEST = 16
     ERROR_RESPONSE = 17
+    PING = 18
+    PONG = 19
 
 
 class ErrorCode(IntEnum):
@@ -93,6 +103,8 @@ class ErrorCode(IntEnum):
     INTERNAL = 9
     VERSION_MISMATCH = 10
     INVALID_REQUEST = 11
+    ACCESS_DENIED = 12
+    LIMIT_EXCEEDED = 13
 
 
 class Message:
@@ -115,6 +127,19 @@ def _check_positive(name: str, value: int, limit: int) -> None:
 def _check_bytes(name: str, value: bytes, size: int) -> None:
     if not isinstance(value, bytes) or len(value) != size:
         raise UsageError(f"{name} must be {size} bytes, got {value!r}")
+
+
+def check_app_id(app_id: object) -> str:
+    """``app_id`` if it is a str of at most ``MAX_APP_ID_BYTES`` UTF-8 bytes, else UsageError."""
+    if not isinstance(app_id, str):
+        raise UsageError(f"app_id must be a str, got {app_id!r}")
+    try:
+        n = len(app_id.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise UsageError(f"app_id {app_id!r} is not encodable as UTF-8") from None
+    if n > MAX_APP_ID_BYTES:
+        raise UsageError(f"app_id of {n} bytes exceeds {MAX_APP_ID_BYTES}")
+    return app_id
 
 
 # -- handshake ----------------------------------------------------------------------------
@@ -153,14 +178,17 @@ class ServerHello(Message):
 
 @dataclass(frozen=True, slots=True)
 class AuthResponse(Message):
-    """The client's proof that it knows the shared secret (an HMAC over both nonces)."""
+    """The client's proof that it holds the credential of application ``app_id`` (an HMAC
+    over both nonces; ``""``: the daemon's secret itself, no application)."""
 
     MESSAGE_ID: ClassVar[int] = MessageId.AUTH_RESPONSE
 
     mac: bytes
+    app_id: str = ""
 
     def __post_init__(self) -> None:
         _check_bytes("mac", self.mac, MAC_SIZE)
+        check_app_id(self.app_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +284,13 @@ class CloseRequest(Message):
     MESSAGE_ID: ClassVar[int] = MessageId.CLOSE_REQUEST
 
 
+@dataclass(frozen=True, slots=True)
+class Pong(Message):
+    """The answer to a ``Ping``: the client read everything the daemon sent before it."""
+
+    MESSAGE_ID: ClassVar[int] = MessageId.PONG
+
+
 # -- server to client ---------------------------------------------------------------------
 
 
@@ -325,6 +360,14 @@ class ErrorResponse(Message):
         return self.receiver_id is None
 
 
+@dataclass(frozen=True, slots=True)
+class Ping(Message):
+    """The daemon's keepalive: a client that does not answer with a ``Pong`` within the
+    daemon's ``peer_timeout`` (it stopped reading, or stopped mid-frame) is dropped."""
+
+    MESSAGE_ID: ClassVar[int] = MessageId.PING
+
+
 # -- errors <-> ErrorResponse -------------------------------------------------------------
 
 
@@ -341,6 +384,10 @@ def error_for_response(
         return ProducerFailedError(text, partition_id, address)
     if code is ErrorCode.PARTITION_RELEASED:
         return PartitionReleasedError(text, partition_id, address)
+    if code is ErrorCode.ACCESS_DENIED:
+        return AccessDeniedError(text, partition_id, address)
+    if code is ErrorCode.LIMIT_EXCEEDED:
+        return LimitExceededError(text, partition_id, address)
     if code is ErrorCode.AUTH_FAILED:
         return AuthenticationError(text + where)
     if code in (ErrorCode.PROTOCOL_ERROR, ErrorCode.VERSION_MISMATCH):
@@ -364,6 +411,10 @@ def error_response_for(exc: BaseException, receiver_id: int | None = None) -> Er
             code = ErrorCode.PRODUCER_FAILED
         case PartitionReleasedError():
             code = ErrorCode.PARTITION_RELEASED
+        case AccessDeniedError():
+            code = ErrorCode.ACCESS_DENIED
+        case LimitExceededError():
+            code = ErrorCode.LIMIT_EXCEEDED
         case PartitionError() | UsageError():
             code = ErrorCode.INVALID_REQUEST
         case AuthenticationError():

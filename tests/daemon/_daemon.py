@@ -284,6 +284,10 @@ class ChildProducer:
         event: dict[str, Any] = json.loads(line)
         return event
 
+    @property
+    def stderr(self) -> str:
+        return "".join(self._err.all)
+
     def sigkill(self) -> int:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from exchange.buffers.buffer import DataType
-from exchange.errors import IllegalStateError
+from exchange.errors import IllegalStateError, UsageError
 from exchange.memory import NetworkBufferPool
 from exchange.network.server_connection import (
     DATA_PORT_MESSAGES,
@@ -51,6 +51,8 @@ from exchange.protocol.messages import (
     ErrorResponse,
     Message,
     PartitionRequest,
+    Ping,
+    Pong,
     ServerHello,
 )
 from tests.conformance.partition_fill import add_full_buffers
@@ -265,6 +267,8 @@ def connect(
     *,
     secret: bytes | None = None,
     handshake: bool = True,
+    peer_timeout: float | None = None,
+    max_requests: int = 16384,
     **transport_args: Any,
 ) -> Setup:
     socket_space = transport_args.pop("socket_space", None)
@@ -277,6 +281,8 @@ def connect(
         reap_interval=REAP_INTERVAL,
         # as the DataServer sets it: unflushed output counts towards the high watermark
         write_batch_bytes=min(transport.high, 256 * 1024),
+        peer_timeout=peer_timeout,
+        max_requests=max_requests,
     )
     conn = ServerConnection(transport, timers, manager, settings, peer="test")
     transport.conn = conn
@@ -349,6 +355,80 @@ def test_silent_client_times_out_and_a_closing_peer_is_aborted(
     s.timers.advance(CLOSE_TIMEOUT)  # the peer never read its last bytes
     assert s.transport.aborted
     finish_close(s)
+
+
+# -- keepalive (peer_timeout) -------------------------------------------------------------
+
+PEER_TIMEOUT = 4.0
+
+
+def pings(peer: Peer) -> int:
+    peer.read()
+    return sum(1 for m in peer.received if isinstance(m, Ping))
+
+
+def test_a_peer_that_answers_pings_stays_however_long(manager: ResultPartitionManager) -> None:
+    s = connect(manager, 4096, peer_timeout=PEER_TIMEOUT)
+    for n in range(1, 11):
+        s.timers.advance(PEER_TIMEOUT / 2)
+        assert pings(s.peer) == n
+        s.peer.send(Pong())
+    assert state_of(s) is ServerConnectionState.ESTABLISHED and not s.conn.timed_out
+    s.conn.close()
+    finish_close(s)
+
+
+def test_a_peer_that_stops_reading_is_dropped_and_its_reader_released(
+    make_partition: PartitionFactory, manager: ResultPartitionManager
+) -> None:
+    part = make_partition(1, "pipelined", 2)
+    s = connect(manager, 4096, peer_timeout=PEER_TIMEOUT)
+    s.peer.send(PartitionRequest(part.partition_id, 0, 1, 2))
+    s.timers.run()
+    assert s.conn.queue.num_readers == 1
+    s.timers.advance(PEER_TIMEOUT / 2)
+    assert pings(s.peer) == 1  # and never answered
+    s.timers.advance(PEER_TIMEOUT - 0.01)
+    assert state_of(s) is ServerConnectionState.ESTABLISHED
+    s.timers.advance(0.02)
+    assert s.transport.aborted and s.conn.timed_out
+    assert s.conn.queue.num_readers == 0
+    finish_close(s)
+
+
+@pytest.mark.parametrize("byte_by_byte", [False, True])
+def test_a_peer_that_sends_half_a_frame_and_stops_is_dropped(
+    manager: ResultPartitionManager, byte_by_byte: bool
+) -> None:
+    s = connect(manager, 4096, peer_timeout=PEER_TIMEOUT)
+    frame = b"".join(bytes(p) for p in encode(Pong()))
+    s.timers.advance(PEER_TIMEOUT / 2)
+    assert pings(s.peer) == 1
+    half = frame[: len(frame) // 2]
+    if byte_by_byte:
+        for i in range(len(half)):
+            s.conn.receive_data(half[i : i + 1])
+    else:
+        s.conn.receive_data(half)
+    s.timers.advance(PEER_TIMEOUT)
+    assert s.transport.aborted and s.conn.timed_out
+    finish_close(s)
+
+
+def test_no_keepalive_before_the_handshake_or_when_off(manager: ResultPartitionManager) -> None:
+    s = connect(manager, 4096, peer_timeout=None)
+    s.timers.advance(10 * PEER_TIMEOUT)
+    assert pings(s.peer) == 0 and s.timers.pending_timers == 0
+    finish_close(s)
+    h = connect(manager, 4096, handshake=False, peer_timeout=PEER_TIMEOUT)
+    assert h.timers.pending_timers == 1  # only the handshake timeout
+    finish_close(h)
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "60"])
+def test_peer_timeout_must_be_positive_and_finite(value: Any) -> None:
+    with pytest.raises(UsageError, match="peer_timeout"):
+        ServerConnectionSettings(peer_timeout=value)
 
 
 def test_wrong_secret_is_auth_failed(manager: ResultPartitionManager) -> None:
@@ -476,6 +556,34 @@ def test_unknown_partition_is_a_channel_error_and_the_connection_stays(
     finish_close(s)
 
 
+def test_requests_beyond_max_requests_fail_alone(
+    make_partition: PartitionFactory, manager: ResultPartitionManager
+) -> None:
+    part = make_partition(1, "pipelined", 3)
+    s = connect(manager, 4096, max_requests=2)
+    s.peer.send(*(PartitionRequest(part.partition_id, i, i + 1, 2) for i in range(3)))
+    s.timers.run()
+    s.peer.read()
+    [err] = s.peer.errors()
+    assert err.code is ErrorCode.LIMIT_EXCEEDED and err.receiver_id == 3
+    assert "max_requests_per_connection=2" in err.message
+    assert s.conn.queue.num_readers == 2 and state_of(s) is ServerConnectionState.ESTABLISHED
+    s.peer.send(CancelPartitionRequest(1))  # room again: the same subpartition is served
+    s.timers.run()
+    s.peer.send(PartitionRequest(part.partition_id, 2, 4, 2))
+    s.timers.run()
+    s.peer.read()
+    assert len(s.peer.errors()) == 1 and s.conn.queue.num_readers == 2
+    s.conn.close()
+    finish_close(s)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, None])
+def test_max_requests_must_be_a_positive_int(value: Any) -> None:
+    with pytest.raises(UsageError, match="max_requests"):
+        ServerConnectionSettings(max_requests=value)
+
+
 def test_a_receiver_id_used_twice_is_fatal(
     make_partition: PartitionFactory, manager: ResultPartitionManager
 ) -> None:
@@ -492,7 +600,7 @@ def test_a_receiver_id_used_twice_is_fatal(
 def test_an_unexpected_error_handling_a_message_is_fatal_internal(
     manager: ResultPartitionManager,
 ) -> None:
-    def broken(dataset: str) -> int:
+    def broken(dataset: str, app_id: str) -> int:
         raise KeyError(dataset)
 
     transport, timers = FakeTransport(), FakeTimers()

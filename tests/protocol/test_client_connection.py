@@ -23,6 +23,7 @@ from exchange.errors import (
     ProtocolError,
     TransportError,
     UnknownMessageError,
+    UsageError,
 )
 from exchange.events.events import EndOfPartitionEvent, EventSerializer
 from exchange.memory import NetworkBufferPool
@@ -39,6 +40,8 @@ from exchange.protocol import (
     Message,
     NewBufferSize,
     PartitionRequest,
+    Ping,
+    Pong,
     ResumeConsumption,
     ServerHandshake,
     encode,
@@ -309,3 +312,68 @@ async def test_channel_calls_are_written_only_for_routed_channels(s: Setup) -> N
         s.conn.request_subpartition(b)
     assert s.conn.connection_lost(None).__class__ is TransportError
     assert s.conn.state is ClientConnectionState.CLOSED
+
+
+# -- keepalive and read timeout -----------------------------------------------------------
+
+READ_TIMEOUT = 2.0
+
+
+@pytest.mark.asyncio
+async def test_a_ping_is_answered_with_a_pong(s: Setup) -> None:
+    sent(s.conn)
+    s.conn.receive_data(frames(Ping()))
+    assert sent(s.conn) == [Pong()]
+    assert s.conn.events_received() == [] and s.conn.is_established
+
+
+@pytest.mark.asyncio
+async def test_read_timeout_fails_the_connection_when_credit_is_out_and_nothing_comes(
+    s: Setup,
+) -> None:
+    conn = s.conn
+    conn.read_timeout = READ_TIMEOUT
+    a, _ = s.channels
+    assert conn.credit_out() == 2  # both channels' initial credit
+    assert not conn.check_read_timeout(0.0)
+    assert not conn.check_read_timeout(READ_TIMEOUT - 0.1)
+    conn.receive_data(frames(data(a.receiver_id, 0, b"x")))  # progress: the clock restarts
+    assert not conn.check_read_timeout(READ_TIMEOUT + 0.1)
+    assert not conn.check_read_timeout(2 * READ_TIMEOUT)
+    assert conn.check_read_timeout(2 * READ_TIMEOUT + 0.2)
+    assert conn.state is ClientConnectionState.FAILED
+    (event,) = conn.events_received()
+    assert isinstance(event, ConnectionFailed) and isinstance(event.error, TransportError)
+    assert "read_timeout" in str(event.error)
+    g = a.get_next_buffer()
+    assert g is not None
+    g.buffer.release()
+
+
+@pytest.mark.asyncio
+async def test_read_timeout_never_fires_on_a_backpressured_stream(s: Setup) -> None:
+    """All announced credit used (the consumer has not returned any): the daemon may not
+    send, so silence is expected, however long."""
+    conn = s.conn
+    conn.read_timeout = READ_TIMEOUT
+    for ch in s.channels:
+        conn.receive_data(frames(data(ch.receiver_id, 0, b"x"), data(ch.receiver_id, 1, b"y")))
+    assert conn.credit_out() == 0
+    for t in range(100):
+        assert not conn.check_read_timeout(t * READ_TIMEOUT)
+    assert conn.is_established
+
+
+def test_read_timeout_off_and_invalid() -> None:
+    conn = PartitionRequestClientConnection(ADDRESS, None, max_frame_size_for(SEG))
+    establish(conn)
+    assert not conn.check_read_timeout(1e9)
+    for bad in (0, -1.0, float("nan"), float("inf"), "2"):
+        with pytest.raises(UsageError, match="read_timeout"):
+            PartitionRequestClientConnection(
+                ADDRESS,
+                None,
+                max_frame_size_for(SEG),
+                read_timeout=bad,  # type: ignore[arg-type]
+            )
+    conn.connection_lost(None)

@@ -48,6 +48,8 @@ from exchange.protocol import (
     MessageId,
     NewBufferSize,
     PartitionRequest,
+    Ping,
+    Pong,
     ResumeConsumption,
     ServerHello,
     encode,
@@ -191,7 +193,13 @@ def test_hello_and_auth_layouts() -> None:
         bytes.fromhex("0000001c badc0ffe 02 0001 01") + nonce
     )
     mac = bytes(range(32))
-    assert frame_bytes(AuthResponse(mac)) == bytes.fromhex("00000029 badc0ffe 03") + mac
+    assert frame_bytes(AuthResponse(mac)) == bytes.fromhex("0000002a badc0ffe 03") + mac + b"\0"
+    assert frame_bytes(AuthResponse(mac, "app-1")) == (
+        bytes.fromhex("0000002f badc0ffe 03") + mac + b"\x05app-1"
+    )
+    assert FrameDecoder().feed(frame_bytes(AuthResponse(mac, "app-1"))) == [
+        AuthResponse(mac, "app-1")
+    ]
     assert frame_bytes(AuthOk(mac)) == bytes.fromhex("00000029 badc0ffe 04") + mac
 
 
@@ -331,7 +339,7 @@ def test_bad_magic() -> None:
 
 
 # 64..74 belong to the local endpoint (exchange.protocol.local_messages) once imported.
-@pytest.mark.parametrize("msg_id", [0, 5, 9, 18, 63, 100, 127, 128, 255])
+@pytest.mark.parametrize("msg_id", [0, 5, 9, 20, 63, 100, 127, 128, 255])
 def test_unknown_id_rejected_before_the_body(msg_id: int) -> None:
     with pytest.raises(UnknownMessageError) as info:
         FrameDecoder().feed(struct.pack(">IIB", 100, MAGIC, msg_id))
@@ -351,6 +359,8 @@ VALID: list[Message] = [
     CancelPartitionRequest(1),
     CloseRequest(),
     ErrorResponse(ErrorCode.INTERNAL, "boom", 7),
+    Ping(),
+    Pong(),
 ]
 
 

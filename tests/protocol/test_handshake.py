@@ -35,6 +35,11 @@ from exchange.protocol import (
     ServerHello,
     encode,
 )
+from exchange.protocol.handshake import (
+    app_credential,
+    format_app_credential,
+    parse_app_credential,
+)
 
 CLIENT_NONCE = bytes(range(16))
 SERVER_NONCE = bytes(range(100, 116))
@@ -364,3 +369,76 @@ def test_bad_nonce_factory() -> None:
     s = ServerHandshake(None, nonce_factory=lambda n: "x" * n)  # type: ignore[arg-type,return-value]
     with pytest.raises(UsageError):
         s.receive(ClientHello(PROTOCOL_VERSION, CLIENT_NONCE))
+
+
+# -- per-application credentials ---------------------------------------------------------
+
+
+def reference_app_key(secret: bytes, app_id: str) -> bytes:
+    return hmac.new(secret, b"exchange-app-v1|" + app_id.encode(), hashlib.sha256).digest()
+
+
+@pytest.mark.parametrize("holds", ["daemon-secret", "app-credential"])
+def test_a_client_authenticates_for_its_application(holds: str) -> None:
+    secret = b"s3cr3t"
+    key = reference_app_key(secret, "app-1")
+    assert app_credential(secret, "app-1") == key
+    if holds == "daemon-secret":
+        c = client(secret, app_id="app-1")
+    else:
+        c = client(format_app_credential(secret, "app-1"))
+    s = server(secret)
+    transcript = run(c, s)
+    assert transcript[2:] == [
+        AuthResponse(reference_mac(key, b"c", SERVER_NONCE, CLIENT_NONCE), "app-1"),
+        AuthOk(reference_mac(key, b"s", CLIENT_NONCE, SERVER_NONCE)),
+    ]
+    assert c.authenticated and c.app_id == s.app_id == "app-1"
+
+
+def test_an_application_credential_does_not_authenticate_another_application() -> None:
+    secret = b"s3cr3t"
+    key_hex = format_app_credential(secret, "app-1").rsplit(b":", 1)[1]
+    c = client(b"exchange-app-v1:app-2:" + key_hex)
+    assert c.app_id == "app-2"
+    s = server(secret)
+    (ch,) = c.start()
+    (sh,) = s.receive(ch)
+    (auth,) = c.receive(sh)
+    with pytest.raises(AuthenticationError, match="app-2"):
+        s.receive(auth)
+    assert s.app_id == "" and s.error_response is not None
+    assert s.error_response.code is ErrorCode.AUTH_FAILED
+
+
+def test_a_credential_and_another_app_id_conflict() -> None:
+    cred = format_app_credential(b"s3cr3t", "app-1")
+    with pytest.raises(UsageError, match="app-1"):
+        ClientHandshake(cred, app_id="app-2")
+    assert ClientHandshake(cred, app_id="app-1").app_id == "app-1"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"exchange-app-v1:",
+        b"exchange-app-v1:app",
+        b"exchange-app-v1::" + bytes(32).hex().encode(),
+        b"exchange-app-v1:app:" + bytes(31).hex().encode(),
+        b"exchange-app-v1:app:zz",
+        b"exchange-app-v1:\xff:" + bytes(32).hex().encode(),
+    ],
+)
+def test_malformed_credentials_are_usage_errors(text: bytes) -> None:
+    with pytest.raises(UsageError):
+        parse_app_credential(text)
+    with pytest.raises(UsageError):
+        ClientHandshake(text)
+
+
+@pytest.mark.parametrize("app_id", [7, "x" * 256, "\ud800"])
+def test_invalid_app_ids(app_id: object) -> None:
+    with pytest.raises(UsageError):
+        ClientHandshake(b"s", app_id=app_id)  # type: ignore[arg-type]
+    with pytest.raises(UsageError):
+        AuthResponse(bytes(32), app_id)  # type: ignore[arg-type]

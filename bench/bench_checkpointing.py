@@ -1,0 +1,212 @@
+"""Benchmark: aligned checkpoints under full backpressure, buffer debloating off vs on.
+
+Run ``python bench/bench_checkpointing.py`` (``--seconds`` of job per configuration,
+default 40; ``--parallelism`` per operator, default 1). Flink's
+``CheckpointingTimeBenchmark`` shape, run by the streaming runtime on local PySpark
+(``client.streaming``): an unbounded-speed generator source -> rebalance -> map
+(identity) -> rebalance -> a sink that sleeps 1 ms per record, so every exchange is full
+(full backpressure: the source is far faster than the sink), 500-byte records, the
+runtime's default buffer timeout of 10 ms (``--buffer-timeout``; Flink's default 100 ms
+measured longer checkpoints with debloating here). Exactly-once (aligned)
+checkpoints every second with a ``min_pause`` of 1 s, so the exchanges fill up again
+between two checkpoints.
+
+Two configurations in the same run, each with its own daemon (``python -m server``; the
+tasks find it through ``StreamEnvironment(daemon=...)``): debloating off (default
+settings: 32 KiB buffers) and on (``--debloat --debloat-target=300ms``: each exchange
+aims at 300 ms of in-flight data, so a barrier crossing the two exchanges needs about
+600 ms: the design time). The figure is the median duration (trigger -> last
+acknowledgement, the driver's ``CheckpointCoordinator`` history in ``JobResult``) of the
+checkpoints after the first ``WARMUP`` ones (backpressure building up, the debloater
+converging), the final checkpoint left out (the input is bounded: ``count`` records).
+
+Targets (issue 10): debloating on <= 1.5x the design time, and >= 5x shorter than off.
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import ROOT, BenchError, Daemon, json_line, median
+
+RECORD = 500  # bytes per record
+SINK_DELAY = 0.001  # seconds the sink spends per record
+TARGET_MS = 300  # debloat target per exchange
+EXCHANGES = 2
+DESIGN_MS = TARGET_MS * EXCHANGES
+WARMUP = 2  # checkpoints left out at the start
+#: the runtime's default (``--buffer-timeout=100ms`` is Flink's)
+BUFFER_TIMEOUT = "10ms"
+TARGET_VS_DESIGN = 1.5
+TARGET_RATIO = 5.0
+
+
+def make_record(size: int, i: int) -> bytes:
+    return i.to_bytes(8, "big") + b"x" * (size - 8)
+
+
+def identity(r: bytes) -> bytes:
+    return r
+
+
+def slow_sink_factory() -> Any:
+    from client.streaming.functions import Collector, Operator
+
+    class SlowSink(Operator):
+        """Spends SINK_DELAY per record (Flink's benchmark: a sink that sleeps)."""
+
+        def process(self, record: Any, out: Collector) -> None:
+            time.sleep(SINK_DELAY)
+
+    return SlowSink()
+
+
+def run_job(spark: Any, daemon: Daemon, count: int, args: argparse.Namespace) -> dict[str, Any]:
+    parallelism, warmup = args.parallelism, args.warmup_checkpoints
+    from client.streaming.environment import StreamEnvironment
+
+    ckpt = tempfile.mkdtemp(prefix="xbench-ckpt-")
+    try:
+        env = StreamEnvironment(
+            spark,
+            checkpoint_dir=ckpt,
+            checkpoint_interval=1.0,
+            min_pause=1.0,
+            mode="exactly_once",
+            daemon=daemon.socket_path,
+            buffer_timeout=args.buffer_timeout,
+        )
+        (
+            env.from_generator(
+                functools.partial(make_record, args.record_bytes),
+                count=count,
+                parallelism=parallelism,
+            )
+            .rebalance()
+            .map(identity, parallelism=parallelism)
+            .rebalance()
+            .sink_to(slow_sink_factory, parallelism=parallelism)
+        )
+        result = env.execute(restart_attempts=0)
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)
+    done = [c for c in result.checkpoints if not c.is_final]  # completed ones
+    if len(done) <= warmup:
+        raise BenchError(
+            f"only {len(done)} checkpoints completed in {result.duration:.1f} s: run longer "
+            f"(--seconds); history {result.checkpoints}"
+        )
+    durations = [1000 * c.duration for c in done[warmup:]]
+    return {
+        "durations_ms": durations,
+        "median_ms": median(durations),
+        "checkpoints": len(durations),
+        "aborted": len(result.aborted_checkpoints),
+        "records_per_s": count / result.duration,
+        "seconds": result.duration,
+    }
+
+
+def session(parallelism: int) -> Any:
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master(f"local[{3 * parallelism}]")
+        .appName("bench-checkpointing")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.python.worker.reuse", "true")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=40.0, help="job length per configuration")
+    ap.add_argument("--parallelism", type=int, default=1)
+    ap.add_argument("--record-bytes", type=int, default=RECORD)
+    ap.add_argument(
+        "--buffer-timeout", default=BUFFER_TIMEOUT, help="a task's output buffer timeout"
+    )
+    ap.add_argument("--warmup-checkpoints", type=int, default=WARMUP, help="left out at the start")
+    ap.add_argument("--only", choices=("off", "on"), help="run one configuration (no ratio)")
+    args = ap.parse_args()
+    p = args.parallelism
+    # the sink's rate bounds the job: p sinks at ~1 record per SINK_DELAY
+    count = int(args.seconds * p / SINK_DELAY)
+    spark = session(p)
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        for name, flags in (
+            ("off", ()),
+            ("on", ("--debloat", f"--debloat-target={TARGET_MS}ms")),
+        ):
+            if args.only not in (None, name):
+                continue
+            with Daemon(*flags) as daemon:
+                results[name] = run_job(spark, daemon, count, args)
+                if not daemon.stop():
+                    raise BenchError(f"debloat {name}: the daemon's pool was not whole at stop")
+            r = results[name]
+            print(
+                f"debloating {name:3}: median checkpoint {r['median_ms']:7.0f} ms over "
+                f"{r['checkpoints']} checkpoints ({r['aborted']} aborted), "
+                f"{r['records_per_s']:.0f} records/s, all (ms): "
+                + " ".join(f"{d:.0f}" for d in r["durations_ms"]),
+                flush=True,
+            )
+    finally:
+        spark.stop()
+    if args.only:
+        return
+    off, on = results["off"]["median_ms"], results["on"]["median_ms"]
+    ratio = off / on
+    vs_design = on / DESIGN_MS
+    print(
+        f"off/on {ratio:.2f}x (target >= {TARGET_RATIO}x); on vs design {DESIGN_MS} ms: "
+        f"{vs_design:.2f}x (target <= {TARGET_VS_DESIGN}x)"
+    )
+    print(
+        json_line(
+            {
+                "bench": "checkpointing",
+                "parallelism": p,
+                "record_bytes": args.record_bytes,
+                "buffer_timeout": str(args.buffer_timeout),
+                "design_ms": DESIGN_MS,
+                "median_ms_debloat_off": off,
+                "median_ms_debloat_on": on,
+                "checkpoints_off": results["off"]["checkpoints"],
+                "checkpoints_on": results["on"]["checkpoints"],
+                "records_per_s_off": results["off"]["records_per_s"],
+                "records_per_s_on": results["on"]["records_per_s"],
+                "ratio_off_on": ratio,
+                "on_vs_design": vs_design,
+                "target_ratio_met": ratio >= TARGET_RATIO,
+                "target_design_met": vs_design <= TARGET_VS_DESIGN,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

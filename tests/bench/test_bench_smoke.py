@@ -1,0 +1,64 @@
+"""The streaming benchmarks run end to end at a tiny size and end with their JSON line.
+
+Each script runs in its own process (as ``make bench`` runs it), with its own local
+SparkSession; the figures at this size mean nothing, but every run checks its own output
+(the totals per key, nothing lost or twice, the daemons' pools whole) and fails otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(180)]
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def run_bench(script: str, *args: str) -> dict[str, Any]:
+    pytest.importorskip("pyspark")
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=BENCH.parent,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-4000:]
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def test_checkpointing_bench_smoke() -> None:
+    r = run_bench(
+        "bench_checkpointing.py", "--seconds=2", "--record-bytes=16000", "--warmup-checkpoints=0"
+    )
+    assert r["bench"] == "checkpointing"
+    assert r["checkpoints_off"] >= 1 and r["checkpoints_on"] >= 1
+    assert r["median_ms_debloat_off"] > 0 and r["median_ms_debloat_on"] > 0
+    assert r["ratio_off_on"] == pytest.approx(
+        r["median_ms_debloat_off"] / r["median_ms_debloat_on"], rel=1e-3
+    )
+
+
+def test_vs_structured_streaming_bench_smoke() -> None:
+    r = run_bench(
+        "bench_vs_structured_streaming.py",
+        "--rate=200",
+        "--seconds=3",
+        "--warmup=0.5",
+        "--max-rate=5000",
+        "--max-count=100000",
+    )
+    assert r["bench"] == "vs_structured_streaming"
+    for name in ("spark_p50_ms", "spark_p99_ms", "ours_p50_ms", "ours_p99_ms"):
+        assert r[name] > 0, name
+    assert r["spark_p50_ms"] <= r["spark_p99_ms"] and r["ours_p50_ms"] <= r["ours_p99_ms"]
+    assert r["spark_max_rows_per_s"] > 0 and r["ours_max_rows_per_s"] > 0

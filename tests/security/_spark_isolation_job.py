@@ -1,0 +1,77 @@
+"""The driver of test_spark_isolation, in a process of its own: the daemon's address set
+on the SparkSession becomes a system property of the JVM that PySpark launches, so a
+session made in the test process would hand that daemon to every later session there.
+
+    python _spark_isolation_job.py <local socket> <secret file> <daemon http host:port>
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from client.local_connection import release_dataset  # noqa: E402
+from client.runtime import get_runtime  # noqa: E402
+from client.spark import (  # noqa: E402
+    CONF_DAEMON_ADDRESS,
+    exchange_hash,
+    exchange_shuffle,
+    release_exchange,
+)
+from exchange.protocol.handshake import format_app_credential  # noqa: E402
+
+
+def _cluster() -> Any:
+    path = ROOT / "tests" / "spark" / "_cluster.py"
+    spec = importlib.util.spec_from_file_location("exchange_tests_spark_cluster", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _partitions(http: str) -> int:
+    with urllib.request.urlopen(f"http://{http}/api/stats", timeout=10) as resp:
+        return int(json.load(resp)["partitions"]["count"])
+
+
+def main(socket_path: str, secret_file: str, http: str) -> None:
+    secret = Path(secret_file).read_bytes()
+    cluster = _cluster()
+    session = cluster.local_session(
+        "local[2]", "exchange-isolation", **{CONF_DAEMON_ADDRESS: socket_path}
+    )
+    try:
+        sc = session.sparkContext
+        app = str(sc.applicationId)
+        rdd = sc.parallelize([(i % 7, i) for i in range(2000)], 3)
+        out = exchange_shuffle(rdd, 4, secret_file=secret_file)
+        got = out.glom().collect()
+        cluster.assert_exact_partitions(got, rdd.partitionBy(4, exchange_hash).glom().collect())
+        run = get_runtime().run
+        xid = out.exchange_id
+        # neither a client of no application nor one of another application may release
+        for who in (secret, format_app_credential(secret, app + "-other")):
+            assert run(release_dataset(socket_path, xid, secret=who)) == 0
+        assert _partitions(http) == 3
+        assert release_exchange(out, secret_file=secret_file) == 3  # the application's own
+        deadline = time.monotonic() + 30
+        while _partitions(http) != 0:
+            assert time.monotonic() < deadline, "partitions left after release"
+            time.sleep(0.05)
+    finally:
+        session.stop()
+    print("OK", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

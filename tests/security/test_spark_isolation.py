@@ -1,0 +1,36 @@
+"""``exchange_shuffle`` on a daemon that holds a secret: its tasks authenticate for the
+Spark application (``sc.applicationId``) with the credential derived from the secret file,
+the result equals ``partitionBy``, and the partitions are the application's: another
+application, or a client of no application, can neither release nor count them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+SECRET = b"the-daemons-secret"
+JOB = Path(__file__).with_name("_spark_isolation_job.py")
+
+
+def test_exchange_shuffle_partitions_belong_to_the_spark_application(
+    start_daemon: Any, tmp_path: Path
+) -> None:
+    pytest.importorskip("pyspark")
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    d = start_daemon("--secret-file", str(secret))
+    res = subprocess.run(
+        [sys.executable, str(JOB), d.local_socket, str(secret), d.info["http"]],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert res.returncode == 0 and res.stdout.strip().endswith("OK"), res.stderr[-4000:]
+    assert d.stats()["partitions"]["count"] == 0
