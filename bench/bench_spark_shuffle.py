@@ -13,8 +13,12 @@ Measures records/s for:
 Records cross the exchange with the default codec (exact Python values), as users run it.
 
 The input RDD is generated once and cached, so every run starts from the same
-materialized partitions. Each figure is the median of ``--repeat`` runs. The last line
-is one JSON object with every figure and the ratios to ``partitionBy``.
+materialized partitions. The machine may be shared and its load may change during the
+run, so the repeats are interleaved: round *r* times every case once, in turn. Each figure
+is the median of its ``--repeat`` runs; each ratio is given both as the ratio of the two
+medians and as the median of the per-round ratios (both cases timed in the same round,
+so under the same load). The last line is one JSON object with every figure, every ratio
+and, next to each ratio the issue sets a target for, that target and whether it is met.
 
     python bench/bench_spark_shuffle.py [--records 5000000] [--repeat 3] [--quick]
 """
@@ -51,15 +55,20 @@ def gen_mixed(index: int, n: int) -> Iterator[tuple[str, tuple[Any, ...]]]:
         )
 
 
-def timed(fn: Callable[[], int], repeat: int, expect: int) -> tuple[float, list[float]]:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        got = fn()
-        times.append(time.perf_counter() - t)
-        if got != expect:
-            raise SystemExit(f"wrong count: {got} != {expect}")
-    return statistics.median(times), times
+def check_count(name: str, got: int, expect: int) -> None:
+    if got != expect:
+        raise SystemExit(f"{name}: wrong count: {got} != {expect}")
+
+
+#: ratio name -> (numerator case, denominator case, the issue's target or None)
+RATIOS: dict[str, tuple[str, str, float | None]] = {
+    "blocking_vs_partitionBy": ("exchange_blocking", "rdd_partitionBy", 2.5),
+    "blocking_vs_df_repartition": ("exchange_blocking", "df_repartition", None),
+    "pipelined_vs_partitionBy_2": ("exchange_pipelined_2", "rdd_partitionBy_2", 2.0),
+    "blocking_vs_partitionBy_2": ("exchange_blocking_2", "rdd_partitionBy_2", None),
+    "pipelined_vs_blocking_2": ("exchange_pipelined_2", "exchange_blocking_2", 1.0),
+    "mixed_blocking_vs_partitionBy": ("exchange_blocking_mixed", "rdd_partitionBy_mixed", 2.0),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,8 +131,6 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             release_exchange(out)
 
-    results: dict[str, float] = {}
-    runs: dict[str, list[float]] = {}
     cases: list[tuple[str, Callable[[], int]]] = [
         ("rdd_partitionBy", lambda: rdd.partitionBy(parts, exchange_hash).count()),
         ("exchange_blocking", lambda: exchange(rdd, parts, "blocking")),
@@ -134,28 +141,52 @@ def main(argv: list[str] | None = None) -> int:
         ("rdd_partitionBy_mixed", lambda: rdd_mixed.partitionBy(parts, exchange_hash).count()),
         ("exchange_blocking_mixed", lambda: exchange(rdd_mixed, parts, "blocking")),
     ]
-    print(f"{total:,} records (int, int), {slices} input partitions, local[2], median of {rep}")
+    expected = {name: total_mixed if name.endswith("_mixed") else total for name, _ in cases}
+    print(
+        f"{total:,} records (int, int), {total_mixed:,} mixed, {slices} input partitions, "
+        f"local[2], {rep} interleaved rounds",
+        flush=True,
+    )
     # one warm-up pass of each path (JIT, Python worker start-up, daemon start)
     for name, fn in cases:
-        fn() if name != "df_repartition" else None
-    for name, fn in cases:
-        expect = total_mixed if name.endswith("_mixed") else total
-        med, ts = timed(fn, rep, expect)
-        results[name] = expect / med
-        runs[name] = ts
-        print(f"  {name:<24} {expect / med:>12,.0f} rec/s   ({med:.2f} s)", flush=True)
-    ratios = {
-        "blocking_vs_partitionBy": results["exchange_blocking"] / results["rdd_partitionBy"],
-        "blocking_vs_df_repartition": results["exchange_blocking"] / results["df_repartition"],
-        "pipelined_vs_partitionBy_2": results["exchange_pipelined_2"]
-        / results["rdd_partitionBy_2"],
-        "blocking_vs_partitionBy_2": results["exchange_blocking_2"] / results["rdd_partitionBy_2"],
-        "pipelined_vs_blocking_2": results["exchange_pipelined_2"] / results["exchange_blocking_2"],
-        "mixed_blocking_vs_partitionBy": results["exchange_blocking_mixed"]
-        / results["rdd_partitionBy_mixed"],
-    }
-    for k, v in ratios.items():
-        print(f"  {k:<30} {v:5.2f}x")
+        if name != "df_repartition":
+            check_count(name, fn(), expected[name])
+    runs: dict[str, list[float]] = {name: [] for name, _ in cases}
+    for r in range(rep):
+        for name, fn in cases:
+            t = time.perf_counter()
+            got = fn()
+            runs[name].append(time.perf_counter() - t)
+            check_count(name, got, expected[name])
+        print(
+            f"  round {r + 1}: " + " ".join(f"{k}={v[-1]:.2f}s" for k, v in runs.items()),
+            flush=True,
+        )
+    results = {name: expected[name] / statistics.median(ts) for name, ts in runs.items()}
+    for name, ts in runs.items():
+        med = statistics.median(ts)
+        print(f"  {name:<24} {results[name]:>12,.0f} rec/s   ({med:.2f} s)", flush=True)
+    ratios: dict[str, dict[str, Any]] = {}
+    for key, (num, den, target) in RATIOS.items():
+        # rec/s ratio = time ratio inverted (both cases move the same records)
+        paired = [d / n for n, d in zip(runs[num], runs[den], strict=True)]
+        ratio = results[num] / results[den]
+        ratios[key] = {
+            "ratio": round(ratio, 3),
+            "paired_median": round(statistics.median(paired), 3),
+            "per_round": [round(x, 3) for x in paired],
+            "target": target,
+            "met": None if target is None else statistics.median(paired) >= target,
+        }
+        goal = (
+            ""
+            if target is None
+            else f"   target >= {target}x  {'met' if ratios[key]['met'] else 'MISSED'}"
+        )
+        print(
+            f"  {key:<30} {ratio:5.2f}x (paired {statistics.median(paired):5.2f}x){goal}",
+            flush=True,
+        )
     spark.stop()
     stop_embedded_daemon()
     print(
@@ -163,17 +194,12 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "bench": "spark_shuffle",
                 "records": total,
+                "records_mixed": total_mixed,
                 "partitions": parts,
                 "repeat": rep,
                 "records_per_s": {k: round(v) for k, v in results.items()},
                 "seconds": {k: [round(t, 3) for t in v] for k, v in runs.items()},
-                "ratios": {k: round(v, 3) for k, v in ratios.items()},
-                "targets": {
-                    "blocking_vs_partitionBy": 2.5,
-                    "pipelined_vs_partitionBy_2": 2.0,
-                    "pipelined_vs_blocking_2": 1.0,
-                    "mixed_blocking_vs_partitionBy": 2.0,
-                },
+                "ratios": ratios,
             }
         )
     )

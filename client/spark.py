@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -341,15 +342,16 @@ def _write_partition(
     return _Produced(index, attempt, info.daemon_id, info.data_address, sock, info.segment_size, n)
 
 
-def _read_subpartition(
+def _open_reader(
     exchange_id: str,
     producers: list[_Produced],
     subpartition: int,
     spec: _DaemonSpec,
     codec: RecordCodec,
-) -> Iterator[Any]:
+) -> PartitionReader | None:
+    """The reader of one output partition (None: no input partitions, nothing to read)."""
     if not producers:
-        return
+        return None
     sock, info = _local_daemon(spec)
     locations = [
         PartitionLocation(
@@ -361,7 +363,7 @@ def _read_subpartition(
         )
         for p in producers
     ]
-    reader = PartitionReader(
+    return PartitionReader(
         locations,
         local_daemon_id=info.daemon_id,
         codec=codec,
@@ -370,10 +372,27 @@ def _read_subpartition(
         task_name=f"{exchange_id}/{subpartition}",
         **{**reader_settings(info), "segment_size": producers[0].segment_size},
     )
-    try:
-        yield from reader.records()
-    finally:
-        reader.close()
+
+
+def _read_subpartition(
+    exchange_id: str,
+    producers: list[_Produced],
+    subpartition: int,
+    spec: _DaemonSpec,
+    codec: RecordCodec,
+) -> Iterator[Any]:
+    """The records of one output partition, for Spark to iterate.
+
+    ``PartitionReader.records()`` itself goes back to Spark: a chain over the decoded
+    batches, walked in C, with no generator frame of ours per record. It closes the
+    reader at its end, on an error, and when Spark drops it early (the generator under
+    the chain is closed with it)."""
+    reader = _open_reader(exchange_id, producers, subpartition, spec, codec)
+    return iter(()) if reader is None else reader.records()
+
+
+#: Records a pipelined task takes from its reader at a time (one generator step each).
+_PIPELINED_CHUNK: Final = 4096
 
 
 # -- exchange_shuffle --------------------------------------------------------------------
@@ -533,16 +552,30 @@ def _pipelined(
 
         writer = threading.Thread(target=produce, name=f"exchange-writer-{t}", daemon=True)
         writer.start()
-        try:
+
+        def chunks() -> Iterator[list[Any]]:
+            # Lists of records, chained for Spark: this frame runs once per chunk, the
+            # records themselves are walked in C.
+            reader: PartitionReader | None = None
             try:
-                yield from _read_subpartition(exchange_id, producers, t, spec, codec)
-            finally:
-                writer.join()
-            if failure:
-                raise failure[0]
-        except Exception:
-            report_abort(ticket, t, attempt)
-            raise
+                try:
+                    reader = _open_reader(exchange_id, producers, t, spec, codec)
+                    if reader is not None:
+                        it = reader.records()
+                        while chunk := list(itertools.islice(it, _PIPELINED_CHUNK)):
+                            yield chunk
+                finally:
+                    # closed first: a writer held back by an unread stream must end
+                    if reader is not None:
+                        reader.close()
+                    writer.join()
+                if failure:
+                    raise failure[0]
+            except Exception:
+                report_abort(ticket, t, attempt)
+                raise
+
+        return itertools.chain.from_iterable(chunks())
 
     return rdd.barrier().mapPartitions(run)
 

@@ -49,7 +49,7 @@ def _zipf_keys(count: int, num_keys: int, s: float, seed: int) -> list[int]:
 
 
 def _sizes() -> list[tuple[Any, bytes]]:
-    sizes = [0, 1, 2, 100, 32 * 1024 - 1, 32 * 1024, 32 * 1024 + 1, 100_000, MiB, 2 * MiB]
+    sizes = [0, 1, 2, 100, 32 * 1024 - 1, 32 * 1024, 32 * 1024 + 1, 100_000, MiB, 2 * MiB, 3 * MiB]
     return [(f"k{i}", bytes([i % 251]) * n) for i, n in enumerate(sizes)] + [
         (i, bytes(range(256)) * (n // 256)) for i, n in enumerate(sizes)
     ]
@@ -135,7 +135,7 @@ DATASETS: dict[str, tuple[Callable[[], list[Any]], int, int]] = {
         3,
         4,
     ),
-    "value-sizes-0-to-2MiB": (_sizes, 2, 3),
+    "value-sizes-0-to-3MiB": (_sizes, 2, 3),
     "unicode-and-binary-keys": (_odd_keys, 2, 5),
     # equal in Python (1 == True == 1.0), yet hashed apart by exchange_hash
     "equal-keys-of-different-types": (
@@ -321,3 +321,38 @@ def test_retried_producer_task_leaves_no_duplicates(tmp_path: Path, sx: ModuleTy
     assert result["totals"]["partitions_created"] == 4, result["totals"]
     assert result["released"] == 3
     assert result["pool_whole"] is True
+
+
+def test_pipelined_consumer_stopping_early_ends_the_stage_and_frees_the_daemon(
+    spark: Any,
+) -> None:
+    """Each task takes one record and drops its reader with ~150 MB (more than the daemon's
+    64 MiB of buffers) still to come: the reader is closed before the task waits for its writer,
+    so the writer (held back by an unread stream) is failed, never left blocked."""
+    sc = spark.sparkContext
+    payload = b"x" * 1024
+
+    def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
+        return ((k, payload) for k in range(i, 150_000, 2))
+
+    rdd = sc.parallelize(range(2), 2).mapPartitionsWithIndex(rows)
+    out = exchange_shuffle(rdd, 2, mode="pipelined")
+    try:
+        firsts = out.mapPartitions(lambda it: [type(next(it)[1]).__name__]).collect()
+    except Exception as e:  # the stage fails: a reader left its stream early
+        text = str(e)
+        assert "released by its consumer before the end" in text or "ProducerFailedError" in text, (
+            text[-2000:]
+        )
+    else:  # every writer had finished before its readers stopped
+        assert firsts == ["bytes", "bytes"]
+    deadline = time.monotonic() + 60
+    while True:
+        stats = daemon_stats()
+        net = stats["network"]
+        if net["available_segments"] == net["total_segments"] and not [
+            p for p in stats["partitions"]["items"] if out.exchange_id in str(p)
+        ]:
+            break
+        assert time.monotonic() < deadline, (stats["network"], stats["partitions"])
+        time.sleep(0.1)
