@@ -79,6 +79,13 @@ def _chromium(url: str, profile: Path, *out: str) -> str:
     return proc.stdout.decode()
 
 
+def _completed(job: dict[str, Any]) -> bool:
+    """The job has completed a checkpoint and its history (as published) shows one."""
+    return job["checkpoints_completed"] >= 1 and any(
+        c["status"] == "COMPLETED" for c in job["checkpoints"]
+    )
+
+
 def _row(dom: str, attr: str) -> list[str]:
     """The cells' inner HTML of the table row with ``data-*="..."`` ``attr``."""
     row = dom.split(f"<tr {attr}>", 1)[1].split("</tr>", 1)[0]
@@ -118,7 +125,7 @@ def test_dashboard_shows_a_running_jobs_back_pressure_and_checkpoints(
         job: dict[str, Any] | None = None
         while time.monotonic() < deadline and not failure:
             job = _job(base, "throttled")
-            if job is not None and job["checkpoints_completed"] >= 1:
+            if job is not None and _completed(job):
                 levels = {t["task"]: t["back_pressure"] for t in job["tasks"]}
                 if levels.get("v0-0") == "HIGH":
                     break
@@ -132,7 +139,14 @@ def test_dashboard_shows_a_running_jobs_back_pressure_and_checkpoints(
         assert tasks["v1-0"]["back_pressure"] == "OK"  # no output: never waits for buffers
         assert job["state"] == "RUNNING" and job["restarts"] == 0
 
-        dom = _chromium(base, tmp_path / "profile", "--dump-dom")
+        assert _completed(job), job["checkpoints"]
+        # the page polls /api/stats and renders what it got; a dump can catch the page
+        # before the poll that carries the completed checkpoint: dump again, a bounded
+        # number of times
+        for _ in range(5):
+            dom = _chromium(base, tmp_path / "profile", "--dump-dom")
+            if '<span class="ck COMPLETED">COMPLETED</span>' in dom:
+                break
         keep = os.environ.get(SCREENSHOT_ENV)
         if keep:
             _chromium(base, tmp_path / "shot", "--window-size=1280,900", f"--screenshot={keep}")
