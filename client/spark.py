@@ -88,6 +88,7 @@ class EmbeddedDaemon:
     """A daemon subprocess started for a local Spark run, stopped at exit."""
 
     def __init__(self, extra_args: Iterable[str] = (), spill_dir: str | None = None) -> None:
+        self.extra_args = tuple(extra_args)
         self._own_spill_dir = spill_dir is None
         self.spill_dir = spill_dir or tempfile.mkdtemp(prefix="exchange-embedded-")
         self.socket = os.path.join(self.spill_dir, "exchange-daemon.sock")
@@ -107,7 +108,7 @@ class EmbeddedDaemon:
             self.socket,
             "--log-level",
             "WARNING",
-            *extra_args,
+            *self.extra_args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
@@ -162,11 +163,22 @@ _embedded_lock = threading.Lock()
 
 
 def get_embedded_daemon(extra_args: Iterable[str] = ()) -> EmbeddedDaemon:
-    """The driver's embedded daemon, started on first use."""
+    """The driver's embedded daemon, started on first use.
+
+    ``extra_args``: daemon flags for the one this call starts. Asking for flags while a
+    daemon started with others runs is a ``UsageError`` (the flags would not take
+    effect): ``stop_embedded_daemon()`` first. No flags: whichever daemon runs.
+    """
     global _embedded
+    args = tuple(extra_args)
     with _embedded_lock:
         if _embedded is None or _embedded.proc.poll() is not None:
-            _embedded = EmbeddedDaemon(extra_args)
+            _embedded = EmbeddedDaemon(args)
+        elif args and args != _embedded.extra_args:
+            raise UsageError(
+                f"the embedded daemon runs with {list(_embedded.extra_args)}, not {list(args)}:"
+                " call stop_embedded_daemon() first"
+            )
         return _embedded
 
 

@@ -99,6 +99,7 @@ def test_dashboard_shows_a_running_jobs_back_pressure_and_checkpoints(
     from client import spark as xs
     from client.streaming.environment import JobFailedError, StreamEnvironment
 
+    xs.stop_embedded_daemon()  # earlier tests' daemon runs without debloating
     daemon = xs.get_embedded_daemon(["--debloat"])
     base = daemon.dashboard_url
     env = StreamEnvironment(
