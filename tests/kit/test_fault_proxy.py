@@ -183,13 +183,24 @@ def test_cut_after_ends_cleanly_after_exactly_n_bytes(source_proxy: Any) -> None
 
 
 def test_reset_after_resets_after_exactly_n_bytes(source_proxy: Any) -> None:
-    source_proxy.set_fault(DOWN, reset_after=70_001)
-    with connect(source_proxy) as s:
-        data, err = recv_until_end(s)
+    tries = 0
+    while tries < 3:
+        tries += 1
+        source_proxy.set_fault(DOWN, reset_after=70_001)
+        try:
+            s = connect(source_proxy)
+        except ConnectionResetError:
+            # under load the proxy can send and reset before this thread wakes from
+            # connect(): the kernel reports the reset there and the bytes are gone
+            source_proxy.wait_for(lambda st: st.open == 0)
+            continue
+        with s:
+            data, err = recv_until_end(s)
+        break
     assert isinstance(err, ConnectionResetError), repr(err)
     assert data == PATTERN[:70_001]
     st = source_proxy.wait_for(lambda st: st.open == 0)
-    assert st.resets == 1 and st.cuts == 0
+    assert st.resets == tries and st.cuts == 0
 
 
 def test_upstream_reset_reaches_the_target_and_the_client(echo_proxy: Any) -> None:
