@@ -10,27 +10,15 @@ kit's fault-injecting proxy (``tests/kit/fault_proxy.py``).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.kit.modules import load_module as _load
+
 TESTS = Path(__file__).resolve().parents[1]
-
-
-def _load(name: str, path: Path) -> ModuleType:
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
 
 
 # The same module names as tests/daemon/conftest.py and tests/kit/test_fault_proxy.py use.

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -29,20 +28,11 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.kit.modules import load_module as _load
+
 TESTS = Path(__file__).resolve().parents[1]
 CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
-
-
-def _load(name: str, path: Path) -> Any:
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
 
 
 _daemon: Any = _load("exchange_tests_daemon_helpers", TESTS / "daemon" / "_daemon.py")
