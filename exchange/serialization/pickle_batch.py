@@ -11,6 +11,17 @@ split in halves until it fits, so only a single record whose own frame is over t
 limit is refused (``RecordTooLargeError``). A record pickle refuses is reported as a
 ``UsageError`` naming its type.
 
+Pickle's memo writes an object referenced twice in a batch once (a class, a time zone, a
+``Row``'s field names) at the price of a dict entry per container pickled; pickle's
+*fast mode* skips the memo. For records that share nothing (tuples of numbers and
+strings) fast mode dumps about 40 % faster and its frames load about 25 % faster; for
+records that share objects it is several times slower and larger. So the encoder pickles
+a batch both ways now and then (``_PROBE_FIRST`` then ever rarer, up to every
+``_PROBE_MAX`` batches) and keeps fast mode until the next probe when it wrote no more
+bytes than the memo did. A batch fast mode refuses (a reference cycle) is pickled with
+the memo. Either way every record comes back equal and of its type; objects referenced
+twice within a batch may come back as equal copies instead of one shared object.
+
 Decoding: a frame lying entirely inside a fed piece is unpickled straight from it (no
 copy); only a frame cut by the end of a piece is copied, once its header (checked against
 the limit first) is complete, into a scratch ``bytearray`` the decoder reuses (frames up
@@ -25,6 +36,7 @@ records). See ``docs/serialization.md``.
 
 from __future__ import annotations
 
+import io
 import pickle
 import struct
 from typing import Any, Final
@@ -49,6 +61,10 @@ __all__ = [
 PICKLE_PROTOCOL: Final = 5
 
 _LEN: Final = struct.Struct(">I")
+#: Batches before the encoder's second probe of fast mode against the memo; the interval
+#: doubles after each probe up to ``_PROBE_MAX`` (a probe pickles its batch twice).
+_PROBE_FIRST: Final = 8
+_PROBE_MAX: Final = 1024
 
 
 class PickleBatchCodec:
@@ -77,12 +93,25 @@ class PickleBatchCodec:
 
 
 class PickleBatchEncoder:
-    """Pickles lists of records into length-prefixed frames."""
+    """Pickles lists of records into length-prefixed frames (fast mode while it pays: see
+    the module docstring)."""
 
-    __slots__ = ("_max_record_size",)
+    __slots__ = (
+        "_fast",
+        "_file",
+        "_max_record_size",
+        "_next_probe",
+        "_probe_interval",
+        "_use_fast",
+    )
 
     def __init__(self, max_record_size: int) -> None:
         self._max_record_size = max_record_size
+        self._file = io.BytesIO()
+        self._fast = self._new_fast_pickler()
+        self._use_fast = False
+        self._next_probe = 0  # batches until the next probe
+        self._probe_interval = _PROBE_FIRST
 
     @property
     def max_record_size(self) -> int:
@@ -98,7 +127,7 @@ class PickleBatchEncoder:
         if not records:
             return b""
         try:
-            payload = pickle.dumps(records, PICKLE_PROTOCOL)
+            payload = self._dumps(records)
         except Exception as exc:
             raise _unpicklable(records, exc) from exc
         n = len(payload)
@@ -108,14 +137,59 @@ class PickleBatchEncoder:
         self._split(records, frames)
         return b"".join(frames)
 
+    def _dumps(self, records: list[Any]) -> bytes:
+        """The pickle of ``records``: fast mode or the memo, as the last probe decided."""
+        if self._next_probe > 0:
+            self._next_probe -= 1
+            if self._use_fast and (fast := self._dump_fast(records)) is not None:
+                return fast
+            return pickle.dumps(records, PICKLE_PROTOCOL)
+        payload, self._use_fast = self._smallest(records)
+        self._next_probe = self._probe_interval
+        self._probe_interval = min(2 * self._probe_interval, _PROBE_MAX)
+        return payload
+
+    def _smallest(self, records: list[Any]) -> tuple[bytes, bool]:
+        """The smaller pickle of ``records``, fast mode's when it is no larger, and
+        whether it is fast mode's."""
+        memo = pickle.dumps(records, PICKLE_PROTOCOL)
+        fast = self._dump_fast(records)
+        if fast is not None and len(fast) <= len(memo):
+            return fast, True
+        return memo, False
+
+    def _dump_fast(self, records: list[Any]) -> bytes | None:
+        """``records`` pickled in fast mode (no memo); None if fast mode refused them (a
+        reference cycle, or an object pickle refuses: the memo's pickling reports it)."""
+        f = self._file
+        f.seek(0)
+        f.truncate()
+        try:
+            self._fast.dump(records)
+        except Exception:
+            self._fast = self._new_fast_pickler()  # nothing of a failed dump is kept
+            return None
+        return f.getvalue()
+
+    def _new_fast_pickler(self) -> pickle.Pickler:
+        pickler = pickle.Pickler(self._file, PICKLE_PROTOCOL)
+        pickler.fast = True
+        return pickler
+
     def _split(self, records: list[Any], frames: list[bytes]) -> None:
         """Append frames of the two halves of ``records`` (too large for one frame)."""
         limit = self._max_record_size
         if len(records) == 1:
-            raise RecordTooLargeError(len(pickle.dumps(records, PICKLE_PROTOCOL)), limit)
+            # one record's size is its smallest frame, whichever way the batch went
+            payload, _ = self._smallest(records)
+            if len(payload) > limit:
+                raise RecordTooLargeError(len(payload), limit)
+            frames.append(_LEN.pack(len(payload)))
+            frames.append(payload)
+            return
         mid = len(records) // 2
         for half in (records[:mid], records[mid:]):
-            payload = pickle.dumps(half, PICKLE_PROTOCOL)
+            payload = self._dumps(half)
             if len(payload) <= limit:
                 frames.append(_LEN.pack(len(payload)))
                 frames.append(payload)

@@ -276,7 +276,56 @@ def test_frame_format() -> None:
     records = [(1, "a"), [2.5]]
     data = PickleBatchCodec().new_encoder().encode_batch(records)
     assert data[:4] == LEN.pack(len(data) - 4)
-    assert data[4:] == pickle.dumps(records, protocol=5)
+    assert data[4:6] == pickle.PROTO + bytes([5])  # a protocol 5 pickle of the list
+    assert_exact(pickle.loads(data[4:]), records)
+
+
+def payload_size(records: list[Any]) -> int:
+    """The frame payload size a new encoder writes for ``records`` (one frame)."""
+    data = PickleBatchCodec().new_encoder().encode_batch(records)
+    assert frames(data) == [len(data) - 4]
+    return len(data) - 4
+
+
+# -- fast mode or the memo -----------------------------------------------------------------
+
+
+def test_records_sharing_nothing_are_pickled_without_the_memo() -> None:
+    encoder = PickleBatchCodec().new_encoder()
+    for i in range(100):  # across probes
+        records = [(i * 1000 + j, f"v{j}") for j in range(200)]
+        data = encoder.encode_batch(records)
+        # one MEMOIZE opcode less per tuple and string: the memo was not used
+        assert len(data) - 4 < len(pickle.dumps(records, protocol=5)) - 200
+        assert_exact(pickle.loads(data[4:]), records)
+
+
+def test_records_sharing_objects_are_pickled_with_the_memo() -> None:
+    encoder = PickleBatchCodec().new_encoder()
+    zone = dt.timezone(dt.timedelta(hours=2))
+    for i in range(100):
+        records = [
+            (j, dt.datetime(2026, 1, 1, i % 24, tzinfo=zone), Row(a=i, b=j)) for j in range(50)
+        ]
+        data = encoder.encode_batch(records)
+        assert data[4:] == pickle.dumps(records, protocol=5)  # each shared object once
+        assert_exact(decode(PickleBatchCodec(), [data]), records)
+
+
+def test_a_cycle_is_pickled_with_the_memo_even_in_fast_mode() -> None:
+    codec = PickleBatchCodec()
+    encoder = codec.new_encoder()
+    for i in range(20):  # fast mode from the first probe on
+        encoder.encode_batch([(i, j) for j in range(100)])
+    ring: list[Any] = [1]
+    ring.append(ring)
+    shared = [2]
+    (got_ring, got_pair, got_after) = decode(
+        codec, [encoder.encode_batch([ring, (shared, shared)]), encoder.encode_batch([(3, 4)])]
+    )
+    assert got_ring[0] == 1 and got_ring[1] is got_ring
+    assert got_pair == ([2], [2]) and got_pair[0] is got_pair[1]  # that batch had the memo
+    assert got_after == (3, 4)
 
 
 # -- the record size limit -----------------------------------------------------------------
@@ -296,10 +345,10 @@ def test_a_batch_over_the_limit_is_split_into_frames_within_it() -> None:
 
 def record_of_frame_size(size: int) -> bytes:
     """A bytes record whose own frame payload is exactly ``size`` bytes."""
-    overhead = len(pickle.dumps([b""], protocol=5))
+    overhead = payload_size([b""])
     for n in range(size - overhead - 16, size - overhead + 1):
         record = b"r" * n
-        if len(pickle.dumps([record], protocol=5)) == size:
+        if payload_size([record]) == size:
             return record
     raise AssertionError(size)
 
@@ -309,7 +358,7 @@ def test_a_record_exactly_at_the_limit_passes() -> None:
     record = record_of_frame_size(limit)
     codec = PickleBatchCodec(max_record_size=limit)
     data = codec.new_encoder().encode_batch([b"a", record, b"b"])
-    assert frames(data) == [len(pickle.dumps([b"a"], protocol=5)), limit, frames(data)[2]]
+    assert frames(data) == [payload_size([b"a"]), limit, frames(data)[2]]
     assert decode(codec, [data]) == [b"a", record, b"b"]
 
 
@@ -321,7 +370,9 @@ def test_a_single_record_over_the_limit_is_refused() -> None:
         with pytest.raises(RecordTooLargeError) as info:
             encoder.encode_batch(batch)
         assert (info.value.size, info.value.limit, info.value.at_least) == (limit + 1, limit, False)
-    assert frames(encoder.encode_batch([b"ok"])) == [len(pickle.dumps([b"ok"], protocol=5))]
+    data = encoder.encode_batch([b"ok"])  # the encoder goes on
+    assert len(frames(data)) == 1
+    assert decode(PickleBatchCodec(), [data]) == [b"ok"]
 
 
 def test_three_mib_record_against_a_one_mib_limit() -> None:
