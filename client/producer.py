@@ -417,8 +417,11 @@ class PartitionWriter:
                     end = len(gathered)
                     writer.emit_all(gathered[self._gather_taken : end], *self._gather_routing)
                     self._gather_taken = end
-                if not writer.flush_if_due():
+                writer.flush_if_due()
+                # also when emit_all flushed (the timeout had passed): what it cut goes now
+                if writer.stats.flushes == self._flushes_shipped or not writer.has_output:
                     continue
+                self._flushes_shipped = writer.stats.flushes
                 fut = self._enqueue(writer.take_output())
             except Exception as e:  # a user's partitioner failed: the task hears of it
                 self._error = e
@@ -476,9 +479,8 @@ class PartitionWriter:
                 gathered: list[Any] = []
                 with self._lock:
                     self._gather, self._gather_taken = gathered, 0
-                append = gathered.append
-                for record in islice(it, chunk_size):
-                    append(record)
+                # extend appends one record at a time (in C): the timer sees each one
+                gathered.extend(islice(it, chunk_size))
                 with self._lock:
                     self._gather = None
                     rest = gathered[self._gather_taken :] if self._gather_taken else gathered

@@ -67,8 +67,9 @@ DEFAULT_BUFFER_TIMEOUT: Final = 0.1
 MIN_BUFFER_SIZE: Final = 256
 
 _NO_KEY: Final[Any] = object()
-_M64: Final = 0xFFFFFFFFFFFFFFFF
+_M32: Final = 0xFFFFFFFF
 _I63: Final = 2**63
+_MIN_I64: Final = -(2**63)
 _KEY_CACHE: Final = 1 << 16
 #: Records per batch: the first batch of a subpartition, and the bounds of the adaptation.
 _FIRST_BATCH: Final = 4
@@ -316,29 +317,38 @@ class RecordWriter:
         hash_ints = partition_func is None
         no_key_func = key_func is None
         partition = self._partition
+        # deterministic_hash's int path, inlined (cheaper than any cache lookup), for keys
+        # of exactly type int in [-2**63, 2**63): Python's ``>>`` and ``&`` act on the two's
+        # complement, so ``k * F >> 32 & M32`` is ``((k mod 2**64) * F mod 2**64) >> 32``
+        # for negative keys too. Locals: no global lookup per record.
+        lo, hi, fib, m32 = _MIN_I64, _I63, FIBONACCI_64, _M32
         it = iter(records)
         try:
             while True:
                 # A slice at a time: records are appended to the per-subpartition lists with
-                # no other check, and full batches are encoded between slices.
-                appends = [s.records.append for s in streams]
-                taken = 0
-                for record in itertools.islice(it, _SLICE):
-                    taken += 1
-                    key = record[0] if no_key_func else key_func(record)  # type: ignore[misc]
-                    t = type(key)
-                    if t is int and hash_ints and -_I63 <= key < _I63:
-                        # deterministic_hash's int path, inlined: cheaper than any cache lookup
-                        appends[((((key & _M64) * FIBONACCI_64) & _M64) >> 32) % n](record)
-                        continue
-                    cacheable = t is int or t is str or t is bytes
-                    cached = cache_get(key) if cacheable else None
-                    if cached is None:
-                        cached = partition(key, partition_func)
-                        if cacheable and len(cache) < _KEY_CACHE:
-                            cache[key] = cached
-                    appends[cached](record)
-                count += taken
+                # no other check, and full batches are encoded between slices. What a slice
+                # took is what the lists grew by (also when a record or the input failed:
+                # the records before it are pending, to be flushed, and counted).
+                lists = [s.records for s in streams]
+                appends = [pending.append for pending in lists]
+                before = sum(map(len, lists))
+                try:
+                    for record in itertools.islice(it, _SLICE):
+                        key = record[0] if no_key_func else key_func(record)  # type: ignore[misc]
+                        t = type(key)
+                        if t is int and hash_ints and lo <= key < hi:
+                            appends[(key * fib >> 32 & m32) % n](record)
+                            continue
+                        cacheable = t is int or t is str or t is bytes
+                        cached = cache_get(key) if cacheable else None
+                        if cached is None:
+                            cached = partition(key, partition_func)
+                            if cacheable and len(cache) < _KEY_CACHE:
+                                cache[key] = cached
+                        appends[cached](record)
+                finally:
+                    taken = sum(map(len, lists)) - before
+                    count += taken
                 hint = self._batch_hint
                 for index, stream in enumerate(streams):
                     if len(stream.records) >= min(stream.batch, hint):

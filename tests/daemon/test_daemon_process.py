@@ -367,6 +367,36 @@ def test_wrong_secret_is_refused_with_authentication_error(
 # -- backpressure across the local endpoint ----------------------------------------------
 
 
+def test_records_before_a_stalled_input_reach_the_reader_within_the_buffer_timeout(
+    start_daemon: Any,
+) -> None:
+    """The flush timer takes what emit_all gathered while the input iterator blocks."""
+    d = start_daemon()
+    pid = ResultPartitionID("stalled-input", 0, 0)
+    go_on = threading.Event()
+
+    def records() -> Iterator[tuple[int, int]]:
+        yield from ((i, i) for i in range(10))
+        assert go_on.wait(30)  # the input stalls after 10 records (a chunk holds 64)
+        yield from ((i, i) for i in range(10, 20))
+
+    producer = Producer(d, pid, records(), buffer_timeout=0.05)
+    producer.start()
+    assert producer.opened.wait(10)
+    collector = Collector(lambda: PartitionReader([location(d, pid, 0)], **FAST_BACKOFF))
+    collector.start()
+    try:
+        collector.wait_for(10)
+        assert collector.records == [(i, i) for i in range(10)]
+    finally:
+        go_on.set()
+    collector.join(30)
+    producer.join(30)
+    assert producer.error is None and collector.error is None
+    assert collector.records == [(i, i) for i in range(20)]
+    d.wait_pool_whole()
+
+
 def test_producer_blocks_while_its_consumer_does_not_read(start_daemon: Any) -> None:
     d = start_daemon()
     pid = ResultPartitionID("backpressure", 0, 0)
