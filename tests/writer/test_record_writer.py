@@ -109,7 +109,9 @@ def test_one_subpartition_takes_any_record_without_a_key_in_order() -> None:
 
 
 def test_emit_and_emit_all_agree_and_keys_of_equal_value_hash_apart() -> None:
-    keys: list[Any] = [1, True, 1.0, 0, False, 0.0, (1, 2), (True, 2), "1", b"1", 2**70]
+    # ints at and beyond the inlined int hash's range [-2**63, 2**63), negative ones too
+    edges = [-1, -7, -(2**63), -(2**63) - 1, 2**63 - 1, 2**63, 2**64, -(2**64)]
+    keys: list[Any] = [1, True, 1.0, 0, False, 0.0, (1, 2), (True, 2), "1", b"1", 2**70, *edges]
     records = [(k, i) for i in range(5) for k in keys]
     a = RecordWriter(4, buffer_size=1024, buffer_timeout=-1)
     a.emit_all(records)
