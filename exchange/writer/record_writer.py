@@ -70,7 +70,11 @@ _NO_KEY: Final[Any] = object()
 _M32: Final = 0xFFFFFFFF
 _I63: Final = 2**63
 _MIN_I64: Final = -(2**63)
-_KEY_CACHE: Final = 1 << 16
+#: Keys (ints, and strs/bytes of at most ``_KEY_CACHE_LEN``) whose target a writer
+#: remembers across ``emit_all`` calls (cleared when full): a str key's hash costs more
+#: than a dict lookup, and PySpark producers call ``emit_all`` per chunk of records.
+_KEY_CACHE: Final = 1 << 17
+_KEY_CACHE_LEN: Final = 64
 #: Records per batch: the first batch of a subpartition, and the bounds of the adaptation.
 _FIRST_BATCH: Final = 4
 _MAX_BATCH: Final = 4096
@@ -189,6 +193,9 @@ class RecordWriter:
         self._batch_hint = _MAX_BATCH
         self._output: list[OutputBuffer] = []
         self._output_bytes = 0
+        # emit_all's key -> target cache, and the partition function it holds targets of
+        self._key_cache: dict[Any, int] = {}
+        self._key_cache_func: Callable[[Any], int] | None = None
         self._last_flush = clock()
         self._dirty = False  # records emitted since the last flush
         self._closed = False
@@ -312,8 +319,12 @@ class RecordWriter:
             return count
         # Only keys of exactly these types are cached: keys Python finds equal but the
         # hash tells apart (1, True, 1.0, or tuples of them) must not share an entry.
-        cache: dict[Any, int] = {}
+        cache = self._key_cache
+        if partition_func is not self._key_cache_func:
+            cache.clear()
+            self._key_cache_func = partition_func
         cache_get = cache.get
+        hash_key = deterministic_hash
         hash_ints = partition_func is None
         no_key_func = key_func is None
         partition = self._partition
@@ -339,11 +350,18 @@ class RecordWriter:
                         if t is int and hash_ints and lo <= key < hi:
                             appends[(key * fib >> 32 & m32) % n](record)
                             continue
-                        cacheable = t is int or t is str or t is bytes
+                        cacheable = t is int or (
+                            (t is str or t is bytes) and len(key) <= _KEY_CACHE_LEN
+                        )
                         cached = cache_get(key) if cacheable else None
                         if cached is None:
-                            cached = partition(key, partition_func)
-                            if cacheable and len(cache) < _KEY_CACHE:
+                            if hash_ints:
+                                cached = hash_key(key) % n
+                            else:
+                                cached = partition(key, partition_func)
+                            if cacheable:
+                                if len(cache) >= _KEY_CACHE:
+                                    cache.clear()
                                 cache[key] = cached
                         appends[cached](record)
                 finally:

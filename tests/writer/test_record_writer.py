@@ -140,6 +140,24 @@ def test_partition_func_key_func_and_explicit_targets() -> None:
         assert got[t] == want
 
 
+def test_remembered_targets_follow_the_partition_function_of_each_call() -> None:
+    # the writer remembers key -> target across emit_all calls, per partition function
+    keys: list[Any] = ["a", "b", b"c", 7, 2**70, "x" * 100]
+    w = RecordWriter(3, buffer_size=1024, buffer_timeout=-1)
+    w.emit_all([(k, 0) for k in keys])
+    w.emit_all([(k, 1) for k in keys], partition_func=lambda k: 0)
+    w.emit_all([(k, 2) for k in keys])
+    w.emit_all([(k, 3) for k in keys], partition_func=lambda k: 2)
+    got = decode(w.close(), 3)
+    by_key = [deterministic_hash(k) % 3 for k in keys]
+    for t in range(3):
+        want = [(k, 0) for k, h in zip(keys, by_key, strict=True) if h == t]
+        want += [(k, 1) for k in keys] if t == 0 else []
+        want += [(k, 2) for k, h in zip(keys, by_key, strict=True) if h == t]
+        want += [(k, 3) for k in keys] if t == 2 else []
+        assert got[t] == want
+
+
 def test_bad_routing_is_a_usage_error_and_the_writer_goes_on() -> None:
     w = RecordWriter(2, buffer_size=1024, buffer_timeout=-1)
     with pytest.raises(UsageError, match="not an int"):
