@@ -32,7 +32,7 @@ from typing import Any, Final
 from client._checks import check_codec, check_count, check_optional, check_selector
 from client.local_connection import LocalConnection, resolve_daemon_socket
 from client.runtime import ClientRuntime, get_runtime
-from exchange.errors import UsageError, WriterClosedError
+from exchange.errors import UsageError, WriterClosedError, fresh_error
 from exchange.events.events import AbstractEvent
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.local_messages import (
@@ -312,7 +312,7 @@ class PartitionWriter:
         if self._closed:
             raise WriterClosedError(f"writer of {self.partition_id} is closed")
         if self._error is not None:
-            raise self._error
+            raise fresh_error(self._error)
 
     def _ship(self, force: bool = False) -> None:
         """Hand the cut buffers to the loop; called with the lock held, so batches are
