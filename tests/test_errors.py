@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from types import TracebackType
 
 import pytest
@@ -67,10 +68,7 @@ def test_notes_added_to_a_fresh_error_stay_on_it() -> None:
 
 
 def depth(tb: TracebackType | None) -> int:
-    n = 0
-    while tb is not None:
-        n, tb = n + 1, tb.tb_next
-    return n
+    return len(traceback.extract_tb(tb))
 
 
 def test_raising_fresh_errors_leaves_the_stored_one_as_it_was() -> None:

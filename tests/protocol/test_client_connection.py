@@ -7,6 +7,7 @@ the daemon is played by a ServerHandshake and encoded frames.
 from __future__ import annotations
 
 import struct
+import traceback
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any
@@ -143,10 +144,7 @@ def test_a_server_without_the_secret_fails_the_connection() -> None:
 
 
 def depth(tb: TracebackType | None) -> int:
-    n = 0
-    while tb is not None:
-        n, tb = n + 1, tb.tb_next
-    return n
+    return len(traceback.extract_tb(tb))
 
 
 def test_check_raises_a_fresh_copy_of_the_error_each_time_and_its_traceback_stays_short() -> None:

@@ -5,12 +5,10 @@ state holds exactly the position of the last record emitted; ``finish`` ends the
 
 from __future__ import annotations
 
-import importlib.util
 import queue
 import secrets
-import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,26 +26,9 @@ from exchange.state import (
 )
 
 
-def _daemons() -> Any:
-    name = "exchange_tests_daemon_helpers"
-    module = sys.modules.get(name)
-    if module is None:
-        path = Path(__file__).parents[1] / "daemon" / "_daemon.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
-def daemon() -> Iterator[Any]:
-    starter = _daemons().started_daemons()
-    start = next(starter)
-    yield start()
-    with pytest.raises(StopIteration):
-        next(starter)  # teardown: SIGTERM, exit 0 with the pool whole
+def daemon(start_daemon: Callable[..., Any]) -> Any:
+    return start_daemon()  # at teardown: SIGTERM, exit 0 with the pool whole
 
 
 def _next(server: ControlServer, kind: str, timeout: float = 30.0) -> dict[str, Any]:
