@@ -16,12 +16,14 @@ all its input partitions, and runs its chain of operators:
   queued behind the data and acknowledged, a cancel or stop handled, at once. (The
   checkpoint completes once the barrier passed the data ahead of it: aligned barriers
   wait for the back pressure to clear; unaligned checkpoints are not implemented.) A
-  source poll that overruns the window blocks in ``emit`` until a batch frees, as a
-  Flink record needing more buffers than are left does;
+  poll ships a batch per 256 KiB it emits and one per buffer timeout that passes while
+  it runs; one that overruns the window so still blocks in ``emit`` until a batch frees
+  (as a Flink record that needs more buffers than are left), seeing control only then;
 * any other task reads its input gate through the barrier handler: at each barrier the
   reader calls ``trigger_checkpoint`` between the records before and after it (aligned in
   ``exactly_once``, tracked in ``at_least_once``); the task snapshots, forwards the barrier
-  and acknowledges. At the end of its input it waits for the driver's ``finish``.
+  and acknowledges. At the end of its input it waits for the driver's ``finish``. Every
+  64 records it looks at its output as a source does before a poll.
 
 ``complete`` / ``abort`` reach the operators in the task's thread, between records. State
 goes to the checkpoint storage as one file per task and checkpoint (every operator's
@@ -505,7 +507,10 @@ class StreamTask:
             n += 1
             if n & 63 == 0:
                 self.records_in = n
-                if time.monotonic() - self._last_control >= _CONTROL_EVERY:
+                blocked = self._blocked_output()
+                if blocked is not None:  # reads no more until its output has room
+                    self._await_output(blocked)
+                elif time.monotonic() - self._last_control >= _CONTROL_EVERY:
                     self._poll_control()
         self.records_in = n
         for op in self.ops:

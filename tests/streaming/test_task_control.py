@@ -18,6 +18,7 @@ import pytest
 from client.streaming.connectors import CollectSink, GeneratorSource
 from client.streaming.control import ControlServer
 from client.streaming.graph import JobGraph, Node, Partitioning
+from client.streaming.operators import MapOperator
 from client.streaming.task import JobSpec, run_task
 from exchange.state import (
     DEFAULT_MAX_PARALLELISM,
@@ -32,14 +33,17 @@ def daemon(start_daemon: Callable[..., Any]) -> Any:
     return start_daemon()  # at teardown: SIGTERM, exit 0 with the pool whole
 
 
-def _next(server: ControlServer, kind: str, timeout: float = 30.0) -> dict[str, Any]:
+def _next(
+    server: ControlServer, kind: str, timeout: float = 30.0, task: str | None = None
+) -> dict[str, Any]:
+    """The next ``kind`` message (from ``task``, if given; the others are dropped)."""
     while True:
         try:
-            _task, msg = server.inbox.get(timeout=timeout)
+            sender, msg = server.inbox.get(timeout=timeout)
         except queue.Empty:
             raise AssertionError(f"no {kind!r} from the task within {timeout} s") from None
         assert msg["type"] not in ("failed", "lost"), msg
-        if msg["type"] == kind:
+        if msg["type"] == kind and task in (None, sender):
             return msg
 
 
@@ -96,43 +100,63 @@ def test_a_stopped_source_ends_its_input_and_the_final_checkpoint_holds_its_posi
     ]
 
 
-def test_a_source_blocked_by_back_pressure_still_serves_triggers_and_cancel(
-    daemon: Any, tmp_path: Path
+@pytest.mark.parametrize("held", ["source", "map"])
+def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
+    daemon: Any, tmp_path: Path, held: str
 ) -> None:
-    """Nobody reads the source's partition: its pool on the daemon fills, credit runs out
-    and the source's writer window stays full. The task keeps handling its control
-    messages meanwhile (Flink's mailbox while the output is unavailable): every trigger
-    is snapshotted and acknowledged at once (two in a row with the same record count show
+    """Nobody reads the last partition (the sink's task is never started): its pool on the
+    daemon fills, credit runs out and the writer window of the task before it stays full
+    (with ``map``, the source is then held too). The held tasks keep handling their control
+    messages (Flink's mailbox while the output is unavailable): every trigger is
+    snapshotted and acknowledged at once (two in a row with the same record count show
     the source is held), the snapshot holds exactly the records emitted, and a cancel
-    ends the task. Before, the task looked at its inbox only when a batch freed: never."""
+    ends every task. Before, a held task looked at its inbox only when a batch freed:
+    never."""
     ckpt = str(tmp_path / "ckpt")
     source = Node(0, "gen", lambda: GeneratorSource(lambda i: i), 1, is_source=True)
-    sink = Node(1, "collect", CollectSink, 1, inputs=[(source, Partitioning.REBALANCE, None)])
-    source.outputs.append(sink)
-    graph = JobGraph.build([source, sink], DEFAULT_MAX_PARALLELISM)
-    assert graph.num_tasks == 2  # the sink's task is never started: nobody reads
+    nodes = [source]
+    if held == "map":
+        nodes.append(Node(1, "map", lambda: MapOperator(lambda r: r), 1))
+    nodes.append(Node(len(nodes), "collect", CollectSink, 1))
+    for up, down in itertools.pairwise(nodes):
+        down.inputs.append((up, Partitioning.REBALANCE, None))
+        up.outputs.append(down)
+    graph = JobGraph.build(nodes, DEFAULT_MAX_PARALLELISM)
+    assert graph.num_tasks == len(nodes)  # nothing chained
+    tasks = [f"v{i}-0" for i in range(len(nodes) - 1)]  # every task but the sink's
     token = secrets.token_hex(8)
-    server = ControlServer(token, 3, {"v0-0"})
+    server = ControlServer(token, 3, set(tasks))
     job = JobSpec("bp", 3, token, server.address, graph, ckpt, "exactly_once")
-    job = JobSpec(**{**job.__dict__, "daemon_hint": daemon.local_socket})
+    # buffers ship when full only (no buffer timeout): one poll or 64 records of these
+    # small ints ship at most one batch, so a task that found room never blocks in emit
+    # (with a timeout, a batch slower than it may ship twice and overrun the window)
+    job = JobSpec(**{**job.__dict__, "daemon_hint": daemon.local_socket, "buffer_timeout": -1})
     errors: list[BaseException] = []
 
-    def body() -> None:
+    def body(index: int) -> None:
         try:
-            run_task(job, 0)
+            run_task(job, index)
         except BaseException as e:  # the cancel: checked below
             errors.append(e)
 
-    thread = threading.Thread(target=body, name="stream-task", daemon=True)
+    threads = [
+        threading.Thread(target=body, args=(i,), name=f"stream-task-{i}", daemon=True)
+        for i in range(len(tasks))
+    ]
     try:
-        thread.start()
-        reg = _next(server, "register")
-        server.send("v0-0", {"type": "start", "daemons": {"v0-0": reg["daemon"]}, "restore": None})
+        for t in threads:
+            t.start()
+        daemons = {}
+        for _ in tasks:
+            reg = _next(server, "register")
+            daemons[reg["task"]] = reg["daemon"]
+        for task in tasks:
+            server.send(task, {"type": "start", "daemons": daemons, "restore": None})
         counts: list[int] = []
         for cid in itertools.count(1):
             assert cid <= 500, f"the source never stopped emitting: {counts[-5:]}"
             server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
-            ack = _next(server, "ack", timeout=20.0)
+            ack = _next(server, "ack", timeout=20.0, task="v0-0")
             assert ack["checkpoint"] == cid
             counts.append(ack["metrics"]["records_out"])
             if len(counts) >= 2 and counts[-1] == counts[-2] > 0:
@@ -145,10 +169,14 @@ def test_a_source_blocked_by_back_pressure_still_serves_triggers_and_cancel(
         assert [tuple(x) for x in gen.union_list_state("gen", "generator-splits").get()] == [
             (0, 1, counts[-1])
         ]
-        server.send("v0-0", {"type": "cancel"})
-        thread.join(30)
-        assert not thread.is_alive(), "the blocked source did not see the cancel"
-        assert len(errors) == 1 and "cancelled by the driver" in str(errors[0])
+        for task in reversed(tasks):  # the map first: the source alone cannot free it
+            server.send(task, {"type": "cancel"})
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), f"{t.name}, held, did not see the cancel"
+        assert len(errors) == len(tasks)
+        assert all("cancelled by the driver" in str(e) for e in errors), errors
     finally:
         server.close()
-        thread.join(30)
+        for t in threads:
+            t.join(30)
