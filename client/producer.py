@@ -32,7 +32,7 @@ from typing import Any, Final
 from client._checks import check_codec, check_count, check_optional, check_selector
 from client.local_connection import LocalConnection, resolve_daemon_socket
 from client.runtime import ClientRuntime, get_runtime
-from exchange.errors import UsageError, WriterClosedError
+from exchange.errors import UsageError, WriterClosedError, fresh_error
 from exchange.events.events import AbstractEvent
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.local_messages import (
@@ -312,7 +312,7 @@ class PartitionWriter:
         if self._closed:
             raise WriterClosedError(f"writer of {self.partition_id} is closed")
         if self._error is not None:
-            raise self._error
+            raise fresh_error(self._error)
 
     def _ship(self, force: bool = False) -> None:
         """Hand the cut buffers to the loop; called with the lock held, so batches are
@@ -383,6 +383,15 @@ class PartitionWriter:
         with self._lock:
             self._ship(force or self._timeout == 0)
         self._settle(self._window_now())
+
+    def _after_event(self) -> None:
+        """Ship an event, and what was emitted before it, without waiting for room in the
+        window: events are not back-pressured (Flink writes them into buffers outside the
+        pool), so a task whose output is blocked can still put a barrier or a cancellation
+        behind its data. The window is one batch over until the next record waits."""
+        with self._lock:
+            self._ship(True)
+        self._settle(len(self._inflight))  # collect finished batches (and their errors)
 
     # -- the flush timer (loop thread) -----------------------------------------------------
 
@@ -511,6 +520,21 @@ class PartitionWriter:
     def _window_now(self) -> int:
         return self._window if self._writer.smallest_buffer_size >= self.segment_size else 1
 
+    def available(self) -> concurrent.futures.Future[None] | None:
+        """None when what is emitted now will not wait for the daemon; otherwise a future
+        done once it may (Flink's ``RecordWriter.getAvailableFuture``).
+
+        Unavailable means the window of batches in flight is full: the daemon's credit
+        for this partition ran out (back pressure). A task with other work meanwhile (a
+        streaming task's control messages) waits on this future rather than inside
+        ``emit``. Raises the error of a batch that failed. Task thread only.
+        """
+        self._check_open()
+        self._settle(len(self._inflight))  # drop finished batches (and raise their errors)
+        if len(self._inflight) < self._window_now():
+            return None
+        return self._inflight[0]
+
     def broadcast(self, record: Any) -> None:
         """Emit one record to every subpartition (encoded once)."""
         self._check_open()
@@ -523,7 +547,7 @@ class PartitionWriter:
         self._check_open()
         with self._lock:
             self._writer.broadcast_event(event)
-        self._after(force=True)
+        self._after_event()
 
     def broadcast_barrier(
         self, checkpoint_id: int, timestamp: int, *, aligned: bool = True
@@ -532,13 +556,13 @@ class PartitionWriter:
         self._check_open()
         with self._lock:
             self._writer.broadcast_barrier(checkpoint_id, timestamp, aligned=aligned)
-        self._after(force=True)
+        self._after_event()
 
     def broadcast_cancel(self, checkpoint_id: int) -> None:
         self._check_open()
         with self._lock:
             self._writer.broadcast_cancel(checkpoint_id)
-        self._after(force=True)
+        self._after_event()
 
     def set_buffer_size(self, index: int, size: int) -> None:
         """Cut the new buffers of subpartition ``index`` at ``size`` bytes."""
@@ -573,6 +597,19 @@ class PartitionWriter:
     def fail(self, cause: BaseException | str | None = None) -> None:
         """Abort: the daemon fails the partition, its readers get ProducerFailedError."""
         self._abort(cause)
+
+    def cancel(self, reason: str) -> None:
+        """Fail this writer from another thread (the one writing may be blocked waiting
+        for credit that will never come): the daemon fails the partition with ``reason``,
+        and the writing thread's next or pending call raises ``WriterClosedError``."""
+        self._rt.call_soon(self._cancel_on_loop, reason)
+
+    def _cancel_on_loop(self, reason: str) -> None:
+        conn = self._sink.conn
+        if self._sink.result is not None or not conn.is_open:
+            return
+        conn.send(FailPartition(reason))
+        conn.fail(WriterClosedError(f"the writer of {self.partition_id} was cancelled: {reason}"))
 
     def _abort(self, cause: BaseException | str | None) -> None:
         if self._sink.result is not None or self._aborted:

@@ -38,9 +38,15 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
 
 Per-channel errors (``PartitionError`` family) end one stream and leave the connection and
 its other streams alone; ``ProtocolError`` and ``TransportError`` end the whole connection.
+
+An object that remembers its failure and reports it on every later call (a failed
+connection, a poisoned decoder, a failed channel or writer) raises ``fresh_error(stored)``,
+never the stored object itself: see ``fresh_error``.
 """
 
 from __future__ import annotations
+
+from typing import TypeVar
 
 __all__ = [
     "AccessDeniedError",
@@ -73,7 +79,34 @@ __all__ = [
     "UsageError",
     "VersionMismatchError",
     "WriterClosedError",
+    "fresh_error",
 ]
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def fresh_error(stored: _E) -> _E:
+    """A new exception equal to ``stored``, to raise where ``stored`` is reported again.
+
+    Raising one object twice prepends the frames of every raise to its ``__traceback__``
+    (memory that grows with each failed call, and a traceback nobody can read), overwrites
+    its ``__context__``, and threads raising it race on both. The copy goes through no
+    ``__init__`` (errors here format their message there): its type (which decides the
+    ``ErrorCode`` it travels as), ``args``, ``str`` and attributes (``partition_id``,
+    ``setting``, ``size`` …) are ``stored``'s, and so are its ``__cause__`` and context.
+    It starts from ``stored``'s traceback, so a raise shows where the error is reported
+    now followed by where it first happened, and ``stored`` itself is left untouched.
+    """
+    cls = type(stored)
+    new = cls.__new__(cls, *stored.args)
+    new.args = stored.args
+    new.__dict__.update(stored.__dict__)
+    if "__notes__" in stored.__dict__:
+        new.__notes__ = list(stored.__notes__)  # add_note on the copy leaves stored alone
+    new.__cause__ = stored.__cause__
+    new.__context__ = stored.__context__
+    new.__suppress_context__ = stored.__suppress_context__
+    return new.with_traceback(stored.__traceback__)
 
 
 class ExchangeError(Exception):

@@ -6,6 +6,14 @@ pool left): the ``nbp`` fixture checks its pool at teardown, and the autouse
 reader's, an in-process writer's) that is still alive. Every async test ends with no
 asyncio task left pending besides its own. Daemon processes report their own pool at
 SIGTERM (``pool_whole`` in their last line), which their tests check.
+
+Real daemons, for every directory (helpers in ``tests/daemon/_daemon.py``):
+
+* ``start_daemon(*flags)``: a running ``python -m server`` (``DaemonProcess``). At teardown
+  every daemon still running gets SIGTERM and must exit 0 with its pool whole; every
+  process is reaped and its spill directory removed.
+* ``run_daemon_cli(args)``: ``python -m server ARGS`` expected to exit by itself.
+* ``dm``: the ``_daemon`` module itself (``DaemonProcess``, ``child_env``, ...).
 """
 
 from __future__ import annotations
@@ -13,6 +21,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -25,6 +35,12 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
+from tests.kit.modules import load_module
+
+TESTS = Path(__file__).resolve().parent
+
+# One module name wherever it is loaded (the conftests, tests/streaming/test_task_control.py).
+_daemon: Any = load_module("exchange_tests_daemon_helpers", TESTS / "daemon" / "_daemon.py")
 
 #: Segments and segment size of the ``nbp`` fixture.
 NBP_SEGMENTS = 256
@@ -155,6 +171,25 @@ def open_gate(manager: ResultPartitionManager) -> Iterator[GateOpener]:
     yield open_
     for gate in gates:
         gate.close()
+
+
+# -- real daemons ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def start_daemon() -> Iterator[Callable[..., Any]]:
+    """``start_daemon(*flags)``: a running daemon, stopped and checked at teardown."""
+    yield from _daemon.started_daemons()
+
+
+@pytest.fixture
+def run_daemon_cli() -> Callable[..., Any]:
+    return _daemon.run_daemon_cli  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def dm() -> ModuleType:
+    return _daemon
 
 
 # -- no pool left broken, no task left behind --------------------------------------------

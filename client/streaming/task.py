@@ -9,11 +9,21 @@ all its input partitions, and runs its chain of operators:
   chain, broadcasts CheckpointBarrier(N) after every record emitted so far and
   acknowledges; when the source runs dry it says ``exhausted`` and keeps serving
   checkpoints until the driver's ``finish`` (after the final checkpoint completed), then
-  ends its partitions (EndOfPartition downstream);
+  ends its partitions (EndOfPartition downstream). Before each poll it looks at its
+  output: while back pressure holds it (a writer's window is full), it does not poll but
+  waits on its control inbox, which the output's availability wakes, as Flink's mailbox
+  runs mails while the task waits for output: a trigger is snapshotted, its barrier
+  queued behind the data and acknowledged, a cancel or stop handled, at once. (The
+  checkpoint completes once the barrier passed the data ahead of it: aligned barriers
+  wait for the back pressure to clear; unaligned checkpoints are not implemented.) A
+  poll ships a batch per 256 KiB it emits and one per buffer timeout that passes while
+  it runs; one that overruns the window so still blocks in ``emit`` until a batch frees
+  (as a Flink record that needs more buffers than are left), seeing control only then;
 * any other task reads its input gate through the barrier handler: at each barrier the
   reader calls ``trigger_checkpoint`` between the records before and after it (aligned in
   ``exactly_once``, tracked in ``at_least_once``); the task snapshots, forwards the barrier
-  and acknowledges. At the end of its input it waits for the driver's ``finish``.
+  and acknowledges. At the end of its input it waits for the driver's ``finish``. Every
+  64 records it looks at its output as a source does before a poll.
 
 ``complete`` / ``abort`` reach the operators in the task's thread, between records. State
 goes to the checkpoint storage as one file per task and checkpoint (every operator's
@@ -22,6 +32,7 @@ operator state and keyed state), whose path is the acknowledgement's handle.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import queue
@@ -61,6 +72,9 @@ _POLL_BATCH: Final = 256
 _IDLE_WAIT: Final = 0.1
 #: A task that reads looks at the control channel at least this often (records permitting).
 _CONTROL_EVERY: Final = 0.05
+#: The inbox message (from this process, not the driver) that wakes a task waiting for
+#: room in its output.
+_OUTPUT_AVAILABLE: Final = "output-available"
 
 
 class StreamTaskFailed(ExchangeError):
@@ -391,6 +405,8 @@ class StreamTask:
                 if self.vertex.is_source:
                     for _, w in self.writers:
                         w.broadcast_cancel(cid)
+            case "output-available":
+                pass  # a wake-up for _await_output; whoever waits looks again
             case "finish":
                 self._finish = True
             case "stop":
@@ -445,6 +461,10 @@ class StreamTask:
             self._poll_control()
             if self._finish:
                 break
+            blocked = None if self._stop else self._blocked_output()
+            if blocked is not None:
+                self._await_output(blocked)
+                continue
             alive, emitted = False, 0
             if not self._stop:  # a clean stop ends the input here, as if exhausted
                 before = out.count
@@ -462,6 +482,22 @@ class StreamTask:
                 assert self.ctl is not None
                 self.ctl.send({"type": "exhausted"})
 
+    def _blocked_output(self) -> concurrent.futures.Future[None] | None:
+        """The first writer without room (back pressure): its availability future."""
+        for _, w in self.writers:
+            fut = w.available()
+            if fut is not None:
+                return fut
+        return None
+
+    def _await_output(self, blocked: concurrent.futures.Future[None]) -> None:
+        """Handle control messages until ``blocked`` is done (or the task must end)."""
+        assert self.ctl is not None
+        inbox = self.ctl.inbox
+        blocked.add_done_callback(lambda _: inbox.put({"type": _OUTPUT_AVAILABLE}))
+        while not (blocked.done() or self._finish or self._stop):
+            self._poll_control(timeout=_IDLE_WAIT)
+
     def _run_reader(self, start: dict[str, Any]) -> None:
         self.reader = reader = self._open_reader(start)
         process = self._process
@@ -471,7 +507,10 @@ class StreamTask:
             n += 1
             if n & 63 == 0:
                 self.records_in = n
-                if time.monotonic() - self._last_control >= _CONTROL_EVERY:
+                blocked = self._blocked_output()
+                if blocked is not None:  # reads no more until its output has room
+                    self._await_output(blocked)
+                elif time.monotonic() - self._last_control >= _CONTROL_EVERY:
                     self._poll_control()
         self.records_in = n
         for op in self.ops:

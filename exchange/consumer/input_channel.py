@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from exchange.buffers.buffer import Buffer
-from exchange.errors import UsageError
+from exchange.errors import UsageError, fresh_error
 from exchange.partition.result_partition_id import ResultPartitionID
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class InputChannel(ABC):
 
     def check_error(self) -> None:
         if self._error is not None:
-            raise self._error
+            raise fresh_error(self._error)
 
     def notify_channel_non_empty(self) -> None:
         self.gate.notify_channel_non_empty(self)

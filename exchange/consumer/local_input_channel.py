@@ -12,7 +12,12 @@ from exchange.consumer.input_channel import (
     InputChannel,
     backoff_delays,
 )
-from exchange.errors import IllegalStateError, PartitionNotFoundError, PartitionReleasedError
+from exchange.errors import (
+    IllegalStateError,
+    PartitionNotFoundError,
+    PartitionReleasedError,
+    fresh_error,
+)
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.partition.subpartition_view import ResultSubpartitionView
@@ -83,7 +88,7 @@ class LocalInputChannel(InputChannel):
             if view.is_released and not self._released:
                 cause = view.failure_cause
                 if cause is not None:
-                    raise cause
+                    raise fresh_error(cause)
                 raise PartitionReleasedError(
                     f"consumed subpartition {self.subpartition_index} was released",
                     self.partition_id,

@@ -41,6 +41,7 @@ from exchange.errors import (
     SubpartitionIndexError,
     UsageError,
     WriterClosedError,
+    fresh_error,
 )
 from exchange.events.events import AbstractEvent, EventSerializer
 from exchange.memory.local_buffer_pool import LocalBufferPool
@@ -328,7 +329,7 @@ class ResultPartition:
         if state.is_released:
             cause = self._failure
             if isinstance(cause, PartitionReleasedError):
-                raise cause
+                raise fresh_error(cause)
             raise PartitionReleasedError(
                 "partition was released" + (f": {cause}" if cause else ""), self.partition_id
             )
@@ -339,7 +340,7 @@ class ResultPartition:
             if sub.is_released:
                 cause = sub.failure_cause
                 if isinstance(cause, PartitionReleasedError):
-                    raise cause
+                    raise fresh_error(cause)
                 raise PartitionReleasedError(
                     f"subpartition {target} was released", self.partition_id
                 )

@@ -47,6 +47,7 @@ from exchange.errors import (
     ProtocolError,
     TransportError,
     UsageError,
+    fresh_error,
 )
 from exchange.protocol.codec import (
     BufferResponseHeader,
@@ -295,7 +296,7 @@ class ClientConnection:
     def check(self) -> None:
         """Raise the connection's error, or TransportError if it cannot send."""
         if self.error is not None:
-            raise self.error
+            raise fresh_error(self.error)
         if self.state not in _SENDING:
             raise TransportError(f"connection to daemon {self.address} is {self.state.value}")
 

@@ -27,6 +27,7 @@ from exchange.errors import (
     ProtocolError,
     UnknownMessageError,
     UsageError,
+    fresh_error,
 )
 from exchange.partition.result_partition_id import MAX_DATASET_ID_BYTES, ResultPartitionID
 from exchange.protocol.messages import (
@@ -526,7 +527,7 @@ class FrameDecoder:
     def feed(self, data: bytes | bytearray | memoryview) -> list[Message]:
         """Decode every frame completed by ``data``; raises ``ProtocolError`` (and poisons)."""
         if self._error is not None:
-            raise self._error.with_traceback(None)
+            raise fresh_error(self._error)
         if type(data) is not bytes:
             # The payload views handed out must not change under the caller's feet.
             data = bytes(data)
@@ -841,7 +842,7 @@ class InPlaceFrameDecoder:
     def buffer_updated(self, nbytes: int) -> list[Message | PayloadReceived]:
         """``nbytes`` were written into the last ``get_buffer()``; the frames completed."""
         if self._error is not None:
-            raise self._error.with_traceback(None)
+            raise fresh_error(self._error)
         self.bytes_received += nbytes
         out: list[Message | PayloadReceived] = []
         try:
@@ -867,7 +868,7 @@ class InPlaceFrameDecoder:
         src = memoryview(data).cast("B")
         pos, n = 0, src.nbytes
         if self._error is not None:
-            raise self._error.with_traceback(None)
+            raise fresh_error(self._error)
         while pos < n:
             buf = self.get_buffer()
             k = min(buf.nbytes, n - pos)

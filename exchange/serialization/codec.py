@@ -40,7 +40,7 @@ from typing import Any, Final, Protocol
 
 import msgpack
 
-from exchange.errors import CorruptRecordError, RecordTooLargeError, UsageError
+from exchange.errors import CorruptRecordError, RecordTooLargeError, UsageError, fresh_error
 
 __all__ = [
     "DEFAULT_MAX_RECORD_SIZE",
@@ -199,7 +199,7 @@ class _DecoderBase:
             self._ready = []
             return ready
         if self._error is not None:
-            raise self._error
+            raise fresh_error(self._error)
         return []
 
     def __iter__(self) -> Iterator[Any]:
@@ -350,7 +350,7 @@ class MsgpackDecoder(_DecoderBase):
 
     def feed(self, data: BytesLike) -> None:
         if self._error is not None:
-            raise self._error
+            raise fresh_error(self._error)
         if type(data) is memoryview and data.itemsize == 1 and data.c_contiguous:
             n = data.nbytes
             if 0 < n <= _FEED_PIECE:
@@ -602,7 +602,7 @@ class LengthPrefixedDecoder(_DecoderBase):
 
     def feed(self, data: BytesLike) -> None:
         if self._error is not None:
-            raise self._error
+            raise fresh_error(self._error)
         with memoryview(data) as view:
             try:
                 if view.format == "B" and view.c_contiguous:

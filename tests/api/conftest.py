@@ -1,8 +1,9 @@
-"""Fixtures for the API tests: a real daemon (``tests/daemon/_daemon.py``)."""
+"""Fixtures for the API tests: one real daemon per module (``tests/daemon/_daemon.py``;
+``run_daemon_cli`` is in ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,3 @@ def daemon() -> Iterator[Any]:
     """One daemon for the module; at its end it must stop with its pool whole."""
     for start in _daemon.started_daemons():
         yield start()
-
-
-@pytest.fixture
-def run_daemon_cli() -> Callable[..., Any]:
-    return _daemon.run_daemon_cli  # type: ignore[no-any-return]

@@ -1,8 +1,6 @@
-"""Fixtures for fault tests: a real daemon (``tests/daemon/_daemon.py``) behind the test
-kit's fault-injecting proxy (``tests/kit/fault_proxy.py``).
+"""Fixtures for fault tests: a real daemon (``start_daemon`` of ``tests/conftest.py``)
+behind the test kit's fault-injecting proxy (``tests/kit/fault_proxy.py``).
 
-* ``start_daemon(*flags)``: a running ``python -m server``; at teardown every daemon still
-  running gets SIGTERM and must exit 0 with its pool whole.
 * ``proxy_for(daemon)``: a ``FaultProxy`` in front of the daemon's data port, closed at
   teardown.
 * ``fp``: the ``fault_proxy`` module (``UPSTREAM``, ``DOWNSTREAM``, ``Fault``).
@@ -21,19 +19,13 @@ from tests.kit.modules import load_module as _load
 TESTS = Path(__file__).resolve().parents[1]
 
 
-# The same module names as tests/daemon/conftest.py and tests/kit/test_fault_proxy.py use.
-_daemon: Any = _load("exchange_tests_daemon_helpers", TESTS / "daemon" / "_daemon.py")
+# The same module name as tests/kit/test_fault_proxy.py uses.
 _fault_proxy: Any = _load("exchange_tests_kit_fault_proxy", TESTS / "kit" / "fault_proxy.py")
 
 
 @pytest.fixture
 def fp() -> Any:
     return _fault_proxy
-
-
-@pytest.fixture
-def start_daemon() -> Iterator[Callable[..., Any]]:
-    yield from _daemon.started_daemons()
 
 
 @pytest.fixture

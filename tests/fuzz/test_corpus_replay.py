@@ -9,31 +9,18 @@ messages re-encode to themselves, framed decoders agree with the reference parse
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.kit.modules import load_module
 
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE / "corpus"
 
 
-def _load() -> ModuleType:
-    name = "exchange_tests_fuzz_targets"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, HERE / "fuzz_targets.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-fz: Any = _load()
+fz: Any = load_module("exchange_tests_fuzz_targets", HERE / "fuzz_targets.py")
 TARGETS = sorted(fz.TARGETS)
 
 

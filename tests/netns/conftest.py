@@ -7,7 +7,7 @@ own exchange daemon (``tests/daemon/_daemon.py``).
   live in the namespace. Both veth ends are inside the namespaces, so no packet of these
   tests leaves them. At teardown the namespaces (and the veth pair and any tc/nft rules in
   them) are deleted.
-* ``start_daemon(*flags)``: as in the daemon tests; call it through ``host.run``.
+* ``start_daemon(*flags)`` (``tests/conftest.py``): call it through ``host.run``.
 
 Where namespaces cannot be created (not root, no ``ip``, no permission) the tests are
 skipped, saying why.
@@ -23,19 +23,12 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
-from tests.kit.modules import load_module as _load
-
-TESTS = Path(__file__).resolve().parents[1]
 CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
-
-
-_daemon: Any = _load("exchange_tests_daemon_helpers", TESTS / "daemon" / "_daemon.py")
 
 
 def ip(*cmd: str, netns: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -84,11 +77,6 @@ def netns_unavailable() -> str | None:
     if shutil.which("ip") is None:
         return "iproute2's ip is not installed (.ci/run installs iproute2 when it runs as root)"
     return None
-
-
-@pytest.fixture
-def start_daemon() -> Iterator[Callable[..., Any]]:
-    yield from _daemon.started_daemons()
 
 
 @pytest.fixture

@@ -6,7 +6,10 @@ the daemon is played by a ServerHandshake and encoded frames.
 
 from __future__ import annotations
 
+import struct
+import traceback
 from collections.abc import AsyncIterator
+from types import TracebackType
 from typing import Any
 
 import pytest
@@ -17,6 +20,7 @@ from exchange.consumer.remote_input_channel import RemoteInputChannel
 from exchange.consumer.single_input_gate import SingleInputGate
 from exchange.errors import (
     AuthenticationError,
+    FrameTooLargeError,
     IllegalStateError,
     PartitionReleasedError,
     ProducerFailedError,
@@ -29,6 +33,7 @@ from exchange.events.events import EndOfPartitionEvent, EventSerializer
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartitionID
 from exchange.protocol import (
+    MAGIC,
     AddCredit,
     BufferResponse,
     CancelPartitionRequest,
@@ -136,6 +141,35 @@ def test_a_server_without_the_secret_fails_the_connection() -> None:
         conn.check()
     assert conn.connection_lost(None) is event.error
     assert conn.state is ClientConnectionState.CLOSED
+
+
+def depth(tb: TracebackType | None) -> int:
+    return len(traceback.extract_tb(tb))
+
+
+def test_check_raises_a_fresh_copy_of_the_error_each_time_and_its_traceback_stays_short() -> None:
+    # Raising the one stored error object on every call appended each raise's frames to
+    # its __traceback__: it grew with every failed batch of a producer.
+    conn = PartitionRequestClientConnection(ADDRESS, None, max_frame_size_for(SEG))
+    establish(conn)
+    conn.events_received()
+    limit = max_frame_size_for(SEG)
+    conn.receive_data(struct.pack(">IIB", limit + 1, MAGIC, 11))
+    stored = conn.error
+    assert isinstance(stored, FrameTooLargeError)
+    stored_tb = stored.__traceback__
+    depths = []
+    for _ in range(5):
+        with pytest.raises(FrameTooLargeError) as info:
+            conn.check()
+        err = info.value
+        assert err is not stored
+        assert (str(err), err.size, err.limit) == (str(stored), limit + 1, limit)
+        depths.append(depth(err.__traceback__))
+    # this test and check(), then where the decoder first raised it; the original unchanged
+    assert depths == [2 + depth(stored_tb)] * 5
+    assert stored.__traceback__ is stored_tb
+    conn.connection_lost(None)
 
 
 def test_data_before_the_handshake_is_a_protocol_error() -> None:

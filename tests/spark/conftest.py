@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -17,20 +15,9 @@ from typing import Any
 
 import pytest
 
+from tests.kit.modules import load_module
 
-def _load_helpers() -> ModuleType:
-    name = "exchange_tests_spark_cluster"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("_cluster.py"))
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-_cluster: Any = _load_helpers()
+_cluster: Any = load_module("exchange_tests_spark_cluster", Path(__file__).with_name("_cluster.py"))
 
 
 @pytest.fixture(scope="session")

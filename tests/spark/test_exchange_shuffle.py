@@ -5,7 +5,7 @@ Every dataset goes through both modes and is compared with ``partitionBy`` parti
 partition: the same records, equal (``==``) and of the same types all the way down.
 Pipelined runs one barrier stage of ``n`` tasks, so there ``n`` is 2 with 2 input
 partitions (``local[2]`` has 2 slots). The retry test runs ``local[2,2]`` in a process
-of its own (``_retry_job.py``).
+of its own (``tests/kit/spark_retry_job.py``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import decimal
 import fractions
 import json
 import random
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +23,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
+from tests.kit.spark_retry_job import run_job
 
 pytest.importorskip("pyspark")
 
@@ -38,7 +38,6 @@ from exchange.errors import UsageError
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
-HERE = Path(__file__).resolve().parent
 MiB = 1024 * 1024
 
 
@@ -302,17 +301,9 @@ def test_failing_pipelined_producer_fails_the_job_never_a_short_result(spark: An
 
 def test_retried_producer_task_leaves_no_duplicates(tmp_path: Path, sx: ModuleType) -> None:
     """local[2,2] in its own process: producer 0 fails its first attempt mid-partition."""
-    res = subprocess.run(
-        [sys.executable, str(HERE / "_retry_job.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        cwd=sx.ROOT,
-        env=sx.child_env(),
-        timeout=240,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    result = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [p.name[:7] for p in tmp_path.iterdir()] == ["failed-"], "no attempt failed once"
+    result = run_job("raise", tmp_path, sx.child_env())
+    marks = [p.name.rsplit("-", 1)[0] for p in tmp_path.iterdir()]
+    assert marks == ["raise-producer"], "no attempt failed once"
     assert result["equal"] == [True] * 4, result
     assert result["counts"] == result["expected_counts"]
     assert sum(result["counts"]) == 20_000

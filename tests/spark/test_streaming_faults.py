@@ -9,11 +9,9 @@ commit file sink. Every case checks the committed output against the events: eac
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import random
 import signal
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,23 +21,14 @@ from typing import Any
 
 import pytest
 
+from tests.kit.modules import load_module
+
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(240)]
 
 
-def _load(name: str) -> ModuleType:
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("_streaming.py")
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-st: Any = _load("exchange_tests_streaming_pipeline")
+st: Any = load_module(
+    "exchange_tests_streaming_pipeline", Path(__file__).with_name("_streaming.py")
+)
 
 
 @pytest.fixture(scope="module")
@@ -317,22 +306,9 @@ def test_a_clean_stop_takes_a_final_checkpoint_and_commits_everything(
     st.check_running_sums(rows)
 
 
-def _daemon_module() -> Any:
-    name = "exchange_tests_daemon_process"
-    module = sys.modules.get(name)
-    if module is None:
-        path = Path(__file__).parents[1] / "daemon" / "_daemon.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("comes_back", [True, False], ids=["daemon-restarted", "daemon-gone"])
 def test_a_killed_daemon_fails_the_attempt_fast(
-    spark: Any, tmp_path: Path, comes_back: bool
+    spark: Any, dm: ModuleType, tmp_path: Path, comes_back: bool
 ) -> None:
     """SIGKILL of the daemon every task writes to and reads from: the attempt fails within
     seconds (no task hangs on the dead daemon). With a daemon back on the same socket the
@@ -340,10 +316,9 @@ def test_a_killed_daemon_fails_the_attempt_fast(
     at once and ``execute`` raises JobFailedError naming the unreachable daemon."""
     from client.streaming.environment import JobFailedError
 
-    dp = _daemon_module()
     spill = tmp_path / "daemon"
     spill.mkdir()
-    daemon = dp.DaemonProcess(spill_dir=str(spill))
+    daemon = dm.DaemonProcess(spill_dir=str(spill))
     again = None
     probes, out, ckpt = _dirs(tmp_path)
     n = 60_000
@@ -356,7 +331,7 @@ def test_a_killed_daemon_fails_the_attempt_fast(
         daemon.kill()
         killed = time.monotonic()
         if comes_back:
-            again = dp.DaemonProcess(spill_dir=str(spill))  # the same socket path
+            again = dm.DaemonProcess(spill_dir=str(spill))  # the same socket path
             assert again.local_socket == daemon.local_socket
             st.wait_for(lambda: len(st.pids(probes)) >= 2, 60, "a restarted attempt")
             restarted_after = time.monotonic() - killed
@@ -385,7 +360,9 @@ def test_a_killed_daemon_fails_the_attempt_fast(
             again.cleanup()
 
 
-def test_backpressure_slows_the_sources_to_the_sinks_rate(spark: Any, tmp_path: Path) -> None:
+def test_backpressure_slows_the_sources_to_the_sinks_rate(
+    spark: Any, dm: ModuleType, tmp_path: Path
+) -> None:
     """A sink spending 0.2 ms per record (at most 5k records/s) behind an unthrottled
     source: the sources' emit rate falls to the sink's rate (measured between two moments
     of the running job), the daemon's pool stays within its segments, checkpoints still
@@ -394,8 +371,7 @@ def test_backpressure_slows_the_sources_to_the_sinks_rate(spark: Any, tmp_path: 
     import json
     import urllib.request
 
-    dp = _daemon_module()
-    daemon = dp.DaemonProcess("--debloat", "--debloat-target", "500ms")
+    daemon = dm.DaemonProcess("--debloat", "--debloat-target", "500ms")
     probes, out, ckpt = _dirs(tmp_path)
     env = _env(spark, ckpt, daemon=daemon.local_socket)
     throttle = 0.0002

@@ -10,10 +10,8 @@ either daemon and both pools are whole.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -21,26 +19,16 @@ from typing import Any
 
 import pytest
 
+from tests.kit.modules import load_module
+
 pytest.importorskip("pyspark")
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 
-def _pipeline() -> Any:
-    name = "exchange_tests_streaming_pipeline"
-    module = sys.modules.get(name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).with_name("_streaming.py")
-        )
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-st: Any = _pipeline()
+st: Any = load_module(
+    "exchange_tests_streaming_pipeline", Path(__file__).with_name("_streaming.py")
+)
 
 
 def _wait_executors(sc: Any, count: int, timeout: float = 90.0) -> None:

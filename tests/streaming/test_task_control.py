@@ -5,12 +5,11 @@ state holds exactly the position of the last record emitted; ``finish`` ends the
 
 from __future__ import annotations
 
-import importlib.util
+import itertools
 import queue
 import secrets
-import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 from client.streaming.connectors import CollectSink, GeneratorSource
 from client.streaming.control import ControlServer
 from client.streaming.graph import JobGraph, Node, Partitioning
+from client.streaming.operators import MapOperator
 from client.streaming.task import JobSpec, run_task
 from exchange.state import (
     DEFAULT_MAX_PARALLELISM,
@@ -28,36 +28,22 @@ from exchange.state import (
 )
 
 
-def _daemons() -> Any:
-    name = "exchange_tests_daemon_helpers"
-    module = sys.modules.get(name)
-    if module is None:
-        path = Path(__file__).parents[1] / "daemon" / "_daemon.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
-def daemon() -> Iterator[Any]:
-    starter = _daemons().started_daemons()
-    start = next(starter)
-    yield start()
-    with pytest.raises(StopIteration):
-        next(starter)  # teardown: SIGTERM, exit 0 with the pool whole
+def daemon(start_daemon: Callable[..., Any]) -> Any:
+    return start_daemon()  # at teardown: SIGTERM, exit 0 with the pool whole
 
 
-def _next(server: ControlServer, kind: str, timeout: float = 30.0) -> dict[str, Any]:
+def _next(
+    server: ControlServer, kind: str, timeout: float = 30.0, task: str | None = None
+) -> dict[str, Any]:
+    """The next ``kind`` message (from ``task``, if given; the others are dropped)."""
     while True:
         try:
-            _task, msg = server.inbox.get(timeout=timeout)
+            sender, msg = server.inbox.get(timeout=timeout)
         except queue.Empty:
             raise AssertionError(f"no {kind!r} from the task within {timeout} s") from None
         assert msg["type"] not in ("failed", "lost"), msg
-        if msg["type"] == kind:
+        if msg["type"] == kind and task in (None, sender):
             return msg
 
 
@@ -112,3 +98,85 @@ def test_a_stopped_source_ends_its_input_and_the_final_checkpoint_holds_its_posi
     assert [tuple(x) for x in gen.union_list_state("gen", "generator-splits").get()] == [
         (0, 1, emitted)
     ]
+
+
+@pytest.mark.parametrize("held", ["source", "map"])
+def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
+    daemon: Any, tmp_path: Path, held: str
+) -> None:
+    """Nobody reads the last partition (the sink's task is never started): its pool on the
+    daemon fills, credit runs out and the writer window of the task before it stays full
+    (with ``map``, the source is then held too). The held tasks keep handling their control
+    messages (Flink's mailbox while the output is unavailable): every trigger is
+    snapshotted and acknowledged at once (two in a row with the same record count show
+    the source is held), the snapshot holds exactly the records emitted, and a cancel
+    ends every task. Before, a held task looked at its inbox only when a batch freed:
+    never."""
+    ckpt = str(tmp_path / "ckpt")
+    source = Node(0, "gen", lambda: GeneratorSource(lambda i: i), 1, is_source=True)
+    nodes = [source]
+    if held == "map":
+        nodes.append(Node(1, "map", lambda: MapOperator(lambda r: r), 1))
+    nodes.append(Node(len(nodes), "collect", CollectSink, 1))
+    for up, down in itertools.pairwise(nodes):
+        down.inputs.append((up, Partitioning.REBALANCE, None))
+        up.outputs.append(down)
+    graph = JobGraph.build(nodes, DEFAULT_MAX_PARALLELISM)
+    assert graph.num_tasks == len(nodes)  # nothing chained
+    tasks = [f"v{i}-0" for i in range(len(nodes) - 1)]  # every task but the sink's
+    token = secrets.token_hex(8)
+    server = ControlServer(token, 3, set(tasks))
+    job = JobSpec("bp", 3, token, server.address, graph, ckpt, "exactly_once")
+    # buffers ship when full only (no buffer timeout): one poll or 64 records of these
+    # small ints ship at most one batch, so a task that found room never blocks in emit
+    # (with a timeout, a batch slower than it may ship twice and overrun the window)
+    job = JobSpec(**{**job.__dict__, "daemon_hint": daemon.local_socket, "buffer_timeout": -1})
+    errors: list[BaseException] = []
+
+    def body(index: int) -> None:
+        try:
+            run_task(job, index)
+        except BaseException as e:  # the cancel: checked below
+            errors.append(e)
+
+    threads = [
+        threading.Thread(target=body, args=(i,), name=f"stream-task-{i}", daemon=True)
+        for i in range(len(tasks))
+    ]
+    try:
+        for t in threads:
+            t.start()
+        daemons = {}
+        for _ in tasks:
+            reg = _next(server, "register")
+            daemons[reg["task"]] = reg["daemon"]
+        for task in tasks:
+            server.send(task, {"type": "start", "daemons": daemons, "restore": None})
+        counts: list[int] = []
+        for cid in itertools.count(1):
+            assert cid <= 500, f"the source never stopped emitting: {counts[-5:]}"
+            server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
+            ack = _next(server, "ack", timeout=20.0, task="v0-0")
+            assert ack["checkpoint"] == cid
+            counts.append(ack["metrics"]["records_out"])
+            if len(counts) >= 2 and counts[-1] == counts[-2] > 0:
+                break
+        state = decode_snapshot(
+            Path(ack["handle"]).read_bytes(), SnapshotKind.TASK_STATE, ack["handle"]
+        )
+        gen = OperatorStateBackend(0, 1)
+        gen.restore([("v0-0", state["operators"]["gen"]["operator"])])
+        assert [tuple(x) for x in gen.union_list_state("gen", "generator-splits").get()] == [
+            (0, 1, counts[-1])
+        ]
+        for task in reversed(tasks):  # the map first: the source alone cannot free it
+            server.send(task, {"type": "cancel"})
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), f"{t.name}, held, did not see the cancel"
+        assert len(errors) == len(tasks)
+        assert all("cancelled by the driver" in str(e) for e in errors), errors
+    finally:
+        server.close()
+        for t in threads:
+            t.join(30)
