@@ -884,6 +884,11 @@ class PartitionReader:
         """
         return itertools.chain.from_iterable(self._record_lists())
 
+    def record_lists(self) -> Iterator[list[Any]]:
+        """The records of ``records()``, one list per decoded buffer, for a caller that
+        chains them itself (the same ends: closed at the end, on an error, when dropped)."""
+        return self._record_lists()
+
     def _record_lists(self) -> Iterator[list[Any]]:
         if self._closed and not self._done:
             raise IllegalStateError("the PartitionReader was closed before the end of its input")

@@ -407,10 +407,6 @@ def _read_subpartition(
     return iter(()) if reader is None else reader.records()
 
 
-#: Records a pipelined task takes from its reader at a time (one generator step each).
-_PIPELINED_CHUNK: Final = 4096
-
-
 # -- exchange_shuffle --------------------------------------------------------------------
 
 
@@ -602,17 +598,15 @@ def _pipelined(
         writer.start()
 
         def chunks() -> Iterator[list[Any]]:
-            # Lists of records, chained for Spark: this frame runs once per chunk, the
-            # records themselves are walked in C.
+            # The reader's lists of records (one per decoded buffer), chained for Spark:
+            # this frame runs once per buffer, the records themselves are walked in C.
             reader: PartitionReader | None = None
             read_all = False
             try:
                 try:
                     reader = _open_reader(exchange_id, producers, t, spec, codec)
                     if reader is not None:
-                        it = reader.records()
-                        while chunk := list(itertools.islice(it, _PIPELINED_CHUNK)):
-                            yield chunk
+                        yield from reader.record_lists()
                     read_all = True
                 finally:
                     # closed first: a writer held back by an unread stream must end
