@@ -17,8 +17,9 @@ Pickle's memo writes an object referenced twice in a batch once (a class, a time
 strings) fast mode dumps about 40 % faster and its frames load about 25 % faster; for
 records that share objects it is several times slower and larger. So the encoder pickles
 a batch both ways now and then (``_PROBE_FIRST`` then ever rarer, up to every
-``_PROBE_MAX`` batches) and keeps fast mode until the next probe when it wrote no more
-bytes than the memo did. A batch fast mode refuses (a reference cycle) is pickled with
+``_PROBE_MAX`` batches, and at once after a fast-mode batch of twice the bytes per record
+of the last probe) and keeps fast mode until the next probe when it wrote no more bytes
+than the memo did. A batch fast mode refuses (a reference cycle) is pickled with
 the memo. Either way every record comes back equal and of its type; objects referenced
 twice within a batch may come back as equal copies instead of one shared object.
 
@@ -64,7 +65,7 @@ _LEN: Final = struct.Struct(">I")
 #: Batches before the encoder's second probe of fast mode against the memo; the interval
 #: doubles after each probe up to ``_PROBE_MAX`` (a probe pickles its batch twice).
 _PROBE_FIRST: Final = 8
-_PROBE_MAX: Final = 1024
+_PROBE_MAX: Final = 256
 
 
 class PickleBatchCodec:
@@ -98,6 +99,7 @@ class PickleBatchEncoder:
 
     __slots__ = (
         "_fast",
+        "_fast_bound",
         "_file",
         "_max_record_size",
         "_next_probe",
@@ -112,6 +114,8 @@ class PickleBatchEncoder:
         self._use_fast = False
         self._next_probe = 0  # batches until the next probe
         self._probe_interval = _PROBE_FIRST
+        # bytes per record above which a fast-mode batch makes the next batch a probe
+        self._fast_bound = 0.0
 
     @property
     def max_record_size(self) -> int:
@@ -142,9 +146,14 @@ class PickleBatchEncoder:
         if self._next_probe > 0:
             self._next_probe -= 1
             if self._use_fast and (fast := self._dump_fast(records)) is not None:
+                if len(fast) > self._fast_bound * len(records):
+                    # twice the bytes per record of the probe: maybe objects are shared
+                    # now, which fast mode writes again at every reference
+                    self._next_probe = 0
                 return fast
             return pickle.dumps(records, PICKLE_PROTOCOL)
         payload, self._use_fast = self._smallest(records)
+        self._fast_bound = 2 * len(payload) / len(records)
         self._next_probe = self._probe_interval
         self._probe_interval = min(2 * self._probe_interval, _PROBE_MAX)
         return payload

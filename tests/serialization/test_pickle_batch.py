@@ -312,6 +312,19 @@ def test_records_sharing_objects_are_pickled_with_the_memo() -> None:
         assert_exact(decode(PickleBatchCodec(), [data]), records)
 
 
+def test_records_that_start_sharing_objects_go_back_to_the_memo_at_once() -> None:
+    encoder = PickleBatchCodec().new_encoder()
+    for i in range(300):  # fast mode, and the probes far apart
+        encoder.encode_batch([(i, j) for j in range(100)])
+    zone = dt.timezone(dt.timedelta(hours=2))
+    rows = [
+        [Row(a=i, b=dt.datetime(2026, 1, 1, tzinfo=zone)) for _ in range(100)] for i in range(3)
+    ]
+    encoder.encode_batch(rows[0])  # fast mode still: each Row repeats its class and fields
+    for batch in rows[1:]:  # that batch's size made this one a probe: the memo from now on
+        assert encoder.encode_batch(batch)[4:] == pickle.dumps(batch, protocol=5)
+
+
 def test_a_cycle_is_pickled_with_the_memo_even_in_fast_mode() -> None:
     codec = PickleBatchCodec()
     encoder = codec.new_encoder()
