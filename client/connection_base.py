@@ -83,7 +83,8 @@ class HandshakingClientProtocol(asyncio.BufferedProtocol):
         conn.buffer_updated(nbytes)
         if conn.has_events:
             self._handle(conn.events_received())
-        self._flush()
+        if conn.has_data_to_send:
+            self._flush()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost reports it

@@ -63,7 +63,7 @@ __all__ = [
 DEFAULT_PRODUCER_CREDIT: Final = 8
 
 _PUSH_PREFIX: Final = struct.Struct(">IB")
-_DATA_TYPES: Final = tuple(DataType)
+_DATA_TYPES: Final = tuple(sorted(DataType))
 
 
 class PushHeader(NamedTuple):
@@ -76,11 +76,9 @@ class PushHeader(NamedTuple):
 
 def _parse_push(prefix: memoryview, payload_size: int) -> PushHeader:
     sub, dt = _PUSH_PREFIX.unpack(prefix)
-    try:
-        data_type = DataType(dt)
-    except ValueError:
-        raise ProtocolError(f"bad data type {dt}") from None
-    return PushHeader(sub, data_type, payload_size)
+    if dt >= len(_DATA_TYPES):  # a table, not DataType(dt): this runs once per push
+        raise ProtocolError(f"bad data type {dt}")
+    return PushHeader(sub, _DATA_TYPES[dt], payload_size)
 
 
 #: The local endpoint's data frame: a PushBuffer payload lands in its reserved segment
@@ -93,6 +91,8 @@ class ProducerSessionState(Enum):
     FINISHED = "finished"
     FAILED = "failed"
     ABORTED = "aborted"
+
+    __hash__ = object.__hash__  # identity, in C (Enum's own __hash__ is Python code)
 
 
 _TRANSITIONS: Final[dict[ProducerSessionState, frozenset[ProducerSessionState]]] = {

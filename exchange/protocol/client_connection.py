@@ -34,12 +34,12 @@ follow which::
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Final
 
-from exchange.buffers.buffer import Buffer
+from exchange.buffers.buffer import Buffer, DataType
 from exchange.errors import (
     AuthenticationError,
     ExchangeError,
@@ -95,6 +95,10 @@ class ClientConnectionState(Enum):
     CLOSING = "closing"  # we are done (CloseRequest sent or transport closing)
     FAILED = "failed"  # an error ended it; the transport must be closed
     CLOSED = "closed"  # the transport is gone
+
+    # Members are singletons: identity hashing, in C. (Enum's own ``__hash__`` is Python
+    # code, run by every ``state in <frozenset>`` check on the receive path.)
+    __hash__ = object.__hash__
 
 
 _S = ClientConnectionState
@@ -168,6 +172,8 @@ class ClientConnection:
         self.address = address
         self._handshake = ClientHandshake(secret, address=address, app_id=app_id)
         self._decoder = self._new_decoder(max_frame_size, accept)
+        # The decoder's own method: the transport calls it twice per data frame.
+        self.get_buffer: Callable[..., memoryview] = self._decoder.get_buffer
         self._out: list[Piece] = []
         self._events: list[ConnectionEvent] = []
         self.state = ClientConnectionState.CONNECTING
@@ -221,9 +227,6 @@ class ClientConnection:
         self._set_state(ClientConnectionState.HANDSHAKING)
         for msg in self._handshake.start():
             self._out.extend(encode(msg))
-
-    def get_buffer(self, sizehint: int = -1) -> memoryview:
-        return self._decoder.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
         """``nbytes`` arrived in the last ``get_buffer()``; never raises an ExchangeError."""
@@ -291,6 +294,10 @@ class ClientConnection:
     @property
     def has_events(self) -> bool:
         return bool(self._events)
+
+    @property
+    def has_data_to_send(self) -> bool:
+        return bool(self._out)
 
     def check(self) -> None:
         """Raise the connection's error, or TransportError if it cannot send."""
@@ -385,7 +392,7 @@ class PartitionRequestClientConnection(ClientConnection):
 
     def _body_sink(self, header: BufferResponseHeader) -> memoryview | None:
         """Where a BufferResponse payload lands: a credited buffer of its channel."""
-        if not header.data_type.is_buffer or self.state not in _LANDING:
+        if header.data_type is not DataType.DATA_BUFFER or self.state not in _LANDING:
             return None  # events are decoded whole; a frame before the handshake is refused
         ch = self._channels.get(header.receiver_id)
         if ch is None:

@@ -850,6 +850,8 @@ class InPlaceFrameDecoder:
                 if self._filled < self._target.nbytes:
                     return out
                 self._land(out)
+                if self._start == self._end:
+                    return out  # the payload ended the received bytes: nothing to parse
             else:
                 self._end += nbytes
             self._parse(out)
