@@ -240,13 +240,15 @@ class RemoteInputChannel(InputChannel):
         added = 0
         if pool is None or self._waiting_for_floating:
             return 0
-        while len(self._queue) < num_required:
+        queue = self._queue
+        have = len(queue.floating) + len(queue.exclusive)  # once per buffer received
+        while have + added < num_required:
             buf = pool.request_buffer()
             if buf is None:
                 if pool.add_buffer_listener(self):
                     self._waiting_for_floating = True
                 break
-            self._queue.add_floating(buf)
+            queue.add_floating(buf)
             added += 1
         return added
 
