@@ -80,10 +80,9 @@ class HandshakingClientProtocol(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         conn = self.connection
-        conn.buffer_updated(nbytes)
-        if conn.has_events:
-            self._handle(conn.events_received())
-        if conn.has_data_to_send:
+        if conn.buffer_updated(nbytes):  # events to handle or bytes to send
+            if conn.has_events:
+                self._handle(conn.events_received())
             self._flush()
 
     def eof_received(self) -> bool | None:

@@ -321,34 +321,33 @@ class ServerConnection:
         self._decode(self._decoder.feed, data)
 
     def _decode(self, step: Callable[[Any], list[Message | PayloadReceived]], arg: Any) -> None:
+        """Decode, handle what completed, write what that produced (one ``writelines``).
+
+        Runs for every read of the transport (twice per pushed data frame): one function.
+        """
         self._corked += 1
         try:
-            self._decode_corked(step, arg)
+            try:
+                for item in step(arg):
+                    if type(item) is PayloadReceived:
+                        assert self._on_payload is not None
+                        self._on_payload(item.header, item.payload)
+                    else:
+                        self._receive(item)  # type: ignore[arg-type]
+                    if self._state not in _OPEN:
+                        break
+            except ProtocolError as e:
+                log.warning("protocol error from %s: %s", self.peer, e)
+                resp = self._handshake.error_response
+                self.close_with(resp if resp is not None else error_response_for(e))
+            except Exception as e:
+                self._fail(e)
             if self._out:
                 self._flush_or_fail()
         finally:
             self._corked -= 1
             if self._corked == 0 and self._out:
                 self._uncork_flush()
-
-    def _decode_corked(
-        self, step: Callable[[Any], list[Message | PayloadReceived]], arg: Any
-    ) -> None:
-        try:
-            for item in step(arg):
-                if type(item) is PayloadReceived:
-                    assert self._on_payload is not None
-                    self._on_payload(item.header, item.payload)
-                else:
-                    self._receive(item)  # type: ignore[arg-type]
-                if self._state not in _OPEN:
-                    return
-        except ProtocolError as e:
-            log.warning("protocol error from %s: %s", self.peer, e)
-            resp = self._handshake.error_response
-            self.close_with(resp if resp is not None else error_response_for(e))
-        except Exception as e:
-            self._fail(e)
 
     def _receive(self, msg: Message) -> None:
         if self._state is ServerConnectionState.HANDSHAKE:

@@ -228,20 +228,24 @@ class ClientConnection:
         for msg in self._handshake.start():
             self._out.extend(encode(msg))
 
-    def buffer_updated(self, nbytes: int) -> None:
-        """``nbytes`` arrived in the last ``get_buffer()``; never raises an ExchangeError."""
+    def buffer_updated(self, nbytes: int) -> bool:
+        """``nbytes`` arrived in the last ``get_buffer()``; never raises an ExchangeError.
+
+        Returns True when the I/O side has something to do: events to take or bytes to
+        send (False for most reads: one call per received frame piece, nothing more).
+        """
         try:
             items = self._decoder.buffer_updated(nbytes)
-            if self.state not in _RECEIVING:
-                return  # failed or closed: what still arrives is dropped
-            for item in items:
-                if type(item) is PayloadReceived:
-                    self._on_payload(item)
-                else:
-                    assert isinstance(item, Message)
-                    self._on_message(item)
+            if self.state in _RECEIVING:  # else failed or closed: what arrives is dropped
+                for item in items:
+                    if type(item) is PayloadReceived:
+                        self._on_payload(item)
+                    else:
+                        assert isinstance(item, Message)
+                        self._on_message(item)
         except ExchangeError as e:
             self.fail(e)
+        return bool(self._events) or bool(self._out)
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Plain-``Protocol`` and test entry: copy ``data`` in as a transport would."""
@@ -294,10 +298,6 @@ class ClientConnection:
     @property
     def has_events(self) -> bool:
         return bool(self._events)
-
-    @property
-    def has_data_to_send(self) -> bool:
-        return bool(self._out)
 
     def check(self) -> None:
         """Raise the connection's error, or TransportError if it cannot send."""
