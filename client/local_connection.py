@@ -168,6 +168,10 @@ class LocalConnection(HandshakingClientProtocol):
                 fut.set_exception(error)
         self._wake_credit()
 
+    def fail(self, err: ExchangeError) -> None:
+        super().fail(err)
+        self._wake_credit()  # a push waiting for credit raises now, not at connection_lost
+
     def on_message(self, msg: Message) -> None:
         if type(msg) is AddProducerCredit:
             self.credit += msg.credit

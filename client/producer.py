@@ -572,6 +572,19 @@ class PartitionWriter:
         """Abort: the daemon fails the partition, its readers get ProducerFailedError."""
         self._abort(cause)
 
+    def cancel(self, reason: str) -> None:
+        """Fail this writer from another thread (the one writing may be blocked waiting
+        for credit that will never come): the daemon fails the partition with ``reason``,
+        and the writing thread's next or pending call raises ``WriterClosedError``."""
+        self._rt.call_soon(self._cancel_on_loop, reason)
+
+    def _cancel_on_loop(self, reason: str) -> None:
+        conn = self._sink.conn
+        if self._sink.result is not None or not conn.is_open:
+            return
+        conn.send(FailPartition(reason))
+        conn.fail(WriterClosedError(f"the writer of {self.partition_id} was cancelled: {reason}"))
+
     def _abort(self, cause: BaseException | str | None) -> None:
         if self._sink.result is not None or self._aborted:
             return

@@ -336,7 +336,9 @@ def _write_partition(
     spec: _DaemonSpec,
     codec: RecordCodec,
     blocking: bool,
+    opened: Callable[[PartitionWriter], None] | None = None,
 ) -> _Produced:
+    """Write one input partition; ``opened`` gets the writer before any record is read."""
     sock, info = _local_daemon(spec)
     pid = ResultPartitionID(exchange_id, index, attempt)
     timeout = info.settings.get("buffer_timeout")
@@ -350,6 +352,8 @@ def _write_partition(
         # a blocking partition is read after it is written: only full buffers
         buffer_timeout=-1 if blocking else (0.1 if timeout is None else float(timeout)),
     ) as writer:
+        if opened is not None:
+            opened(writer)
         n = writer.emit_all(records, partition_func)
     return _Produced(index, attempt, info.daemon_id, info.data_address, sock, info.segment_size, n)
 
@@ -505,6 +509,28 @@ def _blocking(
     return sc.parallelize(range(n), n).mapPartitionsWithIndex(read)
 
 
+class _CancellableWriter:
+    """A pipelined task's handle on its writer thread's PartitionWriter: ``cancel`` fails
+    it, also when it comes before the writer opened (it is then failed on opening)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._writer: PartitionWriter | None = None
+        self._reason: str | None = None
+
+    def opened(self, writer: PartitionWriter) -> None:
+        with self._lock:
+            self._writer, reason = writer, self._reason
+        if reason is not None:
+            writer.cancel(reason)
+
+    def cancel(self, reason: str) -> None:
+        with self._lock:
+            self._reason, writer = reason, self._writer
+        if writer is not None:
+            writer.cancel(reason)
+
+
 def _pipelined(
     rdd: RDD[Any],
     n: int,
@@ -553,11 +579,21 @@ def _pipelined(
         everyone = rendezvous(ticket, t, attempt, me)
         producers = [_Produced(p[0], p[1], p[2], p[3], p[4], p[5], 0) for p in everyone]
         failure: list[BaseException] = []
+        writer_handle = _CancellableWriter()
 
         def produce() -> None:
             try:
                 _write_partition(
-                    exchange_id, t, attempt, records, n, partition_func, spec, codec, False
+                    exchange_id,
+                    t,
+                    attempt,
+                    records,
+                    n,
+                    partition_func,
+                    spec,
+                    codec,
+                    False,
+                    writer_handle.opened,
                 )
             except BaseException as e:
                 failure.append(e)
@@ -569,6 +605,7 @@ def _pipelined(
             # Lists of records, chained for Spark: this frame runs once per chunk, the
             # records themselves are walked in C.
             reader: PartitionReader | None = None
+            read_all = False
             try:
                 try:
                     reader = _open_reader(exchange_id, producers, t, spec, codec)
@@ -576,10 +613,17 @@ def _pipelined(
                         it = reader.records()
                         while chunk := list(itertools.islice(it, _PIPELINED_CHUNK)):
                             yield chunk
+                    read_all = True
                 finally:
                     # closed first: a writer held back by an unread stream must end
                     if reader is not None:
                         reader.close()
+                    if not read_all:
+                        # This task left its input early (Spark stopped iterating, or a
+                        # read failed): the exchange cannot complete, and our writer may
+                        # wait forever for a consumer that gave up before it ever asked
+                        # for our partition. Fail it rather than wait.
+                        writer_handle.cancel(f"task {t} of exchange {exchange_id} left early")
                     writer.join()
                 if failure:
                     raise failure[0]

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,7 +22,12 @@ import pytest
 from client.consumer import AsyncPartitionReader, PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
 from client.runtime import get_runtime
-from exchange.errors import ExchangeError, PartitionError, PartitionNotFoundError
+from exchange.errors import (
+    ExchangeError,
+    PartitionError,
+    PartitionNotFoundError,
+    WriterClosedError,
+)
 from exchange.partition.result_partition_id import ResultPartitionID
 
 pytestmark = pytest.mark.timeout(120)
@@ -190,3 +196,44 @@ def test_producer_process_that_loses_its_daemon_exits_without_pending_tasks(
     err = p.stderr
     assert "TransportError" in err, err
     assert "Task was destroyed" not in err, err
+
+
+def test_a_writer_blocked_on_credit_is_cancelled_from_another_thread(start_daemon: Any) -> None:
+    """Nobody reads the partition: the writer's thread waits for credit that never comes.
+    ``cancel`` from another thread ends that wait with WriterClosedError, the daemon fails
+    the partition with the reason, and every segment goes back. (A pipelined exchange task
+    that leaves its input early cancels its writer so: before, it joined a writer blocked
+    on a consumer that had given up before ever asking for that partition, forever.)"""
+    d = start_daemon("--network-memory", "4m")
+    pid = ResultPartitionID("cancelled", 0, 0)
+    w = PartitionWriter(pid, 2, daemon_socket=d.local_socket)
+    failure: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            w.emit_all(((i, PAD * 50) for i in range(1_000_000)), lambda k: k % 2)
+            w.close()
+        except BaseException as e:
+            failure.append(e)
+            w.fail(e)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    # its partition's pool full, nobody reading: the writer waits for credit
+    d.wait_stats(
+        lambda s: (
+            bool(s["partitions"]["items"]) and s["partitions"]["items"][0]["out_pool_usage"] == 1
+        )
+    )
+    assert writer.is_alive() and not failure
+    w.cancel("its consumer left early")
+    writer.join(30)
+    assert not writer.is_alive(), "cancel did not end the writer's wait for credit"
+    assert len(failure) == 1 and isinstance(failure[0], WriterClosedError), failure
+    assert "its consumer left early" in str(failure[0])
+    d.wait_stats(
+        lambda s: (
+            s["totals"]["partitions_failed"] == 1
+            and s["network"]["available_segments"] == s["network"]["total_segments"]
+        )
+    )
