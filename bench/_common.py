@@ -398,6 +398,61 @@ def consume(
 # -- the Arrow Flight baseline ---------------------------------------------------------------------
 
 
+def fill_partition(
+    daemon: Daemon, dataset: str, subpartitions: int, size: int, count: int
+) -> dict[str, Any]:
+    """A producer task process writes ``count`` records of ``size`` bytes into a
+    blocking partition on ``daemon`` and finishes it; its report."""
+    producer = Child(produce, daemon.socket_path, dataset, subpartitions, size, count, True)
+    try:
+        if producer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("producer did not open its partition")
+        producer.send("go")
+        result: dict[str, Any] = producer.recv(600)
+        return result
+    finally:
+        producer.close()
+
+
+def read_partition(
+    daemon: Daemon,
+    dataset: str,
+    subpartitions: int,
+    size: int,
+    count: int,
+    env: dict[str, str | None] | None = None,
+) -> dict[str, Any]:
+    """A fresh consumer task process reads a filled partition over the daemon's data port
+    (opening the reader is inside its clock) and checks every record; its report.
+
+    ``env``: variables the consumer process starts with (None: unset), as an executor
+    would have them; this process's environment is restored afterwards.
+    """
+    saved = {k: os.environ.get(k) for k in env or {}}
+    for key, value in (env or {}).items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    locations = [(dataset, i, daemon.data_address, None, None) for i in range(subpartitions)]
+    try:
+        consumer = Child(consume, locations, None, size, count, False, False)
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+    try:
+        if consumer.recv(READY_TIMEOUT) != "ready":
+            raise BenchError("consumer did not start")
+        consumer.send("go")
+        result: dict[str, Any] = consumer.recv(600)
+        return result
+    finally:
+        consumer.close()
+
+
 def producer_to_consumer(
     daemon: Daemon, dataset: str, size: int, count: int, *, same_host: bool
 ) -> tuple[dict[str, Any], dict[str, Any], float]:

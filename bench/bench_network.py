@@ -36,16 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
     GB,
-    READY_TIMEOUT,
     SEG,
     BenchError,
-    Child,
     Daemon,
-    consume,
+    fill_partition,
     flight_gbps,
     json_line,
     median,
-    produce,
+    read_partition,
     run_pair,
 )
 
@@ -136,30 +134,9 @@ def raw_sender(conn: Connection, port: int, total: int) -> None:
 # -- the stack ------------------------------------------------------------------------------
 
 
-def fill(daemon: Daemon, dataset: str, subpartitions: int, count: int) -> dict[str, Any]:
-    """A producer task writes ``count`` records into a blocking partition and finishes it."""
-    producer = Child(produce, daemon.socket_path, dataset, subpartitions, RECORD, count, True)
-    try:
-        if producer.recv(READY_TIMEOUT) != "ready":
-            raise BenchError("producer did not open its partition")
-        producer.send("go")
-        result: dict[str, Any] = producer.recv(600)
-        return result
-    finally:
-        producer.close()
-
-
 def read_once(daemon: Daemon, dataset: str, subpartitions: int, count: int) -> dict[str, float]:
     """A consumer task reads the filled partition over TCP: GB/s and CPU per 32 KiB."""
-    locations = [(dataset, i, daemon.data_address, None, None) for i in range(subpartitions)]
-    consumer = Child(consume, locations, None, RECORD, count, False, False)
-    try:
-        if consumer.recv(READY_TIMEOUT) != "ready":
-            raise BenchError("consumer did not start")
-        consumer.send("go")
-        res = consumer.recv(600)
-    finally:
-        consumer.close()
+    res = read_partition(daemon, dataset, subpartitions, RECORD, count)
     seconds = res["t1"] - res["t0"]
     stream_buffers = count * RECORD / SEG
     return {
@@ -191,7 +168,7 @@ def main() -> None:
     daemon = Daemon()
     try:
         t = time.monotonic()
-        fills = {n: fill(daemon, f"net{n}", n, count) for n in (1, 8)}
+        fills = {n: fill_partition(daemon, f"net{n}", n, RECORD, count) for n in (1, 8)}
         fill_s = time.monotonic() - t
         for _ in range(rounds):
             runs["raw"].append(raw_gbps(payload))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
@@ -27,15 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (
     GB,
-    READY_TIMEOUT,
     ROOT,
     BenchError,
-    Child,
     Daemon,
-    consume,
+    fill_partition,
     json_line,
     median,
-    produce,
+    read_partition,
 )
 
 RECORD = 4096
@@ -52,33 +49,9 @@ def _certs() -> Any:
     return module
 
 
-def fill(daemon: Daemon, dataset: str, count: int) -> None:
-    producer = Child(produce, daemon.socket_path, dataset, 1, RECORD, count, True)
-    try:
-        if producer.recv(READY_TIMEOUT) != "ready":
-            raise BenchError("producer did not open its partition")
-        producer.send("go")
-        producer.recv(600)
-    finally:
-        producer.close()
-
-
 def read_once(daemon: Daemon, dataset: str, count: int, ca: str | None) -> float:
     """GB/s of one consumer task process reading the partition over TCP (TLS if ``ca``)."""
-    if ca is None:
-        os.environ.pop(CA_ENV, None)
-    else:
-        os.environ[CA_ENV] = ca  # the spawned task inherits it, as executors would
-    locations = [(dataset, 0, daemon.data_address, None, None)]
-    consumer = Child(consume, locations, None, RECORD, count, False, False)
-    try:
-        if consumer.recv(READY_TIMEOUT) != "ready":
-            raise BenchError("consumer did not start")
-        consumer.send("go")
-        res = consumer.recv(600)
-    finally:
-        consumer.close()
-        os.environ.pop(CA_ENV, None)
+    res = read_partition(daemon, dataset, 1, RECORD, count, env={CA_ENV: ca})
     return float(count * RECORD / (res["t1"] - res["t0"]) / GB)
 
 
@@ -98,8 +71,8 @@ def main() -> None:
     try:
         if tls_d.info.get("tls") is not True:
             raise BenchError(f"the TLS daemon does not report TLS: {tls_d.info}")
-        fill(plain_d, "plain", count)
-        fill(tls_d, "tls", count)
+        fill_partition(plain_d, "plain", 1, RECORD, count)
+        fill_partition(tls_d, "tls", 1, RECORD, count)
         for _ in range(rounds):
             runs["plain"].append(read_once(plain_d, "plain", count, None))
             runs["tls"].append(read_once(tls_d, "tls", count, str(pki.ca)))

@@ -53,6 +53,9 @@ class HandshakingClientProtocol(asyncio.BufferedProtocol):
         self._app_id = app_id if app_id is not None else app_id_from_env()
         self._loop = asyncio.get_running_loop()
         self.connection = self._new_connection(secret, max_frame_size)
+        # The transport asks where to receive twice per data frame: straight to the
+        # connection's decoder (the transport binds this when the protocol is set).
+        self.get_buffer = self.connection.get_buffer  # type: ignore[method-assign]
         self._transport: asyncio.Transport | None = None
         self.ready: asyncio.Future[None] = self._loop.create_future()
         self.closed: asyncio.Future[None] = self._loop.create_future()
@@ -75,15 +78,15 @@ class HandshakingClientProtocol(asyncio.BufferedProtocol):
         self.connection.start()
         self._flush()
 
-    def get_buffer(self, sizehint: int) -> memoryview:
+    def get_buffer(self, sizehint: int) -> memoryview:  # replaced per instance in __init__
         return self.connection.get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
         conn = self.connection
-        conn.buffer_updated(nbytes)
-        if conn.has_events:
-            self._handle(conn.events_received())
-        self._flush()
+        if conn.buffer_updated(nbytes):  # events to handle or bytes to send
+            if conn.has_events:
+                self._handle(conn.events_received())
+            self._flush()
 
     def eof_received(self) -> bool | None:
         return None  # close the transport; connection_lost reports it

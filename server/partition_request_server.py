@@ -243,11 +243,13 @@ class PartitionRequestServerProtocol(asyncio.BufferedProtocol):
         srv.connections.add(self)
         transport.set_write_buffer_limits(high=srv.high_watermark, low=srv.low_watermark)
 
+    # The transport reads only after connection_made: the connection is there (these two
+    # run twice per data frame, so without the ``_conn()`` check).
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._conn().get_buffer(sizehint)
+        return self.connection.get_buffer(sizehint)  # type: ignore[union-attr]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._conn().buffer_updated(nbytes)
+        self.connection.buffer_updated(nbytes)  # type: ignore[union-attr]
 
     def pause_writing(self) -> None:
         self._conn().pause_writing()

@@ -240,13 +240,15 @@ class RemoteInputChannel(InputChannel):
         added = 0
         if pool is None or self._waiting_for_floating:
             return 0
-        while len(self._queue) < num_required:
+        queue = self._queue
+        have = len(queue.floating) + len(queue.exclusive)  # once per buffer received
+        while have + added < num_required:
             buf = pool.request_buffer()
             if buf is None:
                 if pool.add_buffer_listener(self):
                     self._waiting_for_floating = True
                 break
-            self._queue.add_floating(buf)
+            queue.add_floating(buf)
             added += 1
         return added
 
@@ -280,11 +282,13 @@ class RemoteInputChannel(InputChannel):
     # -- BufferListener (floating buffers) -----------------------------------------------
 
     def notify_buffer_available(self, buffer: Buffer) -> NotificationResult:
-        if self._released or len(self._queue) >= self._num_required:
+        queue = self._queue
+        have = len(queue.floating) + len(queue.exclusive)  # (runs per recycled buffer)
+        if self._released or have >= self._num_required:
             self._waiting_for_floating = False
             return NotificationResult.BUFFER_NOT_USED
-        self._queue.add_floating(buffer)
-        if len(self._queue) >= self._num_required:
+        queue.floating.append(buffer)
+        if have + 1 >= self._num_required:
             self._waiting_for_floating = False
             result = NotificationResult.BUFFER_USED_NO_NEED_MORE
         else:

@@ -63,7 +63,7 @@ __all__ = [
 DEFAULT_PRODUCER_CREDIT: Final = 8
 
 _PUSH_PREFIX: Final = struct.Struct(">IB")
-_DATA_TYPES: Final = tuple(DataType)
+_DATA_TYPES: Final = tuple(sorted(DataType))
 
 
 class PushHeader(NamedTuple):
@@ -76,11 +76,9 @@ class PushHeader(NamedTuple):
 
 def _parse_push(prefix: memoryview, payload_size: int) -> PushHeader:
     sub, dt = _PUSH_PREFIX.unpack(prefix)
-    try:
-        data_type = DataType(dt)
-    except ValueError:
-        raise ProtocolError(f"bad data type {dt}") from None
-    return PushHeader(sub, data_type, payload_size)
+    if dt >= len(_DATA_TYPES):  # a table, not DataType(dt): this runs once per push
+        raise ProtocolError(f"bad data type {dt}")
+    return PushHeader(sub, _DATA_TYPES[dt], payload_size)
 
 
 #: The local endpoint's data frame: a PushBuffer payload lands in its reserved segment
@@ -94,6 +92,11 @@ class ProducerSessionState(Enum):
     FAILED = "failed"
     ABORTED = "aborted"
 
+    __hash__ = object.__hash__  # identity, in C (Enum's own __hash__ is Python code)
+
+
+#: (compared with ``is`` on the push path instead of calling the ``is_open`` property)
+_OPEN: Final = ProducerSessionState.OPEN
 
 _TRANSITIONS: Final[dict[ProducerSessionState, frozenset[ProducerSessionState]]] = {
     ProducerSessionState.OPEN: frozenset(
@@ -177,7 +180,7 @@ class ProducerSession:
                 break
             self._reserved.append(buf)
             self._unannounced += 1
-        if len(self._reserved) < self.max_credit and not self._listening and self.is_open:
+        if len(self._reserved) < self.max_credit and not self._listening and self.state is _OPEN:
             self._listening = pool.add_buffer_listener(self)
 
     def _announce(self) -> None:
@@ -197,7 +200,7 @@ class ProducerSession:
         n = self._unannounced
         if self._granted == 0 and n == 0 and self._starved_since is None:
             self._starved_since = self._clock()  # the task waits for credit: backpressure
-        if n and (n >= self._batch or self._granted == 0) and self.is_open:
+        if n and (n >= self._batch or self._granted == 0) and self.state is _OPEN:
             if self._starved_since is not None:
                 self.partition.record_back_pressure(self._clock() - self._starved_since)
                 self._starved_since = None
@@ -209,7 +212,7 @@ class ProducerSession:
     # BufferListener: a consumer freed a segment of the partition's pool.
     def notify_buffer_available(self, buffer: Buffer) -> NotificationResult:
         self._listening = False
-        if not self.is_open or len(self._reserved) >= self.max_credit:
+        if self.state is not _OPEN or len(self._reserved) >= self.max_credit:
             return NotificationResult.BUFFER_NOT_USED
         self._reserved.append(buffer)
         self._unannounced += 1
@@ -245,7 +248,7 @@ class ProducerSession:
         decoded as a message (an event, or a push to a session no longer open: the
         endpoint drops or refuses those). ProtocolError if the task pushed without credit
         or more than a segment."""
-        if header.data_type is not DataType.DATA_BUFFER or not self.is_open:
+        if header.data_type is not DataType.DATA_BUFFER or self.state is not _OPEN:
             return None
         return self._take_segment(header.size).segment.view()[: header.size]
 
@@ -274,7 +277,7 @@ class ProducerSession:
         if not self._landing:
             raise IllegalStateError("no pushed buffer is landing")
         buf = self._landing.popleft()
-        if not self.is_open:
+        if self.state is not _OPEN:
             buf.release()
             return
         buf.set_size(size)

@@ -18,13 +18,14 @@ class NotificationResult(Enum):
     BUFFER_USED_NO_NEED_MORE = (True, False)
     BUFFER_USED_NEED_MORE = (True, True)
 
-    @property
-    def is_buffer_used(self) -> bool:
-        return self.value[0]
+    # Plain attributes of each member, set once: a pool reads them for every recycled
+    # buffer it offers (``self.value[i]`` behind a property costs three Python calls).
+    is_buffer_used: bool
+    needs_more_buffers: bool
 
-    @property
-    def needs_more_buffers(self) -> bool:
-        return self.value[1]
+    def __init__(self, used: bool, needs_more: bool) -> None:
+        self.is_buffer_used = used
+        self.needs_more_buffers = needs_more
 
 
 class BufferListener(Protocol):

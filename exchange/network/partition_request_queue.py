@@ -20,6 +20,7 @@ escaping an event-loop callback is only logged and would leave every channel sta
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -76,7 +77,7 @@ class PartitionRequestQueue:
         return list(self._readers.values())
 
     def notify_reader_non_empty(self, reader: CreditBasedSequenceNumberingViewReader) -> None:
-        self._schedule(lambda: self.enqueue_available_reader(reader))
+        self._schedule(functools.partial(self.enqueue_available_reader, reader))
 
     def enqueue_available_reader(self, reader: CreditBasedSequenceNumberingViewReader) -> None:
         if self._released or reader.registered_as_available:

@@ -151,6 +151,10 @@ class ServerConnectionState(Enum):
     CLOSING = "closing"
     CLOSED = "closed"
 
+    # Members are singletons: identity hashing, in C. (Enum's own ``__hash__`` is Python
+    # code, run by every ``state in <frozenset>`` check on the receive path.)
+    __hash__ = object.__hash__
+
 
 _S = ServerConnectionState
 _TRANSITIONS: Final[dict[ServerConnectionState, frozenset[ServerConnectionState]]] = {
@@ -261,6 +265,9 @@ class ServerConnection:
             settings.max_frame_size, body_sink=body_sink, data_frames=data_frames
         )
         self._on_payload = on_payload
+        #: Where the transport writes the next received bytes: a payload's own segment
+        #: while one lands, scratch space otherwise (the decoder's method, called as is).
+        self.get_buffer: Callable[..., memoryview] = self._decoder.get_buffer
         self._handshake = ServerHandshake(settings.secret, nonce_factory=nonce_factory)
         self._writable = True
         self.queue = PartitionRequestQueue(self, self._schedule)
@@ -300,11 +307,6 @@ class ServerConnection:
 
     # -- input ---------------------------------------------------------------------------
 
-    def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """Where the transport writes the next received bytes (a payload's own segment
-        while one lands; scratch space otherwise, and once the connection is closing)."""
-        return self._decoder.get_buffer(sizehint)
-
     def buffer_updated(self, nbytes: int) -> None:
         """``nbytes`` were written into the last ``get_buffer()``: handle what completed."""
         if self._state not in _OPEN:
@@ -319,31 +321,33 @@ class ServerConnection:
         self._decode(self._decoder.feed, data)
 
     def _decode(self, step: Callable[[Any], list[Message | PayloadReceived]], arg: Any) -> None:
+        """Decode, handle what completed, write what that produced (one ``writelines``).
+
+        Runs for every read of the transport (twice per pushed data frame): one function.
+        """
         self._corked += 1
         try:
-            self._decode_corked(step, arg)
-            self._flush_or_fail()
+            try:
+                for item in step(arg):
+                    if type(item) is PayloadReceived:
+                        assert self._on_payload is not None
+                        self._on_payload(item.header, item.payload)
+                    else:
+                        self._receive(item)  # type: ignore[arg-type]
+                    if self._state not in _OPEN:
+                        break
+            except ProtocolError as e:
+                log.warning("protocol error from %s: %s", self.peer, e)
+                resp = self._handshake.error_response
+                self.close_with(resp if resp is not None else error_response_for(e))
+            except Exception as e:
+                self._fail(e)
+            if self._out:
+                self._flush_or_fail()
         finally:
-            self._uncork()
-
-    def _decode_corked(
-        self, step: Callable[[Any], list[Message | PayloadReceived]], arg: Any
-    ) -> None:
-        try:
-            for item in step(arg):
-                if type(item) is PayloadReceived:
-                    assert self._on_payload is not None
-                    self._on_payload(item.header, item.payload)
-                else:
-                    self._receive(item)  # type: ignore[arg-type]
-                if self._state not in _OPEN:
-                    return
-        except ProtocolError as e:
-            log.warning("protocol error from %s: %s", self.peer, e)
-            resp = self._handshake.error_response
-            self.close_with(resp if resp is not None else error_response_for(e))
-        except Exception as e:
-            self._fail(e)
+            self._corked -= 1
+            if self._corked == 0 and self._out:
+                self._uncork_flush()
 
     def _receive(self, msg: Message) -> None:
         if self._state is ServerConnectionState.HANDSHAKE:
@@ -484,6 +488,7 @@ class ServerConnection:
         if not out:
             return
         buffers = self._out_buffers
+        out_bytes = self._out_bytes
         self._out, self._out_bytes, self._out_buffers = [], 0, []
         transport = self._transport
         if self._state is ServerConnectionState.CLOSED or transport.is_closing():
@@ -496,7 +501,7 @@ class ServerConnection:
             for _, rid, buf in buffers:
                 self._recycle(rid, buf)
             raise
-        self._bytes_written += sum(len(p) for p in out)
+        self._bytes_written += out_bytes
         if not buffers:
             return
         if transport.get_write_buffer_size() == 0:
@@ -517,11 +522,14 @@ class ServerConnection:
     def _uncork(self) -> None:
         self._corked -= 1
         if self._corked == 0 and self._out:
-            try:
-                self._flush()
-            except Exception:
-                log.exception("connection %s: writing failed", self.peer)
-                self.abort()
+            self._uncork_flush()
+
+    def _uncork_flush(self) -> None:
+        try:
+            self._flush()
+        except Exception:
+            log.exception("connection %s: writing failed", self.peer)
+            self.abort()
 
     def _reap(self) -> None:
         """Recycle the buffers whose bytes the transport has sent."""

@@ -34,12 +34,12 @@ follow which::
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Final
 
-from exchange.buffers.buffer import Buffer
+from exchange.buffers.buffer import Buffer, DataType
 from exchange.errors import (
     AuthenticationError,
     ExchangeError,
@@ -96,6 +96,10 @@ class ClientConnectionState(Enum):
     CLOSING = "closing"  # we are done (CloseRequest sent or transport closing)
     FAILED = "failed"  # an error ended it; the transport must be closed
     CLOSED = "closed"  # the transport is gone
+
+    # Members are singletons: identity hashing, in C. (Enum's own ``__hash__`` is Python
+    # code, run by every ``state in <frozenset>`` check on the receive path.)
+    __hash__ = object.__hash__
 
 
 _S = ClientConnectionState
@@ -169,6 +173,8 @@ class ClientConnection:
         self.address = address
         self._handshake = ClientHandshake(secret, address=address, app_id=app_id)
         self._decoder = self._new_decoder(max_frame_size, accept)
+        # The decoder's own method: the transport calls it twice per data frame.
+        self.get_buffer: Callable[..., memoryview] = self._decoder.get_buffer
         self._out: list[Piece] = []
         self._events: list[ConnectionEvent] = []
         self.state = ClientConnectionState.CONNECTING
@@ -223,23 +229,24 @@ class ClientConnection:
         for msg in self._handshake.start():
             self._out.extend(encode(msg))
 
-    def get_buffer(self, sizehint: int = -1) -> memoryview:
-        return self._decoder.get_buffer(sizehint)
+    def buffer_updated(self, nbytes: int) -> bool:
+        """``nbytes`` arrived in the last ``get_buffer()``; never raises an ExchangeError.
 
-    def buffer_updated(self, nbytes: int) -> None:
-        """``nbytes`` arrived in the last ``get_buffer()``; never raises an ExchangeError."""
+        Returns True when the I/O side has something to do: events to take or bytes to
+        send (False for most reads: one call per received frame piece, nothing more).
+        """
         try:
             items = self._decoder.buffer_updated(nbytes)
-            if self.state not in _RECEIVING:
-                return  # failed or closed: what still arrives is dropped
-            for item in items:
-                if type(item) is PayloadReceived:
-                    self._on_payload(item)
-                else:
-                    assert isinstance(item, Message)
-                    self._on_message(item)
+            if self.state in _RECEIVING:  # else failed or closed: what arrives is dropped
+                for item in items:
+                    if type(item) is PayloadReceived:
+                        self._on_payload(item)
+                    else:
+                        assert isinstance(item, Message)
+                        self._on_message(item)
         except ExchangeError as e:
             self.fail(e)
+        return bool(self._events) or bool(self._out)
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Plain-``Protocol`` and test entry: copy ``data`` in as a transport would."""
@@ -386,7 +393,7 @@ class PartitionRequestClientConnection(ClientConnection):
 
     def _body_sink(self, header: BufferResponseHeader) -> memoryview | None:
         """Where a BufferResponse payload lands: a credited buffer of its channel."""
-        if not header.data_type.is_buffer or self.state not in _LANDING:
+        if header.data_type is not DataType.DATA_BUFFER or self.state not in _LANDING:
             return None  # events are decoded whole; a frame before the handshake is refused
         ch = self._channels.get(header.receiver_id)
         if ch is None:

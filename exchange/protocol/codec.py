@@ -699,7 +699,9 @@ def _parse_buffer_response(prefix: memoryview, payload_size: int) -> BufferRespo
         raise ProtocolError(f"BufferResponse declares {size} payload bytes, has {payload_size}")
     if dt >= _N_DATA_TYPES:
         raise ProtocolError(f"BufferResponse with unknown data type {dt}")
-    return BufferResponseHeader(rid, seq, backlog, _DATA_TYPES[dt], _flag(comp, "compressed"), size)
+    if comp > 1:  # _flag's check, inline: this runs once per data frame
+        raise ProtocolError(f"compressed must be 0 or 1, got {comp}")
+    return BufferResponseHeader(rid, seq, backlog, _DATA_TYPES[dt], comp == 1, size)
 
 
 BUFFER_RESPONSE_SPEC: Final = DataFrameSpec(_BR_BODY.size, _parse_buffer_response)
@@ -851,6 +853,8 @@ class InPlaceFrameDecoder:
                 if self._filled < self._target.nbytes:
                     return out
                 self._land(out)
+                if self._start == self._end:
+                    return out  # the payload ended the received bytes: nothing to parse
             else:
                 self._end += nbytes
             self._parse(out)
