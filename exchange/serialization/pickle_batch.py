@@ -68,6 +68,25 @@ _PROBE_FIRST: Final = 8
 _PROBE_MAX: Final = 256
 
 
+#: Bytes a fast-mode batch may exceed its expected size by before it is cut short.
+_FAST_SLACK: Final = 1 << 20
+
+
+class _FastPickleTooLarge(Exception):
+    """A fast-mode pickle outgrew its limit (see ``PickleBatchEncoder._dump_fast``)."""
+
+
+class _BoundedFile(io.BytesIO):
+    """The fast pickler's output: refuses writes past ``limit`` bytes."""
+
+    limit = 0
+
+    def write(self, b: Any, /) -> int:
+        if self.tell() + len(b) > self.limit:
+            raise _FastPickleTooLarge
+        return super().write(b)
+
+
 class PickleBatchCodec:
     """Any picklable record, exactly as pickle round-trips it; records batched per frame.
 
@@ -109,7 +128,7 @@ class PickleBatchEncoder:
 
     def __init__(self, max_record_size: int) -> None:
         self._max_record_size = max_record_size
-        self._file = io.BytesIO()
+        self._file = _BoundedFile()
         self._fast = self._new_fast_pickler()
         self._use_fast = False
         self._next_probe = 0  # batches until the next probe
@@ -145,12 +164,17 @@ class PickleBatchEncoder:
         """The pickle of ``records``: fast mode or the memo, as the last probe decided."""
         if self._next_probe > 0:
             self._next_probe -= 1
-            if self._use_fast and (fast := self._dump_fast(records)) is not None:
-                if len(fast) > self._fast_bound * len(records):
-                    # twice the bytes per record of the probe: maybe objects are shared
-                    # now, which fast mode writes again at every reference
-                    self._next_probe = 0
-                return fast
+            if self._use_fast:
+                bound = int(self._fast_bound * len(records))
+                fast = self._dump_fast(records, 2 * bound + _FAST_SLACK)
+                if fast is not None and len(fast) <= bound:
+                    return fast
+                # over twice the bytes per record of the probe: maybe objects are shared
+                # now, which fast mode writes again at every reference (a batch far over
+                # it was cut short, and is pickled with the memo)
+                self._next_probe = 0
+                if fast is not None:
+                    return fast
             return pickle.dumps(records, PICKLE_PROTOCOL)
         payload, self._use_fast = self._smallest(records)
         self._fast_bound = 2 * len(payload) / len(records)
@@ -162,17 +186,21 @@ class PickleBatchEncoder:
         """The smaller pickle of ``records``, fast mode's when it is no larger, and
         whether it is fast mode's."""
         memo = pickle.dumps(records, PICKLE_PROTOCOL)
-        fast = self._dump_fast(records)
+        fast = self._dump_fast(records, len(memo))
         if fast is not None and len(fast) <= len(memo):
             return fast, True
         return memo, False
 
-    def _dump_fast(self, records: list[Any]) -> bytes | None:
+    def _dump_fast(self, records: list[Any], limit: int) -> bytes | None:
         """``records`` pickled in fast mode (no memo); None if fast mode refused them (a
-        reference cycle, or an object pickle refuses: the memo's pickling reports it)."""
+        reference cycle, or an object pickle refuses: the memo's pickling reports it) or
+        its pickle grew past ``limit`` bytes: an object reached along many paths (a DAG of
+        shared lists) is written once per path, which can grow exponentially; the pickler
+        writes 64 KiB frames as it goes, so the dump stops soon after the limit."""
         f = self._file
         f.seek(0)
         f.truncate()
+        f.limit = limit
         try:
             self._fast.dump(records)
         except Exception:

@@ -341,6 +341,31 @@ def test_a_cycle_is_pickled_with_the_memo_even_in_fast_mode() -> None:
     assert got_after == (3, 4)
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("warm", [False, True], ids=["first-batch-probe", "in-fast-mode"])
+def test_a_record_sharing_one_object_along_2_to_the_40_paths_is_pickled_once(
+    warm: bool,
+) -> None:
+    """Fast mode writes a shared object once per reference: a DAG of shared lists 40
+    levels deep would take 2**40 writes. Its dump is cut short soon after its limit and
+    the batch pickled with the memo, both in a probe and in fast mode."""
+    codec = PickleBatchCodec()
+    encoder = codec.new_encoder()
+    if warm:
+        for i in range(300):  # fast mode, and the probes far apart
+            encoder.encode_batch([(i, j) for j in range(100)])
+    dag: list[Any] = [1.5]
+    for _ in range(40):
+        dag = [dag, dag]
+    data = encoder.encode_batch([dag])
+    assert len(data) - 4 == len(pickle.dumps([dag], protocol=5))
+    (got,) = decode(codec, [data])
+    for _ in range(40):
+        assert got[0] is got[1]
+        got = got[0]
+    assert got == [1.5]
+
+
 # -- the record size limit -----------------------------------------------------------------
 
 
