@@ -404,14 +404,19 @@ def fill_partition(
     """A producer task process writes ``count`` records of ``size`` bytes into a
     blocking partition on ``daemon`` and finishes it; its report."""
     producer = Child(produce, daemon.socket_path, dataset, subpartitions, size, count, True)
+    return _go(producer, "producer did not open its partition")
+
+
+def _go(child: Child, not_ready: str) -> dict[str, Any]:
+    """Wait for ``child``'s "ready", start it, return its report; close it either way."""
     try:
-        if producer.recv(READY_TIMEOUT) != "ready":
-            raise BenchError("producer did not open its partition")
-        producer.send("go")
-        result: dict[str, Any] = producer.recv(600)
+        if child.recv(READY_TIMEOUT) != "ready":
+            raise BenchError(not_ready)
+        child.send("go")
+        result: dict[str, Any] = child.recv(600)
         return result
     finally:
-        producer.close()
+        child.close()
 
 
 def read_partition(
@@ -443,14 +448,7 @@ def read_partition(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
-    try:
-        if consumer.recv(READY_TIMEOUT) != "ready":
-            raise BenchError("consumer did not start")
-        consumer.send("go")
-        result: dict[str, Any] = consumer.recv(600)
-        return result
-    finally:
-        consumer.close()
+    return _go(consumer, "consumer did not start")
 
 
 def producer_to_consumer(
