@@ -132,6 +132,10 @@ class ServerTransport(Protocol):
 
     def abort(self) -> None: ...
 
+    def can_write_eof(self) -> bool: ...
+
+    def write_eof(self) -> None: ...
+
 
 class Cancellable(Protocol):
     def cancel(self) -> None: ...
@@ -282,6 +286,7 @@ class ServerConnection:
         self._in_flight: deque[tuple[int, int, Buffer]] = deque()
         self._reap_timer: Cancellable | None = None
         self._abort_timer: Cancellable | None = None
+        self._eof_written = False  # half-closed: our EOF is out (see ``close``)
         self._handshake_timer: Cancellable | None = timers.call_later(
             settings.handshake_timeout, self._on_handshake_timeout
         )
@@ -474,13 +479,21 @@ class ServerConnection:
 
     def send(self, message: Message) -> None:
         """Write a control message (dropped once the transport is closing)."""
-        if self._state is ServerConnectionState.CLOSED or self._transport.is_closing():
+        if self._write_closed():
             return
         pieces = encode(message)
         self._out.extend(pieces)
         self._out_bytes += sum(len(p) for p in pieces)
         if not self._corked:
             self._flush()
+
+    def _write_closed(self) -> bool:
+        """Nothing more may be written: closed, closing, or our EOF is out."""
+        return (
+            self._state is ServerConnectionState.CLOSED
+            or self._eof_written
+            or self._transport.is_closing()
+        )
 
     def _flush(self) -> None:
         """One ``writelines`` for everything written since the last one (per callback)."""
@@ -491,7 +504,7 @@ class ServerConnection:
         out_bytes = self._out_bytes
         self._out, self._out_bytes, self._out_buffers = [], 0, []
         transport = self._transport
-        if self._state is ServerConnectionState.CLOSED or transport.is_closing():
+        if self._write_closed():
             for _, rid, buf in buffers:  # never taken over: ours to recycle
                 self._recycle(rid, buf)
             return
@@ -644,7 +657,12 @@ class ServerConnection:
     def close(self) -> None:
         """Close once the bytes already written are out; the readers are released now.
 
-        A peer that does not read those bytes within ``close_timeout`` is aborted.
+        Half-closes where the transport can (TLS cannot): our FIN follows the last bytes
+        while what the peer still sends is read and dropped, and the transport closes at
+        the peer's EOF. A full close with the peer's bytes unread (credits in flight, say)
+        makes the kernel answer with a reset, which can destroy our last bytes (an
+        ErrorResponse saying why) before the peer reads them. A peer that does not read
+        those bytes and close within ``close_timeout`` is aborted.
         """
         if self._state not in _OPEN:
             return
@@ -659,7 +677,12 @@ class ServerConnection:
         except Exception:
             log.exception("connection %s: writing its last bytes failed", self.peer)
             self._discard_output()
-        self._transport.close()
+        t = self._transport
+        if t.can_write_eof():
+            t.write_eof()
+            self._eof_written = True
+        else:
+            t.close()
         self._abort_timer = self._timers.call_later(self._settings.close_timeout, self.abort)
 
     def abort(self) -> None:

@@ -128,7 +128,13 @@ class FakeTimers:
 class FakeTransport:
     """A transport whose kernel takes ``socket_space`` bytes at once (None: everything)."""
 
-    def __init__(self, socket_space: int | None = None, high: int = 1 << 62, low: int = 0) -> None:
+    def __init__(
+        self,
+        socket_space: int | None = None,
+        high: int = 1 << 62,
+        low: int = 0,
+        half_close: bool = False,
+    ) -> None:
         self.socket_space = socket_space
         self.high, self.low = high, low
         self.conn: ServerConnection | None = None
@@ -138,6 +144,8 @@ class FakeTransport:
         self.paused = False
         self.closing = False
         self.aborted = False
+        self.half_close = half_close  # True: can_write_eof, as a plain TCP/Unix transport
+        self.eof_written = False
         self.fail_buffer_writes = False
         self.writes = 0  # writelines calls (send syscalls, for a real transport)
 
@@ -189,6 +197,13 @@ class FakeTransport:
 
     def close(self) -> None:
         self.closing = True
+
+    def can_write_eof(self) -> bool:
+        return self.half_close
+
+    def write_eof(self) -> None:
+        assert self.half_close and not self.closing
+        self.eof_written = True
 
     def abort(self) -> None:
         self.closing = True
@@ -353,6 +368,27 @@ def test_silent_client_times_out_and_a_closing_peer_is_aborted(
     assert state_of(s) is ServerConnectionState.CLOSING and s.transport.closing
     assert not s.transport.aborted
     s.timers.advance(CLOSE_TIMEOUT)  # the peer never read its last bytes
+    assert s.transport.aborted
+    finish_close(s)
+
+
+def test_a_closing_connection_half_closes_and_drops_what_the_peer_still_sends(
+    manager: ResultPartitionManager,
+) -> None:
+    """With the peer's bytes unread, a full close makes the kernel send a reset that can
+    destroy the ErrorResponse before the peer reads it (seen as "Connection reset by
+    peer" instead of "shutting down" in a full run): where the transport can, the
+    connection writes EOF after its last bytes and keeps reading, dropping what comes."""
+    s = connect(manager, 4096, half_close=True)
+    s.conn.close_with_error(ErrorCode.SERVER_SHUTDOWN, "daemon is shutting down")
+    assert s.transport.eof_written and not s.transport.closing
+    assert s.conn.state is ServerConnectionState.CLOSING
+    s.peer.send(AddCredit(7, 5))  # for no channel: dropped, no error
+    s.peer.send(CloseRequest())
+    err = fatal(s.peer, ErrorCode.SERVER_SHUTDOWN)
+    assert "shutting down" in err.message
+    assert s.conn.state is ServerConnectionState.CLOSING and not s.transport.aborted
+    s.timers.advance(CLOSE_TIMEOUT)  # the peer never closed its side
     assert s.transport.aborted
     finish_close(s)
 
