@@ -100,7 +100,12 @@ def test_dashboard_shows_a_running_jobs_back_pressure_and_checkpoints(
     from client.streaming.environment import JobFailedError, StreamEnvironment
 
     xs.stop_embedded_daemon()  # earlier tests' daemon runs without debloating
-    daemon = xs.get_embedded_daemon(["--debloat"])
+    # 4 KiB segments: the buffers the source fills at full speed before the consumer's
+    # first debloating announcement are drained by the throttled task in seconds. With
+    # 32 KiB segments they hold 8x as much, and the first checkpoint, whose barrier waits
+    # behind them, took longer than the 180 s this test waits (first checkpoint measured
+    # on the same machine: 14.7 s with 4 KiB segments; not done after 180 s with 32 KiB).
+    daemon = xs.get_embedded_daemon(["--debloat", "--segment-size", "4kb"])
     base = daemon.dashboard_url
     env = StreamEnvironment(
         spark, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval="1s", job_id="throttled"
