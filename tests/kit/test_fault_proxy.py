@@ -6,36 +6,22 @@ Each fault is checked from the client's side: what arrives, when, and how it end
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import socketserver
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from tests.kit.modules import load_module
+
 pytestmark = pytest.mark.timeout(60)
 
 
-def _load_kit() -> ModuleType:
-    name = "exchange_tests_kit_fault_proxy"
-    module = sys.modules.get(name)
-    if module is None:
-        path = Path(__file__).with_name("fault_proxy.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-fp: Any = _load_kit()
+fp: Any = load_module("exchange_tests_kit_fault_proxy", Path(__file__).with_name("fault_proxy.py"))
 UP, DOWN = fp.UPSTREAM, fp.DOWNSTREAM
 
 PATTERN = bytes(range(256)) * 4096  # 1 MiB, every offset recognisable

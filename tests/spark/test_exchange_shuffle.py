@@ -168,6 +168,21 @@ def reference(spark: Any, name: str, slices: int, n: int) -> list[list[Any]]:
     return _reference_cache[key]
 
 
+def wait_until_daemon_holds_nothing_of(exchange_id: str, timeout: float = 60) -> None:
+    """Poll the embedded daemon until its pool is whole and no partition of the exchange
+    is left (AssertionError with what it holds after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = daemon_stats()
+        net = stats["network"]
+        if net["available_segments"] == net["total_segments"] and not [
+            p for p in stats["partitions"]["items"] if exchange_id in str(p)
+        ]:
+            break
+        assert time.monotonic() < deadline, (stats["network"], stats["partitions"])
+        time.sleep(0.1)
+
+
 def daemon_stats() -> dict[str, Any]:
     from urllib.request import urlopen
 
@@ -287,16 +302,7 @@ def test_failing_pipelined_producer_fails_the_job_never_a_short_result(spark: An
     assert sc.parallelize([1, 2], 2).sum() == 3
     # A killed barrier task's Python worker may hold its reader until Spark tears the
     # worker down; the memory must come back once it does.
-    deadline = time.monotonic() + 60
-    while True:
-        stats = daemon_stats()
-        net = stats["network"]
-        if net["available_segments"] == net["total_segments"] and not [
-            p for p in stats["partitions"]["items"] if out.exchange_id in str(p)
-        ]:
-            break
-        assert time.monotonic() < deadline, (stats["network"], stats["partitions"])
-        time.sleep(0.1)
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
 def test_retried_producer_task_leaves_no_duplicates(tmp_path: Path, sx: ModuleType) -> None:
@@ -337,13 +343,4 @@ def test_pipelined_consumer_stopping_early_ends_the_stage_and_frees_the_daemon(
         )
     else:  # every writer had finished before its readers stopped
         assert firsts == ["bytes", "bytes"]
-    deadline = time.monotonic() + 60
-    while True:
-        stats = daemon_stats()
-        net = stats["network"]
-        if net["available_segments"] == net["total_segments"] and not [
-            p for p in stats["partitions"]["items"] if out.exchange_id in str(p)
-        ]:
-            break
-        assert time.monotonic() < deadline, (stats["network"], stats["partitions"])
-        time.sleep(0.1)
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
