@@ -56,6 +56,10 @@ MIN_SEGMENT_SIZE: Final = 4 * KIB
 MAX_SEGMENT_SIZE: Final = 16 * MIB
 MIN_SEGMENTS: Final = 16
 MAX_SECRET_SIZE: Final = 64 * KIB
+#: A shorter secret can be guessed offline from one recorded handshake.
+MIN_SECRET_SIZE: Final = 16
+#: The placeholder ``deploy/k8s/secret.yaml`` ships with (never a real secret).
+PLACEHOLDER_SECRETS: Final = frozenset({b"REPLACE-ME-with-openssl-rand-hex-32"})
 # sun_path holds 108 bytes on Linux, including the terminating NUL.
 MAX_UNIX_SOCKET_PATH: Final = 107
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -77,6 +81,7 @@ class DaemonConfig:
     """Everything an exchange daemon is configured with. Sizes in bytes, durations in seconds."""
 
     host: str = "127.0.0.1"
+    http_host: str = "127.0.0.1"
     data_port: int = 0
     http_port: int = 0
     local_socket: str | None = None
@@ -91,6 +96,8 @@ class DaemonConfig:
     partition_request_backoff_max: float = 10.0
     buffer_timeout: float = 0.1
     max_connections: int = 1024
+    max_unauthenticated_connections: int | None = None
+    max_unauthenticated_per_peer: int = 8
     max_requests_per_connection: int = 16384
     max_partitions_per_app: int = 0
     max_pinned_segments_per_app: int = 0
@@ -112,6 +119,7 @@ class DaemonConfig:
     tls_key_file: str | None = None
     tls_ca_file: str | None = None
     tls_client_auth: bool = False
+    require_tls_remote: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -178,6 +186,19 @@ class DaemonConfig:
                 "requiring client certificates needs TLS (tls_cert_file, tls_key_file) and "
                 "the CA that signs them (tls_ca_file)",
             )
+        pending = self.max_unauthenticated_connections
+        if pending is not None and pending >= self.max_connections:
+            raise ConfigError(
+                "max_unauthenticated_connections",
+                f"{pending} must be below max_connections ({self.max_connections}): "
+                "authenticated connections keep the difference as their headroom",
+            )
+        if self.max_unauthenticated_per_peer > self.effective_max_unauthenticated:
+            raise ConfigError(
+                "max_unauthenticated_per_peer",
+                f"{self.max_unauthenticated_per_peer} exceeds max_unauthenticated_connections "
+                f"({self.effective_max_unauthenticated})",
+            )
         if self.data_port != 0 and self.data_port == self.http_port:
             raise ConfigError(
                 "http_port", f"{self.http_port} is also the data_port; use two different ports"
@@ -187,6 +208,14 @@ class DaemonConfig:
     def num_segments(self) -> int:
         """Number of segments in the NetworkBufferPool (network_memory // segment_size)."""
         return self.network_memory // self.segment_size
+
+    @property
+    def effective_max_unauthenticated(self) -> int:
+        """Connections that may be authenticating at once: the setting, or a quarter of
+        max_connections (at most 256), so authenticated work keeps the rest."""
+        if self.max_unauthenticated_connections is not None:
+            return self.max_unauthenticated_connections
+        return max(1, min(256, self.max_connections // 4))
 
     @property
     def effective_high_watermark(self) -> int:
@@ -252,13 +281,7 @@ class DaemonConfig:
             if not stat.S_ISREG(os.stat(path).st_mode):
                 raise ConfigError("secret_file", f"{path!r} is not a regular file")
             with open(path, "rb") as fh:
-                mode = os.fstat(fh.fileno()).st_mode
-                if mode & (stat.S_IROTH | stat.S_IWOTH):
-                    raise ConfigError(
-                        "secret_file",
-                        f"{path!r} is accessible by other users (mode {stat.filemode(mode)}); "
-                        "restrict it with chmod 600",
-                    )
+                check_private_file("secret_file", path, os.fstat(fh.fileno()).st_mode)
                 data = fh.read(MAX_SECRET_SIZE + 1)
         except FileNotFoundError:
             raise ConfigError("secret_file", f"{path!r} does not exist") from None
@@ -269,11 +292,34 @@ class DaemonConfig:
         secret = data.rstrip(b"\r\n")
         if not secret:
             raise ConfigError("secret_file", f"{path!r} is empty")
+        if len(secret) < MIN_SECRET_SIZE:
+            raise ConfigError(
+                "secret_file",
+                f"{path!r} holds {len(secret)} bytes; a secret needs at least {MIN_SECRET_SIZE} "
+                "(make one with: openssl rand -hex 32)",
+            )
+        if secret in PLACEHOLDER_SECRETS:
+            raise ConfigError(
+                "secret_file",
+                f"{path!r} holds the placeholder of deploy/k8s/secret.yaml, not a secret; "
+                "create one with: openssl rand -hex 32",
+            )
         return secret
 
     def to_dict(self) -> dict[str, object]:
         """The effective settings by field name, for printing; the secret itself is never read."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_private_file(setting: str, path: str, mode: int) -> None:
+    """ConfigError naming ``setting`` unless the file of ``mode`` is its owner's only
+    (no group or other permission at all: ``chmod 600`` or ``400``)."""
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            setting,
+            f"{path!r} is accessible by other users or its group (mode "
+            f"{stat.filemode(mode)}); restrict it with chmod 600",
+        )
 
 
 # --- one coercer per setting -------------------------------------------------------------
@@ -316,6 +362,18 @@ def _optional_path(value: Any, setting: str) -> str | None:
 def _int(minimum: int, maximum: int | None = None) -> _Coerce:
     def coerce(value: Any, setting: str) -> int:
         return parse_int(value, setting, minimum=minimum, maximum=maximum)
+
+    return coerce
+
+
+def _optional_int(minimum: int) -> _Coerce:
+    required = _int(minimum)
+
+    def coerce(value: Any, setting: str) -> int | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+            return None
+        result: int = required(value, setting)
+        return result
 
     return coerce
 
@@ -379,7 +437,13 @@ _SIZE: Final[tuple[type, ...]] = (int, str)
 _DURATION: Final[tuple[type, ...]] = (int, float, str)
 
 _SETTINGS: Final[dict[str, _Setting]] = {
-    "host": _Setting(_host, _STR, "HOST", "address the data and HTTP ports bind to"),
+    "host": _Setting(_host, _STR, "HOST", "address the data port binds to"),
+    "http_host": _Setting(
+        _host,
+        _STR,
+        "HOST",
+        "address the HTTP port (/metrics, /healthz, dashboard) binds to; loopback by default",
+    ),
     "data_port": _Setting(
         _int(0, 65535), _INT, "PORT", "TCP port for remote consumers; 0 lets the OS pick"
     ),
@@ -435,6 +499,19 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         "flush interval of partly filled buffers; 0 = every record, -1 = only full buffers",
     ),
     "max_connections": _Setting(_int(1), _INT, "N", "most TCP connections served at once"),
+    "max_unauthenticated_connections": _Setting(
+        _optional_int(1),
+        _INT,
+        "N",
+        "data-port connections that may be authenticating at once (TLS and handshake), below "
+        "max_connections; default a quarter of max_connections, at most 256",
+    ),
+    "max_unauthenticated_per_peer": _Setting(
+        _int(1),
+        _INT,
+        "N",
+        "data-port connections one peer address may have authenticating at once",
+    ),
     "max_requests_per_connection": _Setting(
         _int(1), _INT, "N", "partition requests open at once on one connection"
     ),
@@ -516,6 +593,12 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         "BOOL",
         "require a client certificate signed by tls_ca_file (mutual TLS)",
     ),
+    "require_tls_remote": _Setting(
+        _bool,
+        (bool,),
+        "BOOL",
+        "refuse data-port connections without TLS from peers that are not on loopback",
+    ),
 }
 
 # A setting without a flag or coercer would be silently unconfigurable.
@@ -526,7 +609,11 @@ assert list(_SETTINGS) == [f.name for f in fields(DaemonConfig)]
 
 
 #: Boolean settings: flags ``--x`` / ``--no-x`` (argparse.BooleanOptionalAction).
-_BOOL_FLAGS: Final = {"debloat_enabled": "--debloat", "tls_client_auth": "--tls-client-auth"}
+_BOOL_FLAGS: Final = {
+    "debloat_enabled": "--debloat",
+    "tls_client_auth": "--tls-client-auth",
+    "require_tls_remote": "--require-tls-remote",
+}
 
 
 def flag_name(setting: str) -> str:

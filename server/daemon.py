@@ -25,13 +25,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from exchange.errors import (
+    ConfigError,
     CorruptRecordError,
     ExchangeError,
     LimitExceededError,
@@ -56,11 +58,11 @@ from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.codec import max_frame_size_for
 from exchange.protocol.local_messages import DaemonInfo
 from server.config import DaemonConfig
-from server.http_server import HttpServer
+from server.http_server import DEFAULT_MAX_CONNECTIONS, HARD_LIMIT_FACTOR, HttpServer
 from server.jobs import JobView
 from server.local_endpoint import LocalEndpoint
 from server.metrics import TaskReport
-from server.partition_request_server import DataServer
+from server.partition_request_server import DataServer, is_loopback
 from server.tls import server_ssl_context
 
 __all__ = ["ExchangeDaemon"]
@@ -95,7 +97,13 @@ class ExchangeDaemon:
             peer_timeout=config.peer_timeout or None,
             release_dataset=self.release_dataset,
         )
-        self.data_server = DataServer(self.manager, **common)
+        self.data_server = DataServer(
+            self.manager,
+            max_unauthenticated=config.effective_max_unauthenticated,
+            max_unauthenticated_per_peer=config.max_unauthenticated_per_peer,
+            require_tls_remote=config.require_tls_remote,
+            **common,
+        )
         self.local_endpoint = LocalEndpoint(
             self, max_frame_size=max_frame_size_for(config.segment_size), **common
         )
@@ -121,13 +129,21 @@ class ExchangeDaemon:
         cfg = self.config
         cfg.validate_paths()
         ssl_context = server_ssl_context(cfg)
+        ensure_fd_limit(cfg)
         self.recover_partitions()
         host, port = await self.data_server.start(cfg.host, cfg.data_port, ssl_context)
         self.tls = ssl_context is not None
+        if not is_loopback(host) and self._secret is None and not self.tls:
+            log.warning(
+                "the data port listens on %s with neither a secret nor TLS: anyone who reaches "
+                "it can read every partition and feed records that consumer tasks unpickle; "
+                "set --secret-file and TLS, or bind --host to loopback",
+                host,
+            )
         self.data_address = f"{_fmt_host(_advertised_host(host))}:{port}"
         self.local_socket = await self.local_endpoint.start_unix(cfg.resolved_local_socket())
         self.http = HttpServer(self)
-        hh, hp = await self.http.start(cfg.host, cfg.http_port)
+        hh, hp = await self.http.start(cfg.http_host, cfg.http_port)
         self.http_address = f"{_fmt_host(hh)}:{hp}"
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
         return self.ready_info()
@@ -404,6 +420,38 @@ class ExchangeDaemon:
             "back_pressured_seconds": self._released_back_pressure
             + sum(s.back_pressured_seconds for s in live),
         }
+
+
+#: Descriptors a daemon needs besides its connections: listening sockets, the event loop,
+#: logs, spill files being written or read (each open reader of a blocking partition).
+FD_RESERVE: Final = 256
+
+
+def fd_budget(config: DaemonConfig) -> int:
+    """Descriptors the configured limits may take at once: the data port's and the local
+    socket's connections, the HTTP port's, and ``FD_RESERVE``."""
+    return 2 * config.max_connections + HARD_LIMIT_FACTOR * DEFAULT_MAX_CONNECTIONS + FD_RESERVE
+
+
+def ensure_fd_limit(config: DaemonConfig) -> None:
+    """Raise the soft RLIMIT_NOFILE to what the limits need, or refuse to start.
+
+    A daemon that runs out of descriptors fails producers, readers and its HTTP port alike
+    (EMFILE); the connection limits only protect it if the process may hold that many.
+    """
+    need = fd_budget(config)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ConfigError(
+            "max_connections",
+            f"{config.max_connections} connections on the data port and the local socket need "
+            f"{need} file descriptors, but RLIMIT_NOFILE allows {hard} (hard limit); lower "
+            "max_connections or raise the limit (ulimit -n, LimitNOFILE=, docker --ulimit)",
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    log.info("raised the soft RLIMIT_NOFILE from %d to %d (for max_connections)", soft, need)
 
 
 #: Overrides the host name the daemon tells consumers to connect to.

@@ -230,6 +230,8 @@ class ServerConnection:
     passes ``data_frames``, a ``body_sink`` (the header -> the view the payload lands in,
     or None to decode the frame as an ordinary message) and ``on_payload`` (a payload has
     landed): the kernel writes the payload straight into that view, no copy on the way.
+    ``on_established`` is called once, when the handshake completes (the server's books:
+    the connection no longer counts as unauthenticated).
     """
 
     def __init__(
@@ -247,6 +249,7 @@ class ServerConnection:
         data_frames: Mapping[int, DataFrameSpec] | None = None,
         body_sink: BodySink | None = None,
         on_payload: Callable[[Any, memoryview], None] | None = None,
+        on_established: Callable[[], None] | None = None,
     ) -> None:
         if (body_sink is None) != (on_payload is None) or (body_sink is None) != (
             data_frames is None
@@ -269,6 +272,7 @@ class ServerConnection:
             settings.max_frame_size, body_sink=body_sink, data_frames=data_frames
         )
         self._on_payload = on_payload
+        self._on_established = on_established
         #: Where the transport writes the next received bytes: a payload's own segment
         #: while one lands, scratch space otherwise (the decoder's method, called as is).
         self.get_buffer: Callable[..., memoryview] = self._decoder.get_buffer
@@ -364,6 +368,8 @@ class ServerConnection:
                 self._cancel_handshake_timer()
                 self._transition(ServerConnectionState.ESTABLISHED)
                 self._arm_keepalive()
+                if self._on_established is not None:
+                    self._on_established()
             return
         if type(msg) is Pong:
             self._ping_ticks = None
