@@ -97,7 +97,7 @@ class DaemonConfig:
     buffer_timeout: float = 0.1
     max_connections: int = 1024
     max_unauthenticated_connections: int | None = None
-    max_unauthenticated_per_peer: int = 8
+    max_unauthenticated_per_peer: int | None = None
     max_requests_per_connection: int = 16384
     max_partitions_per_app: int = 0
     max_pinned_segments_per_app: int = 0
@@ -193,7 +193,8 @@ class DaemonConfig:
                 f"{pending} must be below max_connections ({self.max_connections}): "
                 "authenticated connections keep the difference as their headroom",
             )
-        if self.max_unauthenticated_per_peer > self.effective_max_unauthenticated:
+        per_peer = self.max_unauthenticated_per_peer
+        if per_peer is not None and per_peer > self.effective_max_unauthenticated:
             raise ConfigError(
                 "max_unauthenticated_per_peer",
                 f"{self.max_unauthenticated_per_peer} exceeds max_unauthenticated_connections "
@@ -216,6 +217,13 @@ class DaemonConfig:
         if self.max_unauthenticated_connections is not None:
             return self.max_unauthenticated_connections
         return max(1, min(256, self.max_connections // 4))
+
+    @property
+    def effective_max_unauthenticated_per_peer(self) -> int:
+        """The setting, or 8 (at most ``effective_max_unauthenticated``)."""
+        if self.max_unauthenticated_per_peer is not None:
+            return self.max_unauthenticated_per_peer
+        return min(8, self.effective_max_unauthenticated)
 
     @property
     def effective_high_watermark(self) -> int:
@@ -507,10 +515,11 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         "max_connections; default a quarter of max_connections, at most 256",
     ),
     "max_unauthenticated_per_peer": _Setting(
-        _int(1),
+        _optional_int(1),
         _INT,
         "N",
-        "data-port connections one peer address may have authenticating at once",
+        "data-port connections one peer address may have authenticating at once; default 8 "
+        "(at most max_unauthenticated_connections)",
     ),
     "max_requests_per_connection": _Setting(
         _int(1), _INT, "N", "partition requests open at once on one connection"

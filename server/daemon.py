@@ -100,7 +100,7 @@ class ExchangeDaemon:
         self.data_server = DataServer(
             self.manager,
             max_unauthenticated=config.effective_max_unauthenticated,
-            max_unauthenticated_per_peer=config.max_unauthenticated_per_peer,
+            max_unauthenticated_per_peer=config.effective_max_unauthenticated_per_peer,
             require_tls_remote=config.require_tls_remote,
             **common,
         )

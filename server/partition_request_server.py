@@ -26,11 +26,13 @@ and ``resume_writing`` below the low one (``channelWritabilityChanged``: the que
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import ipaddress
 import logging
 import socket
 import ssl
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Final, cast
 
@@ -119,7 +121,9 @@ class DataServer:
         self._server: asyncio.Server | None = None  # the local endpoint's Unix server
         self._listener: socket.socket | None = None  # the data port (see ``_on_accept``)
         self._accept_paused: asyncio.TimerHandle | None = None
+        self._connecting: set[asyncio.Task[None]] = set()
         self._last_fd_warning = 0.0
+        self._last_refusal_warning = -10.0
         self.total_connections = 0
         self.rejected_connections = 0
         self.timed_out_connections = 0
@@ -206,14 +210,16 @@ class DataServer:
         refused = self._admit(proto)
         ctx = self.ssl_context
         if refused is not None and ctx is not None:
-            self.rejected_connections += 1
-            log.warning("refused connection from %s: %s", proto.peer, refused)
+            self.refused(proto.peer, refused)
             sock.close()  # it cannot read an error before TLS
             return
         proto._refused = refused  # a plain peer reads why (connection_made)
-        self.accepting.add(proto)
-        loop = asyncio.get_running_loop()
-        proto._connect_task = loop.create_task(self._connect(proto, sock, ctx))
+        if refused is None:  # a refused one does not count: it is closed at once
+            self.accepting.add(proto)
+        proto._sock = sock
+        task = asyncio.get_running_loop().create_task(self._connect(proto, sock, ctx))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
 
     async def _connect(
         self, proto: PartitionRequestServerProtocol, sock: socket.socket, ctx: ssl.SSLContext | None
@@ -228,13 +234,14 @@ class DataServer:
                 ssl=ctx,
                 ssl_handshake_timeout=self.handshake_timeout if ctx is not None else None,
             )
-        except (Exception, asyncio.CancelledError) as e:  # the peer's failure, or our abort
-            if proto.connection is None:
-                log.info("connection from %s failed before it was made: %r", proto.peer, e)
-                sock.close()
-                self._connection_closed(proto)
+        except Exception as e:  # the peer's failure (a TLS handshake), or our abort
+            log.info("connection from %s failed before it was made: %r", proto.peer, e)
+            # a transport that took the socket over detaches it when it closes: then this
+            # does nothing
+            sock.close()
+            self._connection_closed(proto)
         finally:
-            proto._connect_task = None
+            proto._sock = None
 
     @property
     def connection_settings(self) -> ServerConnectionSettings:
@@ -293,6 +300,8 @@ class DataServer:
             self._server = None
         # Aborted transports report connection_lost from the loop's next iterations.
         await self._wait_for_no_connections(self.close_timeout)
+        if self._connecting:  # their sockets are shut down: they end at once
+            await asyncio.wait(list(self._connecting), timeout=self.close_timeout)
 
     @property
     def num_connections(self) -> int:
@@ -320,12 +329,15 @@ class DataServer:
             return f"too many unauthenticated connections from {host} (limit {per_peer})"
         limit = self.max_unauthenticated
         if limit is not None and self.num_unauthenticated >= limit:
-            # the oldest of the address that holds the most makes room for the newcomer
+            # the oldest of the address that holds the most makes room for the newcomer,
+            # unless the newcomer's address would then hold as many (it churns its own)
             busiest = max(self.unauthenticated.values(), key=len)
+            if len(busiest) <= held + 1:
+                return f"too many unauthenticated connections (limit {limit})"
             victim = next(iter(busiest))
             self._authenticated(victim)
             self.evicted_connections += 1
-            log.warning(
+            log.debug(
                 "dropping unauthenticated connection %s for %s (max_unauthenticated_connections "
                 "%d reached)",
                 victim.peer,
@@ -335,6 +347,22 @@ class DataServer:
             victim.abort()
         self.unauthenticated.setdefault(host, {})[proto] = None
         return None
+
+    def refused(self, peer: str, reason: str) -> None:
+        """Count a refused connection; a warning at most every 10 s (a flood of them
+        must not flood the log), the others at debug level."""
+        self.rejected_connections += 1
+        now = time.monotonic()
+        if now - self._last_refusal_warning >= 10.0:
+            self._last_refusal_warning = now
+            log.warning(
+                "refused connection from %s: %s (%d refused so far)",
+                peer,
+                reason,
+                self.rejected_connections,
+            )
+        else:
+            log.debug("refused connection from %s: %s", peer, reason)
 
     def _authenticated(self, proto: PartitionRequestServerProtocol) -> None:
         """``proto`` no longer counts as unauthenticated (it authenticated, or it is gone)."""
@@ -430,10 +458,12 @@ class PartitionRequestServerProtocol(asyncio.BufferedProtocol):
         self.peer = "?"
         #: the peer's address without its port (None on a Unix socket)
         self.peer_host: str | None = None
-        #: set by the data port at accept: setting the transport up, why it is refused
-        self._connect_task: asyncio.Task[None] | None = None
+        #: set by the data port at accept: the socket while the transport is set up (TLS),
+        #: why it is refused, whether it was dropped meanwhile
+        self._sock: socket.socket | None = None
         self._refused: str | None = None
         self._admitted = False
+        self._dropped = False
 
     def _conn(self) -> ServerConnection:
         conn = self.connection
@@ -451,6 +481,10 @@ class PartitionRequestServerProtocol(asyncio.BufferedProtocol):
             self.peer = str(peer) if peer else "unix"
             self._refused = srv._admit(self)
         srv.accepting.discard(self)
+        if self._dropped or transport.is_closing():  # dropped while it was being set up
+            transport.abort()
+            srv._connection_closed(self)
+            return
         self.connection = conn = ServerConnection(
             transport,
             self._loop,
@@ -467,8 +501,7 @@ class PartitionRequestServerProtocol(asyncio.BufferedProtocol):
         )
         refused = self._refused
         if refused is not None:
-            srv.rejected_connections += 1
-            log.warning("refused connection from %s: %s", self.peer, refused)
+            srv.refused(self.peer, refused)
             code = (
                 ErrorCode.ACCESS_DENIED
                 if "require_tls_remote" in refused
@@ -494,8 +527,10 @@ class PartitionRequestServerProtocol(asyncio.BufferedProtocol):
         self._conn().resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        conn = self._conn()
+        conn = self.connection
         self._server._connection_closed(self)
+        if conn is None:  # closed before it was made
+            return
         conn.connection_lost(exc)
         self._transport = None
 
@@ -531,8 +566,11 @@ class PartitionRequestServerProtocol(asyncio.BufferedProtocol):
         """Drop the connection without flushing (connection_lost releases its buffers)."""
         if self.connection is not None:
             self.connection.abort()
-        elif self._connect_task is not None:
-            self._connect_task.cancel()  # its handler closes the socket and does the books
+        elif self._sock is not None:  # being set up: it fails at once, and is off the books
+            self._dropped = True
+            with contextlib.suppress(OSError):  # the transport may have closed it already
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._server._connection_closed(self)
         elif self._transport is not None:
             self._transport.abort()
 

@@ -238,8 +238,11 @@ def started_daemons() -> Iterator[Callable[..., DaemonProcess]]:
             assert d.proc.returncode is not None
 
 
-def run_daemon_cli(args: Sequence[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """``python -m server ARGS`` expected to exit by itself (refused configs)."""
+def run_daemon_cli(
+    args: Sequence[str], timeout: float = 30.0, preexec_fn: Callable[[], None] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m server ARGS`` expected to exit by itself (refused configs);
+    ``preexec_fn`` runs in the child before the daemon (a lower resource limit)."""
     return subprocess.run(
         [sys.executable, "-m", "server", *args],
         capture_output=True,
@@ -247,6 +250,7 @@ def run_daemon_cli(args: Sequence[str], timeout: float = 30.0) -> subprocess.Com
         cwd=ROOT,
         env=child_env(),
         timeout=timeout,
+        preexec_fn=preexec_fn,
     )
 
 

@@ -499,9 +499,14 @@ def test_all_flags() -> None:
         "--tls-key-file=/etc/exchange/daemon.key",
         "--tls-ca-file=/etc/exchange/ca.pem",
         "--tls-client-auth",
+        "--http-host=127.0.0.2",
+        "--max-unauthenticated-connections=4",
+        "--max-unauthenticated-per-peer=2",
+        "--require-tls-remote",
     ]
     assert load_config(argv, env={}).to_dict() == {
         "host": "0.0.0.0",
+        "http_host": "127.0.0.2",
         "data_port": 7000,
         "http_port": 8080,
         "local_socket": "/tmp/x.sock",
@@ -516,6 +521,8 @@ def test_all_flags() -> None:
         "partition_request_backoff_max": 5.0,
         "buffer_timeout": 0.0,
         "max_connections": 10,
+        "max_unauthenticated_connections": 4,
+        "max_unauthenticated_per_peer": 2,
         "max_requests_per_connection": 100,
         "max_partitions_per_app": 50,
         "max_pinned_segments_per_app": 800,
@@ -537,6 +544,7 @@ def test_all_flags() -> None:
         "tls_key_file": "/etc/exchange/daemon.key",
         "tls_ca_file": "/etc/exchange/ca.pem",
         "tls_client_auth": True,
+        "require_tls_remote": True,
     }
 
 
@@ -724,13 +732,53 @@ def test_no_secret_file_means_no_secret() -> None:
     assert DaemonConfig().load_secret() is None
 
 
+GOOD = b"0123456789abcdef-s3cret"
+
+
 @pytest.mark.parametrize(
     ("content", "expected"),
-    [(b"s3cret\n", b"s3cret"), (b"s3cret", b"s3cret"), (b"s3 cret\r\n\n", b"s3 cret")],
+    [(GOOD + b"\n", GOOD), (GOOD, GOOD), (b"s3 cret" + GOOD + b"\r\n\n", b"s3 cret" + GOOD)],
 )
 def test_good_secret_file_loads(tmp_path: Path, content: bytes, expected: bytes) -> None:
     assert secret_config(tmp_path / "secret", content).load_secret() == expected
-    assert secret_config(tmp_path / "g", content, mode=0o640).load_secret() == expected
+    assert secret_config(tmp_path / "r", content, mode=0o400).load_secret() == expected
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o620, 0o660, 0o610])
+def test_secret_file_open_to_its_group_refused(tmp_path: Path, mode: int) -> None:
+    with pytest.raises(ConfigError, match="its group") as info:
+        secret_config(tmp_path / "secret", GOOD, mode=mode).load_secret()
+    assert info.value.setting == "secret_file"
+
+
+@pytest.mark.parametrize(
+    "content", [b"s3cret\n", b"x" * 15, b"REPLACE-ME-with-openssl-rand-hex-32\n"]
+)
+def test_short_or_placeholder_secret_refused(tmp_path: Path, content: bytes) -> None:
+    with pytest.raises(ConfigError, match="at least 16|placeholder") as info:
+        secret_config(tmp_path / "secret", content).load_secret()
+    assert info.value.setting == "secret_file"
+
+
+def test_the_k8s_placeholder_is_refused(tmp_path: Path) -> None:
+    # the placeholder as deploy/k8s/secret.yaml ships it, read from that file
+    yaml = (Path(__file__).parents[2] / "deploy" / "k8s" / "secret.yaml").read_text()
+    placeholder = yaml.split("secret:", 2)[-1].strip().encode()
+    with pytest.raises(ConfigError, match="placeholder"):
+        secret_config(tmp_path / "secret", placeholder + b"\n").load_secret()
+
+
+def test_unauthenticated_limits_are_checked() -> None:
+    config = DaemonConfig(max_connections=64)
+    assert config.effective_max_unauthenticated == 16
+    assert config.effective_max_unauthenticated_per_peer == 8
+    assert DaemonConfig(max_connections=5).effective_max_unauthenticated_per_peer == 1
+    with pytest.raises(ConfigError) as info:
+        DaemonConfig(max_connections=64, max_unauthenticated_connections=64)
+    assert info.value.setting == "max_unauthenticated_connections"
+    with pytest.raises(ConfigError) as info:
+        DaemonConfig(max_unauthenticated_connections=4, max_unauthenticated_per_peer=5)
+    assert info.value.setting == "max_unauthenticated_per_peer"
 
 
 def test_missing_secret_file(tmp_path: Path) -> None:
@@ -749,7 +797,7 @@ def test_empty_secret_file_refused(tmp_path: Path, content: bytes) -> None:
 @pytest.mark.parametrize("mode", [0o644, 0o604, 0o602, 0o666])
 def test_secret_file_open_to_others_refused(tmp_path: Path, mode: int) -> None:
     with pytest.raises(ConfigError, match="other users") as info:
-        secret_config(tmp_path / "secret", b"s3cret\n", mode=mode).load_secret()
+        secret_config(tmp_path / "secret", GOOD, mode=mode).load_secret()
     assert info.value.setting == "secret_file"
 
 
