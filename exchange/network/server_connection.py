@@ -685,7 +685,11 @@ class ServerConnection:
             self._discard_output()
         t = self._transport
         if t.can_write_eof():
-            t.write_eof()
+            try:
+                t.write_eof()
+            except OSError:  # the peer is gone already (its reset not processed yet)
+                t.abort()
+                return
             self._eof_written = True
         else:
             t.close()

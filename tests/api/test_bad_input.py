@@ -409,6 +409,7 @@ def test_stream_execute_arguments(kwargs: dict[str, Any], words: str, tmp_path: 
 #: At least one invalid value for every setting (as given on the command line).
 BAD_FLAG_VALUES: dict[str, list[str]] = {
     "host": ["", "a b"],
+    "http_host": ["", "a b"],
     "data_port": ["-1", "65536", "http"],
     "http_port": ["-5", "99999"],
     "local_socket": ["/" + "s" * 200],
@@ -423,6 +424,8 @@ BAD_FLAG_VALUES: dict[str, list[str]] = {
     "partition_request_backoff_max": ["0", "-10s"],
     "buffer_timeout": ["-2", "-1s", "often"],
     "max_connections": ["0", "-1"],
+    "max_unauthenticated_connections": ["0", "-1", "1024"],
+    "max_unauthenticated_per_peer": ["0", "-1", "300"],
     "handshake_timeout": ["0", "-1"],
     "peer_timeout": ["-1", "-5s", "never"],
     "max_requests_per_connection": ["0", "-1", "many"],
@@ -444,6 +447,7 @@ BAD_FLAG_VALUES: dict[str, list[str]] = {
     "tls_key_file": ["/nonexistent/key.pem"],
     "tls_ca_file": ["/nonexistent/ca.pem"],
     "tls_client_auth": [],  # --tls-client-auth / --no-tls-client-auth
+    "require_tls_remote": [],  # --require-tls-remote / --no-require-tls-remote
 }
 
 FLAG_CASES = [(name, value) for name, values in BAD_FLAG_VALUES.items() for value in values]

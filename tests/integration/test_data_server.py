@@ -209,3 +209,48 @@ async def test_a_truncated_spill_file_fails_its_channel_only(
     assert server_pool.is_whole(), server_pool.stats()
     server_pool.destroy()
     await net.assert_no_other_tasks()
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+async def test_out_of_descriptors_at_accept_is_logged_and_survived(
+    net: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EMFILE at accept went unlogged and broke the daemon's other work: it is logged,
+    accepting pauses for a second, and the connections waiting are served afterwards."""
+    import resource
+    import socket
+
+    manager = ResultPartitionManager()
+    server = DataServer(manager, segment_size=SEG)
+    host, port = await server.start("127.0.0.1", 0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    clients: list[socket.socket] = []
+    caplog.set_level("ERROR", logger="exchange.server.data")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        while True:  # the clients take the last descriptors; the server's accept finds none
+            try:
+                s = socket.socket()
+            except OSError:
+                break
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect((host, port))
+            clients.append(s)
+            await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):
+            while "cannot accept" not in caplog.text:
+                await asyncio.sleep(0.01)
+        assert "Too many open files" in caplog.text and "max_connections" in caplog.text
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        async with asyncio.timeout(10):  # accepting resumes: every client gets in
+            while server.total_connections < len(clients):
+                await asyncio.sleep(0.02)
+    finally:
+        for s in clients:
+            s.close()
+        await server.close()
+    assert server.num_connections == 0 and server.unauthenticated == {}
+    await net.assert_no_other_tasks()

@@ -755,7 +755,7 @@ def test_secret_file_open_to_its_group_refused(tmp_path: Path, mode: int) -> Non
     "content", [b"s3cret\n", b"x" * 15, b"REPLACE-ME-with-openssl-rand-hex-32\n"]
 )
 def test_short_or_placeholder_secret_refused(tmp_path: Path, content: bytes) -> None:
-    with pytest.raises(ConfigError, match="at least 16|placeholder") as info:
+    with pytest.raises(ConfigError, match=r"at least 16|placeholder") as info:
         secret_config(tmp_path / "secret", content).load_secret()
     assert info.value.setting == "secret_file"
 
