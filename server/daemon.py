@@ -108,7 +108,8 @@ class ExchangeDaemon:
             self, max_frame_size=max_frame_size_for(config.segment_size), **common
         )
         self.http: HttpServer | None = None
-        self._finished_at: dict[ResultPartitionID, float] = {}
+        #: (application, partition id) -> when its blocking partition was finished
+        self._finished_at: dict[tuple[str, ResultPartitionID], float] = {}
         self._sweeper: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
         # cumulative counters (survive partition release)
@@ -314,6 +315,7 @@ class ExchangeDaemon:
                     ProducerFailedError(
                         f"the {what} partition died with its exchange daemon (restarted)", pid
                     ),
+                    manifest.app_id,
                 )
                 delete_partition_files(path)
                 self.recovered["failed"] += 1
@@ -325,6 +327,7 @@ class ExchangeDaemon:
                     PartitionReleasedError(
                         f"partition was released (time to live of {ttl:.0f}s ran out)", pid
                     ),
+                    manifest.app_id,
                 )
                 delete_partition_files(path)
                 self.recovered["expired"] += 1
@@ -339,7 +342,7 @@ class ExchangeDaemon:
                     else PartitionDataLostError(f"cannot be served again: {e}", pid)
                 )
                 log.warning("refusing blocking partition %s after restart: %s", pid, error)
-                self.manager.remember_gone(pid, error)
+                self.manager.remember_gone(pid, error, manifest.app_id)
                 delete_partition_files(path)
                 self.recovered["refused"] += 1
                 continue
@@ -361,7 +364,7 @@ class ExchangeDaemon:
             pool.destroy()
             raise
         part.add_release_listener(self._on_partition_released)
-        self._finished_at[part.partition_id] = time.monotonic() - age
+        self._finished_at[(part.app_id, part.partition_id)] = time.monotonic() - age
         self.partitions_created += 1
 
     def _on_partition_released(self, part: ResultPartition) -> None:
@@ -370,7 +373,7 @@ class ExchangeDaemon:
         self._released_buffers_out += st.buffers_out
         self._released_back_pressure += st.back_pressured_seconds
         self.partitions_released += 1
-        self._finished_at.pop(part.partition_id, None)
+        self._finished_at.pop((part.app_id, part.partition_id), None)
 
     def release_dataset(self, dataset_id: str, app_id: str | None = None) -> int:
         """Release the partitions of ``dataset_id`` that application ``app_id`` created
@@ -389,7 +392,7 @@ class ExchangeDaemon:
             for part in self.manager.partitions:
                 if not (part.partition_type.is_blocking and part.is_finished):
                     continue
-                t = self._finished_at.setdefault(part.partition_id, now)
+                t = self._finished_at.setdefault((part.app_id, part.partition_id), now)
                 readers = sum(getattr(s, "num_readers", 0) for s in part.subpartitions)
                 if now - t >= ttl and readers == 0:
                     log.info("releasing %s: time to live of %.0fs ran out", part.partition_id, ttl)

@@ -205,6 +205,8 @@ class TaskReport:
     gate: str
     metrics: Mapping[str, float]
     received_at: float
+    #: the application of the connection it came on ("": none)
+    app_id: str = ""
 
 
 def _job_views(d: DaemonView) -> list[JobView]:

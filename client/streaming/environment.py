@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.local_connection import release_dataset
+from client.local_connection import mint_app_credential, release_dataset
 from client.runtime import get_runtime
 from client.streaming.checkpoint_storage import CheckpointMetadata, CheckpointStorage
 from client.streaming.control import ControlServer
@@ -172,6 +172,8 @@ class StreamEnvironment:
         self._cancel = threading.Event()  # hard cancel
         #: the running (or last) job's status, published to the driver's local daemon
         self.status: JobStatusTracker | None = None
+        #: the Spark application's credential, minted at execute (None: no secret here)
+        self.credential: bytes | None = None
 
     # -- building --------------------------------------------------------------------------
 
@@ -318,7 +320,9 @@ class StreamEnvironment:
 
     def _run(self, graph: JobGraph, restart_attempts: int, restart_backoff: float) -> JobResult:
         storage = CheckpointStorage(self.checkpoint_dir, retained=self.config.retained)
-        self.status = status = JobStatusTracker(self.job_id, self.daemon)
+        # the application's credential, minted here: its tasks get it, never the secret
+        self.credential = mint_app_credential(str(getattr(self.sc, "applicationId", "") or ""))
+        self.status = status = JobStatusTracker(self.job_id, self.daemon, secret=self.credential)
         started = time.monotonic()
         failures: list[str] = []
         checkpoints: list[CheckpointInfo] = []
@@ -393,6 +397,7 @@ class _Attempt:
             env.config.mode,
             env.daemon,
             env.buffer_timeout,
+            env.credential,
         )
         restored = None
         restore_msg = None
@@ -585,9 +590,8 @@ class _Attempt:
         for edge in self.graph.edges:
             for address in addresses:
                 with contextlib.suppress(Exception):
-                    get_runtime().run(
-                        release_dataset(address, dataset_of(self.env.job_id, self.attempt, edge))
-                    )
+                    dataset = dataset_of(self.env.job_id, self.attempt, edge)
+                    get_runtime().run(release_dataset(address, dataset, secret=self.env.credential))
 
 
 class _AttemptFailed(Exception):

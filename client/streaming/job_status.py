@@ -97,6 +97,7 @@ class JobStatusTracker:
         job_id: str,
         daemon_socket: str | None,
         *,
+        secret: bytes | None = None,
         interval: float = PUBLISH_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -118,6 +119,7 @@ class JobStatusTracker:
         self.history: OrderedDict[tuple[int, int], CheckpointEntry] = OrderedDict()
         self.failures: list[str] = []
         self._socket = daemon_socket
+        self._secret = secret  # the application's credential: the job is its
         self._conn: LocalConnection | None = None
         self._last_sent = float("-inf")
         self._dirty = True
@@ -264,7 +266,9 @@ class JobStatusTracker:
 
     async def _send(self, status: JobStatus) -> None:
         if self._conn is None:
-            self._conn = await LocalConnection.connect(resolve_daemon_socket(self._socket))
+            self._conn = await LocalConnection.connect(
+                resolve_daemon_socket(self._socket), secret=self._secret
+            )
         self._conn.check()
         self._conn.send(status)
 

@@ -94,6 +94,8 @@ class JobSpec:
     mode: str
     daemon_hint: str | None = None
     buffer_timeout: float = 0.01
+    #: the application's credential, minted by the driver (None: the task's environment)
+    credential: bytes | None = None
 
 
 def dataset_of(job_id: str, attempt: int, edge: Edge) -> str:
@@ -190,7 +192,7 @@ class StreamTask:
 
     def _register(self) -> dict[str, Any]:
         sock = resolve_daemon_socket(self.job.daemon_hint)
-        info = get_runtime().run(fetch_daemon_info(sock))
+        info = get_runtime().run(fetch_daemon_info(sock, secret=self.job.credential))
         self.daemon_socket = sock
         self.daemon_info = info
         self.ctl = ControlClient.connect(
@@ -262,6 +264,7 @@ class StreamTask:
                 target.parallelism,
                 daemon_socket=self.daemon_socket,
                 buffer_timeout=self.job.buffer_timeout,
+                secret=self.job.credential,
             )
             self.writers.append((edge, w))
         for op, ctx in zip(self.ops, self.contexts, strict=True):
@@ -315,6 +318,7 @@ class StreamTask:
             checkpointing_mode=self.job.mode,
             metrics_socket=self.daemon_socket,  # TaskMetrics: debloating, alignment
             task_name=f"{self.job.job_id}/{self.task_id}",
+            secret=self.job.credential,
             **settings,
         )
 

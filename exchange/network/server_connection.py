@@ -54,7 +54,6 @@ from typing import Any, Final, NamedTuple, Protocol
 
 from exchange.buffers.buffer import Buffer
 from exchange.errors import (
-    AccessDeniedError,
     IllegalStateError,
     LimitExceededError,
     PartitionError,
@@ -63,7 +62,6 @@ from exchange.errors import (
 )
 from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberingViewReader
 from exchange.network.partition_request_queue import PartitionRequestQueue
-from exchange.partition.result_partition import ResultPartition
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.protocol.codec import (
     MAX_CONTROL_FRAME_SIZE,
@@ -414,11 +412,9 @@ class ServerConnection:
             return
         reader = CreditBasedSequenceNumberingViewReader(rid, req.initial_credit, self.queue)
         self.queue.add_reader(reader)
-        try:
-            if req.partition_id in self._manager:
-                self.check_access(self._manager.get_partition(req.partition_id))
+        try:  # the connection's application's partition: another's is "not found"
             reader.request_subpartition_view(
-                self._manager, req.partition_id, req.subpartition_index
+                self._manager, req.partition_id, req.subpartition_index, self.app_id
             )
         except Exception as e:
             # That one channel fails; typed errors keep their code for the client.
@@ -428,15 +424,6 @@ class ServerConnection:
             self.send(error_response_for(e, rid))
             return
         log.debug("%s requested %s[%d]", self.peer, req.partition_id, req.subpartition_index)
-
-    def check_access(self, partition: ResultPartition) -> None:
-        """AccessDeniedError unless ``partition`` belongs to this connection's application."""
-        if partition.app_id != self.app_id:
-            mine = repr(self.app_id) if self.app_id else "none"
-            raise AccessDeniedError(
-                f"the partition belongs to another application (this connection's: {mine})",
-                partition.partition_id,
-            )
 
     # -- writability ---------------------------------------------------------------------
 
