@@ -48,9 +48,7 @@ def daemon(start_daemon: Any, tmp_path: Path) -> Daemon:
     return start_daemon("--secret-file", str(path))
 
 
-def write(
-    d: Daemon, pid: ResultPartitionID, secret: bytes, records: list[Any] = RECORDS
-) -> None:
+def write(d: Daemon, pid: ResultPartitionID, secret: bytes, records: list[Any] = RECORDS) -> None:
     with PartitionWriter(
         pid, 1, blocking=True, daemon_socket=d.local_socket, secret=secret, buffer_timeout=-1
     ) as w:
@@ -129,17 +127,15 @@ def test_ids_are_per_application_another_cannot_take_one_first(
 
 
 @pytest.mark.parametrize("local", [False, True], ids=["data-port", "local-socket"])
-def test_a_gone_partition_is_not_found_for_another_application(
-    daemon: Daemon, local: bool
-) -> None:
+def test_a_gone_partition_is_not_found_for_another_application(daemon: Daemon, local: bool) -> None:
     # a failed partition's reason (here, user data) reached another application
     pid = ResultPartitionID("app-a-failed", 0, 0)
     cred_a = format_app_credential(SECRET, "app-a")
     cred_b = format_app_credential(SECRET, "app-b")
-    with pytest.raises(RuntimeError):
-        with PartitionWriter(pid, 1, daemon_socket=daemon.local_socket, secret=cred_a) as w:
-            w.emit_to((1, "x"), 0)
-            raise RuntimeError("card 4111-1111-1111-1111 declined")
+    writer = PartitionWriter(pid, 1, daemon_socket=daemon.local_socket, secret=cred_a)
+    with pytest.raises(RuntimeError), writer as w:
+        w.emit_to((1, "x"), 0)
+        raise RuntimeError("card 4111-1111-1111-1111 declined")
     daemon.wait_stats(lambda s: s["partitions"]["count"] == 0)
     with pytest.raises(ProducerFailedError, match="4111"):
         read(daemon, pid, cred_a, local)  # its own application learns why
