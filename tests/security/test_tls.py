@@ -131,6 +131,30 @@ def test_mutual_tls(
         assert isinstance(refused(d, pid), TransportError)
 
 
+@pytest.mark.parametrize("client", ["none", "rogue", "trusted"])
+def test_ca_without_client_auth_checks_presented_certificates(
+    start_daemon: Callable[..., Daemon], pki: Any, monkeypatch: pytest.MonkeyPatch, client: str
+) -> None:
+    # tls_ca_file alone accepted every client silently, a rogue certificate included
+    d = start_daemon(*tls_flags(pki, "--tls-ca-file", str(pki.ca)))
+    deadline = time.monotonic() + 30  # the warning, logged at start
+    while "clients without one are accepted" not in d.stderr:
+        assert time.monotonic() < deadline, d.stderr
+        time.sleep(0.05)
+    pid = ResultPartitionID("ca-only", 0, 0)
+    recs = write(d, pid, 200)
+    if client == "none":
+        trust(monkeypatch, pki.ca)
+    elif client == "rogue":
+        trust(monkeypatch, pki.ca, pki.rogue_client_cert, pki.rogue_client_key)
+    else:
+        trust(monkeypatch, pki.ca, pki.client_cert, pki.client_key)
+    if client == "rogue":
+        assert isinstance(refused(d, pid), TransportError)
+    else:
+        assert read(d, pid) == recs
+
+
 def test_bad_tls_settings_refused(
     run_daemon_cli: Callable[..., Any], pki: Any, tmp_path: Path
 ) -> None:
