@@ -26,6 +26,7 @@ import pytest
 from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
 from exchange.partition.result_partition_id import ResultPartitionID
+from tests.kit.sockets import closed_by_peer
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,14 +34,6 @@ Daemon = Any
 SECRET = b"the-daemons-secret-of-this-test"
 FAST: dict[str, Any] = {"backoff_initial": 0.01, "backoff_max": 0.04}
 RECORDS = [(i, b"r" * 64) for i in range(2000)]
-
-
-@pytest.fixture
-def secret_file(tmp_path: Path) -> str:
-    path = tmp_path / "secret"
-    path.write_bytes(SECRET)
-    path.chmod(0o600)
-    return str(path)
 
 
 def write(d: Daemon, pid: ResultPartitionID) -> None:
@@ -84,19 +77,6 @@ def silent_sockets(address: str, per_source: int, sources: int) -> Iterator[list
     finally:
         for s in socks:
             s.close()
-
-
-def closed_by_peer(s: socket.socket, timeout: float) -> bool:
-    """True once the daemon closed ``s`` (EOF or reset, after any error frame)."""
-    s.settimeout(timeout)
-    try:
-        while s.recv(65536):
-            pass
-    except ConnectionError:
-        return True
-    except TimeoutError:
-        return False
-    return True
 
 
 def test_silent_sockets_do_not_lock_out_a_reader(start_daemon: Any, secret_file: str) -> None:

@@ -41,11 +41,8 @@ RECORDS = [(i, b"r" * 64) for i in range(500)]
 
 
 @pytest.fixture
-def daemon(start_daemon: Any, tmp_path: Path) -> Daemon:
-    path = tmp_path / "secret"
-    path.write_bytes(SECRET)
-    path.chmod(0o600)
-    return start_daemon("--secret-file", str(path))
+def daemon(start_daemon: Any, secret_file: str) -> Daemon:
+    return start_daemon("--secret-file", secret_file)
 
 
 def write(d: Daemon, pid: ResultPartitionID, secret: bytes, records: list[Any] = RECORDS) -> None:

@@ -7,7 +7,6 @@ Whoever exceeds a limit gets a ``LimitExceededError`` naming it; everyone else g
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,14 +27,6 @@ FAST: dict[str, Any] = {"backoff_initial": 0.01, "backoff_max": 0.04}
 RECORDS = [(i, b"r" * 64) for i in range(200)]
 A = format_app_credential(SECRET, "app-a")
 B = format_app_credential(SECRET, "app-b")
-
-
-@pytest.fixture
-def secret_file(tmp_path: Path) -> str:
-    path = tmp_path / "secret"
-    path.write_bytes(SECRET)
-    path.chmod(0o600)
-    return str(path)
 
 
 def write(

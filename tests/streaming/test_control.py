@@ -13,21 +13,9 @@ import time
 import pytest
 
 from client.streaming.control import MAX_REGISTER_FRAME, ControlClient, ControlServer
+from tests.kit.sockets import closed_by_peer
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def closed(s: socket.socket, timeout: float = 10.0) -> bool:
-    """True once the server closed ``s``."""
-    s.settimeout(timeout)
-    try:
-        while s.recv(65536):
-            pass
-    except ConnectionError:
-        return True
-    except TimeoutError:
-        return False
-    return True
 
 
 def connect(server: ControlServer) -> socket.socket:
@@ -41,10 +29,10 @@ def test_a_large_frame_before_registration_is_refused_before_it_is_read() -> Non
     try:
         with connect(server) as s:
             s.sendall(struct.pack(">I", 200 * 1024 * 1024) + b"x" * 65536)
-            assert closed(s)  # at the header: the body is never waited for
+            assert closed_by_peer(s, 10)  # at the header: the body is never waited for
         with connect(server) as s:
             s.sendall(struct.pack(">I", MAX_REGISTER_FRAME + 1))
-            assert closed(s)
+            assert closed_by_peer(s, 10)
         assert server.refused == 2 and server.inbox.empty()
     finally:
         server.close()
@@ -56,7 +44,7 @@ def test_silent_connections_cannot_keep_a_task_from_registering() -> None:
     silent = [connect(server) for _ in range(10)]
     try:
         deadline = time.monotonic() + 10
-        while sum(closed(s, 0.01) for s in silent[:6]) < 6:  # the oldest made room
+        while sum(closed_by_peer(s, 0.01) for s in silent[:6]) < 6:  # the oldest made room
             assert time.monotonic() < deadline
         client = ControlClient.connect(
             server.address, {"token": token, "attempt": 1, "task": "t0", "daemon": "d"}
