@@ -464,9 +464,12 @@ def test_every_setting_has_a_flag_and_an_environment_variable() -> None:
 def test_all_flags() -> None:
     argv = [
         "--host=0.0.0.0",
+        "--advertise-host=node-7.example",
         "--data-port=7000",
         "--http-port=8080",
         "--local-socket=/tmp/x.sock",
+        "--local-socket-group=185",
+        "--local-socket-mode=0660",
         "--network-memory=128mb",
         "--segment-size=64k",
         "--exclusive-buffers-per-channel=4",
@@ -502,9 +505,12 @@ def test_all_flags() -> None:
     ]
     assert load_config(argv, env={}).to_dict() == {
         "host": "0.0.0.0",
+        "advertise_host": "node-7.example",
         "data_port": 7000,
         "http_port": 8080,
         "local_socket": "/tmp/x.sock",
+        "local_socket_group": "185",
+        "local_socket_mode": 0o660,
         "network_memory": 128 * MIB,
         "segment_size": 64 * KIB,
         "exclusive_buffers_per_channel": 4,
