@@ -17,10 +17,12 @@ from exchange.partition import ResultPartitionID
 def test_a_failed_producer_reaches_the_reader_named_once(start_daemon: Any) -> None:
     d = start_daemon()
     pid = ResultPartitionID("named-once", partition_index=0, attempt_id=1)
-    with pytest.raises(RuntimeError, match="boom"):
-        with PartitionWriter(pid, 2, blocking=True, daemon_socket=d.local_socket) as w:
-            w.emit((1, 2))
-            raise RuntimeError("boom")
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        PartitionWriter(pid, 2, blocking=True, daemon_socket=d.local_socket) as w,
+    ):
+        w.emit((1, 2))
+        raise RuntimeError("boom")
     with pytest.raises(ProducerFailedError) as info:
         list(PartitionReader([PartitionLocation(pid, 0, d.data_address)]))
     text = str(info.value)
