@@ -4,7 +4,6 @@ set."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import stat
@@ -14,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from client.local_connection import fetch_daemon_info
-from exchange.errors import TransportError
+from tests.kit.users import NOBODY, SPARK_GID, SPARK_UID, fetch_info_as
 
 
 def test_the_local_socket_has_mode_0600_even_under_a_permissive_umask(
@@ -33,38 +31,6 @@ def test_the_local_socket_has_mode_0600_even_under_a_permissive_umask(
 
 
 # -- a socket shared with one group (Spark's uid 185 beside a root daemon) --------------------
-
-#: Spark's user and group in the official image; named in no /etc/group here, as in a pod.
-SPARK_GID = 185
-NOBODY = 65534
-
-
-def _fetch_info_as(uid: int, groups: list[int], path: str) -> str:
-    """``fetch_daemon_info`` from a forked child running as ``uid`` with ``groups`` (the
-    first is its primary group): "ok <daemon id>" or "refused <error>"."""
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the child
-        result = "crashed"
-        try:
-            os.close(read_end)
-            os.setgroups(groups[1:])
-            os.setgid(groups[0])
-            os.setuid(uid)
-            try:
-                info = asyncio.run(fetch_daemon_info(path, secret=None))
-                result = f"ok {info.daemon_id}"
-            except TransportError as e:
-                result = f"refused {e}"
-        finally:
-            os.write(write_end, result.encode())
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as fh:
-        out = fh.read().decode()
-    _, status = os.waitpid(child, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, out
-    return out
 
 
 @pytest.fixture
@@ -94,12 +60,12 @@ def test_a_socket_given_to_a_group_admits_its_members_and_no_one_else(
     st = os.stat(sock)
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, SPARK_GID, 0o660)
     # another user in the group: connects and completes the handshake
-    assert _fetch_info_as(NOBODY, [NOBODY, SPARK_GID], sock) == f"ok {d.daemon_id}"
+    assert fetch_info_as(NOBODY, [NOBODY, SPARK_GID], sock) == f"ok {d.daemon_id}"
     # the same user outside it: the kernel refuses the connect
-    refused = _fetch_info_as(NOBODY, [NOBODY], sock)
+    refused = fetch_info_as(NOBODY, [NOBODY], sock)
     assert refused.startswith("refused ") and "Permission denied" in refused, refused
     # and the group as the primary one of a process works as well (Spark's uid 185:185)
-    assert _fetch_info_as(SPARK_GID, [SPARK_GID], sock) == f"ok {d.daemon_id}"
+    assert fetch_info_as(SPARK_UID, [SPARK_GID], sock) == f"ok {d.daemon_id}"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
@@ -107,7 +73,7 @@ def test_the_default_socket_refuses_even_the_group(start_daemon: Any, shared_dir
     sock = os.path.join(shared_dir, "daemon.sock")
     start_daemon("--local-socket", sock)
     assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
-    refused = _fetch_info_as(NOBODY, [NOBODY, os.stat(sock).st_gid], sock)
+    refused = fetch_info_as(NOBODY, [NOBODY, os.stat(sock).st_gid], sock)
     assert refused.startswith("refused ") and "Permission denied" in refused, refused
 
 
