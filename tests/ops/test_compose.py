@@ -279,14 +279,7 @@ def test_the_daemon_healthcheck_passes_while_a_daemon_serves_and_fails_after(
     """The healthcheck's own command, run against a daemon started with the compose file's
     flags (ports 0, paths in a temporary directory)."""
     svc, cfg = _daemons(resolved, deploy)["daemon-1"]
-    argv = shlex.split(svc["command"])[1:]
-    for flag, value in {
-        "--data-port": "0",
-        "--http-port": "0",
-        "--spill-dir": str(tmp_path / "spill"),
-        "--local-socket": str(tmp_path / "daemon.sock"),
-    }.items():
-        argv[argv.index(flag) + 1] = value
+    argv = deploy.local_flags(shlex.split(svc["command"])[1:], tmp_path)
     advertise = svc["environment"]["EXCHANGE_ADVERTISE_HOST"]
     d = start_daemon(*argv, "--advertise-host", advertise)
     assert d.data_address.rpartition(":")[0] == advertise

@@ -45,27 +45,15 @@ def _readme_snippet() -> str:
     return snippet
 
 
-def _replace_flag(args: list[str], flag: str, value: str) -> None:
-    args[args.index(flag) + 1] = value
-
-
 def test_the_readme_snippet_reads_from_a_daemon_started_as_the_readme_says(
-    start_daemon: Any, tmp_path: Path
+    start_daemon: Any, deploy: Any, tmp_path: Path
 ) -> None:
-    args = _readme_daemon_args()
-    assert "--secret-file" in args and "--host" in args
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(32).hex() + "\n")
     secret.chmod(0o600)
     sock = tmp_path / "daemon.sock"
-    for flag, value in {
-        "--data-port": "0",
-        "--http-port": "0",
-        "--spill-dir": str(tmp_path / "spill"),
-        "--local-socket": str(sock),
-        "--secret-file": str(secret),
-    }.items():
-        _replace_flag(args, flag, value)
+    args = deploy.local_flags(_readme_daemon_args(), tmp_path, {"--secret-file": str(secret)})
+    assert "--host" in args
     # the README's wildcard host, on a test machine whose name may resolve to loopback only
     d = start_daemon(*args, "--advertise-host", "127.0.0.1")
     assert d.data_address.startswith("127.0.0.1:")

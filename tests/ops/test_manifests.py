@@ -300,21 +300,16 @@ def test_a_daemon_with_the_daemonsets_settings_admits_uid_185(
     try:
         shared.chmod(0o755)  # as kubelet creates the hostPath
         sock = shared / os.path.basename(cfg.resolved_local_socket())
-        argv = [*c["command"][1:]]
-        argv[argv.index("--config") + 1] = str(tmp_path / "exchange.toml")
         secret = shared / "secret"
         secret.write_text(os.urandom(32).hex())
         secret.chmod(0o400)
-        for flag, value in {
+        values = {
+            "--config": str(tmp_path / "exchange.toml"),  # the ConfigMap's file (_config_of)
             "--host": "127.0.0.1",
-            "--data-port": "0",
-            "--http-port": "0",
-            "--spill-dir": str(tmp_path / "spill"),
             "--local-socket": str(sock),
             "--secret-file": str(secret),
-        }.items():
-            argv[argv.index(flag) + 1] = value
-        d = start_daemon(*argv)
+        }
+        d = start_daemon(*deploy.local_flags(c["command"][1:], tmp_path, values))
         st = sock.stat()
         assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (SPARK_GID, cfg.local_socket_mode)
         key = secret.read_bytes()
