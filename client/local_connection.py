@@ -38,7 +38,7 @@ from exchange.protocol.local_messages import (
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_for_response
 from exchange.writer.record_writer import OutputBuffer
-from server.config import DEFAULT_SOCKET_NAME
+from server.config import DaemonConfig
 
 __all__ = [
     "DAEMON_ENV",
@@ -62,9 +62,9 @@ _PUSH_BODY_HEADER: Final = 5
 
 
 def default_socket_path() -> str:
-    import tempfile
-
-    return os.path.join(tempfile.gettempdir(), "exchange-spill", DEFAULT_SOCKET_NAME)
+    """The socket a daemon started without ``local_socket`` or ``spill_dir`` listens on
+    (derived from the daemon's own defaults, so the two never disagree)."""
+    return DaemonConfig().resolved_local_socket()
 
 
 #: Environment variable naming a file that holds the daemons' shared secret.
