@@ -88,6 +88,9 @@ def _in_namespace_with_hosts(hosts: str, tmp_path: Path, argv: list[str]) -> lis
     and UTS namespaces: the machine's own files and name stay as they are)."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) for a private /etc/hosts")
+    probe = subprocess.run(["unshare", "--mount", "--uts", "true"], capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"no mount/UTS namespaces here: {probe.stderr!r}")
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text(hosts)
     script = (
