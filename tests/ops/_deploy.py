@@ -63,4 +63,6 @@ def local_flags(
     for flag, value in replace.items():
         assert flag in argv, f"{flag} is not in {argv}"
         argv[argv.index(flag) + 1] = value
+    if "--http-host" in argv:  # what probes and Prometheus reach there: loopback here
+        argv[argv.index("--http-host") + 1] = "127.0.0.1"
     return argv
