@@ -18,6 +18,7 @@ from exchange.errors import (
     PartitionReleasedError,
     ProducerFailedError,
     UsageError,
+    error_reason,
 )
 from exchange.partition.result_partition import ResultPartition
 from exchange.partition.result_partition_id import ResultPartitionID
@@ -107,7 +108,7 @@ class ResultPartitionManager:
             del self._partitions[key]
             cause = partition.failure_cause
             failed = isinstance(cause, ProducerFailedError)
-            reason = "failed: " + str(cause) if cause else "released"
+            reason = "failed: " + error_reason(cause) if cause else "released"
             self._remember(
                 key,
                 ProducerFailedError if failed else PartitionReleasedError,
@@ -122,8 +123,7 @@ class ResultPartitionManager:
         ``error``'s type and message instead of a not-found they would retry."""
         key = (app_id, pid)
         if key not in self._partitions:
-            text = str(error).removesuffix(f" (partition={pid})")
-            self._remember(key, type(error), text)
+            self._remember(key, type(error), error.reason)
 
     def _remember(self, key: _Key, error_type: type[PartitionError], text: str) -> None:
         self._released[key] = (error_type, text)
