@@ -716,8 +716,19 @@ class ExchangeCollector:
         )
         yield counter(
             "exchange_connections_rejected_total",
-            "Connections refused on the data port (connection limit).",
+            "Connections refused on the data port (connection limits, require_tls_remote).",
             _num(port, "rejected_connections"),
+        )
+        yield gauge(
+            "exchange_connections_unauthenticated",
+            "Data-port connections still in their TLS or shared-secret handshake.",
+            _num(port, "unauthenticated_connections"),
+        )
+        yield counter(
+            "exchange_connections_evicted_total",
+            "Unauthenticated data-port connections dropped to admit a newcomer "
+            "(max_unauthenticated_connections reached).",
+            _num(port, "evicted_connections"),
         )
         yield gauge(
             "exchange_readers",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import socket
 import time
@@ -107,6 +108,11 @@ def test_silent_sockets_do_not_lock_out_a_reader(start_daemon: Any, secret_file:
         assert st["data_port"]["connections"] <= 64
         assert read(d, pid) == RECORDS  # admitted, authenticated, served
         assert read(d, pid) == RECORDS
+        metrics = d.http_get("/metrics").decode()
+        waiting = re.search(r"\nexchange_connections_unauthenticated (\S+)\n", metrics)
+        assert waiting is not None and 0 < float(waiting[1]) <= 16  # the reader took one
+        evicted = re.search(r"\nexchange_connections_evicted_total (\S+)\n", metrics)
+        assert evicted is not None and float(evicted[1]) >= st["data_port"]["evicted_connections"]
         st = d.stats()["data_port"]
         assert st["unauthenticated_connections"] <= 16 and st["connections"] <= 64
     d.wait_stats(lambda s: s["data_port"]["connections"] == 0, timeout=30)
