@@ -17,14 +17,14 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     ├── CorruptRecordError         bytes in a data buffer do not form valid records
     │   └── RecordTooLargeError    a record exceeds max_record_size; carries size and limit
     ├── PartitionError             per-stream failures; carry the partition id
-    │   ├── PartitionNotFoundError       no such partition (yet) on that daemon
+    │   ├── PartitionNotFoundError       no such partition (yet) of this application there
     │   ├── PartitionReleasedError       the partition was released while in use
     │   │   └── PartitionDataLostError   its spilled data did not survive a daemon restart
     │   ├── SubpartitionIndexError       index out of range (also a UsageError in spirit)
     │   ├── ProducerFailedError          the producer failed: consumers never see a short read
     │   ├── ConsumerAlreadyAttachedError a pipelined subpartition is consumed once
     │   ├── PartitionNotReadyError       a blocking partition is read before it is finished
-    │   ├── AccessDeniedError            the partition belongs to another application
+    │   ├── AccessDeniedError            the daemon's access policy refuses the connection
     │   └── LimitExceededError           a per-connection or per-application limit is reached
     ├── ProtocolError              the peer sent bytes that break the protocol (fatal for the
     │   │                          connection); carries what was wrong and the limit
@@ -250,10 +250,10 @@ class PartitionNotReadyError(PartitionError):
 
 
 class AccessDeniedError(PartitionError):
-    """The partition belongs to another application than the one this connection
-    authenticated for (``docs/security.md``): it may not be read, written or released.
-
-    Per channel on a read; a producer's connection is closed with it.
+    """The daemon's access policy refuses this connection (``docs/security.md``): a plain
+    connection from a peer off loopback to a daemon with ``require_tls_remote``, refused
+    before the handshake. (Another application's partition is not refused with it: ids
+    are per application, so it is answered as not found, revealing nothing.)
     """
 
 
