@@ -97,15 +97,16 @@ def _first_attempt_pids(probes: Path, tasks: int) -> dict[str, int]:
     return got
 
 
-def _state_file(ckpt: str, checkpoint_id: int, task: str) -> Path:
-    return Path(ckpt) / f"chk-{checkpoint_id}" / f"{task}.state"
+def _wrote_state(ckpt: str, checkpoint_id: int, task: str) -> bool:
+    """Task ``task`` wrote its state file of the checkpoint (``<task>-<unique>.state``)."""
+    return any((Path(ckpt) / f"chk-{checkpoint_id}").glob(f"{task}-*.state"))
 
 
 def _aligning_checkpoint(ckpt: str) -> int | None:
     """A checkpoint source 0 snapshotted (its barrier is downstream) and source 1 not."""
     for d in Path(ckpt).glob("chk-*"):
         cid = int(d.name[4:])
-        if _state_file(ckpt, cid, "v0-0").exists() and not _state_file(ckpt, cid, "v0-1").exists():
+        if _wrote_state(ckpt, cid, "v0-0") and not _wrote_state(ckpt, cid, "v0-1"):
             return cid
     return None
 
