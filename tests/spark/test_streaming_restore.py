@@ -39,31 +39,15 @@ st: Any = load_module(
 def spark(sx: ModuleType) -> Iterator[Any]:
     """local[5]: the rescaled job runs 5 tasks at once."""
     pytest.importorskip("pyspark")
-    from pyspark import cloudpickle
-
-    from client import spark as xs
-
-    cloudpickle.register_pickle_by_value(st)  # type: ignore[no-untyped-call]
-    session = sx.local_session("local[5]", "exchange-streaming-restore")
-    try:
+    with st.session(sx, "local[5]", "exchange-streaming-restore") as session:
         yield session
-    finally:
-        session.stop()
-        assert xs.stop_embedded_daemon() is True, "embedded daemon's pool not whole at exit"
 
 
-def _dirs(tmp_path: Path) -> tuple[Path, Path, str]:
-    probes, out = tmp_path / "probes", tmp_path / "out"
-    probes.mkdir()
-    out.mkdir()
-    return probes, out, str(tmp_path / "ckpt")
+_dirs = st.dirs
 
 
 def _env(spark: Any, ckpt: str, **kw: Any) -> Any:
-    from client.streaming.environment import StreamEnvironment
-
-    kw.setdefault("checkpoint_interval", "300ms")
-    return StreamEnvironment(spark, checkpoint_dir=ckpt, job_id="restore", **kw)
+    return st.environment(spark, ckpt, "restore", **kw)
 
 
 def _identity(value: Any) -> Any:
@@ -94,14 +78,16 @@ def _pipeline(
     sums.sink_to(lambda: st.ProbedSink(pr, o, **sink), name="sink", parallelism=p)
 
 
-def _fail_with_pending_output(spark: Any, probes: Path, out: Path, ckpt: str, n: int) -> int:
-    """Run the job at parallelism 1 until the sink's commit of checkpoint >= 3 fails:
+def _fail_with_pending_output(
+    spark: Any, probes: Path, out: Path, ckpt: str, n: int, p: int = 1
+) -> int:
+    """Run the job at parallelism ``p`` until a sink's commit of checkpoint >= 3 fails:
     that checkpoint completed, its output is pending, the source is past it."""
     from client.streaming.checkpoint_storage import CheckpointStorage
     from client.streaming.environment import JobFailedError
 
     first = _env(spark, ckpt, retained_checkpoints=3)
-    _pipeline(first, probes, out, n, p=1, rate=10_000.0, fail_commit=3)
+    _pipeline(first, probes, out, n, p=p, rate=10_000.0, fail_commit=3)
     with pytest.raises(JobFailedError, match="SinkCommitError"):
         first.execute(restart_attempts=0)
     latest = CheckpointStorage(ckpt).latest_completed()
@@ -112,23 +98,28 @@ def _fail_with_pending_output(spark: Any, probes: Path, out: Path, ckpt: str, n:
     return int(latest.checkpoint_id)
 
 
-def test_a_rescale_that_breaks_chains_restores_every_operators_state(
-    spark: Any, tmp_path: Path
+@pytest.mark.parametrize(
+    ("before", "after", "tasks"),
+    [(1, 2, ["v0-0", "v1-0", "v1-1", "v2-0", "v2-1"]), (2, 1, ["v0-0", "v1-0"])],
+    ids=["breaks-chains", "forms-chains"],
+)
+def test_a_rescale_that_changes_chains_restores_every_operators_state(
+    spark: Any, tmp_path: Path, before: int, after: int, tasks: list[str]
 ) -> None:
     """The first job fails right after checkpoint N completed, before its sink committed
-    N's files. The second runs with parallelism 2, which moves sums and the sink to another
-    vertex (and splits the source's chain): the generator resumes after N, the running sums
-    (keyed state, now split by key group over two subtasks) go on from N, and the sink
-    commits N's pending files: every event exactly once, every total chained."""
+    N's files. The second runs with another parallelism, which moves sums and the sink to
+    another vertex (and splits or joins the source's chain): the generator resumes after
+    N, the running sums (keyed state, redistributed by key group) go on from N, and the
+    sink commits N's pending files: every event exactly once, every total chained."""
     probes, out, ckpt = _dirs(tmp_path)
     n = 30_000
-    restored = _fail_with_pending_output(spark, probes, out, ckpt, n)
+    restored = _fail_with_pending_output(spark, probes, out, ckpt, n, p=before)
 
     second = _env(spark, ckpt)
-    _pipeline(second, probes, out, n, p=2)
+    _pipeline(second, probes, out, n, p=after)
     result = second.execute(restart_attempts=0)
     assert result.restarts == 0 and result.checkpoints[0].checkpoint_id > restored
-    assert sorted(result.records) == ["v0-0", "v1-0", "v1-1", "v2-0", "v2-1"]
+    assert sorted(result.records) == tasks
     assert list((out / ".pending").iterdir()) == []
     st.check_exactly_once(out, n)
 
