@@ -408,17 +408,26 @@ def test_an_expired_lease_is_taken_over_and_its_holder_fails_loudly(
 
 
 def test_keep_alive_renews_and_reports_a_lost_lease(storage: CheckpointStorage) -> None:
-    lease = storage.acquire_lease("driver", ttl=0.6)
+    lease = storage.acquire_lease("driver", ttl=3)
+    path = f"{storage.root}/{LEASE_FILE}"
+
+    def expires() -> float:
+        return float(json.loads(storage.fs.cat_file(path))["expires"])
+
+    first = expires()
     lease.keep_alive()
     try:
-        time.sleep(1.0)  # longer than the ttl: only renewals keep it
+        deadline = time.monotonic() + 30
+        while expires() <= first:  # renewed every ttl / 3, pushing the expiry on
+            assert time.monotonic() < deadline, "never renewed"
+            time.sleep(0.05)
         with pytest.raises(CheckpointLeaseError, match="another driver of this job"):
             storage.acquire_lease("rival", ttl=60)
         lease.check()
         # someone removes the lease and takes the directory: the next renewal notices
-        storage.fs.rm_file(f"{storage.root}/{LEASE_FILE}")
+        storage.fs.rm_file(path)
         rival = storage.acquire_lease("rival", ttl=60)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while lease.lost is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert lease.lost is not None and "rival" in lease.lost.holder
