@@ -6,9 +6,11 @@ state holds exactly the position of the last record emitted; ``finish`` ends the
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ import pytest
 
 from client.streaming.connectors import CollectSink, GeneratorSource
 from client.streaming.control import ControlServer
+from client.streaming.functions import Collector, Operator, Source
 from client.streaming.graph import JobGraph, Node, Partitioning
 from client.streaming.operators import MapOperator
 from client.streaming.task import JobSpec, run_task
@@ -180,3 +183,100 @@ def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
         server.close()
         for t in threads:
             t.join(30)
+
+
+class _IdleAfter(Source):
+    """Unbounded: emits ``k`` records, then nothing (``ready_in`` infinite: only mail)."""
+
+    bounded = False
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.next = 0
+
+    def poll(self, out: Collector, max_records: int) -> bool:
+        while self.next < self.k and max_records > 0:
+            out.collect(self.next)
+            self.next += 1
+            max_records -= 1
+        return True
+
+    def ready_in(self) -> float:
+        return 0.0 if self.next < self.k else math.inf
+
+
+class _Recorder(Operator):
+    """A sink that notes what reaches it, for the test thread to watch."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+        self.calls: list[tuple[str, int]] = []
+
+    def process(self, record: Any, out: Collector) -> None:
+        self.records.append(record)
+
+    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+        self.calls.append(("complete", checkpoint_id))
+
+    def notify_checkpoint_aborted(self, checkpoint_id: int) -> None:
+        self.calls.append(("abort", checkpoint_id))
+
+
+def _until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.01)
+
+
+def test_a_task_waiting_for_input_handles_its_control_messages(daemon: Any, tmp_path: Path) -> None:
+    """The source emits 100 records and then nothing: the sink's task waits for input.
+    ``complete``, ``abort`` and ``cancel`` still reach it at once (the task waits on its
+    mailbox, which the reader's hand-off wakes). Before, a reading task looked at its
+    control messages only between records: none of them arrived while its input was
+    idle."""
+    sink = _Recorder()
+    source = Node(0, "idle", lambda: _IdleAfter(100), 1, is_source=True)
+    node = Node(1, "rec", lambda: sink, 1, inputs=[(source, Partitioning.REBALANCE, None)])
+    source.outputs.append(node)
+    graph = JobGraph.build([source, node], DEFAULT_MAX_PARALLELISM)
+    tasks = ["v0-0", "v1-0"]
+    token = secrets.token_hex(8)
+    server = ControlServer(token, 5, set(tasks))
+    job = JobSpec("idle", 5, token, server.address, graph, str(tmp_path / "ckpt"), "exactly_once")
+    job = JobSpec(**{**job.__dict__, "daemon_hint": daemon.local_socket})
+    errors: dict[int, BaseException] = {}
+
+    def body(index: int) -> None:
+        try:
+            run_task(job, index)
+        except BaseException as e:  # the cancel: checked below
+            errors[index] = e
+
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        daemons = {}
+        for _ in tasks:
+            reg = _next(server, "register")
+            daemons[reg["task"]] = reg["daemon"]
+        for task in tasks:
+            server.send(task, {"type": "start", "daemons": daemons, "restore": None})
+        _until(lambda: len(sink.records) == 100, "the 100 records reached the sink")
+        server.send("v0-0", {"type": "trigger", "checkpoint": 1, "timestamp": 1})
+        assert _next(server, "ack", task="v1-0")["checkpoint"] == 1  # the barrier came
+        server.send("v1-0", {"type": "complete", "checkpoint": 1})
+        _until(lambda: sink.calls == [("complete", 1)], "complete while waiting for input")
+        server.send("v1-0", {"type": "abort", "checkpoint": 2})
+        _until(lambda: ("abort", 2) in sink.calls, "abort while waiting for input")
+        server.send("v1-0", {"type": "cancel"})
+        threads[1].join(20)
+        assert not threads[1].is_alive(), "the idle task did not see the cancel"
+        assert "cancelled by the driver" in str(errors[1])
+        assert sink.records == list(range(100))
+    finally:
+        server.send("v0-0", {"type": "cancel"})
+        for t in threads:
+            t.join(30)
+        server.close()
