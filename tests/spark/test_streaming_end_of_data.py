@@ -14,7 +14,6 @@ The idle source emits its records, then idles until the test writes ``release``.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -28,11 +27,16 @@ import pytest
 
 from client.streaming.connectors import FileSink
 from client.streaming.functions import Collector, OperatorContext, Source
+from tests.kit.modules import load_module
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
 #: Longest the tests wait for what the job should do while it runs.
 DEADLINE = 90.0
+
+st: Any = load_module(
+    "exchange_tests_streaming_pipeline", Path(__file__).with_name("_streaming.py")
+)
 
 
 @pytest.fixture(scope="module")
@@ -178,23 +182,17 @@ def _counts(probes: Path, prefix: str) -> dict[int, int]:
     return {int(f.name[len(prefix) + 1 :]): int(f.read_text()) for f in probes.glob(f"{prefix}-*")}
 
 
-def _committed(out: Path) -> list[Any]:
-    """Every committed row (visible files only: names without a leading dot)."""
-    rows: list[Any] = []
-    for f in sorted(out.iterdir()):
-        if f.is_file() and not f.name.startswith("."):
-            rows.extend(json.loads(line) for line in f.read_text().splitlines() if line)
-    return rows
-
-
 def _wait_for(predicate: Any, what: str) -> Any:
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        got = predicate()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {DEADLINE} s: {what}"
-        time.sleep(0.05)
+    return st.wait_for(predicate, DEADLINE, what)
+
+
+def _flushed_and_snapshotted(probes: Path, n: int) -> dict[int, int]:
+    """Wait until ``n`` records were flushed and the sink snapshotted all of them: the
+    checkpoints they were flushed at (-> count)."""
+    _wait_for(lambda: sum(_counts(probes, "flushed").values()) == n, "all flushed")
+    flushed = _counts(probes, "flushed")
+    _wait_for(lambda: sum(_counts(probes, "snap").values()) == n, "all snapshotted")
+    return flushed
 
 
 class _Run:
@@ -258,7 +256,7 @@ def test_what_end_input_emits_is_committed(spark: Any, tmp_path: Path, mode: str
     )
     result = _Run(env).join(probes)
     assert result.checkpoints and result.checkpoints[-1].is_final
-    rows = _committed(out)
+    rows = st.committed(out)
     assert ["second", n + 1] in rows, sorted(r for r in rows if r[0] in ("first", "second"))
     firsts = [r for r in rows if r[0] == "first"]  # the first row, through the second Summary
     assert len(firsts) == 1 and firsts[0][1] == ["first", n], firsts
@@ -284,13 +282,13 @@ def test_an_idle_stream_commits_at_its_checkpoints(spark: Any, tmp_path: Path) -
     run = _Run(env)
     try:
         idle_at = float(_wait_for(lambda: _read(probes / "idle"), "the source went idle"))
-        _wait_for(lambda: len(_committed(out)) == n, f"{n} records committed while idle")
+        _wait_for(lambda: len(st.committed(out)) == n, f"{n} records committed while idle")
         committed_after = time.time() - idle_at
         assert run.thread.is_alive() and not (probes / "release").exists()
     finally:
         result = run.join(probes)
     print(f"committed {committed_after:.2f} s after the source went idle (interval 0.3 s)")
-    assert sorted(_committed(out)) == list(range(n))
+    assert sorted(st.committed(out)) == list(range(n))
     assert result.checkpoints[-1].is_final
 
 
@@ -313,13 +311,11 @@ def test_records_emitted_before_the_barrier_belong_to_that_checkpoint(
     )
     run = _Run(env)
     try:
-        _wait_for(lambda: sum(_counts(probes, "flushed").values()) == n, "all flushed")
-        flushed = _counts(probes, "flushed")
-        _wait_for(lambda: sum(_counts(probes, "snap").values()) == n, "all snapshotted")
+        flushed = _flushed_and_snapshotted(probes, n)
     finally:
         result = run.join(probes)
     assert _counts(probes, "snap") == flushed  # each record in the checkpoint it preceded
-    assert sorted(_committed(out)) == list(range(n))
+    assert sorted(st.committed(out)) == list(range(n))
     assert result.checkpoints[-1].is_final
 
 
@@ -338,16 +334,14 @@ def test_records_emitted_in_snapshot_state_follow_the_barrier(spark: Any, tmp_pa
     )
     run = _Run(env)
     try:
-        _wait_for(lambda: sum(_counts(probes, "flushed").values()) == n, "all flushed")
-        flushed = _counts(probes, "flushed")
-        _wait_for(lambda: sum(_counts(probes, "snap").values()) == n, "all snapshotted")
+        flushed = _flushed_and_snapshotted(probes, n)
     finally:
         result = run.join(probes)
     snaps = _counts(probes, "snap")
     for cid in flushed:
         assert cid not in snaps, (flushed, snaps)  # none in the checkpoint N it was emitted in
     assert min(snaps) > min(flushed)
-    assert sorted(_committed(out)) == list(range(n))
+    assert sorted(st.committed(out)) == list(range(n))
     assert result.checkpoints[-1].is_final
 
 

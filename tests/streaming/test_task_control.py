@@ -50,6 +50,33 @@ def _next(
             return msg
 
 
+def _start_tasks(
+    server: ControlServer, job: JobSpec, tasks: list[str], errors: dict[int, BaseException]
+) -> list[threading.Thread]:
+    """Run tasks 0..len(tasks)-1 of ``job`` in threads (what each raises goes to
+    ``errors``), answer their registrations and start them."""
+
+    def body(index: int) -> None:
+        try:
+            run_task(job, index)
+        except BaseException as e:  # a cancel: the caller checks
+            errors[index] = e
+
+    threads = [
+        threading.Thread(target=body, args=(i,), name=f"stream-task-{i}", daemon=True)
+        for i in range(len(tasks))
+    ]
+    for t in threads:
+        t.start()
+    daemons = {}
+    for _ in tasks:
+        reg = _next(server, "register")
+        daemons[reg["task"]] = reg["daemon"]
+    for task in tasks:
+        server.send(task, {"type": "start", "daemons": daemons, "restore": None})
+    return threads
+
+
 def test_a_stopped_source_ends_its_input_and_the_final_checkpoint_holds_its_position(
     daemon: Any, tmp_path: Path
 ) -> None:
@@ -134,27 +161,10 @@ def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
     # small ints ship at most one batch, so a task that found room never blocks in emit
     # (with a timeout, a batch slower than it may ship twice and overrun the window)
     job = JobSpec(**{**job.__dict__, "daemon_hint": daemon.local_socket, "buffer_timeout": -1})
-    errors: list[BaseException] = []
-
-    def body(index: int) -> None:
-        try:
-            run_task(job, index)
-        except BaseException as e:  # the cancel: checked below
-            errors.append(e)
-
-    threads = [
-        threading.Thread(target=body, args=(i,), name=f"stream-task-{i}", daemon=True)
-        for i in range(len(tasks))
-    ]
+    errors: dict[int, BaseException] = {}
+    threads: list[threading.Thread] = []
     try:
-        for t in threads:
-            t.start()
-        daemons = {}
-        for _ in tasks:
-            reg = _next(server, "register")
-            daemons[reg["task"]] = reg["daemon"]
-        for task in tasks:
-            server.send(task, {"type": "start", "daemons": daemons, "restore": None})
+        threads = _start_tasks(server, job, tasks, errors)
         counts: list[int] = []
         for cid in itertools.count(1):
             assert cid <= 500, f"the source never stopped emitting: {counts[-5:]}"
@@ -178,7 +188,7 @@ def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
             t.join(30)
             assert not t.is_alive(), f"{t.name}, held, did not see the cancel"
         assert len(errors) == len(tasks)
-        assert all("cancelled by the driver" in str(e) for e in errors), errors
+        assert all("cancelled by the driver" in str(e) for e in errors.values()), errors
     finally:
         server.close()
         for t in threads:
@@ -246,23 +256,9 @@ def test_a_task_waiting_for_input_handles_its_control_messages(daemon: Any, tmp_
     job = JobSpec("idle", 5, token, server.address, graph, str(tmp_path / "ckpt"), "exactly_once")
     job = JobSpec(**{**job.__dict__, "daemon_hint": daemon.local_socket})
     errors: dict[int, BaseException] = {}
-
-    def body(index: int) -> None:
-        try:
-            run_task(job, index)
-        except BaseException as e:  # the cancel: checked below
-            errors[index] = e
-
-    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(2)]
+    threads: list[threading.Thread] = []
     try:
-        for t in threads:
-            t.start()
-        daemons = {}
-        for _ in tasks:
-            reg = _next(server, "register")
-            daemons[reg["task"]] = reg["daemon"]
-        for task in tasks:
-            server.send(task, {"type": "start", "daemons": daemons, "restore": None})
+        threads = _start_tasks(server, job, tasks, errors)
         _until(lambda: len(sink.records) == 100, "the 100 records reached the sink")
         server.send("v0-0", {"type": "trigger", "checkpoint": 1, "timestamp": 1})
         assert _next(server, "ack", task="v1-0")["checkpoint"] == 1  # the barrier came
