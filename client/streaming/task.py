@@ -35,7 +35,10 @@ checkpoint once every source is exhausted, so its barrier follows EndOfData on e
 channel: every task ran ``end_input`` before it snapshots for the final checkpoint, and
 sinks commit what ``end_input`` emitted. After the final checkpoint completed the driver
 says ``finish``; sources end their partitions (EndOfPartition), the others follow at the
-end of their input.
+end of their input. Every operator's state records whether its task had ended its input;
+a task restored from such a checkpoint is *finished on restore*: it polls nothing and
+does not run ``end_input`` again, it only sends EndOfData (so a restart or rerun after
+end of input emits nothing twice).
 
 **Checkpoint N** in a task: ``prepare_snapshot_pre_barrier(N, out)`` on every operator,
 head to tail (what they emit precedes the barrier), the barrier on every output, then
@@ -195,6 +198,8 @@ class StreamTask:
         self._finish = False
         self._stop = False
         self._ended_input = False
+        #: restored from a checkpoint taken after this task had ended its input
+        self._finished_on_restore = False
         self._out: _Out | None = None
         #: what each operator of the chain emits into (the next operator, or the outputs)
         self._outs: list[Collector] = []
@@ -240,6 +245,7 @@ class StreamTask:
             tid: decode_snapshot(items[0][1], SnapshotKind.TASK_STATE, items[0][0])
             for tid, items in snaps.items()
         }
+        finished: list[bool] = []  # per operator: its input had ended at the checkpoint
         for node in self.vertex.nodes:
             op_state = OperatorStateBackend(me, p)
             keyed = (
@@ -256,6 +262,7 @@ class StreamTask:
                 op_state.restore([(tid, s["operator"]) for tid, s in old])
                 if keyed is not None:
                     keyed.restore([(tid, s["keyed"]) for tid, s in old if s["keyed"]])
+                finished.append(_finished_on_restore(old, p, me))
             ctx = OperatorContext(
                 job_id=self.job.job_id,
                 operator_id=node.name,
@@ -278,6 +285,7 @@ class StreamTask:
                 buffer_timeout=self.job.buffer_timeout,
             )
             self.writers.append((edge, w))
+        self._finished_on_restore = bool(finished) and all(finished)
         for op, ctx in zip(self.ops, self.contexts, strict=True):
             op.open(ctx)
         self._out = tail = _Out(self)
@@ -354,6 +362,7 @@ class StreamTask:
             state[node.name] = {
                 "operator": ctx.operator_state.snapshot(),
                 "keyed": ctx.keyed_state.snapshot() if ctx.keyed_state is not None else None,
+                "ended_input": self._ended_input,
             }
         data = encode_snapshot(SnapshotKind.TASK_STATE, {"task": self.task_id, "operators": state})
         path = self.storage.write_task_state(checkpoint_id, self.task_id, data)
@@ -410,12 +419,17 @@ class StreamTask:
 
     def _end_input(self) -> None:
         """The input ended: every operator's ``end_input``, head to tail, each into what
-        follows it, then EndOfData on every output, after all of it (and flushed)."""
+        follows it, then EndOfData on every output, after all of it (and flushed).
+
+        A task restored from a checkpoint taken after its input had ended (Flink's
+        "finished on restore") skips ``end_input``: what it emitted then is in that
+        checkpoint already; it only sends EndOfData again."""
         if self._ended_input:
             raise IllegalStateError(f"{self.task_id}: the input ended twice")
         self._ended_input = True
-        for op, out in zip(self.ops, self._outs, strict=True):
-            op.end_input(out)
+        if not self._finished_on_restore:
+            for op, out in zip(self.ops, self._outs, strict=True):
+                op.end_input(out)
         for _, w in self.writers:
             w.broadcast_event(EndOfDataEvent.INSTANCE)
 
@@ -512,6 +526,10 @@ class StreamTask:
         source = self.ops[0]
         assert isinstance(source, Source) and self._source_out is not None
         out = self._source_out
+        if self._finished_on_restore:  # its input ended before the checkpoint: no poll
+            self._end_input()
+            assert self.ctl is not None
+            self.ctl.send({"type": "exhausted"})
         while not self._finish:
             if self._ended_input:  # serve checkpoints (the final one) until finish
                 self._wait_for_mail()
@@ -597,6 +615,19 @@ def _idle_wait(source: Source) -> float | None:
     ready_in = getattr(source, "ready_in", None)
     wait = float(ready_in()) if callable(ready_in) else _IDLE_WAIT
     return None if wait == float("inf") else max(wait, 0.001)
+
+
+def _finished_on_restore(old: list[tuple[str, dict[str, Any]]], p: int, me: int) -> bool:
+    """Whether an operator restored from ``old`` (its old subtasks' states, as
+    ``(task id, state)``) had ended its input: with the same parallelism, subtask ``me``'s
+    own state says; with another, only if every old subtask had (fully finished, as Flink
+    restores a finished operator; a partly finished one runs its input again)."""
+    ended = {_subtask_of(tid): bool(s.get("ended_input")) for tid, s in old}
+    if not ended:
+        return False
+    if len(ended) == p:
+        return ended.get(me, False)
+    return all(ended.values())
 
 
 def _subtask_of(task_id: str) -> int:

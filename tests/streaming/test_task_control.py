@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import queue
 import secrets
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from client.streaming.checkpoint_storage import CheckpointMetadata, CheckpointStorage
 from client.streaming.connectors import CollectSink, GeneratorSource
 from client.streaming.control import ControlServer
 from client.streaming.functions import Collector, Operator, Source
@@ -276,3 +278,80 @@ def test_a_task_waiting_for_input_handles_its_control_messages(daemon: Any, tmp_
         for t in threads:
             t.join(30)
         server.close()
+
+
+class _EndMarker(Operator):
+    """Passes records on; emits ``"end"`` from ``end_input``."""
+
+    def process(self, record: Any, out: Collector) -> None:
+        out.collect(record)
+
+    def end_input(self, out: Collector) -> None:
+        out.collect("end")
+
+
+def _run_bounded_chain(
+    daemon: Any, ckpt: str, attempt: int, restore: dict[str, Any] | None
+) -> tuple[_Recorder, dict[str, Any]]:
+    """generator(3) -> _EndMarker -> _Recorder, chained in one task, to its end: the
+    records that reached the recorder and the final checkpoint's ack."""
+    sink = _Recorder()
+    nodes = [
+        Node(0, "gen", lambda: GeneratorSource(lambda i: i, count=3), 1, is_source=True),
+        Node(1, "marker", _EndMarker, 1),
+        Node(2, "rec", lambda: sink, 1),
+    ]
+    for up, down in itertools.pairwise(nodes):
+        down.inputs.append((up, Partitioning.FORWARD, None))
+        up.outputs.append(down)
+    graph = JobGraph.build(nodes, DEFAULT_MAX_PARALLELISM)
+    assert graph.num_tasks == 1
+    token = secrets.token_hex(8)
+    server = ControlServer(token, attempt, {"v0-0"})
+    job = JobSpec("fin", attempt, token, server.address, graph, ckpt, "exactly_once")
+    job = JobSpec(**{**job.__dict__, "daemon_hint": daemon.local_socket})
+    errors: dict[int, BaseException] = {}
+
+    def body() -> None:
+        try:
+            run_task(job, 0)
+        except BaseException as e:  # checked below
+            errors[0] = e
+
+    thread = threading.Thread(target=body, daemon=True)
+    try:
+        thread.start()
+        reg = _next(server, "register")
+        server.send(
+            "v0-0", {"type": "start", "daemons": {"v0-0": reg["daemon"]}, "restore": restore}
+        )
+        _next(server, "exhausted")
+        cid = attempt * 10
+        server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
+        ack = _next(server, "ack")
+        name = os.path.basename(ack["handle"])  # the driver's part: the metadata
+        CheckpointStorage(ckpt).commit(CheckpointMetadata(cid, cid, {"v0-0": name}, is_final=True))
+        server.send("v0-0", {"type": "complete", "checkpoint": cid})
+        server.send("v0-0", {"type": "finish"})
+        _next(server, "finished")
+        thread.join(30)
+        assert not thread.is_alive() and not errors
+    finally:
+        server.close()
+        thread.join(30)
+    return sink, ack
+
+
+def test_a_task_restored_after_its_end_of_input_does_not_run_end_input_again(
+    daemon: Any, tmp_path: Path
+) -> None:
+    """Restored from a checkpoint taken after its input ended (the final one here, as a
+    rerun or a restart after it would), the task is finished on restore: the source
+    polls nothing and ``end_input`` does not run again, so nothing it emitted is emitted
+    twice; it still ends its input and serves the final checkpoint."""
+    ckpt = str(tmp_path / "ckpt")
+    first, ack = _run_bounded_chain(daemon, ckpt, 1, None)
+    assert first.records == [0, 1, 2, "end"]
+    restore = {"checkpoint_id": ack["checkpoint"], "files": {"v0-0": ack["handle"]}}
+    again, _ = _run_bounded_chain(daemon, ckpt, 2, restore)
+    assert again.records == []
