@@ -186,13 +186,22 @@ def _wait_for(predicate: Any, what: str) -> Any:
     return st.wait_for(predicate, DEADLINE, what)
 
 
-def _flushed_and_snapshotted(probes: Path, n: int) -> dict[int, int]:
-    """Wait until ``n`` records were flushed and the sink snapshotted all of them: the
-    checkpoints they were flushed at (-> count)."""
-    _wait_for(lambda: sum(_counts(probes, "flushed").values()) == n, "all flushed")
-    flushed = _counts(probes, "flushed")
-    _wait_for(lambda: sum(_counts(probes, "snap").values()) == n, "all snapshotted")
-    return flushed
+def _flushed_and_snapshotted(
+    env: Any, probes: Path, out: Path, n: int
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Run the job until its ``n`` records were flushed and the sink snapshotted all of
+    them, then to its end (every record committed once, a final checkpoint): which
+    checkpoints they were flushed at, and which ones the sink took them in (-> count)."""
+    run = _Run(env)
+    try:
+        _wait_for(lambda: sum(_counts(probes, "flushed").values()) == n, "all flushed")
+        flushed = _counts(probes, "flushed")
+        _wait_for(lambda: sum(_counts(probes, "snap").values()) == n, "all snapshotted")
+    finally:
+        result = run.join(probes)
+    assert sorted(st.committed(out)) == list(range(n))
+    assert result.checkpoints[-1].is_final
+    return flushed, _counts(probes, "snap")
 
 
 class _Run:
@@ -309,14 +318,8 @@ def test_records_emitted_before_the_barrier_belong_to_that_checkpoint(
         .rebalance()
         .sink_to(lambda: SnapshotProbeSink(str(out), p), name="sink", parallelism=1)
     )
-    run = _Run(env)
-    try:
-        flushed = _flushed_and_snapshotted(probes, n)
-    finally:
-        result = run.join(probes)
-    assert _counts(probes, "snap") == flushed  # each record in the checkpoint it preceded
-    assert sorted(st.committed(out)) == list(range(n))
-    assert result.checkpoints[-1].is_final
+    flushed, snaps = _flushed_and_snapshotted(env, probes, out, n)
+    assert snaps == flushed  # each record in the checkpoint it preceded
 
 
 def test_records_emitted_in_snapshot_state_follow_the_barrier(spark: Any, tmp_path: Path) -> None:
@@ -332,17 +335,10 @@ def test_records_emitted_in_snapshot_state_follow_the_barrier(spark: Any, tmp_pa
         .rebalance()
         .sink_to(lambda: SnapshotProbeSink(str(out), p), name="sink", parallelism=1)
     )
-    run = _Run(env)
-    try:
-        flushed = _flushed_and_snapshotted(probes, n)
-    finally:
-        result = run.join(probes)
-    snaps = _counts(probes, "snap")
+    flushed, snaps = _flushed_and_snapshotted(env, probes, out, n)
     for cid in flushed:
         assert cid not in snaps, (flushed, snaps)  # none in the checkpoint N it was emitted in
     assert min(snaps) > min(flushed)
-    assert sorted(st.committed(out)) == list(range(n))
-    assert result.checkpoints[-1].is_final
 
 
 def _read(path: Path) -> str | None:
