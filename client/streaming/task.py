@@ -10,8 +10,8 @@ control inbox, where the driver's messages arrive and where the task's own loop 
 posts wake-ups (input handed over by the reader, room in a writer's window), as Flink's
 mailbox turns input and output availability into mails. So a control message (trigger,
 complete, abort, stop, cancel) is handled at once whether the task waits for input, for
-room in its output, or for nothing; between records it is looked at once per decoded
-buffer (a reading task) or per poll (a source task).
+room in its output, or for nothing; between records it is looked at every 64 records (a
+reading task) or between polls (a source task).
 
 * a **source task** polls its source between mails: ``trigger`` snapshots the chain,
   broadcasts CheckpointBarrier(N) after every record emitted so far and acknowledges.
@@ -84,6 +84,8 @@ __all__ = ["JobSpec", "StreamTaskFailed", "dataset_of", "run_task"]
 
 #: Records a source emits between two looks at the mailbox.
 _POLL_BATCH: Final = 256
+#: Records a reading task processes between two looks at the mailbox.
+_MAIL_EVERY: Final = 64
 #: How long an idle source without ``ready_in()`` waits for mail before it polls again.
 _IDLE_WAIT: Final = 0.1
 #: Mails from the task's own process (not the driver) that wake a task waiting for room
@@ -579,11 +581,12 @@ class StreamTask:
             if not records:  # nothing handed over: wait for input or control, in one place
                 self._wait_for_mail()
                 continue
-            for record in records:
-                process(record)
+            for at in range(0, len(records), _MAIL_EVERY):  # a look at the mailbox per 64
+                for record in records[at : at + _MAIL_EVERY]:
+                    process(record)
+                if not inbox.empty():
+                    self._run_mails()
             self.records_in += len(records)
-            if not inbox.empty():
-                self._run_mails()
             blocked = self._blocked_output()
             if blocked is not None:  # reads no more until its output has room
                 self._await_output(blocked)
