@@ -18,7 +18,11 @@ from typing import Any
 
 import pytest
 
-from client.streaming.checkpoint_storage import CheckpointMetadata, CheckpointStorage
+from client.streaming.checkpoint_storage import (
+    CheckpointMetadata,
+    CheckpointStorage,
+    operator_files,
+)
 from client.streaming.connectors import CollectSink, GeneratorSource
 from client.streaming.control import ControlServer
 from client.streaming.functions import Collector, Operator, Source
@@ -330,7 +334,11 @@ def _run_bounded_chain(
         server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
         ack = _next(server, "ack")
         name = os.path.basename(ack["handle"])  # the driver's part: the metadata
-        CheckpointStorage(ckpt).commit(CheckpointMetadata(cid, cid, {"v0-0": name}, is_final=True))
+        files = {"v0-0": name}
+        operators = operator_files(files, graph.operator_tasks())
+        CheckpointStorage(ckpt).commit(
+            CheckpointMetadata(cid, cid, files, is_final=True, operators=operators)
+        )
         server.send("v0-0", {"type": "complete", "checkpoint": cid})
         server.send("v0-0", {"type": "finish"})
         _next(server, "finished")
@@ -352,6 +360,11 @@ def test_a_task_restored_after_its_end_of_input_does_not_run_end_input_again(
     ckpt = str(tmp_path / "ckpt")
     first, ack = _run_bounded_chain(daemon, ckpt, 1, None)
     assert first.records == [0, 1, 2, "end"]
-    restore = {"checkpoint_id": ack["checkpoint"], "files": {"v0-0": ack["handle"]}}
+    latest = CheckpointStorage(ckpt).latest_completed()
+    assert latest is not None and latest.checkpoint_id == ack["checkpoint"]
+    restore = {
+        "checkpoint_id": latest.checkpoint_id,
+        "operators": {uid: list(f) for uid, f in latest.operators.items()},
+    }
     again, _ = _run_bounded_chain(daemon, ckpt, 2, restore)
     assert again.records == []
