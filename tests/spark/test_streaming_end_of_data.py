@@ -43,14 +43,8 @@ st: Any = load_module(
 def spark(sx: ModuleType) -> Iterator[Any]:
     """local[3]: the longest pipeline here runs three tasks at once."""
     pytest.importorskip("pyspark")
-    from client import spark as xs
-
-    session = sx.local_session("local[3]", "exchange-streaming-end-of-data")
-    try:
+    with st.session(sx, "local[3]", "exchange-streaming-end-of-data") as session:
         yield session
-    finally:
-        session.stop()
-        assert xs.stop_embedded_daemon() is True, "embedded daemon's pool not whole at exit"
 
 
 # -- the job's parts ------------------------------------------------------------------------
@@ -228,18 +222,8 @@ class _Run:
         return self.result
 
 
-def _dirs(tmp_path: Path) -> tuple[Path, Path, str]:
-    probes, out = tmp_path / "probes", tmp_path / "out"
-    probes.mkdir()
-    out.mkdir()
-    return probes, out, str(tmp_path / "ckpt")
-
-
-def _env(spark: Any, ckpt: str, job_id: str, **kw: Any) -> Any:
-    from client.streaming.environment import StreamEnvironment
-
-    kw.setdefault("checkpoint_interval", "300ms")
-    return StreamEnvironment(spark, checkpoint_dir=ckpt, job_id=job_id, **kw)
+_dirs = st.dirs
+_env = st.environment
 
 
 # -- the tests ------------------------------------------------------------------------------
