@@ -37,6 +37,7 @@ from exchange.config_values import (
     parse_size,
 )
 from exchange.errors import ConfigError
+from exchange.writer.record_writer import MIN_BUFFER_SIZE
 
 __all__ = [
     "CONFIG_ENV_VAR",
@@ -687,7 +688,11 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         _int(0, 100), _INT, "PERCENT", "smallest size change (percent) worth announcing"
     ),
     "debloat_min_buffer_size": _Setting(
-        _size(1), _SIZE, "SIZE", "smallest buffer size the debloater announces"
+        _size(MIN_BUFFER_SIZE),
+        _SIZE,
+        "SIZE",
+        "smallest buffer size the debloater announces (at least 256 B, the smallest buffer "
+        "a producer cuts)",
     ),
     "debloat_initial_buffer_size": _Setting(
         _optional_size(1),

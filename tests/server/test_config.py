@@ -358,6 +358,7 @@ BAD_VALUES: list[tuple[str, str]] = [
     ("debloat_threshold_percent", "-1"),
     ("debloat_threshold_percent", "25%"),
     ("debloat_min_buffer_size", "0"),
+    ("debloat_min_buffer_size", "255"),  # below the writers' floor: never honoured
     ("debloat_min_buffer_size", "64k"),  # above the segment size
     ("debloat_initial_buffer_size", "0"),
     ("debloat_initial_buffer_size", "64k"),  # above the segment size
