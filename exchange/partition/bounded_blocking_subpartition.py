@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING
 
 from exchange.buffers.buffer import Buffer, DataType
 from exchange.buffers.buffer_consumer import BufferConsumer
-from exchange.errors import PartitionNotReadyError, PartitionReleasedError
+from exchange.errors import (
+    PartitionDataLostError,
+    PartitionNotReadyError,
+    PartitionReleasedError,
+)
 from exchange.events.events import EndOfPartitionEvent, EventSerializer
 from exchange.partition.bounded_data import BoundedData, BoundedDataReader
 from exchange.partition.states import (
@@ -155,7 +159,11 @@ class BoundedBlockingSubpartition:
                 "finished yet; blocking partitions are read after they are fully written",
                 self._parent.partition_id,
             )
-        reader = BoundedBlockingSubpartitionReader(self, self._data.create_reader(), listener)
+        try:
+            data_reader = self._data.create_reader()
+        except PartitionDataLostError as e:  # the file was replaced or changed
+            raise PartitionDataLostError(str(e), self._parent.partition_id) from None
+        reader = BoundedBlockingSubpartitionReader(self, data_reader, listener)
         self._readers.add(reader)
         listener.notify_data_available()
         return reader
