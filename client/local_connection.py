@@ -38,7 +38,7 @@ from exchange.protocol.local_messages import (
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_for_response
 from exchange.writer.record_writer import OutputBuffer
-from server.config import DEFAULT_SOCKET_NAME
+from server.config import DEFAULT_SOCKET_NAME, default_spill_dir
 
 __all__ = [
     "DAEMON_ENV",
@@ -61,9 +61,8 @@ _PUSH_BODY_HEADER: Final = 5
 
 
 def default_socket_path() -> str:
-    import tempfile
-
-    return os.path.join(tempfile.gettempdir(), "exchange-spill", DEFAULT_SOCKET_NAME)
+    """The socket a daemon started with default settings by this user listens on."""
+    return os.path.join(default_spill_dir(), DEFAULT_SOCKET_NAME)
 
 
 #: Environment variable naming a file that holds the daemons' shared secret.

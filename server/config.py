@@ -41,6 +41,7 @@ __all__ = [
     "DaemonConfig",
     "build_arg_parser",
     "config_from_namespace",
+    "default_spill_dir",
     "env_var_name",
     "flag_name",
     "load_config",
@@ -68,8 +69,10 @@ _UNLIMITED_WORDS: Final = frozenset({"", "none", "unlimited", "-1"})
 DEFAULT_SOCKET_NAME: Final = "exchange-daemon.sock"
 
 
-def _default_spill_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "exchange-spill")
+def default_spill_dir() -> str:
+    """``$TMPDIR/exchange-<uid>``: the daemon's user's own (docs/security.md, Spill files);
+    tasks of the same user find its socket there (``client.local_connection``)."""
+    return os.path.join(tempfile.gettempdir(), f"exchange-{os.geteuid()}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +94,17 @@ class DaemonConfig:
     partition_request_backoff_max: float = 10.0
     buffer_timeout: float = 0.1
     max_connections: int = 1024
-    max_requests_per_connection: int = 16384
-    max_partitions_per_app: int = 0
-    max_pinned_segments_per_app: int = 0
+    max_requests_per_connection: int = 512
+    max_partitions_per_app: int | None = None
+    max_pinned_segments_per_app: int | None = None
+    max_readers_per_app: int | None = None
+    max_reader_memory_per_app: int | None = None
+    max_subpartitions_per_partition: int = 1024
+    spill_quota_per_app: int | None = None
+    spill_min_free: int | None = None
     handshake_timeout: float = 10.0
     peer_timeout: float = 60.0
-    spill_dir: str = field(default_factory=_default_spill_dir)
+    spill_dir: str = field(default_factory=default_spill_dir)
     secret_file: str | None = None
     log_level: str = "INFO"
     blocking_partition_ttl: float = 3600.0
@@ -187,6 +195,35 @@ class DaemonConfig:
     def num_segments(self) -> int:
         """Number of segments in the NetworkBufferPool (network_memory // segment_size)."""
         return self.network_memory // self.segment_size
+
+    @property
+    def effective_max_partitions_per_app(self) -> int:
+        """Partitions one application may hold; 0 = unlimited. Default 4 per segment of
+        network memory (a partition being written needs at least one)."""
+        v = self.max_partitions_per_app
+        return 4 * self.num_segments if v is None else v
+
+    @property
+    def effective_max_pinned_segments_per_app(self) -> int:
+        """The sum of the pool maxima of one application's partitions; 0 = unlimited.
+        Default: the network memory's segments (one application's pools never claim
+        more than the whole pool, and others keep room)."""
+        v = self.max_pinned_segments_per_app
+        return self.num_segments if v is None else v
+
+    @property
+    def effective_max_readers_per_app(self) -> int:
+        """Readers of blocking partitions one application may have open; 0 = unlimited.
+        Default: one per segment of network memory."""
+        v = self.max_readers_per_app
+        return self.num_segments if v is None else v
+
+    @property
+    def effective_max_reader_memory_per_app(self) -> int:
+        """Bytes of read buffers (outside network memory) one application's readers may
+        hold; 0 = unlimited. Default: as much as the network memory."""
+        v = self.max_reader_memory_per_app
+        return self.network_memory if v is None else v
 
     @property
     def effective_high_watermark(self) -> int:
@@ -348,6 +385,18 @@ def _optional_size(minimum: int, none_words: frozenset[str] = _NONE_WORDS) -> _C
     return coerce
 
 
+def _optional_int(minimum: int) -> _Coerce:
+    required = _int(minimum)
+
+    def coerce(value: Any, setting: str) -> int | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+            return None
+        result: int = required(value, setting)
+        return result
+
+    return coerce
+
+
 def _duration(positive: bool, allow_negative_one: bool = False) -> _Coerce:
     def coerce(value: Any, setting: str) -> float:
         seconds = parse_duration(value, setting, allow_negative_one=allow_negative_one)
@@ -439,14 +488,52 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         _int(1), _INT, "N", "partition requests open at once on one connection"
     ),
     "max_partitions_per_app": _Setting(
-        _int(0), _INT, "N", "partitions one application may hold at once; 0 = unlimited"
+        _optional_int(0),
+        _INT,
+        "N",
+        "partitions one application may hold at once; 0 = unlimited; "
+        "default 4 x the segments of network_memory",
     ),
     "max_pinned_segments_per_app": _Setting(
-        _int(0),
+        _optional_int(0),
         _INT,
         "N",
         "segments the partitions of one application may pin (the sum of their pools' "
-        "maximum sizes); 0 = unlimited",
+        "maximum sizes); 0 = unlimited; default the segments of network_memory",
+    ),
+    "max_readers_per_app": _Setting(
+        _optional_int(0),
+        _INT,
+        "N",
+        "readers of blocking partitions one application may have open at once; "
+        "0 = unlimited; default the segments of network_memory",
+    ),
+    "max_reader_memory_per_app": _Setting(
+        _optional_size(0),
+        _SIZE,
+        "SIZE",
+        "read buffers (outside network memory) one application's readers may hold; "
+        "0 = unlimited; default network_memory",
+    ),
+    "max_subpartitions_per_partition": _Setting(
+        _int(1),
+        _INT,
+        "N",
+        "subpartitions one CreatePartition may ask for (a blocking one keeps a file each)",
+    ),
+    "spill_quota_per_app": _Setting(
+        _optional_size(0),
+        _SIZE,
+        "SIZE",
+        "bytes one application's blocking partitions may fill in spill_dir; 0 = unlimited; "
+        "default half the size of spill_dir's file system",
+    ),
+    "spill_min_free": _Setting(
+        _optional_size(0),
+        _SIZE,
+        "SIZE",
+        "free space spill_dir's file system keeps: spills stop below it; 0 = none; "
+        "default 5% of the file system, at most 1 GiB",
     ),
     "handshake_timeout": _Setting(
         _duration(positive=True), _DURATION, "DURATION", "time a new connection has to authenticate"

@@ -47,7 +47,7 @@ class DataServer:
         high_watermark: int | None = None,
         low_watermark: int | None = None,
         max_connections: int = 1024,
-        max_requests: int = 16384,
+        max_requests: int = 512,
         handshake_timeout: float = 10.0,
         peer_timeout: float | None = 60.0,
         max_frame_size: int | None = None,

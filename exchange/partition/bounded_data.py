@@ -49,6 +49,8 @@ __all__ = [
 
 HEADER: Final = struct.Struct(">BBI")
 FLAG_COMPRESSED: Final = 0x01
+#: Read segments (outside network memory) a reader of ``file`` storage allocates at most.
+READ_SEGMENTS: Final = 2
 #: A spill file is new (never an existing file or a symlink planted there) and private.
 _CREATE_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
@@ -75,6 +77,11 @@ class BoundedData(Protocol):
     def finish_write(self) -> None: ...
 
     def create_reader(self) -> BoundedDataReader: ...
+
+    @property
+    def reader_memory(self) -> int:
+        """Bytes a reader allocates outside network memory, at most."""
+        ...
 
     @property
     def size(self) -> int: ...
@@ -365,13 +372,17 @@ class FileBoundedData(_FileWriterBase):
         super().__init__(path, existing, account)
         self._segment_size = segment_size
 
+    @property
+    def reader_memory(self) -> int:
+        return READ_SEGMENTS * self._segment_size
+
     def finish_write(self) -> None:
         self._finish_file()
 
     def create_reader(self) -> _FileReader:
         if not self._finished:
             raise IllegalStateError("bounded data is still being written")
-        return _FileReader(self.path, self.open_checked(), self._segment_size)
+        return _FileReader(self.path, self.open_checked(), self._segment_size, READ_SEGMENTS)
 
     def close(self) -> None:
         self._delete()
@@ -441,6 +452,8 @@ class MmapBoundedData(_FileWriterBase):
         self._view: memoryview | None = None
         if existing is not None:
             self._map_file()
+
+    reader_memory = 0  # slices of the one shared mapping
 
     def finish_write(self) -> None:
         self._finish_file()

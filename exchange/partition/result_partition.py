@@ -57,6 +57,7 @@ from exchange.partition.partition_manifest import (
     write_manifest,
 )
 from exchange.partition.pipelined_subpartition import PipelinedSubpartition
+from exchange.partition.reader_budget import ReaderAccount
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.partition.spill_space import SpillAccount, spill_error
@@ -111,6 +112,7 @@ class ResultPartition:
         app_id: str = "",
         spill_account: SpillAccount | None = None,
         manifest_key: bytes | None = None,
+        reader_account: ReaderAccount | None = None,
     ) -> None:
         if not isinstance(num_subpartitions, int) or num_subpartitions <= 0:
             raise UsageError(f"num_subpartitions must be a positive int, got {num_subpartitions!r}")
@@ -127,6 +129,8 @@ class ResultPartition:
         #: The application that created it ("": none); only its connections may use it.
         self.app_id = app_id if restore_from is None else restore_from.app_id
         self.buffer_pool = buffer_pool
+        #: Counts this partition's blocking readers against its application's budget.
+        self.reader_account = reader_account
         self.segment_size = buffer_pool.segment_size
         self.subpartitions: list[ResultSubpartition] = []
         self._bounded_data_kind = bounded_data_kind
@@ -171,10 +175,17 @@ class ResultPartition:
 
     @classmethod
     def restore(
-        cls, manifest_path: Path, manifest: PartitionManifest, buffer_pool: LocalBufferPool
+        cls,
+        manifest_path: Path,
+        manifest: PartitionManifest,
+        buffer_pool: LocalBufferPool,
+        *,
+        spill_account: SpillAccount | None = None,
+        reader_account: ReaderAccount | None = None,
     ) -> ResultPartition:
         """A finished blocking partition a previous daemon left (its files checked by
-        ``verify_spilled_data``); it keeps ``manifest_path`` as its manifest."""
+        ``verify_spilled_data``); it keeps ``manifest_path`` as its manifest. Its files
+        count against ``spill_account``, its readers against ``reader_account``."""
         if manifest.state is not ManifestState.FINISHED or not manifest.partition_type.is_blocking:
             raise UsageError(f"{manifest_path}: only finished blocking partitions are restored")
         if manifest.segment_size != buffer_pool.segment_size:
@@ -190,6 +201,8 @@ class ResultPartition:
             spill_dir=manifest_path.parent,
             bounded_data_kind=manifest.bounded_data_kind,
             restore_from=manifest,
+            spill_account=spill_account,
+            reader_account=reader_account,
         )
         part._manifest_path = manifest_path
         return part
