@@ -79,12 +79,21 @@ def test_partitions_per_application(start_daemon: Any, secret_file: str) -> None
 def test_pinned_segments_per_application(start_daemon: Any, secret_file: str) -> None:
     # a one-subpartition partition's pool may pin 16 segments: two fit in 40, three do not
     d = start_daemon("--secret-file", secret_file, "--max-pinned-segments-per-app=40")
-    write(d, ResultPartitionID("a", 0, 0), A)
-    write(d, ResultPartitionID("a", 1, 0), A)
+
+    def open_writer(pid: ResultPartitionID, secret: bytes) -> PartitionWriter:
+        return PartitionWriter(pid, 1, blocking=True, daemon_socket=d.local_socket, secret=secret)
+
+    w0 = open_writer(ResultPartitionID("a", 0, 0), A)
+    w1 = open_writer(ResultPartitionID("a", 1, 0), A)
     with pytest.raises(LimitExceededError, match="max_pinned_segments_per_app"):
         write(d, ResultPartitionID("a", 2, 0), A)
-    write(d, ResultPartitionID("b", 0, 0), B)
+    write(d, ResultPartitionID("b", 0, 0), B)  # another application is not concerned
     write(d, ResultPartitionID("b", 1, 0), B)
+    w0.emit_all(RECORDS, partition_func=lambda k: 0)
+    w0.close()  # a finished blocking partition gave its pool back: it pins nothing
+    write(d, ResultPartitionID("a", 2, 0), A)
+    w1.close()
+    assert read(d, [ResultPartitionID("a", 0, 0)], A) == RECORDS
     assert read(d, [ResultPartitionID("b", 1, 0)], B) == RECORDS
-    assert release(d, "a", A) == 2 and release(d, "b", B) == 2
+    assert release(d, "a", A) == 3 and release(d, "b", B) == 2
     d.wait_stats(lambda s: s["partitions"]["count"] == 0 and s["network"]["local_pools"] == 0)
