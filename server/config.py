@@ -206,10 +206,11 @@ class DaemonConfig:
     @property
     def effective_max_pinned_segments_per_app(self) -> int:
         """The sum of the pool maxima of one application's partitions; 0 = unlimited.
-        Default: the network memory's segments (one application's pools never claim
-        more than the whole pool, and others keep room)."""
+        Default: 1.5 x the network memory's segments, so that no partition of one
+        application can require the whole pool (a pool's maximum is about twice what it
+        requires) and others keep room."""
         v = self.max_pinned_segments_per_app
-        return self.num_segments if v is None else v
+        return 3 * self.num_segments // 2 if v is None else v
 
     @property
     def effective_max_readers_per_app(self) -> int:
@@ -499,7 +500,7 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         _INT,
         "N",
         "segments the partitions of one application may pin (the sum of their pools' "
-        "maximum sizes); 0 = unlimited; default the segments of network_memory",
+        "maximum sizes); 0 = unlimited; default 1.5 x the segments of network_memory",
     ),
     "max_readers_per_app": _Setting(
         _optional_int(0),

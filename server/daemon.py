@@ -289,8 +289,11 @@ class ExchangeDaemon:
                 limit=limit,
             )
         max_segments = max(num_subpartitions * 2 + 8, 16)
-        self._check_app_limits(pid, app_id, max_segments)
-        pool = self.network_pool.create_buffer_pool(num_subpartitions, max_segments)
+        nbp = self.network_pool
+        if num_subpartitions <= nbp.total_segments - nbp.num_required:
+            self._check_app_limits(pid, app_id, max_segments)
+        # else the pool cannot be had at all: InsufficientBuffersError names network_memory
+        pool = nbp.create_buffer_pool(num_subpartitions, max_segments)
         try:
             part = ResultPartition(
                 pid,

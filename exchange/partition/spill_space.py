@@ -24,7 +24,7 @@ from exchange.errors import SpillError
 __all__ = ["SpillAccount", "SpillSpace", "free_bytes", "spill_error"]
 
 #: Bytes charged between two free-space checks.
-CHECK_EVERY: Final = 1 << 20
+CHECK_EVERY: Final = 256 * 1024
 
 
 def free_bytes(directory: str | os.PathLike[str]) -> int:

@@ -224,7 +224,7 @@ def test_defaults_are_flinks() -> None:
     assert config.spill_dir == os.path.join(tempfile.gettempdir(), f"exchange-{os.geteuid()}")
     assert config.max_requests_per_connection == 512
     # per-application budgets are on by default, derived from the network memory
-    assert config.effective_max_pinned_segments_per_app == 2048
+    assert config.effective_max_pinned_segments_per_app == 3072
     assert config.effective_max_partitions_per_app == 4 * 2048
     assert config.effective_max_readers_per_app == 2048
     assert config.effective_max_reader_memory_per_app == 64 * MIB
