@@ -402,6 +402,14 @@ class ExchangeDaemon:
                 orphan.unlink()
         if any(self.recovered.values()):
             log.info("partitions of the previous daemon: %s", self.recovered)
+        old = next(self.spill.root.glob("*.manifest"), None)
+        if old is not None:  # never touched: this daemon did not write them
+            log.warning(
+                "%s holds partitions of a daemon of an earlier version (e.g. %s); they are not "
+                "served: their files stay until removed",
+                self.spill.root,
+                old.name,
+            )
 
     def _restore(self, path: Path, manifest: PartitionManifest, age: float) -> None:
         # a finished blocking partition writes nothing: its pool holds no segment (readers

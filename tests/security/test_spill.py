@@ -119,6 +119,15 @@ def wait_fds(d: Daemon, at_most: int, timeout: float = 20.0) -> None:
         time.sleep(0.05)
 
 
+def wait_stderr(d: Daemon, text: str, timeout: float = 20.0) -> str:
+    """The daemon's stderr once it holds ``text`` (read on a thread: poll for it)."""
+    deadline = time.monotonic() + timeout
+    while text not in d.stderr:
+        assert time.monotonic() < deadline, f"{text!r} not logged: {d.stderr}"
+        time.sleep(0.05)
+    return str(d.stderr)
+
+
 def refused(args: list[str], env: dict[str, str] | None = None) -> str:
     """Start a daemon expected to refuse; its stderr."""
     helpers: Any = __import__("exchange_tests_daemon_helpers")
@@ -239,6 +248,26 @@ def test_a_second_daemon_on_the_same_spill_dir_refuses_to_start(
     assert release(d, "first") == 1
 
 
+def test_files_outside_its_own_directory_are_never_touched(tmp_path: Path, dm: Any) -> None:
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    # left by a daemon of an earlier version (or anyone): not the daemon's to serve or delete
+    for name in ("old-0-0-0123abcd.manifest", "old-0-0-0123abcd.0.bin", "x.manifest.tmp"):
+        (spill / name).write_bytes(b"not the daemon's")
+    d = dm.DaemonProcess(spill_dir=str(spill))
+    try:
+        assert d.info["recovered"] == {"restored": 0, "refused": 0, "failed": 0, "expired": 0}
+        assert "old-0-0-0123abcd.manifest" in wait_stderr(d, "earlier version")
+        d.stop_clean()
+    finally:
+        d.cleanup()
+    assert sorted(p.name for p in spill.iterdir() if p.is_file()) == [
+        "old-0-0-0123abcd.0.bin",
+        "old-0-0-0123abcd.manifest",
+        "x.manifest.tmp",
+    ]
+
+
 def test_a_spill_file_swapped_under_a_finished_partition_is_detected(
     start_daemon: Callable[..., Daemon],
 ) -> None:
@@ -295,7 +324,7 @@ def test_a_forged_manifest_is_refused_when_the_daemon_has_a_secret(tmp_path: Pat
     d2 = dm.DaemonProcess(*flags, spill_dir=str(spill))
     try:
         assert d2.info["recovered"] == {"restored": 1, "refused": 1, "failed": 0, "expired": 0}
-        assert "no HMAC" in d2.stderr  # logged: the forged manifest and its files go
+        wait_stderr(d2, "no HMAC")  # logged: the forged manifest and its files go
         assert read(d2, good, secret=secret) == records(100)
         assert not list((spill / PARTS).glob("forged-*"))  # refused and deleted
         d2.stop_clean()
