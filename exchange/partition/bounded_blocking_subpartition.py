@@ -168,7 +168,11 @@ class BoundedBlockingSubpartition:
                 data_reader = self._data.create_reader()
             except PartitionDataLostError as e:  # the file was replaced or changed
                 raise PartitionDataLostError(str(e), self._parent.partition_id) from None
-            reader = BoundedBlockingSubpartitionReader(self, data_reader, listener)
+            try:  # it reads its first buffer at once: a corrupt file raises here
+                reader = BoundedBlockingSubpartitionReader(self, data_reader, listener)
+            except BaseException:
+                data_reader.close()  # its descriptor and read segments
+                raise
         except BaseException:
             if account is not None:
                 account.release(memory)

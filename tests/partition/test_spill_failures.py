@@ -5,13 +5,21 @@ fails; the writer gets a SpillError naming the directory (docs/security.md, Disk
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 import pytest
 
-from exchange.errors import PartitionReleasedError, SpillError
+from exchange.errors import (
+    CorruptRecordError,
+    LimitExceededError,
+    PartitionReleasedError,
+    SpillError,
+)
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartition, ResultPartitionID, ResultPartitionType
+from exchange.partition.bounded_data import READ_SEGMENTS
+from exchange.partition.reader_budget import ReaderBudget
 from exchange.partition.spill_space import SpillSpace
 
 BLOCKING = ResultPartitionType.BLOCKING
@@ -127,3 +135,47 @@ def test_spill_space_counts_per_application(tmp_path: Path) -> None:
     a.refund(600)
     b.refund(600)
     assert space.total_used == 0
+
+
+class _Listener:
+    def notify_data_available(self) -> None:
+        pass
+
+
+def test_readers_count_against_their_applications_budget(
+    nbp: NetworkBufferPool, tmp_path: Path
+) -> None:
+    budget = ReaderBudget(max_readers=2, max_memory=3 * nbp.segment_size * READ_SEGMENTS)
+    pool = nbp.create_buffer_pool(1, 4)
+    part = ResultPartition(
+        ResultPartitionID("r", 0),
+        BLOCKING,
+        1,
+        pool,
+        spill_dir=tmp_path,
+        reader_account=budget.account("app"),
+    )
+    push(part, 0)
+    part.finish()
+    fds = len(os.listdir("/proc/self/fd"))
+    a = part.create_subpartition_view(0, _Listener())
+    b = part.create_subpartition_view(0, _Listener())
+    assert budget.usage("app") == (2, 2 * nbp.segment_size * READ_SEGMENTS)
+    with pytest.raises(LimitExceededError, match="max_readers_per_app=2"):
+        part.create_subpartition_view(0, _Listener())
+    a.release_all_resources()
+    c = part.create_subpartition_view(0, _Listener())
+    assert budget.usage("other") == (0, 0)  # another application's budget is its own
+    b.release_all_resources()
+    c.release_all_resources()
+    assert budget.usage("app") == (0, 0)
+    # a file damaged in place (same inode and size): the reader fails at its first buffer
+    # and gives back its descriptor, its read segments and its place in the budget
+    path = part.subpartitions[0].data.path  # type: ignore[union-attr]
+    with open(path, "r+b") as f:
+        f.write(b"\xff")
+    with pytest.raises(CorruptRecordError, match="bad data type"):
+        part.create_subpartition_view(0, _Listener())
+    assert budget.usage("app") == (0, 0)
+    assert len(os.listdir("/proc/self/fd")) == fds
+    part.release()
