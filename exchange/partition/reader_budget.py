@@ -31,6 +31,13 @@ class ReaderBudget:
             acct = self._accounts[app_id] = ReaderAccount(self, app_id)
         return acct
 
+    def totals(self) -> tuple[int, int]:
+        """(open readers, bytes of read memory) of every application together."""
+        return (
+            sum(a.readers for a in self._accounts.values()),
+            sum(a.memory for a in self._accounts.values()),
+        )
+
     def usage(self, app_id: str) -> tuple[int, int]:
         """(open readers, bytes of read memory) of ``app_id``."""
         acct = self._accounts.get(app_id)

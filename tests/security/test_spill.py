@@ -375,6 +375,7 @@ def test_a_full_disk_fails_the_producer_with_a_spill_error_and_leaks_nothing(
         )
         assert st["network"]["available_segments"] == st["network"]["total_segments"]
         assert daemon_files(d) == []  # its files are deleted: the disk is free again
+        assert st["spill"]["bytes"] == 0
         wait_fds(d, base_fds)
         with pytest.raises(PartitionReleasedError, match="is full"):
             read(d, ResultPartitionID("big", 0, 0))
@@ -398,6 +399,13 @@ def test_the_spill_quota_refuses_one_application_before_the_disk_is_full(
         assert str(small_disk / "spill" / PARTS) in str(info.value)
         d.wait_stats(lambda s: s["partitions"]["count"] == 0)
         assert daemon_files(d) == []  # the refused partition's bytes count no more
+        assert d.stats()["spill"] == {
+            "bytes": 0,
+            "quota_per_app": 600 * 1024,
+            "min_free": 0,
+            "readers": 0,
+            "reader_memory_bytes": 0,
+        }
         ok = ResultPartitionID("q", 1, 0)
         write(d, ok, records(4_000, 100))  # ~430 KB: under the quota
         assert read(d, ok) == records(4_000, 100)
@@ -475,8 +483,8 @@ def test_readers_of_ones_own_partition_are_bounded(start_daemon: Callable[..., D
     with pytest.raises(LimitExceededError, match="max_reader"), PartitionReader(locs, **FAST) as r:
         for _ in r:
             pass
-    d.wait_stats(lambda s: s["network"]["readers"] == 0 if "readers" in s["network"] else True)
-    assert read(d, pid) == recs  # the budget is back: one reader goes on
+    d.wait_stats(lambda s: s["spill"]["readers"] == 0)  # every place in the budget back
+    assert read(d, pid) == recs  # one reader goes on
     wait_fds(d, base)
     assert release(d, "hot") == 1
     d.wait_pool_whole()
