@@ -97,3 +97,27 @@ def test_pinned_segments_per_application(start_daemon: Any, secret_file: str) ->
     assert read(d, [ResultPartitionID("b", 1, 0)], B) == RECORDS
     assert release(d, "a", A) == 3 and release(d, "b", B) == 2
     d.wait_stats(lambda s: s["partitions"]["count"] == 0 and s["network"]["local_pools"] == 0)
+
+
+def test_by_default_one_application_cannot_starve_another(
+    start_daemon: Any, secret_file: str
+) -> None:
+    # default limits (64 MiB = 2048 segments): a pipelined partition of 2048 subpartitions
+    # took every segment; now the width is capped, and one application's pools may claim
+    # 1.5 x the pool in maxima: a second 1000-wide partition of A is refused, B's fits
+    d = start_daemon("--secret-file", secret_file)
+
+    def open_writer(pid: ResultPartitionID, n: int, secret: bytes) -> PartitionWriter:
+        return PartitionWriter(pid, n, daemon_socket=d.local_socket, secret=secret)
+
+    with pytest.raises(LimitExceededError, match="max_subpartitions_per_partition=1024"):
+        open_writer(ResultPartitionID("a", 0, 0), 2048, A)
+    a0 = open_writer(ResultPartitionID("a", 1, 0), 1000, A)
+    with pytest.raises(LimitExceededError, match="max_pinned_segments_per_app=3072"):
+        open_writer(ResultPartitionID("a", 2, 0), 1000, A)
+    b0 = open_writer(ResultPartitionID("b", 0, 0), 1000, B)  # 1000 more required segments
+    st = d.stats()["network"]
+    assert st["required_segments"] == 2000 and st["local_pools"] == 2
+    a0.fail(RuntimeError("done"))
+    b0.fail(RuntimeError("done"))
+    d.wait_stats(lambda s: s["partitions"]["count"] == 0 and s["network"]["local_pools"] == 0)
