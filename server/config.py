@@ -247,7 +247,7 @@ class DaemonConfig:
         """Create spill_dir if needed and check that it is writable and the socket path usable."""
         spill = self.spill_dir
         try:
-            os.makedirs(spill, exist_ok=True)
+            os.makedirs(spill, mode=0o700, exist_ok=True)
         except FileExistsError:
             raise ConfigError("spill_dir", f"{spill!r} exists and is not a directory") from None
         except OSError as exc:
