@@ -34,6 +34,7 @@ import hmac
 import json
 import math
 import os
+import stat
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -278,16 +279,19 @@ def verify_spilled_data(manifest: PartitionManifest, directory: Path) -> None:
     for sub in manifest.subpartitions:
         path = directory / sub.file
         try:
-            size = path.stat().st_size
+            st = path.lstat()  # a symlink is not a spill file the daemon wrote
         except FileNotFoundError:
             raise PartitionDataLostError(f"spill file {path} is missing", pid) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise PartitionDataLostError(f"spill file {path} is not a regular file", pid)
+        size = st.st_size
         if size != sub.size:
             what = "truncated" if size < sub.size else "longer than written"
             raise PartitionDataLostError(
                 f"spill file {path} is {what} ({size} of {sub.size} bytes)", pid
             )
         crc = 0
-        with open(path, "rb", buffering=0) as f:
+        with open(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW), "rb", 0) as f:
             while chunk := f.read(_CHUNK):
                 crc = zlib.crc32(chunk, crc)
         if crc != sub.crc32:
