@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from exchange.errors import (
     SubpartitionIndexError,
     UsageError,
     WriterClosedError,
+    error_reason,
     fresh_error,
 )
 from exchange.events.events import AbstractEvent, EventSerializer
@@ -137,7 +139,7 @@ class ResultPartition:
         self._manifest_path: Path | None = None
         self._manifest_key = manifest_key
         self._keep_spilled = False
-        directory = Path(spill_dir if spill_dir is not None else "/tmp/exchange-spill")
+        directory = Path(spill_dir) if spill_dir is not None else _default_spill_dir()
         self.spill_dir = directory
         stem = f"{_safe(partition_id.dataset_id)}-{partition_id.partition_index}-" + (
             f"{partition_id.attempt_id}-{uuid.uuid4().hex[:8]}"
@@ -368,7 +370,8 @@ class ResultPartition:
             if isinstance(cause, PartitionReleasedError):
                 raise fresh_error(cause)
             raise PartitionReleasedError(
-                "partition was released" + (f": {cause}" if cause else ""), self.partition_id
+                "partition was released" + (f": {error_reason(cause)}" if cause else ""),
+                self.partition_id,
             )
         if state is _FINISHED:
             raise WriterClosedError(f"partition {self.partition_id} is finished")
@@ -625,6 +628,12 @@ def _run_all(steps: list[Callable[[], None]]) -> None:
                 error = e
     if error is not None:
         raise error
+
+
+def _default_spill_dir() -> Path:
+    """Where an in-process partition spills when given no directory: this user's own
+    (never a name every user shares), apart from a daemon's files."""
+    return Path(tempfile.gettempdir()) / f"exchange-{os.geteuid()}" / "in-process"
 
 
 def _safe(name: str) -> str:
