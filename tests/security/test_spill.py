@@ -98,8 +98,9 @@ def read(d: Daemon, pid: ResultPartitionID, sub: int = 0, secret: bytes | None =
         return list(reader)
 
 
-def release(d: Daemon, dataset: str) -> int:
-    return get_runtime().run(release_dataset(d.local_socket, dataset))  # type: ignore[no-any-return]
+def release(d: Daemon, dataset: str, secret: bytes | None = None) -> int:
+    done = release_dataset(d.local_socket, dataset, secret=secret)
+    return get_runtime().run(done)  # type: ignore[no-any-return]
 
 
 def daemon_files(d: Daemon) -> list[str]:
@@ -248,19 +249,18 @@ def test_a_second_daemon_on_the_same_spill_dir_refuses_to_start(
     assert release(d, "first") == 1
 
 
-def test_files_outside_its_own_directory_are_never_touched(tmp_path: Path, dm: Any) -> None:
+def test_files_outside_its_own_directory_are_never_touched(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
     spill = tmp_path / "spill"
     spill.mkdir()
     # left by a daemon of an earlier version (or anyone): not the daemon's to serve or delete
     for name in ("old-0-0-0123abcd.manifest", "old-0-0-0123abcd.0.bin", "x.manifest.tmp"):
         (spill / name).write_bytes(b"not the daemon's")
-    d = dm.DaemonProcess(spill_dir=str(spill))
-    try:
-        assert d.info["recovered"] == {"restored": 0, "refused": 0, "failed": 0, "expired": 0}
-        assert "old-0-0-0123abcd.manifest" in wait_stderr(d, "earlier version")
-        d.stop_clean()
-    finally:
-        d.cleanup()
+    d = start_daemon(spill_dir=str(spill))
+    assert d.info["recovered"] == {"restored": 0, "refused": 0, "failed": 0, "expired": 0}
+    assert "old-0-0-0123abcd.manifest" in wait_stderr(d, "earlier version")
+    d.stop_clean()
     assert sorted(p.name for p in spill.iterdir() if p.is_file()) == [
         "old-0-0-0123abcd.0.bin",
         "old-0-0-0123abcd.manifest",
@@ -292,7 +292,9 @@ def test_a_spill_file_swapped_under_a_finished_partition_is_detected(
 # -- manifests -------------------------------------------------------------------------------
 
 
-def test_a_forged_manifest_is_refused_when_the_daemon_has_a_secret(tmp_path: Path, dm: Any) -> None:
+def test_a_forged_manifest_is_refused_when_the_daemon_has_a_secret(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
     secret_file = tmp_path / "secret"
     secret_file.write_bytes(b"a-secret-of-the-daemons")
     secret_file.chmod(0o600)
@@ -300,14 +302,11 @@ def test_a_forged_manifest_is_refused_when_the_daemon_has_a_secret(tmp_path: Pat
     spill = tmp_path / "spill"
     spill.mkdir(mode=0o700)
     flags = ("--secret-file", str(secret_file))
-    d1 = dm.DaemonProcess(*flags, spill_dir=str(spill))
-    try:
-        good, bad = ResultPartitionID("good", 0, 0), ResultPartitionID("forged", 0, 0)
-        write(d1, good, records(100), secret=secret)
-        write(d1, bad, records(100), secret=secret)
-        d1.stop_clean()  # keeps finished partitions for the next daemon
-    finally:
-        d1.cleanup()
+    d1 = start_daemon(*flags, spill_dir=str(spill))
+    good, bad = ResultPartitionID("good", 0, 0), ResultPartitionID("forged", 0, 0)
+    write(d1, good, records(100), secret=secret)
+    write(d1, bad, records(100), secret=secret)
+    d1.stop_clean()  # keeps finished partitions for the next daemon
     (manifest,) = (spill / PARTS).glob("forged-*.manifest")
     key = manifest_key(secret)
     real = read_manifest(manifest, key)  # signed with the daemon's key
@@ -321,15 +320,12 @@ def test_a_forged_manifest_is_refused_when_the_daemon_has_a_secret(tmp_path: Pat
     other = encode_manifest(real, manifest_key(b"a-guessed-secret-value"))
     with pytest.raises(IntegrityError, match="does not match"):
         decode_manifest(other, manifest, key)
-    d2 = dm.DaemonProcess(*flags, spill_dir=str(spill))
-    try:
-        assert d2.info["recovered"] == {"restored": 1, "refused": 1, "failed": 0, "expired": 0}
-        wait_stderr(d2, "no HMAC")  # logged: the forged manifest and its files go
-        assert read(d2, good, secret=secret) == records(100)
-        assert not list((spill / PARTS).glob("forged-*"))  # refused and deleted
-        d2.stop_clean()
-    finally:
-        d2.cleanup()
+    d2 = start_daemon(*flags, spill_dir=str(spill))
+    assert d2.info["recovered"] == {"restored": 1, "refused": 1, "failed": 0, "expired": 0}
+    wait_stderr(d2, "no HMAC")  # logged: the forged manifest and its files go
+    assert read(d2, good, secret=secret) == records(100)
+    assert not list((spill / PARTS).glob("forged-*"))  # refused and deleted
+    assert release(d2, "good", secret) == 1
 
 
 # -- a full disk -----------------------------------------------------------------------------
@@ -355,93 +351,81 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def _small_disk_daemon(dm: Any, disk: Path, *flags: str) -> Daemon:
-    return dm.DaemonProcess(*flags, spill_dir=str(disk / "spill"))
-
-
 def test_a_full_disk_fails_the_producer_with_a_spill_error_and_leaks_nothing(
-    small_disk: Path, dm: Any
+    small_disk: Path, start_daemon: Callable[..., Daemon]
 ) -> None:
     # no quota, no floor: the producer runs into ENOSPC itself
-    d = _small_disk_daemon(dm, small_disk, "--spill-quota-per-app=0", "--spill-min-free=0")
-    try:
-        base_fds = open_fds(d)
-        with pytest.raises(SpillError) as info:
-            write(d, ResultPartitionID("big", 0, 0), records(40_000, 100), n=4)  # ~4 MB
-        text = str(info.value)
-        assert "is full" in text and str(small_disk / "spill" / PARTS) in text
-        st = d.wait_stats(
-            lambda s: s["partitions"]["count"] == 0 and s["network"]["local_pools"] == 0
-        )
-        assert st["network"]["available_segments"] == st["network"]["total_segments"]
-        assert daemon_files(d) == []  # its files are deleted: the disk is free again
-        assert st["spill"]["bytes"] == 0
-        wait_fds(d, base_fds)
-        with pytest.raises(PartitionReleasedError, match="is full"):
-            read(d, ResultPartitionID("big", 0, 0))
-        # and later blocking partitions work
-        small = ResultPartitionID("small", 0, 0)
-        write(d, small, records(1000))
-        assert read(d, small) == records(1000)
-        assert release(d, "small") == 1
-        d.stop_clean()
-    finally:
-        d.cleanup()
+    d = start_daemon(
+        "--spill-quota-per-app=0", "--spill-min-free=0", spill_dir=str(small_disk / "spill")
+    )
+    base_fds = open_fds(d)
+    with pytest.raises(SpillError) as info:
+        write(d, ResultPartitionID("big", 0, 0), records(40_000, 100), n=4)  # ~4 MB
+    text = str(info.value)
+    assert "is full" in text and str(small_disk / "spill" / PARTS) in text
+    st = d.wait_stats(lambda s: s["partitions"]["count"] == 0 and s["network"]["local_pools"] == 0)
+    assert st["network"]["available_segments"] == st["network"]["total_segments"]
+    assert daemon_files(d) == []  # its files are deleted: the disk is free again
+    assert st["spill"]["bytes"] == 0
+    wait_fds(d, base_fds)
+    with pytest.raises(PartitionReleasedError, match="is full"):
+        read(d, ResultPartitionID("big", 0, 0))
+    # and later blocking partitions work
+    small = ResultPartitionID("small", 0, 0)
+    write(d, small, records(1000))
+    assert read(d, small) == records(1000)
+    assert release(d, "small") == 1
 
 
 def test_the_spill_quota_refuses_one_application_before_the_disk_is_full(
-    small_disk: Path, dm: Any
+    small_disk: Path, start_daemon: Callable[..., Daemon]
 ) -> None:
-    d = _small_disk_daemon(dm, small_disk, "--spill-quota-per-app=600kb", "--spill-min-free=0")
-    try:
-        with pytest.raises(SpillError, match="spill_quota_per_app=614400") as info:
-            write(d, ResultPartitionID("q", 0, 0), records(10_000, 100))  # ~1 MB > 600 KiB
-        assert str(small_disk / "spill" / PARTS) in str(info.value)
-        d.wait_stats(lambda s: s["partitions"]["count"] == 0)
-        assert daemon_files(d) == []  # the refused partition's bytes count no more
-        assert d.stats()["spill"] == {
-            "bytes": 0,
-            "quota_per_app": 600 * 1024,
-            "min_free": 0,
-            "readers": 0,
-            "reader_memory_bytes": 0,
-        }
-        ok = ResultPartitionID("q", 1, 0)
-        write(d, ok, records(4_000, 100))  # ~430 KB: under the quota
-        assert read(d, ok) == records(4_000, 100)
-        assert release(d, "q") == 1
-        st = d.wait_stats(lambda s: s["partitions"]["count"] == 0)
-        assert st["network"]["available_segments"] == st["network"]["total_segments"]
-        assert daemon_files(d) == []
-        d.stop_clean()
-    finally:
-        d.cleanup()
+    d = start_daemon(
+        "--spill-quota-per-app=600kb", "--spill-min-free=0", spill_dir=str(small_disk / "spill")
+    )
+    with pytest.raises(SpillError, match="spill_quota_per_app=614400") as info:
+        write(d, ResultPartitionID("q", 0, 0), records(10_000, 100))  # ~1 MB > 600 KiB
+    assert str(small_disk / "spill" / PARTS) in str(info.value)
+    d.wait_stats(lambda s: s["partitions"]["count"] == 0)
+    assert daemon_files(d) == []  # the refused partition's bytes count no more
+    assert d.stats()["spill"] == {
+        "bytes": 0,
+        "quota_per_app": 600 * 1024,
+        "min_free": 0,
+        "readers": 0,
+        "reader_memory_bytes": 0,
+    }
+    ok = ResultPartitionID("q", 1, 0)
+    write(d, ok, records(4_000, 100))  # ~430 KB: under the quota
+    assert read(d, ok) == records(4_000, 100)
+    assert release(d, "q") == 1
+    st = d.wait_stats(lambda s: s["partitions"]["count"] == 0)
+    assert st["network"]["available_segments"] == st["network"]["total_segments"]
+    assert daemon_files(d) == []
 
 
 def test_the_free_space_floor_refuses_new_spills_before_the_disk_is_full(
-    small_disk: Path, dm: Any
+    small_disk: Path, start_daemon: Callable[..., Daemon]
 ) -> None:
-    d = _small_disk_daemon(dm, small_disk, "--spill-quota-per-app=0", "--spill-min-free=1mb")
-    try:
-        written = []
-        with pytest.raises(SpillError, match="spill_min_free") as info:
-            for i in range(10):  # 10 x 430 KB would not fit on the 2 MiB disk
-                pid = ResultPartitionID("f", i, 0)
-                write(d, pid, records(4_000, 100))
-                written.append(pid)
-        assert str(small_disk / "spill" / PARTS) in str(info.value)
-        assert 1 <= len(written) <= 3
-        st = os.statvfs(small_disk)
-        assert st.f_bavail * st.f_frsize >= 512 * 1024  # refused well before the disk was full
-        for pid in written:  # what was written before stays readable
-            assert read(d, pid) == records(4_000, 100)
-        assert release(d, "f") == len(written)
-        st2 = d.wait_stats(lambda s: s["partitions"]["count"] == 0)
-        assert st2["network"]["available_segments"] == st2["network"]["total_segments"]
-        assert daemon_files(d) == []
-        d.stop_clean()
-    finally:
-        d.cleanup()
+    d = start_daemon(
+        "--spill-quota-per-app=0", "--spill-min-free=1mb", spill_dir=str(small_disk / "spill")
+    )
+    written = []
+    with pytest.raises(SpillError, match="spill_min_free") as info:
+        for i in range(10):  # 10 x 430 KB would not fit on the 2 MiB disk
+            pid = ResultPartitionID("f", i, 0)
+            write(d, pid, records(4_000, 100))
+            written.append(pid)
+    assert str(small_disk / "spill" / PARTS) in str(info.value)
+    assert 1 <= len(written) <= 3
+    st = os.statvfs(small_disk)
+    assert st.f_bavail * st.f_frsize >= 512 * 1024  # refused well before the disk was full
+    for pid in written:  # what was written before stays readable
+        assert read(d, pid) == records(4_000, 100)
+    assert release(d, "f") == len(written)
+    st2 = d.wait_stats(lambda s: s["partitions"]["count"] == 0)
+    assert st2["network"]["available_segments"] == st2["network"]["total_segments"]
+    assert daemon_files(d) == []
 
 
 # -- many subpartitions, many readers ----------------------------------------------------------
