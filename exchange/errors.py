@@ -15,7 +15,9 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     ├── InsufficientBuffersError   not enough network buffers: says required, available, setting
     ├── BufferRequestTimeoutError  a batch request for segments timed out
     ├── CorruptRecordError         bytes in a data buffer do not form valid records
-    │   └── RecordTooLargeError    a record exceeds max_record_size; carries size and limit
+    │   ├── RecordTooLargeError    a record exceeds max_record_size; carries size and limit
+    │   └── IntegrityError         a file's MAC does not match the secret: forged, or
+    │                              written without the key (names the file)
     ├── PartitionError             per-stream failures; carry the partition id
     │   ├── PartitionNotFoundError       no such partition (yet) of this application there
     │   ├── PartitionReleasedError       the partition was released while in use
@@ -25,7 +27,9 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     │   ├── ConsumerAlreadyAttachedError a pipelined subpartition is consumed once
     │   ├── PartitionNotReadyError       a blocking partition is read before it is finished
     │   ├── AccessDeniedError            the daemon's access policy refuses the connection
-    │   └── LimitExceededError           a per-connection or per-application limit is reached
+    │   ├── LimitExceededError           a per-connection or per-application limit is reached
+    │   └── SpillError                   a blocking partition's file cannot be written: disk
+    │                                    full, spill quota or free-space floor; names the dir
     ├── ProtocolError              the peer sent bytes that break the protocol (fatal for the
     │   │                          connection); carries what was wrong and the limit
     │   ├── FrameTooLargeError
@@ -61,6 +65,7 @@ __all__ = [
     "IllegalReferenceCountError",
     "IllegalStateError",
     "InsufficientBuffersError",
+    "IntegrityError",
     "LimitExceededError",
     "PartitionDataLostError",
     "PartitionError",
@@ -73,6 +78,7 @@ __all__ = [
     "RecordTooLargeError",
     "SegmentFreedError",
     "SequenceNumberError",
+    "SpillError",
     "SubpartitionIndexError",
     "TransportError",
     "UnknownMessageError",
@@ -199,6 +205,12 @@ class RecordTooLargeError(CorruptRecordError):
         self.at_least = at_least
 
 
+class IntegrityError(CorruptRecordError):
+    """A file the daemon wrote (a partition manifest) fails its authentication: with a
+    secret configured such files carry an HMAC, and this one's is missing or wrong. It
+    was forged, or written by a daemon with another secret; it is refused, never used."""
+
+
 class PartitionError(ExchangeError):
     """A failure of one stream (one partition or subpartition); the connection survives."""
 
@@ -278,6 +290,29 @@ class LimitExceededError(PartitionError):
         super().__init__(message, partition_id, address)
         self.setting = setting
         self.limit = limit
+
+
+class SpillError(PartitionError):
+    """A blocking partition's data cannot be spilled: the disk is full or failed
+    (``errno``), the application's spill quota or the spill directory's free-space floor
+    is reached (``setting``). ``directory`` names the spill directory. The partition is
+    released (its files deleted, its pool destroyed); the producer gets this error
+    (``SPILL_FAILED``), its readers a PartitionReleasedError naming it."""
+
+    def __init__(
+        self,
+        message: str,
+        partition_id: object = None,
+        address: str | None = None,
+        *,
+        directory: str | None = None,
+        setting: str | None = None,
+        errno: int | None = None,
+    ) -> None:
+        super().__init__(message, partition_id, address)
+        self.directory = directory
+        self.setting = setting
+        self.errno = errno
 
 
 class ProtocolError(ExchangeError):

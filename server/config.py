@@ -46,6 +46,7 @@ __all__ = [
     "DaemonConfig",
     "build_arg_parser",
     "config_from_namespace",
+    "default_spill_dir",
     "env_var_name",
     "flag_name",
     "load_config",
@@ -85,8 +86,10 @@ _UNLIMITED_WORDS: Final = frozenset({"", "none", "unlimited", "-1"})
 DEFAULT_SOCKET_NAME: Final = "exchange-daemon.sock"
 
 
-def _default_spill_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "exchange-spill")
+def default_spill_dir() -> str:
+    """``$TMPDIR/exchange-<uid>``: the daemon's user's own (docs/security.md, Spill files);
+    tasks of the same user find its socket there (``client.local_connection``)."""
+    return os.path.join(tempfile.gettempdir(), f"exchange-{os.geteuid()}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,12 +117,17 @@ class DaemonConfig:
     max_connections: int = 1024
     max_unauthenticated_connections: int | None = None
     max_unauthenticated_per_peer: int | None = None
-    max_requests_per_connection: int = 16384
-    max_partitions_per_app: int = 0
-    max_pinned_segments_per_app: int = 0
+    max_requests_per_connection: int = 512
+    max_partitions_per_app: int | None = None
+    max_pinned_segments_per_app: int | None = None
+    max_readers_per_app: int | None = None
+    max_reader_memory_per_app: int | None = None
+    max_subpartitions_per_partition: int = 1024
+    spill_quota_per_app: int | None = None
+    spill_min_free: int | None = None
     handshake_timeout: float = 10.0
     peer_timeout: float = 60.0
-    spill_dir: str = field(default_factory=_default_spill_dir)
+    spill_dir: str = field(default_factory=default_spill_dir)
     secret_file: str | None = None
     log_level: str = "INFO"
     blocking_partition_ttl: float = 3600.0
@@ -248,6 +256,36 @@ class DaemonConfig:
         return min(8, self.effective_max_unauthenticated)
 
     @property
+    def effective_max_partitions_per_app(self) -> int:
+        """Partitions one application may hold; 0 = unlimited. Default 4 per segment of
+        network memory (a partition being written needs at least one)."""
+        v = self.max_partitions_per_app
+        return 4 * self.num_segments if v is None else v
+
+    @property
+    def effective_max_pinned_segments_per_app(self) -> int:
+        """The sum of the pool maxima of one application's partitions; 0 = unlimited.
+        Default: 1.5 x the network memory's segments, so that no partition of one
+        application can require the whole pool (a pool's maximum is about twice what it
+        requires) and others keep room."""
+        v = self.max_pinned_segments_per_app
+        return 3 * self.num_segments // 2 if v is None else v
+
+    @property
+    def effective_max_readers_per_app(self) -> int:
+        """Readers of blocking partitions one application may have open; 0 = unlimited.
+        Default: one per segment of network memory."""
+        v = self.max_readers_per_app
+        return self.num_segments if v is None else v
+
+    @property
+    def effective_max_reader_memory_per_app(self) -> int:
+        """Bytes of read buffers (outside network memory) one application's readers may
+        hold; 0 = unlimited. Default: as much as the network memory."""
+        v = self.max_reader_memory_per_app
+        return self.network_memory if v is None else v
+
+    @property
     def effective_high_watermark(self) -> int:
         """The write high watermark in bytes; 2 * segment_size unless set."""
         return 2 * self.segment_size if self.high_watermark is None else self.high_watermark
@@ -268,7 +306,7 @@ class DaemonConfig:
         """Create spill_dir if needed and check that it is writable and the socket path usable."""
         spill = self.spill_dir
         try:
-            os.makedirs(spill, exist_ok=True)
+            os.makedirs(spill, mode=0o700, exist_ok=True)
         except FileExistsError:
             raise ConfigError("spill_dir", f"{spill!r} exists and is not a directory") from None
         except OSError as exc:
@@ -507,6 +545,18 @@ def _optional_size(minimum: int, none_words: frozenset[str] = _NONE_WORDS) -> _C
     return coerce
 
 
+def _optional_int(minimum: int) -> _Coerce:
+    required = _int(minimum)
+
+    def coerce(value: Any, setting: str) -> int | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+            return None
+        result: int = required(value, setting)
+        return result
+
+    return coerce
+
+
 def _duration(positive: bool, allow_negative_one: bool = False) -> _Coerce:
     def coerce(value: Any, setting: str) -> float:
         seconds = parse_duration(value, setting, allow_negative_one=allow_negative_one)
@@ -640,14 +690,52 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         _int(1), _INT, "N", "partition requests open at once on one connection"
     ),
     "max_partitions_per_app": _Setting(
-        _int(0), _INT, "N", "partitions one application may hold at once; 0 = unlimited"
+        _optional_int(0),
+        _INT,
+        "N",
+        "partitions one application may hold at once; 0 = unlimited; "
+        "default 4 x the segments of network_memory",
     ),
     "max_pinned_segments_per_app": _Setting(
-        _int(0),
+        _optional_int(0),
         _INT,
         "N",
         "segments the partitions of one application may pin (the sum of their pools' "
-        "maximum sizes); 0 = unlimited",
+        "maximum sizes); 0 = unlimited; default 1.5 x the segments of network_memory",
+    ),
+    "max_readers_per_app": _Setting(
+        _optional_int(0),
+        _INT,
+        "N",
+        "readers of blocking partitions one application may have open at once; "
+        "0 = unlimited; default the segments of network_memory",
+    ),
+    "max_reader_memory_per_app": _Setting(
+        _optional_size(0),
+        _SIZE,
+        "SIZE",
+        "read buffers (outside network memory) one application's readers may hold; "
+        "0 = unlimited; default network_memory",
+    ),
+    "max_subpartitions_per_partition": _Setting(
+        _int(1),
+        _INT,
+        "N",
+        "subpartitions one CreatePartition may ask for (a blocking one keeps a file each)",
+    ),
+    "spill_quota_per_app": _Setting(
+        _optional_size(0),
+        _SIZE,
+        "SIZE",
+        "bytes one application's blocking partitions may fill in spill_dir; 0 = unlimited; "
+        "default half the size of spill_dir's file system",
+    ),
+    "spill_min_free": _Setting(
+        _optional_size(0),
+        _SIZE,
+        "SIZE",
+        "free space spill_dir's file system keeps: spills stop below it; 0 = none; "
+        "default 5% of the file system, at most 1 GiB",
     ),
     "handshake_timeout": _Setting(
         _duration(positive=True), _DURATION, "DURATION", "time a new connection has to authenticate"

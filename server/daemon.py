@@ -47,15 +47,18 @@ from exchange.partition.partition_manifest import (
     ManifestState,
     PartitionManifest,
     delete_partition_files,
+    manifest_key,
     orphan_spill_files,
     read_manifest,
     scan_manifests,
     verify_spilled_data,
 )
+from exchange.partition.reader_budget import ReaderBudget
 from exchange.partition.result_partition import ResultPartition
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.partition.result_partition_type import ResultPartitionType
+from exchange.partition.spill_space import SpillSpace
 from exchange.protocol.codec import max_frame_size_for
 from exchange.protocol.local_messages import DaemonInfo
 from server.config import WILDCARD_HOSTS, DaemonConfig, env_var_name
@@ -64,11 +67,14 @@ from server.jobs import JobView
 from server.local_endpoint import LocalEndpoint
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer, is_loopback
+from server.spill_dir import SpillDirectory
 from server.tls import server_ssl_context
 
 __all__ = ["ExchangeDaemon"]
 
 log = logging.getLogger("exchange.server.daemon")
+
+GIB: Final = 1 << 30
 
 
 class ExchangeDaemon:
@@ -87,6 +93,18 @@ class ExchangeDaemon:
         self.local_socket = ""
         self.tls = False
         self._secret = config.load_secret()
+        #: spill_dir, checked and locked at start; the daemon's files are in its
+        #: ``partitions`` subdirectory (``server.spill_dir``).
+        self.spill = SpillDirectory(config.spill_dir)
+        self.partition_dir = self.spill.partitions
+        # with a secret, manifests carry an HMAC: forged ones are refused at restart
+        self._manifest_key = manifest_key(self._secret) if self._secret is not None else None
+        #: bytes each application's blocking partitions may spill (set up at start: the
+        #: defaults depend on the spill directory's file system)
+        self.spill_space = SpillSpace(self.partition_dir)
+        self.reader_budget = ReaderBudget(
+            config.effective_max_readers_per_app, config.effective_max_reader_memory_per_app
+        )
         common: dict[str, Any] = dict(
             segment_size=config.segment_size,
             secret=self._secret,
@@ -128,11 +146,20 @@ class ExchangeDaemon:
 
     async def start(self) -> dict[str, Any]:
         """Start every server; returns the ready line's fields."""
+        self.spill.open()  # ConfigError: a foreign or open spill_dir, or another daemon's
+        try:
+            return await self._start()
+        except BaseException:
+            self.spill.close()
+            raise
+
+    async def _start(self) -> dict[str, Any]:
         cfg = self.config
         cfg.validate_paths()
         advertise = advertised_host(cfg)  # refused before any port opens
         ssl_context = server_ssl_context(cfg)
         ensure_fd_limit(cfg)
+        self._set_up_spill_space()
         self.recover_partitions()
         bound, port = await self.data_server.start(cfg.host, cfg.data_port, ssl_context)
         if cfg.advertise_host is None and cfg.host not in WILDCARD_HOSTS:
@@ -155,6 +182,23 @@ class ExchangeDaemon:
         self.http_address = f"{_fmt_host(hh)}:{hp}"
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
         return self.ready_info()
+
+    def _set_up_spill_space(self) -> None:
+        """Apply spill_quota_per_app and spill_min_free, whose defaults are fractions of
+        the spill directory's file system."""
+        cfg = self.config
+        st = os.statvfs(self.partition_dir)
+        fs_size = st.f_blocks * st.f_frsize
+        quota = fs_size // 2 if cfg.spill_quota_per_app is None else cfg.spill_quota_per_app
+        floor = min(fs_size // 20, GIB) if cfg.spill_min_free is None else cfg.spill_min_free
+        self.spill_space.quota = quota or None
+        self.spill_space.min_free = floor
+        log.info(
+            "spilling to %s: %s per application, keeping %d bytes free",
+            self.partition_dir,
+            f"{quota} bytes" if quota else "no limit",
+            floor,
+        )
 
     def ready_info(self) -> dict[str, Any]:
         return {
@@ -231,6 +275,7 @@ class ExchangeDaemon:
         if not whole:
             log.error("shutdown: network pool not whole: %s", self.network_pool.stats())
         self.network_pool.destroy()
+        self.spill.close()  # the next daemon may take over what is left
         return whole
 
     def _streams_in_flight(self) -> int:
@@ -253,25 +298,46 @@ class ExchangeDaemon:
     ) -> ResultPartition:
         """A new partition of application ``app_id`` (only its connections may use it).
 
-        LimitExceededError when ``app_id`` would exceed ``max_partitions_per_app`` or
-        ``max_pinned_segments_per_app``; other applications are not concerned.
+        LimitExceededError when it has more subpartitions than
+        ``max_subpartitions_per_partition`` or ``app_id`` would exceed
+        ``max_partitions_per_app`` or ``max_pinned_segments_per_app``; other applications
+        are not concerned. SpillError when a blocking one may not spill (the
+        application's spill quota is used up, the disk's free space below the floor).
         """
+        limit = self.config.max_subpartitions_per_partition
+        if num_subpartitions > limit:
+            raise LimitExceededError(
+                f"a partition of {num_subpartitions} subpartitions",
+                pid,
+                setting="max_subpartitions_per_partition",
+                limit=limit,
+            )
         max_segments = max(num_subpartitions * 2 + 8, 16)
-        self._check_app_limits(pid, app_id, max_segments)
-        pool = self.network_pool.create_buffer_pool(num_subpartitions, max_segments)
+        nbp = self.network_pool
+        if num_subpartitions <= nbp.total_segments - nbp.num_required:
+            self._check_app_limits(pid, app_id, max_segments)
+        # else the pool cannot be had at all: InsufficientBuffersError names network_memory
+        pool = nbp.create_buffer_pool(num_subpartitions, max_segments)
         try:
             part = ResultPartition(
                 pid,
                 ptype,
                 num_subpartitions,
                 pool,
-                spill_dir=self.config.spill_dir,
+                spill_dir=self.partition_dir,
                 keep_manifest=True,
                 app_id=app_id,
+                spill_account=self.spill_space.account(app_id) if ptype.is_blocking else None,
+                manifest_key=self._manifest_key,
+                reader_account=self.reader_budget.account(app_id),
             )
-            self.manager.register_result_partition(part)
         except BaseException:
             pool.destroy()
+            raise
+        try:
+            self.manager.register_result_partition(part)
+        except BaseException:
+            part.release()  # its manifest and pool go
             raise
         part.add_release_listener(self._on_partition_released)
         self.partitions_created += 1
@@ -279,11 +345,13 @@ class ExchangeDaemon:
 
     def _check_app_limits(self, pid: ResultPartitionID, app_id: str, max_segments: int) -> None:
         cfg = self.config
-        if not (cfg.max_partitions_per_app or cfg.max_pinned_segments_per_app):
+        max_partitions = cfg.effective_max_partitions_per_app
+        max_pinned = cfg.effective_max_pinned_segments_per_app
+        if not (max_partitions or max_pinned):
             return
         mine = [p for p in self.manager.partitions if p.app_id == app_id]
         who = f"application {app_id!r}" if app_id else "no application"
-        limit = cfg.max_partitions_per_app
+        limit = max_partitions
         if limit and len(mine) >= limit:
             raise LimitExceededError(
                 f"{who} holds {len(mine)} partitions on this daemon",
@@ -291,8 +359,9 @@ class ExchangeDaemon:
                 setting="max_partitions_per_app",
                 limit=limit,
             )
-        limit = cfg.max_pinned_segments_per_app
-        pinned = sum(p.buffer_pool.max_segments for p in mine)
+        limit = max_pinned
+        # a finished blocking partition gave its pool back: it pins nothing
+        pinned = sum(p.buffer_pool.max_segments for p in mine if not p.buffer_pool.is_destroyed)
         if limit and pinned + max_segments > limit:
             raise LimitExceededError(
                 f"{who}'s partitions may pin {pinned} segments; this one would add {max_segments}",
@@ -304,11 +373,11 @@ class ExchangeDaemon:
     def recover_partitions(self) -> None:
         """Take over what a previous daemon left in the spill directory (see the module
         docstring); called by ``start`` before any port opens."""
-        directory = Path(self.config.spill_dir)
+        directory = self.partition_dir
         ttl = self.config.blocking_partition_ttl
         for path in scan_manifests(directory):
             try:
-                manifest = read_manifest(path)
+                manifest = read_manifest(path, self._manifest_key)  # IntegrityError: forged
             except (OSError, CorruptRecordError) as e:
                 log.warning("deleting a damaged partition manifest: %s", e)
                 delete_partition_files(path)
@@ -359,13 +428,27 @@ class ExchangeDaemon:
                 orphan.unlink()
         if any(self.recovered.values()):
             log.info("partitions of the previous daemon: %s", self.recovered)
+        old = next(self.spill.root.glob("*.manifest"), None)
+        if old is not None:  # never touched: this daemon did not write them
+            log.warning(
+                "%s holds partitions of a daemon of an earlier version (e.g. %s); they are not "
+                "served: their files stay until removed",
+                self.spill.root,
+                old.name,
+            )
 
     def _restore(self, path: Path, manifest: PartitionManifest, age: float) -> None:
         # a finished blocking partition writes nothing: its pool holds no segment (readers
         # read with their own), so a restart with less network memory restores it too
         pool = self.network_pool.create_buffer_pool(0, 1)
         try:
-            part = ResultPartition.restore(path, manifest, pool)
+            part = ResultPartition.restore(
+                path,
+                manifest,
+                pool,
+                spill_account=self.spill_space.account(manifest.app_id),
+                reader_account=self.reader_budget.account(manifest.app_id),
+            )
             self.manager.register_result_partition(part)
         except BaseException:
             pool.destroy()

@@ -786,6 +786,24 @@ def _task_json(r: TaskReport, now: float) -> dict[str, Any]:
     }
 
 
+def _spill_json(daemon: DaemonView) -> dict[str, int] | None:
+    """What the blocking partitions hold of the spill directory and in readers (all
+    applications together); None for a daemon without them (``spill_space`` and
+    ``reader_budget`` are read with ``getattr``)."""
+    space = getattr(daemon, "spill_space", None)
+    budget = getattr(daemon, "reader_budget", None)
+    if space is None or budget is None:
+        return None
+    readers, memory = budget.totals()
+    return {
+        "bytes": space.total_used,
+        "quota_per_app": space.quota or 0,
+        "min_free": space.min_free,
+        "readers": readers,
+        "reader_memory_bytes": memory,
+    }
+
+
 def stats_snapshot(
     daemon: DaemonView,
     *,
@@ -853,6 +871,7 @@ def stats_snapshot(
             "items": [_task_json(r, now) for r in reports[:max_partitions]],
         },
         "jobs": [j.json(now) for j in reversed(jobs)],
+        "spill": _spill_json(d),
         "config": {
             "network_memory": cfg.network_memory,
             "segment_size": cfg.segment_size,

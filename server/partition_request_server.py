@@ -75,7 +75,7 @@ class DataServer:
         max_unauthenticated: int | None = None,
         max_unauthenticated_per_peer: int | None = None,
         require_tls_remote: bool = False,
-        max_requests: int = 16384,
+        max_requests: int = 512,
         handshake_timeout: float = 10.0,
         peer_timeout: float | None = 60.0,
         max_frame_size: int | None = None,

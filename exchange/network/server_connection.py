@@ -192,7 +192,7 @@ class ServerConnectionSettings:
     peer_timeout: float | None = 60.0
     #: Partition requests (readers) open at once on one connection; more are refused
     #: with LimitExceededError, per channel.
-    max_requests: int = 16384
+    max_requests: int = 512
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_requests, int) or self.max_requests < 1:

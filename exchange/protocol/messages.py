@@ -23,6 +23,7 @@ from exchange.errors import (
     PartitionReleasedError,
     ProducerFailedError,
     ProtocolError,
+    SpillError,
     TransportError,
     UsageError,
     VersionMismatchError,
@@ -105,6 +106,7 @@ class ErrorCode(IntEnum):
     INVALID_REQUEST = 11
     ACCESS_DENIED = 12
     LIMIT_EXCEEDED = 13
+    SPILL_FAILED = 14
 
 
 class Message:
@@ -391,6 +393,8 @@ def error_for_response(
         return AccessDeniedError(text, partition_id, address)
     if code is ErrorCode.LIMIT_EXCEEDED:
         return LimitExceededError(text, partition_id, address)
+    if code is ErrorCode.SPILL_FAILED:
+        return SpillError(text, partition_id, address)
     if code is ErrorCode.AUTH_FAILED:
         return AuthenticationError(text + where)
     if code in (ErrorCode.PROTOCOL_ERROR, ErrorCode.VERSION_MISMATCH):
@@ -418,6 +422,8 @@ def error_response_for(exc: BaseException, receiver_id: int | None = None) -> Er
             code = ErrorCode.ACCESS_DENIED
         case LimitExceededError():
             code = ErrorCode.LIMIT_EXCEEDED
+        case SpillError():
+            code = ErrorCode.SPILL_FAILED
         case PartitionError() | UsageError():
             code = ErrorCode.INVALID_REQUEST
         case AuthenticationError():

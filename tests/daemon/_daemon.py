@@ -217,13 +217,14 @@ class DaemonProcess:
 
 
 def started_daemons() -> Iterator[Callable[..., DaemonProcess]]:
-    """The body of a ``start_daemon`` fixture: yields ``start(*flags)``; at teardown every
+    """The body of a ``start_daemon`` fixture: yields ``start(*flags, spill_dir=None)`` (a
+    spill directory of the test's, left in place, or one of its own); at teardown every
     daemon still running gets SIGTERM and must exit 0 with its pool whole, and every
     process is reaped and its spill directory removed."""
     started: list[DaemonProcess] = []
 
-    def start(*flags: str) -> DaemonProcess:
-        d = DaemonProcess(*flags)
+    def start(*flags: str, spill_dir: str | None = None) -> DaemonProcess:
+        d = DaemonProcess(*flags, spill_dir=spill_dir)
         started.append(d)
         return d
 

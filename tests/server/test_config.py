@@ -220,7 +220,16 @@ def test_defaults_are_flinks() -> None:
     assert config.buffer_timeout == 0.1
     assert config.max_connections == 1024
     assert config.handshake_timeout == 10.0
-    assert config.spill_dir == os.path.join(tempfile.gettempdir(), "exchange-spill")
+    # the daemon's user's own directory (docs/security.md), not one shared by every user
+    assert config.spill_dir == os.path.join(tempfile.gettempdir(), f"exchange-{os.geteuid()}")
+    assert config.max_requests_per_connection == 512
+    # per-application budgets are on by default, derived from the network memory
+    assert config.effective_max_pinned_segments_per_app == 3072
+    assert config.effective_max_partitions_per_app == 4 * 2048
+    assert config.effective_max_readers_per_app == 2048
+    assert config.effective_max_reader_memory_per_app == 64 * MIB
+    assert config.max_subpartitions_per_partition == 1024
+    assert (config.spill_quota_per_app, config.spill_min_free) == (None, None)
     assert config.secret_file is None
     assert config.log_level == "INFO"
     assert config.blocking_partition_ttl == 3600.0
@@ -484,6 +493,11 @@ def test_all_flags() -> None:
         "--max-requests-per-connection=100",
         "--max-partitions-per-app=50",
         "--max-pinned-segments-per-app=800",
+        "--max-readers-per-app=300",
+        "--max-reader-memory-per-app=20mb",
+        "--max-subpartitions-per-partition=200",
+        "--spill-quota-per-app=10g",
+        "--spill-min-free=1g",
         "--handshake-timeout=2s",
         "--peer-timeout=30s",
         "--spill-dir=/tmp/spill-here",
@@ -533,6 +547,11 @@ def test_all_flags() -> None:
         "max_requests_per_connection": 100,
         "max_partitions_per_app": 50,
         "max_pinned_segments_per_app": 800,
+        "max_readers_per_app": 300,
+        "max_reader_memory_per_app": 20 * MIB,
+        "max_subpartitions_per_partition": 200,
+        "spill_quota_per_app": 10 * 1024 * MIB,
+        "spill_min_free": 1024 * MIB,
         "handshake_timeout": 2.0,
         "peer_timeout": 30.0,
         "spill_dir": "/tmp/spill-here",
