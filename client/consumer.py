@@ -70,7 +70,7 @@ from exchange.protocol.local_messages import (
     DaemonInfo,
     TaskMetrics,
 )
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.serialization.record_codec import RecordCodec, default_codec
 
 __all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader", "reader_settings"]
 

@@ -42,9 +42,9 @@ from exchange.protocol.local_messages import (
     PartitionCreated,
     PartitionFinished,
 )
-from exchange.serialization.codec import RecordCodec
+from exchange.serialization.record_codec import RecordCodec
+from exchange.writer.async_record_writer import AsyncRecordWriter
 from exchange.writer.channel_selector import ChannelSelector
-from exchange.writer.partition_writer import AsyncRecordWriter
 from exchange.writer.record_writer import DEFAULT_BUFFER_TIMEOUT, OutputBuffer, RecordWriter
 
 __all__ = ["AsyncPartitionWriter", "DaemonSink", "PartitionWriter"]

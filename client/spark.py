@@ -54,7 +54,7 @@ from client.runtime import get_runtime
 from exchange.errors import ExchangeError, TransportError, UsageError
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.handshake import APP_CREDENTIAL_PREFIX, format_app_credential
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.serialization.record_codec import RecordCodec, default_codec
 from exchange.writer.hashing import deterministic_hash
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from exchange.consumer.single_input_gate import BufferOrEvent, SingleInputGate
 from exchange.errors import CorruptRecordError
 from exchange.events.events import AbstractEvent, CheckpointBarrier, EndOfPartitionEvent
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.serialization.record_codec import RecordCodec, default_codec
 
 if TYPE_CHECKING:
     from exchange.checkpointing.barrier_handler import CheckpointBarrierHandler

@@ -2,7 +2,7 @@
 
 Owns its LocalBufferPool (``num_required = number of subpartitions``, as in Flink). The
 partition does not encode records: its writer (``exchange.writer``: a RecordWriter driven
-by a ResultPartitionSink in process, or the daemon's local endpoint for producer tasks)
+by the daemon's local endpoint for producer tasks; in tests, by ``tests/kit``'s sink)
 copies each buffer it cut into a segment of this pool and queues it here.
 
 Buffers are handed over complete with ``add_buffer(target, buffer)``;
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Final, NamedTuple, TypeVar
 
 from exchange.buffers.buffer import Buffer
-from exchange.buffers.buffer_builder import BufferConsumer
+from exchange.buffers.buffer_consumer import BufferConsumer
 from exchange.errors import (
     PartitionReleasedError,
     ProducerFailedError,

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from exchange.serialization.codec import (
+from exchange.serialization.pickle_batch import (
+    PickleBatchCodec,
+    PickleBatchDecoder,
+    PickleBatchEncoder,
+)
+from exchange.serialization.record_codec import (
     DEFAULT_MAX_RECORD_SIZE,
     BytesCodec,
     BytesLike,
@@ -13,11 +18,6 @@ from exchange.serialization.codec import (
     RecordDecoder,
     RecordEncoder,
     default_codec,
-)
-from exchange.serialization.pickle_batch import (
-    PickleBatchCodec,
-    PickleBatchDecoder,
-    PickleBatchEncoder,
 )
 from exchange.serialization.record_deserializer import RecordDeserializer
 

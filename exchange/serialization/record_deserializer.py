@@ -17,7 +17,7 @@ from typing import Any
 
 from exchange.buffers.buffer import Buffer
 from exchange.errors import UsageError
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.serialization.record_codec import RecordCodec, default_codec
 
 __all__ = ["RecordDeserializer"]
 

@@ -49,7 +49,7 @@ from exchange.events.events import (
     EventSerializer,
 )
 from exchange.partition.result_partition import ALL_SUBPARTITIONS
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.serialization.record_codec import RecordCodec, default_codec
 from exchange.writer.channel_selector import ChannelSelector
 from exchange.writer.hashing import FIBONACCI_64, deterministic_hash
 

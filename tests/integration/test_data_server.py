@@ -27,9 +27,9 @@ from exchange.protocol.codec import FrameDecoder, encode
 from exchange.protocol.handshake import ClientHandshake
 from exchange.protocol.local_messages import CreatePartition
 from exchange.protocol.messages import ClientHello, ErrorCode, ErrorResponse, Message
-from exchange.serialization.codec import BytesCodec
-from exchange.writer import ResultPartitionWriter
+from exchange.serialization.record_codec import BytesCodec
 from server.partition_request_server import DataServer
+from tests.kit.partition_writer import ResultPartitionWriter
 
 SEG = 32 * 1024
 

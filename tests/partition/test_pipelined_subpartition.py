@@ -23,7 +23,7 @@ from exchange.partition import (
     ResultSubpartitionView,
 )
 from exchange.serialization import RecordDeserializer
-from exchange.writer import ResultPartitionWriter
+from tests.kit.partition_writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(10)
 

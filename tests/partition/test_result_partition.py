@@ -19,7 +19,8 @@ from exchange.errors import (
 from exchange.events import EndOfPartitionEvent
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartition, ResultPartitionID, ResultPartitionType
-from exchange.writer import ResultPartitionWriter, RoundRobinSelector
+from exchange.writer import RoundRobinSelector
+from tests.kit.partition_writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(10)
 

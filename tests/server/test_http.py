@@ -36,8 +36,7 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
-from exchange.serialization.codec import MsgpackCodec
-from exchange.writer import ResultPartitionWriter
+from exchange.serialization.record_codec import MsgpackCodec
 from server.config import DaemonConfig
 from server.http_server import (
     DEFAULT_MAX_HEAD_BYTES,
@@ -48,6 +47,7 @@ from server.http_server import (
 )
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer
+from tests.kit.partition_writer import ResultPartitionWriter
 
 SEGMENTS = 256
 SEGMENT_SIZE = 4096

@@ -33,8 +33,7 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
-from exchange.serialization.codec import MsgpackCodec
-from exchange.writer import ResultPartitionWriter
+from exchange.serialization.record_codec import MsgpackCodec
 from server.config import DaemonConfig
 from server.metrics import (
     OTHER_LABEL,
@@ -46,6 +45,7 @@ from server.metrics import (
     stats_snapshot,
 )
 from server.partition_request_server import DataServer
+from tests.kit.partition_writer import ResultPartitionWriter
 
 SEGMENTS = 256
 SEGMENT_SIZE = 4096
