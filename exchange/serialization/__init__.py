@@ -19,7 +19,6 @@ from exchange.serialization.record_codec import (
     RecordEncoder,
     default_codec,
 )
-from exchange.serialization.record_deserializer import RecordDeserializer
 
 __all__ = [
     "DEFAULT_MAX_RECORD_SIZE",
@@ -33,7 +32,6 @@ __all__ = [
     "PickleCodec",
     "RecordCodec",
     "RecordDecoder",
-    "RecordDeserializer",
     "RecordEncoder",
     "default_codec",
 ]
