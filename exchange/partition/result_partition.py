@@ -278,43 +278,10 @@ class ResultPartition:
             return
         self._release_listeners.append(listener)
 
-    def remove_release_listener(self, listener: ReleaseListener) -> None:
-        """Forget ``listener`` (no error if it is not registered)."""
-        if listener in self._release_listeners:
-            self._release_listeners.remove(listener)
-
     def add_consumer_failure_listener(self, listener: ConsumerFailureListener) -> None:
         """Call ``listener(cause)`` whenever a reader leaves a pipelined subpartition before
         its end: a producer not writing into that subpartition would not notice otherwise."""
         self._consumer_failure_listeners.append(listener)
-
-    def remove_consumer_failure_listener(self, listener: ConsumerFailureListener) -> None:
-        if listener in self._consumer_failure_listeners:
-            self._consumer_failure_listeners.remove(listener)
-
-    @property
-    def on_release(self) -> ReleaseListener:
-        """Deprecated slot, kept while callers move to ``add_release_listener``.
-
-        Assigning adds a listener and never replaces one. Reading gives a no-op, so a
-        caller that wraps the old value and calls it calls no listener twice.
-        """
-        return _ignore
-
-    @on_release.setter
-    def on_release(self, listener: ReleaseListener | None) -> None:
-        if listener is not None:
-            self.add_release_listener(listener)
-
-    @property
-    def on_consumer_failure(self) -> ConsumerFailureListener:
-        """Deprecated: assigning adds a consumer-failure listener (see ``on_release``)."""
-        return _ignore
-
-    @on_consumer_failure.setter
-    def on_consumer_failure(self, listener: ConsumerFailureListener | None) -> None:
-        if listener is not None:
-            self.add_consumer_failure_listener(listener)
 
     # -- writing records -----------------------------------------------------------------
 
@@ -527,10 +494,6 @@ class ResultPartition:
             f"ResultPartition({self.partition_id}, {self.partition_type.value}, "
             f"{len(self.subpartitions)} subpartitions, {self._state.value})"
         )
-
-
-def _ignore(_: object) -> None:
-    """What the deprecated listener slots read as."""
 
 
 def _call_all(listeners: list[Callable[[_T], None]], arg: _T) -> None:

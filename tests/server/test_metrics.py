@@ -103,8 +103,6 @@ class StandInDaemon:
             pool.destroy()
             raise
         self.manager.register_result_partition(part)
-        manager_hook = part.on_release
-        assert manager_hook is not None
 
         def on_release(p: ResultPartition) -> None:
             s = p.stats()
@@ -113,9 +111,8 @@ class StandInDaemon:
             self._retired["back_pressured_seconds"] += s.back_pressured_seconds
             self._released += 1
             self._failed += p.failure_cause is not None
-            manager_hook(p)
 
-        part.on_release = on_release
+        part.add_release_listener(on_release)
         self._created += 1
         return part
 
