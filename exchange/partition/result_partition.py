@@ -329,9 +329,7 @@ class ResultPartition:
                 for i in range(n):
                     self.check_writable(i)
             elif not 0 <= target < n:
-                raise SubpartitionIndexError(
-                    f"subpartition index {target} out of range [0, {n})", self.partition_id
-                )
+                raise SubpartitionIndexError(target, n, self.partition_id)
             else:
                 self.check_writable(target)
         except BaseException:
@@ -438,10 +436,7 @@ class ResultPartition:
         self, index: int, listener: BufferAvailabilityListener
     ) -> ResultSubpartitionView:
         if not isinstance(index, int) or not 0 <= index < len(self.subpartitions):
-            raise SubpartitionIndexError(
-                f"subpartition index {index!r} out of range [0, {len(self.subpartitions)})",
-                self.partition_id,
-            )
+            raise SubpartitionIndexError(index, len(self.subpartitions), self.partition_id)
         if self._state is _FAILED:
             cause = self._failure
             raise ProducerFailedError(
