@@ -23,8 +23,8 @@ connection closed; it fails at its next control call.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
+import logging
 import queue
 import struct
 from typing import Any, Final
@@ -33,9 +33,12 @@ import msgpack
 
 from client.rendezvous import listen_for_tasks
 from client.runtime import ClientRuntime, get_runtime
+from exchange.best_effort import best_effort
 from exchange.errors import ProtocolError, TransportError
 
 __all__ = ["ControlClient", "ControlServer"]
+
+log = logging.getLogger("exchange.streaming.control")
 
 _LEN: Final = struct.Struct(">I")
 #: A frame may carry a collect sink's records.
@@ -149,7 +152,7 @@ class ControlServer:
                 w.close()
             self._writers.clear()
 
-        with contextlib.suppress(Exception):
+        with best_effort(log, "stopping the control server"):
             self._rt.run(stop())
 
 
@@ -221,11 +224,11 @@ class ControlClient:
 
         async def stop() -> None:
             if self._writer is not None:
-                with contextlib.suppress(Exception):
+                with best_effort(log, "draining the control connection"):
                     await self._writer.drain()
                 self._writer.close()
             if self._pump is not None:
                 self._pump.cancel()
 
-        with contextlib.suppress(Exception):
+        with best_effort(log, "closing the control connection"):
             self._rt.run(stop())

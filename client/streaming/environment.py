@@ -25,6 +25,7 @@ reaches the next.
 from __future__ import annotations
 
 import contextlib
+import logging
 import operator
 import os
 import queue
@@ -46,6 +47,7 @@ from client.streaming.functions import Operator
 from client.streaming.graph import JobGraph, Node, Partitioning
 from client.streaming.job_status import JobStatusTracker
 from client.streaming.task import JobSpec, dataset_of, run_task
+from exchange.best_effort import best_effort
 from exchange.checkpointing import CheckpointFailureReason
 from exchange.checkpointing.coordinator import (
     CheckpointConfig,
@@ -64,6 +66,8 @@ from exchange.state import DEFAULT_MAX_PARALLELISM
 from exchange.state.key_groups import MAX_MAX_PARALLELISM
 
 __all__ = ["DataStream", "JobFailedError", "JobResult", "KeyedStream", "StreamEnvironment"]
+
+log = logging.getLogger("exchange.streaming.environment")
 
 
 class JobFailedError(ExchangeError):
@@ -562,11 +566,13 @@ class _Attempt:
                     server.broadcast({"type": "abort", "checkpoint": cmd.checkpoint_id})
                 case DiscardCheckpoint():
                     if cmd.whole_checkpoint:
-                        with contextlib.suppress(Exception):
+                        with best_effort(
+                            log, f"discarding checkpoint {cmd.checkpoint_id}", logging.WARNING
+                        ):
                             self.storage.discard(cmd.checkpoint_id)
                     else:
                         for h in cmd.handles.values():
-                            with contextlib.suppress(Exception):
+                            with best_effort(log, f"removing {h}", logging.WARNING):
                                 self.storage.fs.rm_file(str(h))
                 case FailJob():
                     raise _AttemptFailed(cmd.reason)
@@ -584,10 +590,9 @@ class _Attempt:
         addresses = {d["data"] for d in daemons.values()}
         for edge in self.graph.edges:
             for address in addresses:
-                with contextlib.suppress(Exception):
-                    get_runtime().run(
-                        release_dataset(address, dataset_of(self.env.job_id, self.attempt, edge))
-                    )
+                dataset = dataset_of(self.env.job_id, self.attempt, edge)
+                with best_effort(log, f"releasing {dataset} on {address}", logging.WARNING):
+                    get_runtime().run(release_dataset(address, dataset))
 
 
 class _AttemptFailed(Exception):

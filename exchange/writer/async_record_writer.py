@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Iterable
 from typing import Any, Final, Protocol
 
+from exchange.best_effort import best_effort
 from exchange.errors import ExchangeError, PartitionError, WriterClosedError
 from exchange.events.events import AbstractEvent
 from exchange.writer.record_writer import (
@@ -25,6 +27,8 @@ from exchange.writer.record_writer import (
 )
 
 __all__ = ["AsyncRecordWriter", "BufferSink"]
+
+log = logging.getLogger("exchange.writer")
 
 _NO_KEY: Final[Any] = object()
 #: Records taken from ``emit_all``'s iterable between two moves of the cut buffers.
@@ -184,8 +188,8 @@ class AsyncRecordWriter:
             if self._move_lock.locked() or self._closed:
                 continue
             if writer.flush_if_due():
-                with contextlib.suppress(Exception):
-                    # an error (e.g. the partition released) surfaces at the next emit
+                # an error (e.g. the partition released) surfaces at the next emit
+                with best_effort(log, f"the output flusher's move of {self.sink.name}"):
                     await self._move(quiet=True)
 
     # -- closing -------------------------------------------------------------------------
@@ -215,7 +219,7 @@ class AsyncRecordWriter:
             self._closed = True
             self.writer.discard()
             await self._stop_flusher()
-            with contextlib.suppress(Exception):
+            with best_effort(log, f"failing {self.sink.name} after {e!r}", logging.WARNING):
                 await self.sink.fail(e)
             raise
 
