@@ -12,12 +12,11 @@ tasks); the tests also write into a partition of their own process
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterable
 from typing import Any, Final, Protocol
 
-from exchange.best_effort import best_effort
+from exchange.best_effort import best_effort, cancel_and_wait
 from exchange.errors import ExchangeError, PartitionError, WriterClosedError
 from exchange.events.events import AbstractEvent
 from exchange.writer.record_writer import (
@@ -233,9 +232,8 @@ class AsyncRecordWriter:
     async def _stop_flusher(self) -> None:
         task, self._flusher = self._flusher, None
         if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # the writer's own cancellation (the task closing it was cancelled) propagates
+            await cancel_and_wait(task, log, f"the output flusher of {self.sink.name}")
 
     @property
     def is_closed(self) -> bool:
