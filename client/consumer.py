@@ -40,6 +40,7 @@ from client._checks import check_codec, check_count, check_optional, check_secon
 from client.local_connection import LocalConnection, secret_or_env
 from client.network import UNIX_PREFIX, ConnectionManager
 from client.runtime import ClientRuntime, get_runtime
+from exchange.best_effort import cancel_and_wait, wait_quietly
 from exchange.buffers.buffer import Buffer
 from exchange.checkpointing import (
     BarrierHandlerStats,
@@ -70,7 +71,7 @@ from exchange.protocol.local_messages import (
     DaemonInfo,
     TaskMetrics,
 )
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.serialization.record_codec import RecordCodec, default_codec
 
 __all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader", "reader_settings"]
 
@@ -257,10 +258,7 @@ class _TaskMetricsReporter:
     async def close(self) -> None:
         """Send the last report (if still reporting), then close the connection."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_and_wait(task, log, f"metrics reporter of task {self.task}")
         conn, self._conn = self._conn, None
         if conn is None:
             return
@@ -556,10 +554,7 @@ class AsyncPartitionReader:
         if reporter is not None:  # the last report, while the figures are still there
             await reporter.close()
         task, self._debloat_task = self._debloat_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_and_wait(task, log, "buffer debloater")
         self.reader.close()
         await self.connections.close()
         self.pool.check_consistency()
@@ -1036,9 +1031,7 @@ class PartitionReader:
             self._handler.close()
 
     async def _close_async(self) -> None:
-        pump = asyncio.wrap_future(self._pump_future)
-        with contextlib.suppress(BaseException):
-            await pump
+        await wait_quietly(asyncio.wrap_future(self._pump_future), log, "reader pump")
         self._give_back(self._handoff.drain())
         if self._in_flight:  # the task thread is decoding a batch: wait for its buffers
             self._all_back = asyncio.Event()

@@ -53,7 +53,7 @@ from client.rendezvous import RendezvousServer, rendezvous, report_abort
 from client.runtime import get_runtime
 from exchange.errors import ExchangeError, TransportError, UsageError
 from exchange.partition.result_partition_id import ResultPartitionID
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.serialization.record_codec import RecordCodec, default_codec
 from exchange.writer.hashing import deterministic_hash
 
 if TYPE_CHECKING:

@@ -22,7 +22,10 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     │   ├── PartitionNotFoundError       no such partition (yet) of this application there
     │   ├── PartitionReleasedError       the partition was released while in use
     │   │   └── PartitionDataLostError   its spilled data did not survive a daemon restart
-    │   ├── SubpartitionIndexError       index out of range (also a UsageError in spirit)
+    │   ├── SubpartitionIndexError       a peer's request or push names a subpartition the
+    │   │                                partition does not have; carries index and count
+    │   ├── SequenceNumberError          a BufferResponse arrived out of sequence: the peer's
+    │   │                                fault, one channel's failure
     │   ├── ProducerFailedError          the producer failed: consumers never see a short read
     │   ├── ConsumerAlreadyAttachedError a pipelined subpartition is consumed once
     │   ├── PartitionNotReadyError       a blocking partition is read before it is finished
@@ -36,12 +39,17 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     │   ├── BadMagicError
     │   ├── UnknownMessageError
     │   ├── VersionMismatchError
-    │   ├── SequenceNumberError   a BufferResponse arrived out of sequence
     │   └── AuthenticationError   wrong or missing shared secret
+    ├── LocalProtocolError         the peer answered that *this* side broke the protocol
+    │                              (PROTOCOL_ERROR, VERSION_MISMATCH): a bug or a version
+    │                              skew here, fatal for the connection; names the code
     └── TransportError             the connection failed (closed, reset, timed out)
 
 Per-channel errors (``PartitionError`` family) end one stream and leave the connection and
-its other streams alone; ``ProtocolError`` and ``TransportError`` end the whole connection.
+its other streams alone, whoever caused them; ``ProtocolError``, ``LocalProtocolError`` and
+``TransportError`` end the whole connection. As in h11, ``ProtocolError`` (the peer
+misbehaved) and ``LocalProtocolError`` (the peer says we did) are kept apart; a caller's
+own misuse of the API is a ``UsageError``.
 
 An object that remembers its failure and reports it on every later call (a failed
 connection, a poisoned decoder, a failed channel or writer) raises ``fresh_error(stored)``,
@@ -67,6 +75,7 @@ __all__ = [
     "InsufficientBuffersError",
     "IntegrityError",
     "LimitExceededError",
+    "LocalProtocolError",
     "PartitionDataLostError",
     "PartitionError",
     "PartitionNotFoundError",
@@ -242,8 +251,51 @@ class PartitionDataLostError(PartitionReleasedError):
     message says which file and what is wrong); the producer has to run again."""
 
 
-class SubpartitionIndexError(PartitionError, IndexError):
-    """A subpartition index is out of range."""
+class SubpartitionIndexError(PartitionError):
+    """A request or a pushed buffer from a peer names a subpartition the partition does
+    not have: that stream fails, the connection lives on. (A caller of this process's API
+    passing a bad index gets a UsageError instead.)"""
+
+    def __init__(
+        self,
+        index: object,
+        num_subpartitions: int,
+        partition_id: object = None,
+        address: str | None = None,
+    ) -> None:
+        super().__init__(
+            f"subpartition index {index!r} out of range [0, {num_subpartitions})",
+            partition_id,
+            address,
+        )
+        self.index = index
+        self.num_subpartitions = num_subpartitions
+
+
+class SequenceNumberError(PartitionError):
+    """A BufferResponse arrived with an unexpected sequence number (gap or repeat).
+
+    The peer's fault, but sequence numbers count per receiver: the one channel fails
+    (as Flink's ``BufferReorderingException``), the connection's other channels go on.
+    """
+
+    def __init__(
+        self,
+        received: int,
+        expected: int,
+        receiver_id: object = None,
+        partition_id: object = None,
+        address: str | None = None,
+    ) -> None:
+        super().__init__(
+            f"buffer with sequence number {received} received, expected {expected}"
+            + (f" (receiver {receiver_id})" if receiver_id is not None else ""),
+            partition_id,
+            address,
+        )
+        self.received = received
+        self.expected = expected
+        self.receiver_id = receiver_id
 
 
 class ProducerFailedError(PartitionError):
@@ -354,21 +406,19 @@ class VersionMismatchError(ProtocolError):
         self.ours = ours
 
 
-class SequenceNumberError(ProtocolError):
-    """A BufferResponse arrived with an unexpected sequence number (gap or repeat)."""
-
-    def __init__(self, received: int, expected: int, receiver_id: object = None) -> None:
-        super().__init__(
-            f"buffer with sequence number {received} received, expected {expected}"
-            + (f" (receiver {receiver_id})" if receiver_id is not None else "")
-        )
-        self.received = received
-        self.expected = expected
-        self.receiver_id = receiver_id
-
-
 class AuthenticationError(ProtocolError):
     """The handshake's shared-secret authentication failed."""
+
+
+class LocalProtocolError(ExchangeError):
+    """The peer answered that this side broke the wire protocol (its fatal
+    ``PROTOCOL_ERROR`` or ``VERSION_MISMATCH`` ErrorResponse): a bug or a version skew on
+    this side, not the peer's misbehaviour (that is a ``ProtocolError``). Fatal for the
+    connection. ``code`` names the peer's error code."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class TransportError(ExchangeError, ConnectionError):

@@ -545,18 +545,6 @@ def _optional_size(minimum: int, none_words: frozenset[str] = _NONE_WORDS) -> _C
     return coerce
 
 
-def _optional_int(minimum: int) -> _Coerce:
-    required = _int(minimum)
-
-    def coerce(value: Any, setting: str) -> int | None:
-        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
-            return None
-        result: int = required(value, setting)
-        return result
-
-    return coerce
-
-
 def _duration(positive: bool, allow_negative_one: bool = False) -> _Coerce:
     def coerce(value: Any, setting: str) -> float:
         seconds = parse_duration(value, setting, allow_negative_one=allow_negative_one)

@@ -30,8 +30,8 @@ records).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
+import logging
 import queue
 import struct
 from typing import Any, Final
@@ -40,9 +40,12 @@ import msgpack
 
 from client.rendezvous import listen_for_tasks
 from client.runtime import ClientRuntime, get_runtime
+from exchange.best_effort import best_effort
 from exchange.errors import ProtocolError, TransportError
 
 __all__ = ["ControlClient", "ControlServer"]
+
+log = logging.getLogger("exchange.streaming.control")
 
 _LEN: Final = struct.Struct(">I")
 #: A registered task's frame may carry a collect sink's records.
@@ -184,7 +187,7 @@ class ControlServer:
                 w.close()
             self._writers.clear()
 
-        with contextlib.suppress(Exception):
+        with best_effort(log, "stopping the control server"):
             self._rt.run(stop())
 
 
@@ -256,11 +259,11 @@ class ControlClient:
 
         async def stop() -> None:
             if self._writer is not None:
-                with contextlib.suppress(Exception):
+                with best_effort(log, "draining the control connection"):
                     await self._writer.drain()
                 self._writer.close()
             if self._pump is not None:
                 self._pump.cancel()
 
-        with contextlib.suppress(Exception):
+        with best_effort(log, "closing the control connection"):
             self._rt.run(stop())

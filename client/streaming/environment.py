@@ -53,6 +53,7 @@ from client.streaming.functions import Operator
 from client.streaming.graph import JobGraph, Node, Partitioning, check_operator_id
 from client.streaming.job_status import JobStatusTracker
 from client.streaming.task import JobSpec, dataset_of, run_task
+from exchange.best_effort import best_effort
 from exchange.checkpointing import CheckpointFailureReason
 from exchange.checkpointing.coordinator import (
     CheckpointConfig,
@@ -641,11 +642,13 @@ class _Attempt:
                     server.broadcast({"type": "abort", "checkpoint": cmd.checkpoint_id})
                 case DiscardCheckpoint():
                     if cmd.whole_checkpoint:
-                        with contextlib.suppress(Exception):
+                        with best_effort(
+                            log, f"discarding checkpoint {cmd.checkpoint_id}", logging.WARNING
+                        ):
                             self.storage.discard(cmd.checkpoint_id)
                     else:
                         for h in cmd.handles.values():
-                            with contextlib.suppress(Exception):
+                            with best_effort(log, f"removing {h}", logging.WARNING):
                                 self.storage.fs.rm_file(str(h))
                 case FailJob():
                     raise _AttemptFailed(cmd.reason)
@@ -663,8 +666,8 @@ class _Attempt:
         addresses = {d["data"] for d in daemons.values()}
         for edge in self.graph.edges:
             for address in addresses:
-                with contextlib.suppress(Exception):
-                    dataset = dataset_of(self.env.job_id, self.attempt, edge)
+                dataset = dataset_of(self.env.job_id, self.attempt, edge)
+                with best_effort(log, f"releasing {dataset} on {address}", logging.WARNING):
                     get_runtime().run(release_dataset(address, dataset, secret=self.env.credential))
 
 

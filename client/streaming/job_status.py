@@ -14,7 +14,6 @@ driver's host, a refused message) stops the publishing, never the job.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -27,6 +26,7 @@ from client.local_connection import LocalConnection, resolve_daemon_socket
 from client.runtime import get_runtime
 from client.streaming.graph import JobGraph
 from client.streaming.task import dataset_of
+from exchange.best_effort import best_effort
 from exchange.checkpointing.coordinator import NotifyAborted, NotifyComplete, TriggerCheckpoint
 from exchange.protocol.local_messages import (
     MAX_JOB_CHECKPOINTS,
@@ -279,5 +279,5 @@ class JobStatusTracker:
             async def stop() -> None:
                 conn.close()
 
-            with contextlib.suppress(Exception):
+            with best_effort(log, "closing the job-status connection"):
                 get_runtime().run(stop())

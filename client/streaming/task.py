@@ -52,8 +52,8 @@ for that operator's uid, whatever tasks wrote them.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import itertools
+import logging
 import queue
 import traceback
 from collections.abc import Callable
@@ -68,6 +68,7 @@ from client.streaming.checkpoint_storage import CheckpointStorage
 from client.streaming.control import ControlClient
 from client.streaming.functions import Collector, Operator, OperatorContext, Source
 from client.streaming.graph import Edge, JobGraph, Partitioning, TaskSpec
+from exchange.best_effort import best_effort
 from exchange.checkpointing import CheckpointFailureReason
 from exchange.errors import ExchangeError, IllegalStateError
 from exchange.events.events import AbstractEvent, CheckpointOptions, EndOfDataEvent
@@ -81,6 +82,8 @@ from exchange.state import (
 )
 
 __all__ = ["JobSpec", "StreamTaskFailed", "dataset_of", "run_task"]
+
+log = logging.getLogger("exchange.streaming.task")
 
 #: Records a source emits between two looks at the mailbox.
 _POLL_BATCH: Final = 256
@@ -537,7 +540,7 @@ class StreamTask:
             return {"task": self.task_id, "records_in": self._records_in()}
         except BaseException as e:
             if self.ctl is not None and not self.ctl.closed:
-                with contextlib.suppress(Exception):
+                with best_effort(log, f"reporting the failure of task {self.task_id}"):
                     self.ctl.send(
                         {"type": "failed", "error": "".join(traceback.format_exception(e))[-4000:]}
                     )
@@ -622,12 +625,12 @@ class StreamTask:
 
     def close(self) -> None:
         for op in self.ops:
-            with contextlib.suppress(Exception):
+            with best_effort(log, f"closing operator {op!r}", logging.WARNING):
                 op.close()
         if self.reader is not None:
             self.reader.close()
         for _, w in self.writers:
-            with contextlib.suppress(Exception):
+            with best_effort(log, f"failing writer {w!r}", logging.WARNING):
                 w.fail("the task failed")
         self.writers = []
         if self.ctl is not None:

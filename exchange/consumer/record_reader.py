@@ -36,7 +36,7 @@ from exchange.events.events import (
     EndOfDataEvent,
     EndOfPartitionEvent,
 )
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.serialization.record_codec import RecordCodec, default_codec
 
 if TYPE_CHECKING:
     from exchange.checkpointing.barrier_handler import CheckpointBarrierHandler

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Final
 import msgpack
 
 from exchange.buffers.buffer import Buffer, DataType
-from exchange.buffers.buffer_builder import BufferConsumer
+from exchange.buffers.buffer_consumer import BufferConsumer
 from exchange.errors import CorruptRecordError, UsageError
 
 __all__ = [

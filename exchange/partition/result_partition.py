@@ -2,7 +2,7 @@
 
 Owns its LocalBufferPool (``num_required = number of subpartitions``, as in Flink). The
 partition does not encode records: its writer (``exchange.writer``: a RecordWriter driven
-by a ResultPartitionSink in process, or the daemon's local endpoint for producer tasks)
+by the daemon's local endpoint for producer tasks; in tests, by ``tests/kit``'s sink)
 copies each buffer it cut into a segment of this pool and queues it here.
 
 Buffers are handed over complete with ``add_buffer(target, buffer)``;
@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Final, NamedTuple, NoReturn, TypeVar
 
 from exchange.buffers.buffer import Buffer
-from exchange.buffers.buffer_builder import BufferConsumer
+from exchange.buffers.buffer_consumer import BufferConsumer
 from exchange.errors import (
     PartitionReleasedError,
     ProducerFailedError,
@@ -316,43 +316,10 @@ class ResultPartition:
             return
         self._release_listeners.append(listener)
 
-    def remove_release_listener(self, listener: ReleaseListener) -> None:
-        """Forget ``listener`` (no error if it is not registered)."""
-        if listener in self._release_listeners:
-            self._release_listeners.remove(listener)
-
     def add_consumer_failure_listener(self, listener: ConsumerFailureListener) -> None:
         """Call ``listener(cause)`` whenever a reader leaves a pipelined subpartition before
         its end: a producer not writing into that subpartition would not notice otherwise."""
         self._consumer_failure_listeners.append(listener)
-
-    def remove_consumer_failure_listener(self, listener: ConsumerFailureListener) -> None:
-        if listener in self._consumer_failure_listeners:
-            self._consumer_failure_listeners.remove(listener)
-
-    @property
-    def on_release(self) -> ReleaseListener:
-        """Deprecated slot, kept while callers move to ``add_release_listener``.
-
-        Assigning adds a listener and never replaces one. Reading gives a no-op, so a
-        caller that wraps the old value and calls it calls no listener twice.
-        """
-        return _ignore
-
-    @on_release.setter
-    def on_release(self, listener: ReleaseListener | None) -> None:
-        if listener is not None:
-            self.add_release_listener(listener)
-
-    @property
-    def on_consumer_failure(self) -> ConsumerFailureListener:
-        """Deprecated: assigning adds a consumer-failure listener (see ``on_release``)."""
-        return _ignore
-
-    @on_consumer_failure.setter
-    def on_consumer_failure(self, listener: ConsumerFailureListener | None) -> None:
-        if listener is not None:
-            self.add_consumer_failure_listener(listener)
 
     # -- writing records -----------------------------------------------------------------
 
@@ -400,9 +367,7 @@ class ResultPartition:
                 for i in range(n):
                     self.check_writable(i)
             elif not 0 <= target < n:
-                raise SubpartitionIndexError(
-                    f"subpartition index {target} out of range [0, {n})", self.partition_id
-                )
+                raise SubpartitionIndexError(target, n, self.partition_id)
             else:
                 self.check_writable(target)
         except BaseException:
@@ -550,10 +515,7 @@ class ResultPartition:
         self, index: int, listener: BufferAvailabilityListener
     ) -> ResultSubpartitionView:
         if not isinstance(index, int) or not 0 <= index < len(self.subpartitions):
-            raise SubpartitionIndexError(
-                f"subpartition index {index!r} out of range [0, {len(self.subpartitions)})",
-                self.partition_id,
-            )
+            raise SubpartitionIndexError(index, len(self.subpartitions), self.partition_id)
         if self._state is _FAILED:
             cause = self._failure
             raise ProducerFailedError(
@@ -606,10 +568,6 @@ class ResultPartition:
             f"ResultPartition({self.partition_id}, {self.partition_type.value}, "
             f"{len(self.subpartitions)} subpartitions, {self._state.value})"
         )
-
-
-def _ignore(_: object) -> None:
-    """What the deprecated listener slots read as."""
 
 
 def _call_all(listeners: list[Callable[[_T], None]], arg: _T) -> None:

@@ -18,6 +18,7 @@ from exchange.errors import (
     AuthenticationError,
     ExchangeError,
     LimitExceededError,
+    LocalProtocolError,
     PartitionError,
     PartitionNotFoundError,
     PartitionReleasedError,
@@ -398,7 +399,8 @@ def error_for_response(
     if code is ErrorCode.AUTH_FAILED:
         return AuthenticationError(text + where)
     if code in (ErrorCode.PROTOCOL_ERROR, ErrorCode.VERSION_MISMATCH):
-        return ProtocolError(text + where)
+        # the peer says *we* broke the protocol: not the peer's misbehaviour
+        return LocalProtocolError(text + where, code.name)
     if code in (ErrorCode.TOO_MANY_CONNECTIONS, ErrorCode.SERVER_SHUTDOWN):
         return TransportError(text + where)
     # CANCELLED, INVALID_REQUEST, INTERNAL: one stream's failure when it names a receiver,

@@ -25,9 +25,9 @@ from exchange.events import (
     EventSerializer,
 )
 from exchange.partition import ResultPartition, ResultPartitionType
-from exchange.serialization.codec import MsgpackCodec
-from exchange.writer import ResultPartitionWriter
+from exchange.serialization.record_codec import MsgpackCodec
 from tests.conformance.partition_fill import add_raw_bytes
+from tests.kit.partition_writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -15,7 +15,7 @@ import pytest
 
 from client.network import ConnectionManager
 from exchange.consumer import RecordReader, SingleInputGate
-from exchange.errors import PartitionError, TransportError
+from exchange.errors import LocalProtocolError, PartitionError, ProtocolError, TransportError
 from exchange.memory import NetworkBufferPool
 from exchange.partition import (
     ResultPartition,
@@ -26,10 +26,16 @@ from exchange.partition import (
 from exchange.protocol.codec import FrameDecoder, encode
 from exchange.protocol.handshake import ClientHandshake
 from exchange.protocol.local_messages import CreatePartition
-from exchange.protocol.messages import ClientHello, ErrorCode, ErrorResponse, Message
-from exchange.serialization.codec import BytesCodec
-from exchange.writer import ResultPartitionWriter
+from exchange.protocol.messages import (
+    ClientHello,
+    ErrorCode,
+    ErrorResponse,
+    Message,
+    error_for_response,
+)
+from exchange.serialization.record_codec import BytesCodec
 from server.partition_request_server import DataServer
+from tests.kit.partition_writer import ResultPartitionWriter
 
 SEG = 32 * 1024
 
@@ -138,6 +144,11 @@ async def test_the_data_port_refuses_local_endpoint_messages(net: Any) -> None:
         assert isinstance(err, ErrorResponse) and err.is_fatal
         assert err.code is ErrorCode.PROTOCOL_ERROR and "CreatePartition" in err.message
         assert len(manager) == 0
+        # on the side that sent it, the answer says *we* broke the protocol: not the
+        # ProtocolError the tree keeps for a misbehaving peer
+        answer = error_for_response(err, f"{host}:{port}")
+        assert isinstance(answer, LocalProtocolError) and not isinstance(answer, ProtocolError)
+        assert answer.code == "PROTOCOL_ERROR" and "CreatePartition" in str(answer)
     finally:
         writer.close()
         with contextlib.suppress(OSError):

@@ -36,8 +36,7 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
-from exchange.serialization.codec import MsgpackCodec
-from exchange.writer import ResultPartitionWriter
+from exchange.serialization.record_codec import MsgpackCodec
 from server.config import DaemonConfig
 from server.http_server import (
     DEFAULT_MAX_HEAD_BYTES,
@@ -48,6 +47,7 @@ from server.http_server import (
 )
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer
+from tests.kit.partition_writer import ResultPartitionWriter
 
 SEGMENTS = 256
 SEGMENT_SIZE = 4096
@@ -90,8 +90,6 @@ class StandInDaemon:
             pool.destroy()
             raise
         self.manager.register_result_partition(part)
-        hook = part.on_release
-        assert hook is not None
 
         def on_release(p: ResultPartition) -> None:
             s = p.stats()
@@ -99,9 +97,8 @@ class StandInDaemon:
             self.retired["buffers_out"] += s.buffers_out
             self.retired["back_pressured_seconds"] += s.back_pressured_seconds
             self.released += 1
-            hook(p)
 
-        part.on_release = on_release
+        part.add_release_listener(on_release)
         self.created += 1
         return part
 
