@@ -51,7 +51,13 @@ from client.streaming.control import ControlClient
 from client.streaming.functions import Collector, Operator, OperatorContext, Source
 from client.streaming.graph import Edge, JobGraph, Partitioning, TaskSpec
 from exchange.checkpointing import CheckpointFailureReason
-from exchange.errors import ExchangeError, IllegalStateError
+from exchange.errors import (
+    ExchangeError,
+    IllegalStateError,
+    PartitionDataLostError,
+    PartitionReleasedError,
+    ProducerFailedError,
+)
 from exchange.events.events import CheckpointOptions
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.state import (
@@ -64,7 +70,7 @@ from exchange.state import (
     subtask_for_key,
 )
 
-__all__ = ["JobSpec", "StreamTaskFailed", "dataset_of", "run_task"]
+__all__ = ["JobSpec", "StreamTaskFailed", "dataset_of", "is_consequence", "run_task"]
 
 #: Records a source emits between two looks at the control channel.
 _POLL_BATCH: Final = 256
@@ -79,6 +85,23 @@ _OUTPUT_AVAILABLE: Final = "output-available"
 
 class StreamTaskFailed(ExchangeError):
     """The task was cancelled, refused (a stale attempt) or lost its driver."""
+
+
+def is_consequence(error: BaseException) -> bool:
+    """True when ``error`` follows from another failure, so is no attempt's root cause:
+    the partition it wrote or read was released (its consumer or producer failed and the
+    attempt is being torn down), its producer failed, or the driver cancelled or dropped
+    the task. Spilled data lost in a daemon restart is a failure of its own."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, PartitionDataLostError):
+            return False
+        if isinstance(e, PartitionReleasedError | ProducerFailedError | StreamTaskFailed):
+            return True
+        e = e.__cause__ if e.__cause__ is not None else e.__context__
+    return False
 
 
 @dataclass(frozen=True)
@@ -439,10 +462,16 @@ class StreamTask:
             self.ctl.flush()
             return {"task": self.task_id, "records_in": self.records_in}
         except BaseException as e:
+            failed_at = time.time()
             if self.ctl is not None and not self.ctl.closed:
                 with contextlib.suppress(Exception):
                     self.ctl.send(
-                        {"type": "failed", "error": "".join(traceback.format_exception(e))[-4000:]}
+                        {
+                            "type": "failed",
+                            "error": "".join(traceback.format_exception(e))[-4000:],
+                            "time": failed_at,
+                            "consequence": is_consequence(e),
+                        }
                     )
                     self.ctl.flush()
             raise
