@@ -25,6 +25,7 @@ from exchange.writer import (
     RoundRobinSelector,
     deterministic_hash,
 )
+from tests.kit.polling import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -196,14 +197,23 @@ async def test_backpressure_blocks_writer_within_pool_and_resumes(
         batch = await asyncio.wait_for(reader.next_batch(), 2)
         assert batch is not None
         got += batch
-    # the reader stops: the writer fills the pool and waits
-    await asyncio.sleep(0.3)
-    assert not producer.done()
-    assert part.buffer_pool.num_in_use == max_segments
+    # the reader stops: the writer fills the pool and waits for a buffer
+    pool = part.buffer_pool
+    seen = [-1]
+
+    def held() -> bool:
+        # a writer that can go on runs while the poll sleeps (one loop): no byte added to
+        # the partition with its pool full and unavailable is a writer waiting for a buffer
+        before, seen[0] = seen[0], part.stats().bytes_out
+        return pool.num_in_use == max_segments and not pool.is_available and before == seen[0]
+
+    await wait_until(held, 30, "the writer waiting for a buffer of its full pool")
     assert nbp.num_in_use <= max_segments
-    stalled_at = writer.records_out
-    await asyncio.sleep(0.1)
-    assert writer.records_out == stalled_at or not producer.done()
+    stalled_at = part.stats().bytes_out
+    await asyncio.sleep(0.3)  # time to move on, were it not held: it is not
+    assert part.stats().bytes_out == stalled_at
+    assert not producer.done()
+    assert pool.num_in_use == max_segments
     # the reader resumes: everything arrives
     got += await asyncio.wait_for(reader.read_all(), 10)
     await asyncio.wait_for(producer, 5)
@@ -213,7 +223,7 @@ async def test_backpressure_blocks_writer_within_pool_and_resumes(
     assert [tuple(r) for r in got] == records
     assert peak["global"] <= max_segments
     assert peak["local"] <= max_segments
-    assert part.stats().back_pressured_seconds >= 0.25
+    assert part.stats().back_pressured_seconds >= 0.3  # at least the time it was held above
 
 
 @pytest.mark.asyncio
@@ -226,11 +236,12 @@ async def test_writer_blocked_on_pool_wakes_with_error_when_partition_is_release
     await open_gate([(part.partition_id, 0)])  # a reader that never reads
     writer = ResultPartitionWriter(part, buffer_timeout=-1)
     producer = asyncio.create_task(writer.emit_all((i, f"{i:0500d}") for i in range(1_000)))
-    await asyncio.sleep(0.1)
+    pool = part.buffer_pool
+    await wait_until(lambda: pool.num_in_use == 2 and not pool.is_available, 30, "a full pool")
     assert not producer.done()
     manager.release_partition(part.partition_id)
     with pytest.raises(PartitionReleasedError):
-        await asyncio.wait_for(producer, 2)
+        await asyncio.wait_for(producer, 30)
     await writer.fail(None)
 
 
