@@ -34,7 +34,7 @@ from typing import Any
 
 from client.shuffle_job import EVENT_TYPES, generate_events
 
-__all__ = ["RunningTotals", "main", "parse_click"]
+__all__ = ["RunningTotals", "check_output", "main", "output_equals", "parse_click"]
 
 
 def _log(t0: float, msg: str) -> None:
@@ -281,6 +281,19 @@ def check_output(spark: Any, in_glob: str, out_dir: str) -> dict[str, int]:
     }
 
 
+def output_equals(verdict: dict[str, int], events: int) -> bool:
+    """``check_output``'s verdict says the output equals the input's groupBy: every one of
+    the ``events`` events once (one line each, none missing, none twice), no user
+    differing."""
+    return (
+        verdict["bad_users"] == 0
+        and verdict["duplicates"] == 0
+        and verdict["missing"] == 0
+        and verdict["events"] == events
+        and verdict["lines"] == events
+    )
+
+
 # -- the command ---------------------------------------------------------------------------
 
 
@@ -457,11 +470,7 @@ def run_clickstream(args: argparse.Namespace) -> int:
             f"committed        {verdict['lines']:,} running-total records in "
             f"{len(committed)} files; checked in {check_s:.1f} s"
         )
-        equal = (
-            verdict["bad_users"] == 0
-            and verdict["events"] == args.events
-            and verdict["lines"] == args.events
-        )
+        equal = output_equals(verdict, args.events)
         restarted = args.no_kill or (k is not None and result.restarts >= 1)
         ok = equal and restarted
         if ok:
