@@ -428,7 +428,7 @@ async def test_slowloris_client_is_closed_after_the_read_timeout(
 
     async def dribble() -> None:
         writer.write(b"GET /healthz HTTP/1.1\r\n")
-        for i in range(100):
+        for i in range(400):  # 20 s of activity: far past the read timeout
             await asyncio.sleep(0.05)
             if writer.is_closing() or reader.at_eof():
                 return
@@ -442,7 +442,7 @@ async def test_slowloris_client_is_closed_after_the_read_timeout(
     try:
         # Others are served meanwhile.
         assert (await get(port, "/healthz")).status == 200
-        data = await asyncio.wait_for(reader.read(), 3)
+        data = await asyncio.wait_for(reader.read(), 15)
         elapsed = loop.time() - start
     finally:
         dribbling.cancel()
@@ -451,7 +451,9 @@ async def test_slowloris_client_is_closed_after_the_read_timeout(
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
     assert Reply(data).status == 408
-    assert 0.45 <= elapsed < 1.5
+    # after the read timeout, long before the dribble ends (a timeout reset by each byte
+    # would answer only then); room for a loaded machine
+    assert 0.45 <= elapsed < 10
     for _ in range(50):
         if server.num_connections == 0:
             break
@@ -508,7 +510,7 @@ async def test_connection_limit(daemon: StandInDaemon) -> None:
 
 @pytest.mark.asyncio
 async def test_close_drops_open_connections(daemon: StandInDaemon) -> None:
-    server = HttpServer(daemon, read_timeout=5.0)
+    server = HttpServer(daemon, read_timeout=60.0)
     _, port = await server.start("127.0.0.1", 0)
     clients = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
     for _ in range(50):
@@ -519,7 +521,7 @@ async def test_close_drops_open_connections(daemon: StandInDaemon) -> None:
     loop = asyncio.get_running_loop()
     start = loop.time()
     await server.close()
-    assert loop.time() - start < 1.0
+    assert loop.time() - start < 20  # never waits for the clients' read timeout (60 s)
     assert server.num_connections == 0
     for reader, writer in clients:
         with contextlib.suppress(ConnectionError):
