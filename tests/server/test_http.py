@@ -48,6 +48,7 @@ from server.http_server import (
 )
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer
+from tests.kit.polling import wait_until
 
 SEGMENTS = 256
 SEGMENT_SIZE = 4096
@@ -639,7 +640,8 @@ async def test_dashboard_renders_live_values_in_chromium(
     stop = asyncio.Event()
     streaming = asyncio.create_task(traffic(daemon, stop))
     try:
-        await asyncio.sleep(0.3)
+        # the page must find figures: at least one stream moved through the daemon
+        await wait_until(lambda: daemon.totals()["bytes_out"] > 0, 30, "traffic")
         dom = (
             await run_chromium(
                 *common,
