@@ -11,7 +11,6 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,6 +30,7 @@ from exchange.errors import ExchangeError
 from exchange.events.events import CheckpointOptions
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.local_messages import TaskMetrics
+from tests.kit.polling import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -155,16 +155,6 @@ def task_item(stats: dict[str, Any], task: str) -> dict[str, Any] | None:
     items = [it for it in stats["tasks"]["items"] if it["task"] == task]
     assert len(items) <= 1, items
     return items[0] if items else None
-
-
-def wait_for(what: Callable[[], Any], timeout: float, message: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = what()
-        if value:
-            return value
-        assert time.monotonic() < deadline, message
-        time.sleep(0.05)
 
 
 def test_running_task_gauges_appear_follow_and_vanish_after_close(start_daemon: Any) -> None:
