@@ -80,7 +80,7 @@ async def test_request_before_registration_succeeds_once_registered(
     assert time.monotonic() - registered < 1.0 + 5
     async with ResultPartitionWriter(part) as writer:
         await writer.emit(("hello",))
-    assert await asyncio.wait_for(RecordReader(gate).read_all(), 2) == [("hello",)]
+    assert await asyncio.wait_for(RecordReader(gate).read_all(), 10) == [("hello",)]
 
 
 @pytest.mark.asyncio
@@ -99,7 +99,7 @@ async def test_request_of_unregistered_partition_fails_after_the_backoff(
     gate = await open_gate([(pid, 0)], request=False, backoff_initial=0.01, backoff_max=0.08)
     start = time.monotonic()
     with pytest.raises(PartitionNotFoundError) as info:
-        await asyncio.wait_for(gate.request_partitions(), 2)
+        await asyncio.wait_for(gate.request_partitions(), 10)
     assert info.value.partition_id == pid
     # delays 0.01, 0.02, 0.04, 0.08: five attempts, then the error
     assert len(attempts) == 5
@@ -143,7 +143,7 @@ async def test_two_readers_on_one_pipelined_subpartition(
         await open_gate([(part.partition_id, 0)], name="second")
     async with ResultPartitionWriter(part) as writer:
         await writer.emit_all([(1,), (2,)])
-    assert await asyncio.wait_for(RecordReader(first).read_all(), 2) == [(1,), (2,)]
+    assert await asyncio.wait_for(RecordReader(first).read_all(), 10) == [(1,), (2,)]
 
 
 @pytest.mark.asyncio
@@ -170,7 +170,7 @@ async def test_counts_bytes_and_buffers(
     gate = await open_gate([(part.partition_id, 0)])
     async with ResultPartitionWriter(part, codec=MsgpackCodec(), buffer_timeout=-1) as writer:
         await writer.emit_all([(b"q" * 2000,)] * 5)
-    await asyncio.wait_for(RecordReader(gate, MsgpackCodec()).read_all(), 2)
+    await asyncio.wait_for(RecordReader(gate, MsgpackCodec()).read_all(), 10)
     ch = gate.channels[0]
     assert ch.buffers_in == 4  # 3 data buffers + EndOfPartition
     assert ch.bytes_in == 5 * 2004 + 1

@@ -526,7 +526,7 @@ async def test_close_drops_open_connections(daemon: StandInDaemon) -> None:
     assert server.num_connections == 0
     for reader, writer in clients:
         with contextlib.suppress(ConnectionError):
-            assert await asyncio.wait_for(reader.read(), 1) == b""
+            assert await asyncio.wait_for(reader.read(), 10) == b""
         writer.close()
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()

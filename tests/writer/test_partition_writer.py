@@ -194,7 +194,7 @@ async def test_backpressure_blocks_writer_within_pool_and_resumes(
     producer = asyncio.create_task(produce())
     got: list[Any] = []
     while len(got) < 100:
-        batch = await asyncio.wait_for(reader.next_batch(), 2)
+        batch = await asyncio.wait_for(reader.next_batch(), 10)
         assert batch is not None
         got += batch
     # the reader stops: the writer fills the pool and waits for a buffer
@@ -264,10 +264,10 @@ async def test_buffer_timeout_zero_makes_every_record_readable_at_once(
         assert boe.channel_index == i % 2
         boe.buffer.release()
     await writer.emit_all([(6, "a"), (7, "b")])
-    assert await asyncio.wait_for(reader.next_batch(), 0.5) == [(6, "a")]
-    assert await asyncio.wait_for(reader.next_batch(), 0.5) == [(7, "b")]
+    assert await asyncio.wait_for(reader.next_batch(), 10) == [(6, "a")]
+    assert await asyncio.wait_for(reader.next_batch(), 10) == [(7, "b")]
     await writer.close()
-    assert await asyncio.wait_for(reader.next_batch(), 0.5) is None
+    assert await asyncio.wait_for(reader.next_batch(), 10) is None
     reader.close()
 
 
@@ -303,20 +303,20 @@ async def test_buffer_timeout_minus_one_moves_only_full_buffers(
     await asyncio.sleep(0.3)
     assert not pending.done()
     await writer.flush()
-    assert await asyncio.wait_for(pending, 1.0) == [("lone", 0)]
+    assert await asyncio.wait_for(pending, 10) == [("lone", 0)]
     # enough records to fill a buffer: the full buffer moves without a flush
     big = [("r", i, f"{i:0100d}") for i in range(100)]  # ~10 KiB
     await writer.emit_all(big)
     got: list[Any] = []
     while len(got) < 30:
-        batch = await asyncio.wait_for(reader.next_batch(), 1.0)
+        batch = await asyncio.wait_for(reader.next_batch(), 10)
         assert batch is not None
         got += batch
     rest = asyncio.create_task(reader.read_all())
     await asyncio.sleep(0.05)
     assert not rest.done()  # the last, partly filled buffer waits for close
     await writer.close()
-    got += await asyncio.wait_for(rest, 1.0)
+    got += await asyncio.wait_for(rest, 10)
     assert [tuple(r) for r in got] == big
     reader.close()
 
@@ -389,7 +389,7 @@ async def test_emit_after_consumer_left_raises_partition_released(
     reader = RecordReader(gate)
     writer = ResultPartitionWriter(part, buffer_timeout=0.01)
     await writer.emit_all((i, "v") for i in range(50))
-    assert await asyncio.wait_for(reader.next_batch(), 1)
+    assert await asyncio.wait_for(reader.next_batch(), 10)
     reader.close()  # the consumer goes away before the end
     assert part.is_released
     with pytest.raises(PartitionReleasedError, match="consumer"):
@@ -416,7 +416,7 @@ async def test_flusher_keeps_flushing_other_subpartitions_when_one_consumer_left
     for i in range(3):
         await writer.emit_to(("kept", i), 0)
         # the output flusher still moves subpartition 0's records
-        assert await asyncio.wait_for(reader.next_batch(), 1.0) == [("kept", i)]
+        assert await asyncio.wait_for(reader.next_batch(), 10) == [("kept", i)]
     # the writer learns about subpartition 1 when it copies into it
     with pytest.raises(PartitionReleasedError, match="consumer"):
         await writer.flush()
