@@ -27,12 +27,12 @@ RECORDS = 3000
 PAD = b"m" * 200
 
 
-def _metrics(d: Any) -> dict[str, float]:
-    """The unlabelled samples of the daemon's /metrics."""
+def _metrics(d: Any, **labels: str) -> dict[str, float]:
+    """The samples of the daemon's /metrics with exactly these labels (none: unlabelled)."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(d.http_get("/metrics").decode()):
         for s in family.samples:
-            if not s.labels:
+            if s.labels == labels:
                 out[s.name] = s.value
     return out
 
@@ -78,6 +78,15 @@ def test_a_real_daemon_reports_the_data_it_moved_and_keeps_it_after_the_release(
         live = d.stats()
         assert live["partitions"]["count"] == 1 and live["local"]["producers"] == 1
         assert live["totals"]["bytes_in"] == live["totals"]["bytes_out"] < RECORDS * len(PAD)
+        (item,) = _ours(live, dataset)
+        assert (item["bytes_out"], item["buffers_out"]) == (full["bytes_out"], full["buffers_out"])
+        # /metrics while held: the partition's own series, by its labels
+        part = _metrics(d, dataset=dataset, partition="0", attempt="0")
+        assert part["exchange_partition_bytes_out_total"] == item["bytes_out"]
+        assert part["exchange_partition_buffers_out_total"] == item["buffers_out"]
+        assert part["exchange_out_pool_usage"] == 1.0
+        assert part["exchange_backlog_buffers"] == item["backlog"]
+        assert _metrics(d, type="pipelined")["exchange_partitions"] == 1
         assert producer.is_alive(), errors
 
         loc = PartitionLocation(pid, 0, d.data_address)  # over TCP, not the local socket
