@@ -66,21 +66,24 @@ def test_a_real_daemon_reports_the_data_it_moved_and_keeps_it_after_the_release(
     producer = threading.Thread(target=produce, name="producer", daemon=True)
     producer.start()
     try:
-        # nobody reads yet: the partition's pool fills and the producer waits for credit
-        full = wait_for(
-            lambda: [p for p in _ours(d.stats(), dataset) if p["out_pool_usage"] == 1.0],
-            60,
-            "the partition's pool full",
-        )[0]
+        # nobody reads yet: the partition's pool fills and the producer waits for credit.
+        # Held for good once every segment in use is in the backlog: none is reserved for
+        # the producer (credit it could still use), the pool is at its size.
+        def held() -> dict[str, Any] | None:
+            st = d.stats()
+            mine = _ours(st, dataset)
+            full = mine and mine[0]["out_pool_usage"] == 1.0
+            return st if full and st["network"]["used_segments"] == mine[0]["backlog"] else None
+
+        live = wait_for(held, 60, "the producer held: its partition's pool full of backlog")
         held_since = time.monotonic()
-        assert full["type"] == "pipelined" and not full["finished"]
-        assert full["buffers_out"] == full["backlog"] > 0
-        live = d.stats()
-        assert live["partitions"]["count"] == 1 and live["local"]["producers"] == 1
-        assert live["totals"]["bytes_in"] == live["totals"]["bytes_out"] < RECORDS * len(PAD)
         (item,) = _ours(live, dataset)
-        assert (item["bytes_out"], item["buffers_out"]) == (full["bytes_out"], full["buffers_out"])
-        # /metrics while held: the partition's own series, by its labels
+        assert item["type"] == "pipelined" and not item["finished"]
+        assert item["buffers_out"] == item["backlog"] > 0
+        assert live["partitions"]["count"] == 1 and live["local"]["producers"] == 1
+        assert live["totals"]["bytes_in"] == live["totals"]["bytes_out"] == item["bytes_out"]
+        assert item["bytes_out"] < RECORDS * len(PAD)
+        # /metrics while held (nothing moves): the partition's own series, by its labels
         part = _metrics(d, dataset=dataset, partition="0", attempt="0")
         assert part["exchange_partition_bytes_out_total"] == item["bytes_out"]
         assert part["exchange_partition_buffers_out_total"] == item["buffers_out"]
