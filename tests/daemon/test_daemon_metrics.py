@@ -108,8 +108,14 @@ def test_a_real_daemon_reports_the_data_it_moved_and_keeps_it_after_the_release(
     assert bytes_out >= RECORDS * (len(PAD) + 4) and buffers_out > bytes_out // d.segment_size
 
     # a pipelined partition read to its end is released; its figures stay in the totals
+    # (and the tasks' connections, which end on their own time, are gone)
     st = d.wait_stats(
-        lambda s: s["partitions"]["count"] == 0 and s["data_port"]["connections"] == 0, 30
+        lambda s: (
+            s["partitions"]["count"] == 0
+            and s["data_port"]["connections"] == 0
+            and s["local"]["producers"] == s["local"]["consumers"] == 0
+        ),
+        30,
     )
     totals = st["totals"]
     assert totals["bytes_in"] == bytes_out
