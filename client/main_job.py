@@ -42,7 +42,14 @@ from client.shuffle_job import EVENT_TYPES, generate_events
 from client.streaming.connectors import FileSource
 from exchange.best_effort import best_effort
 
-__all__ = ["HeldFileSource", "RunningTotals", "main", "parse_click"]
+__all__ = [
+    "HeldFileSource",
+    "RunningTotals",
+    "check_output",
+    "main",
+    "output_equals",
+    "parse_click",
+]
 
 log = logging.getLogger("exchange.client.main_job")
 
@@ -350,6 +357,19 @@ def check_output(spark: Any, in_glob: str, out_dir: str) -> dict[str, int]:
     }
 
 
+def output_equals(verdict: dict[str, int], events: int) -> bool:
+    """``check_output``'s verdict says the output equals the input's groupBy: every one of
+    the ``events`` events once (one line each, none missing, none twice), no user
+    differing."""
+    return (
+        verdict["bad_users"] == 0
+        and verdict["duplicates"] == 0
+        and verdict["missing"] == 0
+        and verdict["events"] == events
+        and verdict["lines"] == events
+    )
+
+
 # -- the command ---------------------------------------------------------------------------
 
 
@@ -527,11 +547,7 @@ def run_clickstream(args: argparse.Namespace) -> int:
             f"committed        {verdict['lines']:,} running-total records in "
             f"{len(committed)} files; checked in {check_s:.1f} s"
         )
-        equal = (
-            verdict["bad_users"] == 0
-            and verdict["events"] == args.events
-            and verdict["lines"] == args.events
-        )
+        equal = output_equals(verdict, args.events)
         restarted = args.no_kill or (k is not None and result.restarts >= 1)
         ok = equal and restarted
         if ok:
