@@ -679,12 +679,20 @@ class DataFrameSpec:
 BodySink = Callable[[Any], "memoryview | None"]
 
 # Imported last: the extension takes the tables above from this module.
-from exchange.protocol.frame_parser import (  # noqa: E402
-    DEFAULT_READ_AHEAD,
-    BufferResponseHeader,
-    InPlaceFrameDecoder,
-    PayloadReceived,
-    parse_buffer_response,
-)
+try:
+    from exchange.protocol.frame_parser import (
+        DEFAULT_READ_AHEAD,
+        BufferResponseHeader,
+        InPlaceFrameDecoder,
+        PayloadReceived,
+        parse_buffer_response,
+    )
+except ModuleNotFoundError as exc:
+    if exc.name != "exchange.protocol.frame_parser":
+        raise
+    raise ImportError(
+        "exchange.protocol.frame_parser is a compiled extension (Cython) and is not built "
+        "in this checkout: run `make setup` (or `pip install -e .`) to build it"
+    ) from exc
 
 BUFFER_RESPONSE_SPEC: Final = DataFrameSpec(_BR_BODY.size, parse_buffer_response)
