@@ -39,4 +39,5 @@ bench: setup
 	@set -e; for f in bench/bench_*.py; do echo "== $$f"; $(PY) $$f; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build
+	find exchange \( -name '*.so' -o -name '*.c' \) -delete
