@@ -21,7 +21,8 @@ from the stream or raised by the sink, poison the decoder: every later
 ``exchange.protocol.codec``'s (its ``_DECODERS`` decode control frame bodies).
 
 There is no Python version of this module: a build without a C compiler fails at install
-(``tests/protocol/test_compiled.py`` checks that the imported module is the extension).
+(``tests/protocol/test_frame_parser.py`` checks that the imported module is the built
+extension).
 """
 
 from cpython.buffer cimport PyBUF_C_CONTIGUOUS, PyBuffer_Release, PyObject_GetBuffer
