@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from client.local_connection import release_dataset, resolve_secret
+from client.local_connection import mint_app_credential, release_dataset, resolve_secret
 from client.runtime import get_runtime
 from client.streaming.checkpoint_storage import (
     CheckpointLease,
@@ -53,6 +53,7 @@ from client.streaming.functions import Operator
 from client.streaming.graph import JobGraph, Node, Partitioning, check_operator_id
 from client.streaming.job_status import JobStatusTracker
 from client.streaming.task import JobSpec, dataset_of, run_task
+from exchange.best_effort import best_effort
 from exchange.checkpointing import CheckpointFailureReason
 from exchange.checkpointing.coordinator import (
     CheckpointConfig,
@@ -193,6 +194,8 @@ class StreamEnvironment:
         self._cancel = threading.Event()  # hard cancel
         #: the running (or last) job's status, published to the driver's local daemon
         self.status: JobStatusTracker | None = None
+        #: the Spark application's credential, minted at execute (None: no secret here)
+        self.credential: bytes | None = None
 
     # -- building --------------------------------------------------------------------------
 
@@ -335,6 +338,8 @@ class StreamEnvironment:
             self.daemon = _daemon_hint(self.sc)  # local mode: the embedded daemon
         secret = resolve_secret(self.secret_file)
         key = checkpoint_key(secret, self.job_id) if secret is not None else None
+        # the application's credential, minted here: its tasks get it, never the secret
+        self.credential = mint_app_credential(str(self.sc.applicationId or ""), self.secret_file)
         storage = CheckpointStorage(self.checkpoint_dir, retained=self.config.retained, key=key)
         lease = storage.acquire_lease(
             f"driver of job {self.job_id} (Spark application {self.sc.applicationId})",
@@ -373,7 +378,7 @@ class StreamEnvironment:
         restart_attempts: int,
         restart_backoff: float,
     ) -> JobResult:
-        self.status = status = JobStatusTracker(self.job_id, self.daemon)
+        self.status = status = JobStatusTracker(self.job_id, self.daemon, secret=self.credential)
         started = time.monotonic()
         failures: list[str] = []
         checkpoints: list[CheckpointInfo] = []
@@ -458,6 +463,7 @@ class _Attempt:
             env.daemon,
             env.buffer_timeout,
             self.storage.key,
+            env.credential,
         )
         restored = None
         restore_msg = None
@@ -636,11 +642,13 @@ class _Attempt:
                     server.broadcast({"type": "abort", "checkpoint": cmd.checkpoint_id})
                 case DiscardCheckpoint():
                     if cmd.whole_checkpoint:
-                        with contextlib.suppress(Exception):
+                        with best_effort(
+                            log, f"discarding checkpoint {cmd.checkpoint_id}", logging.WARNING
+                        ):
                             self.storage.discard(cmd.checkpoint_id)
                     else:
                         for h in cmd.handles.values():
-                            with contextlib.suppress(Exception):
+                            with best_effort(log, f"removing {h}", logging.WARNING):
                                 self.storage.fs.rm_file(str(h))
                 case FailJob():
                     raise _AttemptFailed(cmd.reason)
@@ -658,10 +666,9 @@ class _Attempt:
         addresses = {d["data"] for d in daemons.values()}
         for edge in self.graph.edges:
             for address in addresses:
-                with contextlib.suppress(Exception):
-                    get_runtime().run(
-                        release_dataset(address, dataset_of(self.env.job_id, self.attempt, edge))
-                    )
+                dataset = dataset_of(self.env.job_id, self.attempt, edge)
+                with best_effort(log, f"releasing {dataset} on {address}", logging.WARNING):
+                    get_runtime().run(release_dataset(address, dataset, secret=self.env.credential))
 
 
 class _AttemptFailed(Exception):
