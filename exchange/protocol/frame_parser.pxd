@@ -22,6 +22,7 @@ cdef class InPlaceFrameDecoder:
     cdef dict _data_frames
     cdef object _accept
     cdef Py_ssize_t _read_ahead
+    cdef Py_ssize_t _want
     cdef bytearray _scratch
     cdef object _view
     cdef Py_ssize_t _start

@@ -14,6 +14,11 @@ there (one ``memcpy``); the rest, if any, is received straight into the segment:
 ``get_buffer()`` returns that view until it is full. When the sink returns None the frame
 is decoded like any other one, from the scratch.
 
+Memory: the scratch starts at 4 KiB (``MAX_CONTROL_FRAME_SIZE``) and reads are that
+small until the body sink first takes a payload; only then does it grow to
+``read_ahead``. So a connection that never receives data (the data port's inbound side,
+a peer that has not authenticated, a producer's connection) never holds more.
+
 Hostile input: the frame header is checked (magic, length limit, known and accepted id)
 as soon as its 9 bytes are in, before anything is allocated or the sink is asked. Errors,
 from the stream or raised by the sink, poison the decoder: every later
@@ -219,7 +224,9 @@ cdef class InPlaceFrameDecoder:
         self._data_frames = dict(data_frames) if body_sink else {}
         self._accept = frozenset(accept) if accept is not None else None
         self._read_ahead = read_ahead
-        self._scratch = bytearray(max(read_ahead, MAX_CONTROL_FRAME_SIZE))
+        # Reads stay small until the sink first takes a payload (see the module's doc).
+        self._want = min(read_ahead, MAX_CONTROL_FRAME_SIZE)
+        self._scratch = bytearray(MAX_CONTROL_FRAME_SIZE)
         self._view = memoryview(self._scratch)
         self._start = 0  # first undecoded byte in the scratch
         self._end = 0  # end of the received bytes in the scratch
@@ -272,7 +279,7 @@ cdef class InPlaceFrameDecoder:
                 need = HEADER + <Py_ssize_t>spec.prefix_size - avail
             else:
                 need = self._frame_len - avail
-        want = need if need > self._read_ahead else self._read_ahead
+        want = need if need > self._want else self._want
         size = len(self._scratch)
         if size - end < want:
             if start:  # compact: the pending bytes move to the front
@@ -282,6 +289,9 @@ cdef class InPlaceFrameDecoder:
                 self._end = end = avail
             if size - end < need:  # a control frame larger than the scratch
                 self._grow(end + need)
+                size = len(self._scratch)
+            elif size < self._want and size - end < want:  # batching began: read_ahead
+                self._grow(self._want)
                 size = len(self._scratch)
         return self._view[end : min(end + want, size)]
 
@@ -423,6 +433,7 @@ cdef class InPlaceFrameDecoder:
                         PyBuffer_Release(&pb)
                     start = pos + have
                     self._start = start
+                    self._want = self._read_ahead  # data flows: read batches from now on
                     self._target = target
                     self._target_size = payload_size
                     self._header = header

@@ -24,7 +24,9 @@ from exchange.errors import BadMagicError, FrameTooLargeError, ProtocolError, Un
 from exchange.protocol import codec, frame_parser
 from exchange.protocol.codec import (
     DEFAULT_MAX_FRAME_SIZE,
+    DEFAULT_READ_AHEAD,
     MAGIC,
+    MAX_CONTROL_FRAME_SIZE,
     BufferResponseHeader,
     InPlaceFrameDecoder,
     PayloadReceived,
@@ -193,10 +195,28 @@ def test_a_read_of_many_frames_is_parsed_in_one_call() -> None:
     stream = b"".join(b"".join(encode(m)) for m in msgs)
     sink = Segments()
     dec = InPlaceFrameDecoder(body_sink=sink)
+    first = len(b"".join(encode(msgs[0])))
+    got = transport(dec, stream[:first], [1 << 20])  # the first payload: batching begins
+    rest = len(stream) - first
     buf = dec.get_buffer(-1)
-    assert buf.nbytes >= len(stream)  # one read may carry the whole batch
-    buf[: len(stream)] = stream
-    assert normalized(dec.buffer_updated(len(stream)), sink) == expected(msgs)
+    assert buf.nbytes >= rest  # one read may carry the rest of the batch
+    buf[:rest] = stream[first:]
+    got += dec.buffer_updated(rest)
+    assert normalized(got, sink) == expected(msgs)
+
+
+def test_the_scratch_stays_small_until_a_payload_lands() -> None:
+    """A connection that receives no data (not authenticated yet, control frames only)
+    holds a 4 KiB scratch, not ``read_ahead``."""
+    control = b"".join(b"".join(encode(m)) for m in CONTROL * 50)
+    sink = Segments()
+    dec = InPlaceFrameDecoder(body_sink=sink)
+    assert transport(dec, control, [1 << 20]) == CONTROL * 50
+    assert dec.get_buffer(-1).nbytes <= MAX_CONTROL_FRAME_SIZE
+    transport(dec, b"".join(encode(event(1, 0))), [1 << 20])  # declined by the sink
+    assert dec.get_buffer(-1).nbytes <= MAX_CONTROL_FRAME_SIZE
+    transport(dec, b"".join(encode(data(1, 1, 10))), [1 << 20])
+    assert dec.get_buffer(-1).nbytes == DEFAULT_READ_AHEAD
 
 
 # -- hostile headers: the codec's typed errors, same messages, however they arrive ----------
