@@ -132,7 +132,7 @@ def _spec_hash(key: Any) -> int:
 
     t = type(key)
     if t is int and -(2**63) <= key < 2**63:
-        return ((key % 2**64) * 0x9E3779B97F4A7C15 % 2**64) >> 32
+        return int((key % 2**64) * 0x9E3779B97F4A7C15 % 2**64) >> 32
     if t is str:
         h = zlib.crc32(key.encode("utf-8", "surrogatepass"))
     elif t in (bytes, bytearray, memoryview):

@@ -303,13 +303,12 @@ def test_a_bad_record_fails_with_its_error_after_counting_and_flushing_the_ones_
     good = [(i, "v") for i in range(3000)]
     w.emit_to((-1, "first"), 0)
     clock.now += 1  # the flush is due: the failing call must still flush what it routed
+    source: Any
+    kwargs: dict[str, Any]
+    error: type[BaseException]
     if case == "input-raises":
-        source, kwargs, error, message = (
-            _raising_source(good, 3000),
-            {},
-            RuntimeError,
-            ("the input failed"),
-        )
+        source = _raising_source(good, 3000)
+        kwargs, error, message = {}, RuntimeError, "the input failed"
     else:
         bad, kwargs, error, message = BAD_ROUTING[case]
         source = [*good, *bad, (5000, "never")]
