@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Self
 
 from client._checks import (
@@ -106,7 +106,7 @@ class ReaderOptions(_Options):
 
     local_daemon_id: str | None = None
     codec: RecordCodec | None = None
-    secret: bytes | None = None
+    secret: bytes | None = field(default=None, repr=False)  # never in a log line
     segment_size: int = 32 * 1024
     num_exclusive: int = 2
     num_floating: int = 8
@@ -228,7 +228,7 @@ class WriterOptions(_Options):
     daemon_socket: str | None = None
     codec: RecordCodec | None = None
     selector: ChannelSelector | None = None
-    secret: bytes | None = None
+    secret: bytes | None = field(default=None, repr=False)  # never in a log line
     buffer_timeout: float = DEFAULT_BUFFER_TIMEOUT
 
     def __post_init__(self) -> None:

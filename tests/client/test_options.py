@@ -109,6 +109,12 @@ def test_options_are_frozen_and_replace_validates_again() -> None:
         ReaderOptions.of(WriterOptions(), {})  # type: ignore[arg-type]
 
 
+def test_the_secret_stays_out_of_the_repr() -> None:
+    for opts in (ReaderOptions(secret=b"s3cr3t-key"), WriterOptions(secret=b"s3cr3t-key")):
+        assert opts.secret == b"s3cr3t-key"
+        assert "s3cr3t" not in repr(opts)
+
+
 def test_public_constructors_refuse_a_bad_option_object_before_connecting() -> None:
     loc = PartitionLocation(ResultPartitionID("opts", 0), 0, "127.0.0.1:1")
     with pytest.raises(ConfigError, match="'options'"):
