@@ -59,14 +59,9 @@ from exchange.debloat.config import DebloatConfig
 from exchange.debloat.gate_debloater import GateDebloater
 from exchange.errors import IllegalStateError, UsageError
 from exchange.events.events import CheckpointOptions
-from exchange.memory.network_buffer_pool import (
-    NetworkBufferPool,
-)
+from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.partition.result_partition_id import ResultPartitionID
-from exchange.protocol.local_messages import (
-    TASK_METRIC_NAMES,
-    TaskMetrics,
-)
+from exchange.protocol.local_messages import TASK_METRIC_NAMES, TaskMetrics
 from exchange.serialization.record_codec import RecordCodec, default_codec
 
 __all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader", "ReaderOptions"]
