@@ -189,6 +189,14 @@ def stop_embedded_daemon() -> bool:
     return d.stop() if d is not None else True
 
 
+def embedded_dashboard_url(socket: str | None) -> str | None:
+    """The embedded daemon's dashboard URL, if it runs and listens on ``socket``."""
+    d = _embedded
+    if d is None or socket is None or d.proc.poll() is not None:
+        return None
+    return d.dashboard_url if os.path.realpath(socket) == os.path.realpath(d.socket) else None
+
+
 def _daemon_hint(sc: SparkContext) -> str | None:
     """The daemon address tasks should use, as decided on the driver (None: their env)."""
     conf = sc.getConf().get(CONF_DAEMON_ADDRESS, None)
