@@ -249,3 +249,22 @@ def test_without_spark_the_spark_runner_says_what_to_do(tmp_path: Path) -> None:
         env.execute()
     with pytest.raises(UsageError, match="runner must be"):
         env.execute(runner="flink")
+
+
+def test_the_docs_examples_are_the_spark_one_and_the_local_one() -> None:
+    from tests.kit.docs import python_blocks
+
+    blocks = python_blocks("docs/streaming.md")
+    assert [("SparkSession" in b, 'runner="local"' in b) for b in blocks] == [
+        (True, False),
+        (False, True),
+    ]
+
+
+def test_the_docs_local_example_runs_as_written() -> None:
+    from tests.kit.docs import python_blocks, run_block
+
+    (local,) = [b for b in python_blocks("docs/streaming.md") if 'runner="local"' in b]
+    namespace = run_block(local, "docs/streaming.md")
+    result: Any = namespace["result"]
+    assert result.restarts == 0 and len(result.collected["totals"]) == 1000
