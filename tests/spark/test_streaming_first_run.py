@@ -1,19 +1,28 @@
-"""A first run as a new PySpark user makes it: the docs' example as written, and
-``execute`` without ``PYSPARK_PYTHON`` when the ``python3`` on PATH lacks the package (the
+"""A first run as a new PySpark user makes it: the docs' example as written; ``execute``
+without ``PYSPARK_PYTHON`` when the ``python3`` on PATH lacks the package (the
 executor-Python probe fails fast, naming the fix, instead of a bare ModuleNotFoundError
-in the workers after every restart)."""
+in the workers after every restart); a collect sink's records returned to the driver
+exactly once through a SIGKILLed Spark worker."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.kit.docs import ROOT, python_blocks, run_block
+from tests.kit.modules import load_module
+
+st: Any = load_module(
+    "exchange_tests_streaming_pipeline", Path(__file__).with_name("_streaming.py")
+)
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(600)]
 
@@ -73,3 +82,46 @@ def test_execute_without_pyspark_python_fails_fast_naming_the_fix(tmp_path: Path
     assert "USAGE-ERROR" in out, out[-3000:] + proc.stderr[-3000:]
     assert "PYSPARK_PYTHON" in out and "cannot import" in out
     assert "python3" in out  # the interpreter the executors run
+
+
+def test_collected_records_reach_the_driver_exactly_once_through_a_sigkill(
+    spark: Any, tmp_path: Path
+) -> None:
+    from pyspark import cloudpickle
+
+    from client.streaming import StreamEnvironment
+
+    cloudpickle.register_pickle_by_value(st)  # type: ignore[no-untyped-call]
+    probes, ckpt = tmp_path / "probes", tmp_path / "ckpt"
+    probes.mkdir()
+    p, n = str(probes), 3000
+    env = StreamEnvironment(spark, checkpoint_dir=str(ckpt), checkpoint_interval="300ms")
+    (
+        env.add_source(lambda: st.ProbedGenerator(p, n, rate=600.0), name="gen")
+        .key_by(st.key_of, name="bykey")
+        .process(st.RunningSum(), name="sums")
+        .collect(name="rows")
+    )
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = env.execute(restart_backoff=0.2)
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        first = st.wait_for(lambda: st.pids(probes), 120, "the source opened")
+        pid = first[min(first)]["gen-0"]
+        st.wait_for(lambda: any(ckpt.glob("chk-*/_metadata")), 120, "a completed checkpoint")
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        thread.join(240)
+    assert not thread.is_alive() and "error" not in outcome, outcome
+    result = outcome["result"]
+    assert result.restarts >= 1
+    rows = result.collected["rows"]
+    assert Counter(r[1] for r in rows) == Counter(st.event(i) for i in range(n))
+    st.check_running_sums(rows)
