@@ -250,8 +250,7 @@ class StreamEnvironment:
         """Records ``fn(0), fn(1), ...`` (``count`` of them, or unbounded), replayable."""
         from client.streaming.connectors import GeneratorSource
 
-        GeneratorSource(fn, count=count, rate=rate)  # validate now, in the driver
-        return self.add_source(
+        return self.add_source(  # validates its arguments now, in the driver
             lambda: GeneratorSource(fn, count=count, rate=rate),
             parallelism=parallelism,
             name=name or self._name(None, "generator"),
@@ -270,8 +269,8 @@ class StreamEnvironment:
         Parquet), split by file across subtasks; ``watch`` keeps looking for new files."""
         from client.streaming.connectors import FileSource
 
-        FileSource(path, format=format, watch=watch)
-        # before a first start (nothing to restore), a bounded source must find a file
+        # validated now; before a first start (nothing to restore) a bounded source must
+        # also find a file
         self._preflight.append(FileSource(path, format=format, watch=watch).check_input)
         return self.add_source(
             lambda: FileSource(path, format=format, watch=watch),
@@ -846,7 +845,6 @@ class DataStream:
         at-least-once."""
         from client.streaming.connectors import PrintSink
 
-        PrintSink(prefix)
         self.sink_to(
             lambda: PrintSink(prefix), name=self.env._name(None, "print"), parallelism=parallelism
         )
@@ -857,8 +855,7 @@ class DataStream:
         """Exactly-once files (two-phase commit): visible once their checkpoint completes."""
         from client.streaming.connectors import FileSink
 
-        FileSink(directory, format=format)
-        self.sink_to(
+        self.sink_to(  # validates its arguments now
             lambda: FileSink(directory, format=format),
             name=self.env._name(None, "filesink"),
             parallelism=parallelism,
