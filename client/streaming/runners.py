@@ -41,8 +41,9 @@ __all__ = ["LocalRunner", "Runner", "SparkRunner", "Stage", "TaskProcessError", 
 
 log = logging.getLogger("exchange.streaming.runner")
 
-#: Seconds a cancelled local attempt's processes get to exit after SIGKILL.
-_REAP_TIMEOUT: Final = 10.0
+#: Seconds between a local task process failing and its stage reporting the failure: the
+#: task's own ``failed`` message (with its traceback) reaches the driver first.
+_FAILURE_GRACE: Final = 1.0
 
 
 class TaskProcessError(Exception):
@@ -187,6 +188,7 @@ class _LocalStage:
         cp = _cloudpickle()
         self._group = group
         self._error: BaseException | None = None
+        self._failed_at = 0.0
         self._cancelled = False
         self.procs: list[subprocess.Popen[bytes]] = []
         # sys.path first (plain pickle), so the job's modules import in the child
@@ -217,10 +219,16 @@ class _LocalStage:
         for index, code in enumerate(codes):
             if code not in (None, 0) and self._error is None:
                 how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                self._error = TaskProcessError(
-                    f"task process {index} ({self.procs[index].pid}) {how}"
-                )
-        return all(c is not None for c in codes) or (self._error is not None and self._cancelled)
+                pid = self.procs[index].pid
+                self._error = TaskProcessError(f"task process {index} (pid {pid}) {how}")
+                self._failed_at = time.monotonic()
+        if all(c is not None for c in codes):
+            return True
+        # a process that died before it registered never tells the driver: the stage
+        # fails by itself (the others would wait for the driver's start)
+        return self._error is not None and (
+            self._cancelled or time.monotonic() - self._failed_at >= _FAILURE_GRACE
+        )
 
     @property
     def error(self) -> BaseException | None:

@@ -268,3 +268,34 @@ def test_the_docs_local_example_runs_as_written() -> None:
     namespace = run_block(local, "docs/streaming.md")
     result: Any = namespace["result"]
     assert result.restarts == 0 and len(result.collected["totals"]) == 1000
+
+
+def test_a_task_process_that_dies_before_registering_fails_the_attempt_at_once(
+    tmp_path: Path,
+) -> None:
+    """One of two task processes is SIGKILLed as soon as it starts, before it can register:
+    it never tells the driver, and the other waits for the driver's start (120 s). The
+    attempt fails on its own within a second of the death."""
+    from client.streaming import JobFailedError
+
+    env = StreamEnvironment(None, checkpoint_dir=str(tmp_path / "ckpt"))
+    env.from_generator(event, count=10).key_by(lambda e: e[0]).process(RunningReduce(add)).collect()
+    runner = LocalRunner()
+
+    def kill_first() -> None:
+        deadline = time.monotonic() + 60
+        while runner.stage is None or not runner.stage.procs:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        os.kill(runner.stage.procs[0].pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_first)
+    killer.start()
+    t0 = time.monotonic()
+    with pytest.raises(JobFailedError) as failed:
+        env.execute(runner=runner, restart_attempts=0)
+    killer.join()
+    assert time.monotonic() - t0 < 60
+    (why,) = failed.value.failures
+    assert "killed by signal 9" in why or "lost" in why, why
+    assert _all_exited(runner)
