@@ -369,6 +369,9 @@ def session() -> Any:
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.python.worker.reuse", "true")
         .config("spark.sql.shuffle.partitions", "2")
+        # stopping the max-rate query mid-batch overflowed the stream thread's stack in a
+        # regex (java.util.regex recursion) with the default thread stack
+        .config("spark.driver.extraJavaOptions", "-Xss64m")
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
