@@ -150,7 +150,8 @@ class SparkRunner:
                 f"stage), the cluster has {slots}; lower the parallelism or add cores"
             )
         # the executors' Python must import this package, or every task dies with a bare
-        # ModuleNotFoundError after every restart: the probe says so, with the fix
+        # ModuleNotFoundError after every restart: the probe fixes it in local mode (the
+        # driver's interpreter) and says so, with the fix, elsewhere
         check_executor_python(self.sc)
         return daemon if daemon is not None else _daemon_hint(self.sc)
 

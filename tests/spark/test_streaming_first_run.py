@@ -1,8 +1,9 @@
 """A first run as a new PySpark user makes it: the docs' example as written; ``execute``
 without ``PYSPARK_PYTHON`` when the ``python3`` on PATH lacks the package (the
-executor-Python probe fails fast, naming the fix, instead of a bare ModuleNotFoundError
-in the workers after every restart); a collect sink's records returned to the driver
-exactly once through a SIGKILLed Spark worker."""
+executor-Python probe runs before any attempt: a local run switches to the driver's
+interpreter, remote executors fail fast naming the fix, instead of a bare
+ModuleNotFoundError in the workers after every restart); a collect sink's records returned
+to the driver exactly once through a SIGKILLed Spark worker."""
 
 from __future__ import annotations
 
@@ -36,28 +37,48 @@ def test_the_docs_spark_example_runs_as_written(spark: Any) -> None:
 
 
 _DRIVER = """
-import logging, tempfile
+import tempfile
 from pyspark.sql import SparkSession
+from client.spark import check_executor_python
 from client.streaming import StreamEnvironment
 from exchange.errors import UsageError
 
 spark = SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false").getOrCreate()
 spark.sparkContext.setLogLevel("FATAL")
-env = StreamEnvironment(spark, checkpoint_dir=tempfile.mkdtemp())
-env.from_generator(lambda i: i, count=10).collect(name="out")
+
+
+class Elsewhere:
+    # the same context as the driver of a cluster sees it: the executors are remote
+    master = "spark://elsewhere:7077"
+    applicationId = "app-elsewhere"
+
+    def __init__(self, sc):
+        self._sc = sc
+
+    def __getattr__(self, name):
+        return getattr(self._sc, name)
+
+
 try:
-    env.execute()
+    check_executor_python(Elsewhere(spark.sparkContext))
 except UsageError as e:
     print("USAGE-ERROR", e, flush=True)
-else:
-    print("RAN", flush=True)
+env = StreamEnvironment(spark, checkpoint_dir=tempfile.mkdtemp())
+env.from_generator(lambda i: i, count=10).collect(name="out")
+result = env.execute()
+print("RAN", sorted(result.collected["out"]), flush=True)
 spark.stop()
 """
 
 
-def test_execute_without_pyspark_python_fails_fast_naming_the_fix(tmp_path: Path) -> None:
+def test_without_pyspark_python_a_local_run_uses_the_driver_python_a_cluster_fails_fast(
+    tmp_path: Path,
+) -> None:
     """The workers' ``python3`` (the one on PATH: Debian's, without msgpack or this
-    package) cannot run a task; ``execute`` says so before the job's first attempt."""
+    package) cannot run a task. The executor-Python probe (``check_executor_python``,
+    which ``execute`` runs as ``exchange_shuffle`` does) sees it before any attempt: a
+    local run, whose executors are on this machine, switches to the driver's interpreter
+    with a warning and runs; with remote executors it is a UsageError naming the fix."""
     system = Path("/usr/bin/python3")
     if not system.exists():
         pytest.skip("no system python3")
@@ -78,10 +99,13 @@ def test_execute_without_pyspark_python_fails_fast_naming_the_fix(tmp_path: Path
         text=True,
         timeout=540,
     )
-    out = proc.stdout
-    assert "USAGE-ERROR" in out, out[-3000:] + proc.stderr[-3000:]
-    assert "PYSPARK_PYTHON" in out and "cannot import" in out
-    assert "python3" in out  # the interpreter the executors run
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    (usage,) = [line for line in out.splitlines() if line.startswith("USAGE-ERROR")]
+    assert "cannot import the exchange client" in usage and "PYSPARK_PYTHON" in usage
+    assert "'python3'" in usage  # the interpreter the executors run
+    assert "RAN [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]" in out, out[-3000:] + err[-3000:]
+    assert "this local run uses the driver's interpreter" in err
 
 
 def test_collected_records_reach_the_driver_exactly_once_through_a_sigkill(
