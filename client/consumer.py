@@ -37,7 +37,7 @@ from types import TracebackType
 from typing import Any, Final
 
 from client._checks import check_codec, check_count, check_optional, check_seconds
-from client.local_connection import LocalConnection
+from client.local_connection import LocalConnection, secret_or_env
 from client.network import UNIX_PREFIX, ConnectionManager
 from client.runtime import ClientRuntime, get_runtime
 from exchange.buffers.buffer import Buffer
@@ -405,6 +405,7 @@ class AsyncPartitionReader:
             backoff_max,
         )
         debloat = _check_debloat(debloat, segment_size)
+        secret = secret_or_env(secret)
         n = len(locations)
         pool = NetworkBufferPool(max(n * num_exclusive + num_floating, 1), segment_size)
         connections = ConnectionManager(secret=secret, segment_size=segment_size)
@@ -734,6 +735,7 @@ class PartitionReader:
         )
         check_count("window", window, 1)
         _check_debloat(debloat, segment_size)
+        secret = secret_or_env(secret)  # read once: the reporter connects with it too
         self._rt = runtime if runtime is not None else get_runtime()
         self.codec: RecordCodec = codec if codec is not None else default_codec()
         self._listener = checkpoint_listener

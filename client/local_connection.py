@@ -38,7 +38,7 @@ from exchange.protocol.local_messages import (
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_for_response
 from exchange.writer.record_writer import OutputBuffer
-from server.config import DEFAULT_SOCKET_NAME
+from server.config import DaemonConfig
 
 __all__ = [
     "DAEMON_ENV",
@@ -49,6 +49,7 @@ __all__ = [
     "release_dataset",
     "resolve_daemon_socket",
     "resolve_secret",
+    "secret_or_env",
 ]
 
 #: Environment variable naming this host's daemon (its local socket path).
@@ -61,9 +62,9 @@ _PUSH_BODY_HEADER: Final = 5
 
 
 def default_socket_path() -> str:
-    import tempfile
-
-    return os.path.join(tempfile.gettempdir(), "exchange-spill", DEFAULT_SOCKET_NAME)
+    """The socket a daemon started without ``local_socket`` or ``spill_dir`` listens on
+    (derived from the daemon's own defaults, so the two never disagree)."""
+    return DaemonConfig().resolved_local_socket()
 
 
 #: Environment variable naming a file that holds the daemons' shared secret.
@@ -86,6 +87,13 @@ def resolve_secret(secret_file: str | None = None) -> bytes | None:
     if not secret or len(secret) > 64 * 1024:
         raise ConfigError("secret_file", f"{path!r} must hold 1 byte to 64 KiB of secret")
     return secret
+
+
+def secret_or_env(secret: bytes | None) -> bytes | None:
+    """``secret``, or when None the one ``$EXCHANGE_SECRET_FILE`` names (None if unset):
+    what every task-side API connects with, so tasks started beside a daemon that has a
+    secret authenticate without passing it."""
+    return secret if secret is not None else resolve_secret()
 
 
 def resolve_daemon_socket(hint: str | None = None) -> str:
@@ -254,8 +262,9 @@ class LocalConnection(HandshakingClientProtocol):
 
 
 async def fetch_daemon_info(socket_path: str, *, secret: bytes | None = None) -> DaemonInfo:
-    """Ask the local daemon who it is and where its data port is."""
-    conn = await LocalConnection.connect(socket_path, secret=secret)
+    """Ask the local daemon who it is and where its data port is (``secret`` None:
+    ``$EXCHANGE_SECRET_FILE``'s)."""
+    conn = await LocalConnection.connect(socket_path, secret=secret_or_env(secret))
     try:
         info = await conn.request(DaemonInfoRequest())
     finally:
@@ -269,8 +278,9 @@ async def release_dataset(
 ) -> int:
     """Release every partition of one exchange that application ``app_id`` (None:
     ``$EXCHANGE_APP_ID``) created on the daemon at ``address`` (its local socket path,
-    ``unix:/path``, or its data port ``host:port``); another application's stay."""
-    conn = await LocalConnection.connect(address, secret=secret, app_id=app_id)
+    ``unix:/path``, or its data port ``host:port``); another application's stay.
+    ``secret`` None: ``$EXCHANGE_SECRET_FILE``'s."""
+    conn = await LocalConnection.connect(address, secret=secret_or_env(secret), app_id=app_id)
     try:
         reply = await conn.request(ReleaseDataset(dataset_id))
     finally:

@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Any, Final
 
 from client._checks import check_codec, check_count, check_optional, check_selector
-from client.local_connection import LocalConnection, resolve_daemon_socket
+from client.local_connection import LocalConnection, resolve_daemon_socket, secret_or_env
 from client.runtime import ClientRuntime, get_runtime
 from exchange.errors import UsageError, WriterClosedError, fresh_error
 from exchange.events.events import AbstractEvent
@@ -129,7 +129,9 @@ async def _open_partition(
     daemon_socket: str | None,
     secret: bytes | None,
 ) -> tuple[LocalConnection, PartitionCreated]:
-    conn = await LocalConnection.connect(resolve_daemon_socket(daemon_socket), secret=secret)
+    conn = await LocalConnection.connect(
+        resolve_daemon_socket(daemon_socket), secret=secret_or_env(secret)
+    )
     try:
         reply = await conn.request(CreatePartition(partition_id, blocking, num_subpartitions))
     except BaseException:

@@ -79,6 +79,7 @@ __all__ = [
     "UsageError",
     "VersionMismatchError",
     "WriterClosedError",
+    "error_reason",
     "fresh_error",
 ]
 
@@ -107,6 +108,12 @@ def fresh_error(stored: _E) -> _E:
     new.__context__ = stored.__context__
     new.__suppress_context__ = stored.__suppress_context__
     return new.with_traceback(stored.__traceback__)
+
+
+def error_reason(exc: BaseException) -> str:
+    """What ``exc`` says, without the partition and daemon a PartitionError appends: the
+    text to quote when one error's message tells of another about the same partition."""
+    return exc.reason if isinstance(exc, PartitionError) else str(exc)
 
 
 class ExchangeError(Exception):
@@ -203,6 +210,8 @@ class PartitionError(ExchangeError):
             parts.append(f"daemon={address}")
         detail = f" ({', '.join(parts[1:])})" if len(parts) > 1 else ""
         super().__init__(f"{message}{detail}")
+        #: The message without the partition and daemon it names (to quote it in another).
+        self.reason = message
         self.partition_id = partition_id
         self.address = address
 

@@ -48,16 +48,19 @@ def _event_loop_runner() -> Callable[[Coroutine[Any, Any, int]], int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Logging first, so what loading the config warns about (an unknown EXCHANGE_*
+    # variable) is printed like every other line; the level comes with the config.
+    logging.basicConfig(
+        level=logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         config = load_config(argv)
     except ExchangeError as e:
         print(f"exchange-daemon: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.getLogger().setLevel(config.log_level)
     try:
         return _event_loop_runner()(_run(config))
     except ExchangeError as e:

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import grp
+import logging
 import os
+import re
 import stat
 import tempfile
 import tomllib
@@ -38,16 +41,25 @@ from exchange.errors import ConfigError
 __all__ = [
     "CONFIG_ENV_VAR",
     "ENV_PREFIX",
+    "OTHER_ENV_VARS",
     "DaemonConfig",
     "build_arg_parser",
     "config_from_namespace",
     "env_var_name",
     "flag_name",
     "load_config",
+    "unknown_env_vars",
 ]
 
 ENV_PREFIX: Final = "EXCHANGE_"
 CONFIG_ENV_VAR: Final = "EXCHANGE_CONFIG"
+#: ``EXCHANGE_*`` variables that are no daemon setting but are read: by this loader (the
+#: config file) or by tasks (``client/``: their daemon, application, read timeout).
+OTHER_ENV_VARS: Final = frozenset(
+    {CONFIG_ENV_VAR, "EXCHANGE_DAEMON", "EXCHANGE_APP_ID", "EXCHANGE_READ_TIMEOUT"}
+)
+
+log = logging.getLogger("exchange.server.config")
 
 KIB: Final = 1024
 MIB: Final = 1024 * KIB
@@ -77,9 +89,12 @@ class DaemonConfig:
     """Everything an exchange daemon is configured with. Sizes in bytes, durations in seconds."""
 
     host: str = "127.0.0.1"
+    advertise_host: str | None = None
     data_port: int = 0
     http_port: int = 0
     local_socket: str | None = None
+    local_socket_group: str | None = None
+    local_socket_mode: int = 0o600
     network_memory: int = 64 * MIB
     segment_size: int = 32 * KIB
     exclusive_buffers_per_channel: int = 2
@@ -178,6 +193,12 @@ class DaemonConfig:
                 "requiring client certificates needs TLS (tls_cert_file, tls_key_file) and "
                 "the CA that signs them (tls_ca_file)",
             )
+        if self.local_socket_group is not None and not self.local_socket_mode & 0o070:
+            raise ConfigError(
+                "local_socket_group",
+                f"{self.local_socket_group!r} would get no access: local_socket_mode "
+                f"{self.local_socket_mode:04o} grants its group nothing (use 0660)",
+            )
         if self.data_port != 0 and self.data_port == self.http_port:
             raise ConfigError(
                 "http_port", f"{self.http_port} is also the data_port; use two different ports"
@@ -237,6 +258,22 @@ class DaemonConfig:
             raise ConfigError("local_socket", f"{sock!r}: directory {parent!r} does not exist")
         if os.path.lexists(sock) and not stat.S_ISSOCK(os.lstat(sock).st_mode):
             raise ConfigError("local_socket", f"{sock!r} exists and is not a socket")
+        self.local_socket_gid()
+
+    def local_socket_gid(self) -> int | None:
+        """The gid of local_socket_group (a numeric gid is taken as it is: a container's
+        group need not be named in the daemon's /etc/group); None when unset."""
+        group = self.local_socket_group
+        if group is None:
+            return None
+        if group.isdigit():
+            return int(group)
+        try:
+            return grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise ConfigError(
+                "local_socket_group", f"no group {group!r} on this host (give its gid instead)"
+            ) from None
 
     def load_secret(self) -> bytes | None:
         """Read the shared secret from secret_file (trailing newlines stripped); None if unset.
@@ -295,6 +332,61 @@ def _host(value: Any, setting: str) -> str:
     if not value or len(value) > 253 or any(c.isspace() or not c.isprintable() for c in value):
         raise ConfigError(setting, f"{value!r} is not a host name or address")
     return value
+
+
+#: Addresses that mean "every interface": a consumer cannot dial them.
+WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::", "[::]", "*"})
+
+
+def _optional_advertise_host(value: Any, setting: str) -> str | None:
+    if value is None or value == "":
+        return None
+    host = _host(value, setting)
+    if host in WILDCARD_HOSTS:
+        raise ConfigError(
+            setting, f"{value!r} means every interface; consumers need one name or address"
+        )
+    return host
+
+
+_GROUP_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+
+
+def _optional_group(value: Any, setting: str) -> str | None:
+    """A group name or a numeric gid, kept as text; looked up by ``socket_gid``."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if (text.isdigit() and int(text) < 2**32 - 1) or _GROUP_NAME.fullmatch(text):
+            return text
+    raise ConfigError(setting, f"{value!r} is not a group name or numeric gid")
+
+
+def _socket_mode(value: Any, setting: str) -> int:
+    """A socket file mode: octal text (``0660``, ``0o660``) or an int; owner rw required,
+    group access only with write (connecting needs it), nothing for other users."""
+    mode = value
+    if isinstance(value, str):
+        text = value.strip().lower().removeprefix("0o")
+        mode = int(text, 8) if text and set(text) <= set("01234567") else None
+    if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o777:
+        raise ConfigError(setting, f"{value!r} is not an octal file mode such as 0600 or 0660")
+    if mode & 0o007:
+        raise ConfigError(
+            setting,
+            f"{mode:04o} lets every local user connect; give access through "
+            "local_socket_group (0660) instead",
+        )
+    if mode & 0o600 != 0o600:
+        raise ConfigError(setting, f"{mode:04o} must give the daemon's user read and write (0600)")
+    if mode & 0o070 and not mode & 0o020:
+        raise ConfigError(
+            setting, f"{mode:04o}: connecting to a socket needs write permission (use 0660)"
+        )
+    return mode
 
 
 def _path(value: Any, setting: str) -> str:
@@ -380,6 +472,14 @@ _DURATION: Final[tuple[type, ...]] = (int, float, str)
 
 _SETTINGS: Final[dict[str, _Setting]] = {
     "host": _Setting(_host, _STR, "HOST", "address the data and HTTP ports bind to"),
+    "advertise_host": _Setting(
+        _optional_advertise_host,
+        _STR,
+        "HOST",
+        "name or address remote consumers dial; unset: host, or for a wildcard host this "
+        "host's name when it resolves to a non-loopback address (else the daemon refuses "
+        "to start)",
+    ),
     "data_port": _Setting(
         _int(0, 65535), _INT, "PORT", "TCP port for remote consumers; 0 lets the OS pick"
     ),
@@ -390,7 +490,21 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         _optional_path,
         _STR,
         "PATH",
-        "Unix socket for tasks on this host; default: exchange-<pid>.sock under spill_dir",
+        f"Unix socket for tasks on this host ({DEFAULT_SOCKET_NAME} in spill_dir unless set)",
+    ),
+    "local_socket_group": _Setting(
+        _optional_group,
+        _STR + _INT,
+        "GROUP",
+        "group (name or gid) the local socket is given to; its members connect when "
+        "local_socket_mode grants the group access (e.g. Spark's gid 185 in Kubernetes)",
+    ),
+    "local_socket_mode": _Setting(
+        _socket_mode,
+        _STR + _INT,
+        "MODE",
+        "file mode of the local socket, octal: 0600 (the daemon's user only) or 0660 "
+        "(and its group); never other users",
     ),
     "network_memory": _Setting(
         _size(1), _SIZE, "SIZE", "memory of the NetworkBufferPool, e.g. 64mb"
@@ -540,6 +654,11 @@ def env_var_name(setting: str) -> str:
 
 
 def _default_text(f: Field[Any]) -> str:
+    """The default ``--help`` shows: the value the daemon really takes when nothing is set."""
+    if f.name == "local_socket":  # derived from spill_dir's default
+        return DaemonConfig().resolved_local_socket()
+    if f.name == "local_socket_mode":
+        return f"{f.default:04o}"
     if f.default_factory is not MISSING:
         return str(f.default_factory())
     if f.default is None:
@@ -608,6 +727,8 @@ def config_from_namespace(args: argparse.Namespace, env: Mapping[str, str]) -> D
 
     Attributes that are not settings are ignored, so a caller may add flags of its own.
     """
+    for warning in unknown_env_vars(env):
+        log.warning("%s", warning)
     values: dict[str, Any] = {}
     config_file = getattr(args, "config", None) or env.get(CONFIG_ENV_VAR) or None
     if config_file is not None:
@@ -622,6 +743,19 @@ def config_from_namespace(args: argparse.Namespace, env: Mapping[str, str]) -> D
             source = f"{flag}/--no-{flag[2:]}" if name in _BOOL_FLAGS else flag
             values[name] = _coerce(spec, getattr(args, name), name, source)
     return DaemonConfig(**values)
+
+
+def unknown_env_vars(env: Mapping[str, str]) -> list[str]:
+    """A warning for each ``EXCHANGE_*`` variable in ``env`` that nothing reads (a typo
+    would otherwise be ignored without a word), naming the closest known variable."""
+    known = {env_var_name(name) for name in _SETTINGS} | OTHER_ENV_VARS
+    warnings = []
+    for name in sorted(env):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            warnings.append(f"environment variable {name} is not a setting, ignored{hint}")
+    return warnings
 
 
 def _coerce(spec: _Setting, value: Any, setting: str, source: str) -> Any:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import socket
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from exchange.errors import (
+    ConfigError,
     CorruptRecordError,
     ExchangeError,
     LimitExceededError,
@@ -55,7 +57,7 @@ from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.codec import max_frame_size_for
 from exchange.protocol.local_messages import DaemonInfo
-from server.config import DaemonConfig
+from server.config import WILDCARD_HOSTS, DaemonConfig, env_var_name
 from server.http_server import HttpServer
 from server.jobs import JobView
 from server.local_endpoint import LocalEndpoint
@@ -120,12 +122,18 @@ class ExchangeDaemon:
         """Start every server; returns the ready line's fields."""
         cfg = self.config
         cfg.validate_paths()
+        advertise = advertised_host(cfg)  # refused before any port opens
         ssl_context = server_ssl_context(cfg)
         self.recover_partitions()
-        host, port = await self.data_server.start(cfg.host, cfg.data_port, ssl_context)
+        bound, port = await self.data_server.start(cfg.host, cfg.data_port, ssl_context)
+        if cfg.advertise_host is None and cfg.host not in WILDCARD_HOSTS:
+            # the address the name given to host bound
+            advertise = bound
         self.tls = ssl_context is not None
-        self.data_address = f"{_fmt_host(_advertised_host(host))}:{port}"
-        self.local_socket = await self.local_endpoint.start_unix(cfg.resolved_local_socket())
+        self.data_address = f"{_fmt_host(advertise)}:{port}"
+        self.local_socket = await self.local_endpoint.start_unix(
+            cfg.resolved_local_socket(), mode=cfg.local_socket_mode, gid=cfg.local_socket_gid()
+        )
         self.http = HttpServer(self)
         hh, hp = await self.http.start(cfg.host, cfg.http_port)
         self.http_address = f"{_fmt_host(hh)}:{hp}"
@@ -406,18 +414,37 @@ class ExchangeDaemon:
         }
 
 
-#: Overrides the host name the daemon tells consumers to connect to.
-ADVERTISE_HOST_ENV = "EXCHANGE_ADVERTISE_HOST"
+#: The variable of the ``advertise_host`` setting: the host consumers dial.
+ADVERTISE_HOST_ENV = env_var_name("advertise_host")
 
 
-def _advertised_host(bound: str) -> str:
-    """The host remote consumers should dial: a wildcard bind advertises this host's name."""
-    explicit = os.environ.get(ADVERTISE_HOST_ENV)
-    if explicit:
-        return explicit
-    if bound in ("0.0.0.0", "::", ""):
-        return socket.getfqdn()
-    return bound
+def advertised_host(config: DaemonConfig) -> str:
+    """The host remote consumers dial: ``advertise_host``, else the bind address, else (a
+    wildcard bind) this host's name when it resolves to an address that is not loopback.
+
+    A wildcard bind whose host name resolves to loopback only would tell consumers on other
+    hosts to dial themselves: ConfigError naming the variable that fixes it.
+    """
+    if config.advertise_host is not None:
+        return config.advertise_host
+    if config.host not in WILDCARD_HOSTS:
+        return config.host
+    name = socket.getfqdn()
+    try:
+        infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        addresses, why = [], f"does not resolve ({exc})"
+    else:
+        addresses = sorted({str(info[4][0]) for info in infos})
+        why = f"resolves to {', '.join(addresses)} only"
+    if any(not ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        return name
+    raise ConfigError(
+        "advertise_host",
+        f"the daemon binds {config.host} but this host's name {name!r} {why}: consumers on "
+        f"other hosts would dial themselves. Set {ADVERTISE_HOST_ENV} (or --advertise-host) "
+        "to a name or address they reach, or bind --host to that address",
+    )
 
 
 def _fmt_host(host: str) -> str:

@@ -31,6 +31,7 @@ import time
 from typing import TYPE_CHECKING, ClassVar, Final
 
 from exchange.errors import (
+    ConfigError,
     ExchangeError,
     PartitionError,
     ProtocolError,
@@ -90,7 +91,9 @@ class LocalEndpoint(DataServer):
     def protocol_factory(self) -> PartitionRequestServerProtocol:
         return LocalEndpointProtocol(self)
 
-    async def start_unix(self, path: str) -> str:
+    async def start_unix(self, path: str, *, mode: int = 0o600, gid: int | None = None) -> str:
+        """Listen on the Unix socket ``path``, created 0600 and only then given to group
+        ``gid`` and ``mode`` (it is never wider than asked, not even for a moment)."""
         # A socket file left by a crashed daemon is replaced; one a live daemon listens on
         # is not (unlinking it would silently cut that daemon off from its tasks).
         if _is_listening(path):
@@ -104,6 +107,18 @@ class LocalEndpoint(DataServer):
         finally:
             os.umask(old)
         self.path = path
+        try:
+            if gid is not None:
+                os.chown(path, -1, gid)
+            if mode != 0o600:
+                os.chmod(path, mode)
+        except OSError as exc:
+            await self.close()
+            raise ConfigError(
+                "local_socket_group" if gid is not None else "local_socket_mode",
+                f"cannot give {path!r} to group {gid} with mode {mode:04o}: {exc} (the "
+                "daemon must run as root or as a member of that group)",
+            ) from None
         return path
 
     async def close(self) -> None:

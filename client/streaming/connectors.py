@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import re
 import time
@@ -44,6 +45,8 @@ __all__ = [
     "SourceNotFoundError",
 ]
 
+log = logging.getLogger("exchange.streaming.connectors")
+
 Clock = Callable[[], float]
 
 FILE_FORMATS: Final = ("jsonl", "csv", "parquet")
@@ -51,6 +54,7 @@ SINK_FORMATS: Final = ("jsonl",)
 INPROGRESS_DIR: Final = ".inprogress"
 PENDING_DIR: Final = ".pending"
 _PART = re.compile(r"part-(\d+)-(\d+)-(\d+)\.")
+_PENDING_CHK = re.compile(r"-chk-(\d+)$")
 _GLOB_CHARS = re.compile(r"[*?\[]")
 
 
@@ -537,10 +541,13 @@ class FileSink(Operator):
     list of pending files is operator state; when N completes, pending files of checkpoints
     <= N are moved to ``<dir>/<name>`` (committed: visible, never rewritten). ``open`` after a
     restore commits the pending files the restored state names (their checkpoint completed;
-    a file already committed is skipped) and deletes every other in-progress or pending file
-    of the subtasks it answers for (``old subtask % parallelism == subtask_index``): what a
-    dead attempt wrote after the checkpoint, zombies included. Readers must skip names that
-    start with ``.``.
+    a file already committed is skipped) and deletes every other in-progress file and every
+    pending file of a checkpoint newer than the restored one, of the subtasks it answers for
+    (``old subtask % parallelism == subtask_index``): what a dead attempt wrote after the
+    checkpoint, zombies included. A pending file of the restored checkpoint or an older one
+    that the state does not name is never deleted (its checkpoint may have completed: state
+    dropped or lost): it stays, with a warning. Readers must skip names that start with
+    ``.``.
     """
 
     def __init__(
@@ -578,11 +585,25 @@ class FileSink(Operator):
         for cid, subtask, name in restored:
             if subtask % p == k:
                 self._commit(cid, name)
+        restored_id = ctx.restored_checkpoint_id
         for d in (self._inprogress, self._pending_dir):
             for path in fs.ls(d, detail=False):
-                m = _PART.match(path.rsplit("/", 1)[-1])
-                if m is not None and int(m.group(1)) % p == k:
-                    fs.rm(path)
+                name = path.rsplit("/", 1)[-1]
+                m = _PART.match(name)
+                if m is None or int(m.group(1)) % p != k:
+                    continue
+                chk = _PENDING_CHK.search(name) if d == self._pending_dir else None
+                if chk is not None and restored_id is not None and int(chk[1]) <= restored_id:
+                    log.warning(
+                        "%s: pending file %s of checkpoint %s (restored: %d) is not in the "
+                        "restored state; left in place, not committed",
+                        ctx.operator_id,
+                        path,
+                        chk[1],
+                        restored_id,
+                    )
+                    continue
+                fs.rm(path)
         # names stay unique even if an attempt number is used twice (a new driver)
         prefix = f"part-{k}-{ctx.attempt}-"
         for path in fs.ls(self._root, detail=False):

@@ -40,12 +40,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from client.local_connection import release_dataset
+from client.local_connection import release_dataset, resolve_secret
 from client.runtime import get_runtime
-from client.streaming.checkpoint_storage import CheckpointMetadata, CheckpointStorage
+from client.streaming.checkpoint_storage import (
+    CheckpointLease,
+    CheckpointLeaseError,
+    CheckpointMetadata,
+    CheckpointStorage,
+    operator_files,
+)
 from client.streaming.control import ControlServer
 from client.streaming.functions import Operator, Source
-from client.streaming.graph import JobGraph, Node, Partitioning
+from client.streaming.graph import JobGraph, Node, Partitioning, check_operator_id
 from client.streaming.job_status import JobStatusTracker
 from client.streaming.runners import Runner, runner_for
 from client.streaming.task import JobSpec, dataset_of
@@ -63,7 +69,7 @@ from exchange.checkpointing.coordinator import (
 )
 from exchange.config_values import parse_duration
 from exchange.errors import ExchangeError, UsageError
-from exchange.state import DEFAULT_MAX_PARALLELISM
+from exchange.state import DEFAULT_MAX_PARALLELISM, NonRestoredStateError, checkpoint_key
 from exchange.state.key_groups import MAX_MAX_PARALLELISM
 
 __all__ = [
@@ -75,7 +81,8 @@ __all__ = [
     "StreamEnvironment",
 ]
 
-log = logging.getLogger("exchange.streaming.job")
+
+log = logging.getLogger("exchange.streaming.driver")
 
 
 class JobFailedError(ExchangeError):
@@ -153,6 +160,8 @@ class StreamEnvironment:
         daemon: str | None = None,
         job_id: str | None = None,
         buffer_timeout: float | str = 0.01,
+        secret_file: str | None = None,
+        lease_timeout: float | str = 30.0,
     ) -> None:
         # the arguments first, Spark last: a bad argument is named before Spark is touched
         #: how long a record may wait in a task's partly filled output buffer (Flink's
@@ -170,6 +179,16 @@ class StreamEnvironment:
             )
         if daemon is not None and (not isinstance(daemon, str) or not daemon):
             raise UsageError(f"daemon must be a socket path or address, got {daemon!r}")
+        if secret_file is not None and (not isinstance(secret_file, str) or not secret_file):
+            raise UsageError(f"secret_file must be a path, got {secret_file!r}")
+        #: the daemons' shared secret (None: $EXCHANGE_SECRET_FILE, else none): it keys the
+        #: checkpoint files (an HMAC per file; ``exchange.state.checkpoint_key``)
+        self.secret_file = secret_file
+        #: how long the driver's lease on the checkpoint directory lasts unless renewed
+        #: (every third of it): a dead driver's lease frees the job after that long
+        self.lease_timeout = parse_duration(lease_timeout, "lease_timeout")
+        if not self.lease_timeout > 0:
+            raise UsageError(f"lease_timeout must be > 0, got {lease_timeout!r}")
         self.config = CheckpointConfig(
             interval=parse_duration(checkpoint_interval, "checkpoint_interval"),
             timeout=parse_duration(checkpoint_timeout, "checkpoint_timeout"),
@@ -297,13 +316,22 @@ class StreamEnvironment:
         *,
         restart_attempts: int = 3,
         restart_backoff: float = 1.0,
+        allow_non_restored_state: bool = False,
         runner: str | Runner = "spark",
     ) -> JobResult:
         """Run the job until its bounded input is exhausted (or it is cancelled).
 
         ``runner``: ``"spark"`` (every task one task of a Spark barrier stage) or
         ``"local"`` (every task a local Python process, no JVM: ``client.streaming.runners``);
-        a ``LocalRunner`` instance gives access to its task processes."""
+        a ``LocalRunner`` instance gives access to its task processes.
+
+        The job resumes from the latest completed checkpoint in ``checkpoint_dir``; state
+        there of an operator uid this job does not have raises NonRestoredStateError
+        (naming it) unless ``allow_non_restored_state`` drops it (Flink's
+        ``allowNonRestoredState``). Another live driver of the same checkpoint directory
+        raises CheckpointLeaseError naming it. Before a first start (nothing to restore) a
+        bounded file source must find a file (SourceNotFoundError); a checkpoint directory
+        whose job already read all its input runs nothing (``JobResult.already_finished``)."""
         if type(restart_attempts) is not int or restart_attempts < 0:
             raise UsageError(f"restart_attempts must be an int >= 0, got {restart_attempts!r}")
         if (
@@ -314,14 +342,45 @@ class StreamEnvironment:
             raise UsageError(
                 f"restart_backoff must be a number of seconds >= 0, got {restart_backoff!r}"
             )
+        if not isinstance(allow_non_restored_state, bool):
+            raise UsageError(
+                f"allow_non_restored_state must be a bool, got {allow_non_restored_state!r}"
+            )
         the_runner = runner_for(runner, self.sc)
         graph = JobGraph.build(self._nodes, self.max_parallelism)
         if not any(v.is_source for v in graph.vertices):
             raise UsageError("the job has no source")
         self.daemon = the_runner.prepare(graph, self.daemon)
         self._runner = the_runner
-        with self._ctrl_c_stops():
-            return self._run(graph, restart_attempts, restart_backoff)
+        secret = resolve_secret(self.secret_file)
+        key = checkpoint_key(secret, self.job_id) if secret is not None else None
+        storage = CheckpointStorage(self.checkpoint_dir, retained=self.config.retained, key=key)
+        lease = storage.acquire_lease(
+            f"driver of job {self.job_id} ({the_runner.describe()})", self.lease_timeout
+        )
+        try:
+            latest = storage.latest_completed()
+            _check_restorable(latest, graph, allow_non_restored_state)
+            if latest is None:
+                for check in self._preflight:
+                    check()
+            elif latest.is_final and latest.extra.get("ended") == _ENDED_INPUT:
+                log.warning(
+                    "job %s: checkpoint %d in %s is the final checkpoint of a job that read "
+                    "all its input; nothing to run (use a new checkpoint_dir to run the job "
+                    "again)",
+                    self.job_id,
+                    latest.checkpoint_id,
+                    self.checkpoint_dir,
+                )
+                return JobResult(
+                    self.job_id, 0, 0, latest.checkpoint_id, 0.0, already_finished=True
+                )
+            lease.keep_alive()
+            with self._ctrl_c_stops():
+                return self._run(graph, storage, lease, restart_attempts, restart_backoff)
+        finally:
+            lease.release()
 
     @contextlib.contextmanager
     def _ctrl_c_stops(self) -> Iterator[None]:
@@ -340,21 +399,14 @@ class StreamEnvironment:
         finally:
             signal.signal(signal.SIGINT, previous)
 
-    def _run(self, graph: JobGraph, restart_attempts: int, restart_backoff: float) -> JobResult:
-        storage = CheckpointStorage(self.checkpoint_dir, retained=self.config.retained)
-        latest = storage.latest_completed()
-        if latest is None:
-            for check in self._preflight:
-                check()
-        elif latest.is_final and latest.extra.get("ended") == _ENDED_INPUT:
-            log.warning(
-                "job %s: checkpoint %d in %s is the final checkpoint of a job that read all its "
-                "input; nothing to run (use a new checkpoint_dir to run the job again)",
-                self.job_id,
-                latest.checkpoint_id,
-                self.checkpoint_dir,
-            )
-            return JobResult(self.job_id, 0, 0, latest.checkpoint_id, 0.0, already_finished=True)
+    def _run(
+        self,
+        graph: JobGraph,
+        storage: CheckpointStorage,
+        lease: CheckpointLease,
+        restart_attempts: int,
+        restart_backoff: float,
+    ) -> JobResult:
         self.status = status = JobStatusTracker(self.job_id, self.daemon)
         assert self._runner is not None
         log.info(
@@ -376,7 +428,7 @@ class StreamEnvironment:
         for restart in range(restart_attempts + 1):
             attempt = max(time.time_ns() // 1_000_000, last_attempt + 1)
             last_attempt = attempt
-            run = _Attempt(self, graph, storage, attempt)
+            run = _Attempt(self, graph, storage, attempt, lease)
             status.attempt_started(attempt, graph)
             error = run.run()
             checkpoints.extend(run.checkpoints)
@@ -409,6 +461,9 @@ class StreamEnvironment:
                 return result
             failures.append(error)
             status.attempt_failed(error)
+            if lease.lost is not None:  # another driver runs the job now: never restart
+                status.job_ended("FAILED")
+                raise lease.lost
             if self._cancel.is_set():
                 break
             if restart < restart_attempts:
@@ -442,9 +497,15 @@ class _Attempt:
     """One attempt of a job: the Spark barrier stage plus the coordinator loop."""
 
     def __init__(
-        self, env: StreamEnvironment, graph: JobGraph, storage: CheckpointStorage, attempt: int
+        self,
+        env: StreamEnvironment,
+        graph: JobGraph,
+        storage: CheckpointStorage,
+        attempt: int,
+        lease: CheckpointLease,
     ) -> None:
         self.env = env
+        self.lease = lease
         self.graph = graph
         self.storage = storage
         self.attempt = attempt
@@ -481,17 +542,19 @@ class _Attempt:
             env.config.mode,
             env.daemon,
             env.buffer_timeout,
+            self.storage.key,
         )
         restored = None
         restore_msg = None
         if latest is not None:
-            files = {
-                t: self.storage.task_state_path(latest.checkpoint_id, t) for t in latest.task_files
-            }
-            restored = CompletedCheckpoint(
-                latest.checkpoint_id, latest.timestamp, files, latest.finished_tasks
-            )
-            restore_msg = {"checkpoint_id": latest.checkpoint_id, "files": files}
+            cid = latest.checkpoint_id
+            files = {t: self.storage.state_path(cid, n) for t, n in latest.task_files.items()}
+            restored = CompletedCheckpoint(cid, latest.timestamp, files, latest.finished_tasks)
+            uids = graph.operator_tasks()
+            # only operators of this job: what else the checkpoint holds was checked (and
+            # allowed to be dropped) before the first attempt
+            ops = {uid: list(f) for uid, f in latest.operators.items() if uid in uids}
+            restore_msg = {"checkpoint_id": cid, "operators": ops}
         log.info(
             "job %s: attempt %d starting %d tasks, %s",
             env.job_id,
@@ -552,6 +615,8 @@ class _Attempt:
         env, coord, server = self.env, self._coord, self._server
         if env._cancel.is_set() and self.error is None:
             self.error = "cancelled"
+        if self.lease.lost is not None and self.error is None:
+            self.error = str(self.lease.lost)
         if env._stop.is_set() and self._started and not self._stopping:
             self._stopping = True  # a clean stop: sources end their input now
             server.broadcast({"type": "stop"}, self.sources)
@@ -632,17 +697,23 @@ class _Attempt:
                         set(cmd.tasks),
                     )
                 case FinalizeCheckpoint():
+                    names = {t: os.path.basename(str(h)) for t, h in cmd.handles.items()}
                     try:
+                        self.lease.check()  # never commit for a job another driver owns
                         self.storage.commit(
                             CheckpointMetadata(
                                 cmd.checkpoint_id,
                                 cmd.timestamp,
-                                {t: os.path.basename(str(h)) for t, h in cmd.handles.items()},
+                                names,
                                 cmd.finished_tasks,
                                 cmd.is_final,
                                 extra=self._final_extra(cmd.is_final),
+                                operators=operator_files(names, self.graph.operator_tasks()),
                             )
                         )
+                    except CheckpointLeaseError as e:
+                        coord.finalize_failed(cmd.checkpoint_id, str(e))
+                        raise _AttemptFailed(str(e)) from e
                     except Exception as e:
                         coord.finalize_failed(cmd.checkpoint_id, str(e))
                     else:
@@ -745,6 +816,26 @@ def _check_factory(factory: object, method: str, argument: str, kind: type[Opera
         )
 
 
+def _check_restorable(
+    latest: CheckpointMetadata | None, graph: JobGraph, allow_non_restored_state: bool
+) -> None:
+    """Every operator uid the checkpoint holds state of must be one of ``graph``'s."""
+    if latest is None:
+        return
+    uids = graph.operator_tasks()
+    unknown = sorted(uid for uid in latest.operators if uid not in uids)
+    if not unknown:
+        return
+    if not allow_non_restored_state:
+        raise NonRestoredStateError(f"chk-{latest.checkpoint_id}", unknown)
+    log.warning(
+        "dropping the state of operator(s) %s of checkpoint %d: not in this job "
+        "(allow_non_restored_state)",
+        ", ".join(unknown),
+        latest.checkpoint_id,
+    )
+
+
 class DataStream:
     """A stream of records in the job being defined."""
 
@@ -802,6 +893,13 @@ class DataStream:
         FilterOperator(fn)
         return self._then(lambda: FilterOperator(fn), "filter", name, parallelism)
 
+    def uid(self, uid: str) -> DataStream:
+        """Name this operator's state ``uid`` in checkpoints (Flink's ``uid()``), instead of
+        its name: a stable id that survives renaming the operator and changing the job
+        around it. Uids must be unique in the job."""
+        self.node.uid = check_operator_id(uid, "uid")
+        return self
+
     def rebalance(self) -> DataStream:
         return DataStream(self.env, self.node, Partitioning.REBALANCE)
 
@@ -823,11 +921,15 @@ class DataStream:
         *,
         name: str | None = None,
         parallelism: int | None = None,
+        uid: str | None = None,
     ) -> None:
         """A sink built by ``factory()`` (an ``Operator``; a class or a function that
-        returns a new instance): every subtask, and every attempt, gets its own."""
+        returns a new instance): every subtask, and every attempt, gets its own; ``uid``
+        names its state (see ``uid``)."""
         _check_factory(factory, "sink_to", "factory", Operator)
-        self._then(factory, "sink", name, parallelism)
+        sink = self._then(factory, "sink", name, parallelism)
+        if uid is not None:
+            sink.uid(uid)
 
     def collect(self, *, name: str | None = None, parallelism: int | None = None) -> str:
         """A ``CollectSink``: ``execute`` returns its records in ``JobResult.collected[
@@ -850,7 +952,12 @@ class DataStream:
         )
 
     def sink_to_files(
-        self, directory: str, *, format: str = "jsonl", parallelism: int | None = None
+        self,
+        directory: str,
+        *,
+        format: str = "jsonl",
+        parallelism: int | None = None,
+        uid: str | None = None,
     ) -> None:
         """Exactly-once files (two-phase commit): visible once their checkpoint completes."""
         from client.streaming.connectors import FileSink
@@ -859,6 +966,7 @@ class DataStream:
             lambda: FileSink(directory, format=format),
             name=self.env._name(None, "filesink"),
             parallelism=parallelism,
+            uid=uid,
         )
 
 

@@ -45,7 +45,8 @@ class OperatorContext:
     """What an operator knows about where it runs."""
 
     job_id: str
-    #: stable across restarts: names the operator's state in checkpoints
+    #: the operator's uid (``DataStream.uid``, else its name): stable across restarts and
+    #: rescales, it names the operator's state in checkpoints
     operator_id: str
     subtask_index: int
     parallelism: int
@@ -56,6 +57,8 @@ class OperatorContext:
     operator_state: OperatorStateBackend
     #: None for operators not after a key_by
     keyed_state: KeyedStateBackend | None = None
+    #: the completed checkpoint the state was restored from (None: a fresh start)
+    restored_checkpoint_id: int | None = None
 
 
 class Operator:

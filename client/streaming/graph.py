@@ -14,7 +14,11 @@ one subpartition per consumer subtask, routed by the edge's partitioner:
 * ``broadcast``: every record to every subtask.
 
 Tasks are numbered vertex by vertex, subtask by subtask: task ``t`` of the Spark barrier
-stage runs ``tasks[t]``. Names are stable across restarts (they name state in checkpoints).
+stage runs ``tasks[t]``. Vertex and task ids depend on the chaining, so they name nothing
+in checkpoints: state belongs to an operator's *uid* (``Node.state_id``: the uid given
+with ``DataStream.uid``, else the operator's name), which must be unique and stable
+across runs, as Flink's ``uid()``. ``JobGraph.operator_tasks`` says which task runs each
+subtask of each operator.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 from client.streaming.functions import Operator
 from exchange.errors import UsageError
 
-__all__ = ["Edge", "JobGraph", "Node", "Partitioning", "TaskSpec", "Vertex"]
+__all__ = ["Edge", "JobGraph", "Node", "Partitioning", "TaskSpec", "Vertex", "check_operator_id"]
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 
@@ -55,6 +59,13 @@ class Node:
         default_factory=list
     )
     outputs: list[Node] = field(default_factory=list)
+    #: the stable id of the operator's state (``DataStream.uid``); None: its name
+    uid: str | None = None
+
+    @property
+    def state_id(self) -> str:
+        """What names this operator's state in checkpoints: its uid, else its name."""
+        return self.uid if self.uid is not None else self.name
 
 
 @dataclass(frozen=True)
@@ -122,16 +133,33 @@ class JobGraph:
     def source_task_ids(self) -> list[str]:
         return [t.task_id for t in self.tasks if self.vertex(t.vertex_id).is_source]
 
+    def operator_tasks(self) -> dict[str, list[str]]:
+        """Every operator's state id -> the task id of each of its subtasks, in order."""
+        return {
+            n.state_id: [f"v{v.vertex_id}-{s}" for s in range(v.parallelism)]
+            for v in self.vertices
+            for n in v.nodes
+        }
+
     @classmethod
     def build(cls, nodes: Sequence[Node], max_parallelism: int) -> JobGraph:
         """Chain ``nodes`` (every node of the program, in creation order) into vertices."""
         seen: set[str] = set()
+        uids: set[str] = set()
         for n in nodes:
-            if not _NAME.fullmatch(n.name):
-                raise UsageError(f"operator name {n.name!r}: use [A-Za-z0-9_-], at most 64")
+            check_operator_id(n.name, "operator name")
             if n.name in seen:
                 raise UsageError(f"two operators are named {n.name!r}; names must be unique")
             seen.add(n.name)
+            if n.uid is not None:
+                check_operator_id(n.uid, "uid")
+        for n in nodes:
+            if n.state_id in uids:
+                raise UsageError(
+                    f"two operators have the state id {n.state_id!r} (a uid equal to another "
+                    "operator's uid or name); uids must be unique"
+                )
+            uids.add(n.state_id)
             if n.parallelism > max_parallelism:
                 raise UsageError(
                     f"{n.name}: parallelism {n.parallelism} exceeds max_parallelism "
@@ -165,6 +193,13 @@ class JobGraph:
             if not v.is_source and not v.inputs:
                 raise UsageError(f"operator {v.nodes[0].name} has no input")
         return cls(vertices, max_parallelism)
+
+
+def check_operator_id(value: object, what: str) -> str:
+    """An operator name or uid: UsageError unless 1-64 of [A-Za-z0-9_-]."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise UsageError(f"{what} {value!r}: use [A-Za-z0-9_-], at most 64")
+    return value
 
 
 def _chainable_upstream(n: Node) -> Node | None:

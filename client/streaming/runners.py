@@ -25,6 +25,7 @@ import os
 import pickle
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -80,6 +81,9 @@ class Runner(Protocol):
 
     def driver_host(self) -> str:
         """The address the tasks reach the driver's control server at."""
+
+    def describe(self) -> str:
+        """Where the tasks run, for messages (the checkpoint lease names its owner so)."""
 
     def launch(self, job: JobSpec, group: str) -> Stage:
         """Start every task of ``job`` (``group`` names the attempt)."""
@@ -157,6 +161,9 @@ class SparkRunner:
 
     def driver_host(self) -> str:
         return str(self.sc.getConf().get("spark.driver.host", "127.0.0.1"))
+
+    def describe(self) -> str:
+        return f"Spark application {self.sc.applicationId}"
 
     def launch(self, job: JobSpec, group: str) -> Stage:
         return _SparkStage(self.sc, job, group)
@@ -279,6 +286,9 @@ class LocalRunner:
 
     def driver_host(self) -> str:
         return "127.0.0.1"
+
+    def describe(self) -> str:
+        return f"local task processes of pid {os.getpid()} on {socket.gethostname()}"
 
     def launch(self, job: JobSpec, group: str) -> Stage:
         self.stage = _LocalStage(job, group, {**os.environ, **self.env})

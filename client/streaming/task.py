@@ -26,8 +26,11 @@ all its input partitions, and runs its chain of operators:
   64 records it looks at its output as a source does before a poll.
 
 ``complete`` / ``abort`` reach the operators in the task's thread, between records. State
-goes to the checkpoint storage as one file per task and checkpoint (every operator's
-operator state and keyed state), whose path is the acknowledgement's handle.
+goes to the checkpoint storage as one file per task and checkpoint, under a name of its
+own (every operator's operator state and keyed state, keyed by the operator's uid), whose
+path is the acknowledgement's handle. A restore reads, for each operator of the chain,
+the files the checkpoint's metadata lists for that operator's uid, whatever tasks wrote
+them.
 """
 
 from __future__ import annotations
@@ -56,11 +59,9 @@ from exchange.errors import ExchangeError, IllegalStateError
 from exchange.events.events import CheckpointOptions
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.state import (
+    CorruptSnapshotError,
     KeyedStateBackend,
     OperatorStateBackend,
-    SnapshotKind,
-    decode_snapshot,
-    encode_snapshot,
     key_group_range_for_subtask,
     subtask_for_key,
 )
@@ -95,6 +96,9 @@ class JobSpec:
     mode: str
     daemon_hint: str | None = None
     buffer_timeout: float = 0.01
+    #: the key of the job's checkpoint files (derived from the daemons' secret in the
+    #: driver; the secret itself never travels), None: no MAC
+    checkpoint_key: bytes | None = None
 
 
 def dataset_of(job_id: str, attempt: int, edge: Edge) -> str:
@@ -173,7 +177,7 @@ class StreamTask:
         self.spec: TaskSpec = job.graph.tasks[index]
         self.vertex = job.graph.vertex(self.spec.vertex_id)
         self.task_id = self.spec.task_id
-        self.storage = CheckpointStorage(job.checkpoint_url)
+        self.storage = CheckpointStorage(job.checkpoint_url, key=job.checkpoint_key)
         self.writers: list[tuple[Edge, PartitionWriter]] = []
         self.reader: PartitionReader | None = None
         self.ctl: ControlClient | None = None
@@ -213,20 +217,9 @@ class StreamTask:
 
     def _restore_and_open(self, start: dict[str, Any]) -> None:
         restore = start.get("restore")
-        snaps: dict[str, list[tuple[str, bytes]]] = {}
-        if restore is not None:
-            # every old subtask of this vertex: keyed state may move between subtasks
-            prefix = f"v{self.vertex.vertex_id}-"
-            for task_id, path in sorted(restore["files"].items()):
-                if task_id.startswith(prefix):
-                    data = self.storage.read_task_state(restore["checkpoint_id"], task_id)
-                    snaps[task_id] = [(path, data)]
         p, me = self.vertex.parallelism, self.spec.subtask
         maxp = self.graph.max_parallelism
-        decoded = {
-            tid: decode_snapshot(items[0][1], SnapshotKind.TASK_STATE, items[0][0])
-            for tid, items in snaps.items()
-        }
+        files: dict[str, dict[str, Any]] = {}  # state file -> its snapshot (read once)
         for node in self.vertex.nodes:
             op_state = OperatorStateBackend(me, p)
             keyed = (
@@ -234,23 +227,22 @@ class StreamTask:
                 if node.key_fn is not None
                 else None
             )
-            if decoded:
-                old = [
-                    (tid, d["operators"][node.name])
-                    for tid, d in sorted(decoded.items(), key=lambda kv: _subtask_of(kv[0]))
-                    if node.name in d["operators"]
-                ]
-                op_state.restore([(tid, s["operator"]) for tid, s in old])
+            if restore is not None:
+                # every old subtask of this operator, whatever task ran it: keyed state
+                # may move between subtasks, operator state is redistributed
+                old = self._old_state(restore, node.state_id, files)
+                op_state.restore([(name, s["operator"]) for name, s in old])
                 if keyed is not None:
-                    keyed.restore([(tid, s["keyed"]) for tid, s in old if s["keyed"]])
+                    keyed.restore([(name, s["keyed"]) for name, s in old if s["keyed"]])
             ctx = OperatorContext(
                 job_id=self.job.job_id,
-                operator_id=node.name,
+                operator_id=node.state_id,
                 subtask_index=me,
                 parallelism=p,
                 attempt=self.job.attempt,
                 operator_state=op_state,
                 keyed_state=keyed,
+                restored_checkpoint_id=None if restore is None else restore["checkpoint_id"],
             )
             op = node.factory()
             self.ops.append(op)
@@ -289,6 +281,26 @@ class StreamTask:
         else:
             chain_out = out
             self._process = lambda record: head_op.process(record, chain_out)
+
+    def _old_state(
+        self, restore: dict[str, Any], uid: str, files: dict[str, dict[str, Any]]
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """(file, state) of operator ``uid`` in each old subtask that wrote one, in order."""
+        cid = restore["checkpoint_id"]
+        old = []
+        for name in restore["operators"].get(uid, ()):
+            if name is None:  # that subtask had finished: no state
+                continue
+            snap = files.get(name)
+            if snap is None:
+                snap = files[name] = self.storage.read_task_state(cid, name)
+            try:
+                old.append((name, snap["operators"][uid]))
+            except (KeyError, TypeError) as exc:
+                raise CorruptSnapshotError(
+                    name, f"holds no state of operator {uid!r}: {exc!r}"
+                ) from None
+        return old
 
     def _open_reader(self, start: dict[str, Any]) -> PartitionReader:
         daemons = start["daemons"]
@@ -330,19 +342,20 @@ class StreamTask:
         state: dict[str, Any] = {}
         for node, op, ctx in zip(self.vertex.nodes, self.ops, self.contexts, strict=True):
             op.snapshot_state(checkpoint_id)
-            state[node.name] = {
+            state[node.state_id] = {
                 "operator": ctx.operator_state.snapshot(),
                 "keyed": ctx.keyed_state.snapshot() if ctx.keyed_state is not None else None,
             }
-        data = encode_snapshot(SnapshotKind.TASK_STATE, {"task": self.task_id, "operators": state})
-        path = self.storage.write_task_state(checkpoint_id, self.task_id, data)
+        handle = self.storage.write_task_state(
+            checkpoint_id, self.task_id, {"task": self.task_id, "operators": state}
+        )
         assert self.ctl is not None
         self.ctl.send(
             {
                 "type": "ack",
                 "checkpoint": checkpoint_id,
-                "handle": path,
-                "metrics": self._ack_metrics(len(data)),
+                "handle": handle.path,
+                "metrics": self._ack_metrics(handle.size),
             }
         )
         self.checkpoints += 1
@@ -543,10 +556,6 @@ class StreamTask:
         self.writers = []
         if self.ctl is not None:
             self.ctl.close()
-
-
-def _subtask_of(task_id: str) -> int:
-    return int(task_id.rpartition("-")[2])
 
 
 def run_task(job: JobSpec, index: int) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from exchange.errors import (
     SubpartitionIndexError,
     UsageError,
     WriterClosedError,
+    error_reason,
     fresh_error,
 )
 from exchange.events.events import AbstractEvent, EventSerializer
@@ -331,7 +332,8 @@ class ResultPartition:
             if isinstance(cause, PartitionReleasedError):
                 raise fresh_error(cause)
             raise PartitionReleasedError(
-                "partition was released" + (f": {cause}" if cause else ""), self.partition_id
+                "partition was released" + (f": {error_reason(cause)}" if cause else ""),
+                self.partition_id,
             )
         if state is _FINISHED:
             raise WriterClosedError(f"partition {self.partition_id} is finished")

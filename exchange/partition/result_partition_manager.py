@@ -11,6 +11,7 @@ from exchange.errors import (
     PartitionReleasedError,
     ProducerFailedError,
     UsageError,
+    error_reason,
 )
 from exchange.partition.result_partition import ResultPartition
 from exchange.partition.result_partition_id import ResultPartitionID
@@ -88,7 +89,7 @@ class ResultPartitionManager:
             del self._partitions[pid]
             cause = partition.failure_cause
             failed = isinstance(cause, ProducerFailedError)
-            reason = "failed: " + str(cause) if cause else "released"
+            reason = "failed: " + error_reason(cause) if cause else "released"
             self._remember(
                 pid,
                 ProducerFailedError if failed else PartitionReleasedError,
@@ -100,8 +101,7 @@ class ResultPartitionManager:
         daemon, or its data did not survive): readers asking for it get ``error``'s type
         and message instead of a not-found they would retry."""
         if pid not in self._partitions:
-            text = str(error).removesuffix(f" (partition={pid})")
-            self._remember(pid, type(error), text)
+            self._remember(pid, type(error), error.reason)
 
     def _remember(
         self, pid: ResultPartitionID, error_type: type[PartitionError], text: str

@@ -376,7 +376,10 @@ def error_for_response(
 ) -> ExchangeError:
     """The typed error a received ``ErrorResponse`` stands for (to raise on this side)."""
     code = resp.code
-    text = f"{resp.message} [remote {code.name}]"
+    message = resp.message
+    if partition_id is not None:  # named once, by the error built here
+        message = message.removesuffix(f" (partition={partition_id})")
+    text = f"{message} [remote {code.name}]"
     where = f" (daemon={address})" if address is not None else ""
     if code is ErrorCode.PARTITION_NOT_FOUND:
         return PartitionNotFoundError(text, partition_id, address)

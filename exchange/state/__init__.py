@@ -9,7 +9,13 @@ writing them somewhere is the checkpoint storage's job (``client/streaming``).
 
 from __future__ import annotations
 
-from exchange.state.errors import CorruptSnapshotError, KeyGroupOutOfRangeError, StateError
+from exchange.state.errors import (
+    CorruptSnapshotError,
+    KeyGroupOutOfRangeError,
+    NonRestoredStateError,
+    SnapshotAuthenticationError,
+    StateError,
+)
 from exchange.state.key_groups import (
     DEFAULT_MAX_PARALLELISM,
     MAX_MAX_PARALLELISM,
@@ -24,6 +30,7 @@ from exchange.state.operator_state import Distribution, OperatorListState, Opera
 from exchange.state.snapshot import (
     FORMAT_VERSION,
     SnapshotKind,
+    checkpoint_key,
     decode_envelope,
     decode_snapshot,
     encode_envelope,
@@ -40,12 +47,15 @@ __all__ = [
     "KeyGroupRange",
     "KeyedStateBackend",
     "MapState",
+    "NonRestoredStateError",
     "OperatorListState",
     "OperatorStateBackend",
+    "SnapshotAuthenticationError",
     "SnapshotKind",
     "StateError",
     "StateKind",
     "ValueState",
+    "checkpoint_key",
     "decode_envelope",
     "decode_snapshot",
     "encode_envelope",

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from exchange.errors import ExchangeError, UsageError
 
-__all__ = ["CorruptSnapshotError", "KeyGroupOutOfRangeError", "StateError"]
+__all__ = [
+    "CorruptSnapshotError",
+    "KeyGroupOutOfRangeError",
+    "NonRestoredStateError",
+    "SnapshotAuthenticationError",
+    "StateError",
+]
 
 
 class StateError(UsageError):
@@ -32,3 +38,31 @@ class CorruptSnapshotError(ExchangeError):
         super().__init__(f"corrupt snapshot {source}: {detail}")
         self.source = source
         self.detail = detail
+
+
+class SnapshotAuthenticationError(ExchangeError):
+    """A checkpoint file's MAC is missing or wrong under the configured key (or a MAC is
+    present and no key is configured): refused before anything in it is unpickled.
+
+    Not a CorruptSnapshotError: a restore never falls back past a forged file silently.
+    """
+
+    def __init__(self, source: str, detail: str) -> None:
+        super().__init__(f"unauthenticated checkpoint file {source}: {detail}")
+        self.source = source
+        self.detail = detail
+
+
+class NonRestoredStateError(UsageError):
+    """A checkpoint holds state of operators the new job does not have (Flink's "cannot
+    map checkpoint state ... allowNonRestoredState"); ``operators`` names them."""
+
+    def __init__(self, checkpoint: str, operators: list[str]) -> None:
+        super().__init__(
+            f"checkpoint {checkpoint} holds state of operator(s) {', '.join(operators)} that "
+            "the job does not have (operator state belongs to an operator's uid: its name "
+            "unless .uid() was given). Give the operators their old names or uids, or pass "
+            "allow_non_restored_state=True to execute() to drop that state"
+        )
+        self.checkpoint = checkpoint
+        self.operators = operators

@@ -8,7 +8,8 @@ parallelism changes is chosen when the state is declared (Flink's two modes):
   Same parallelism, same lists.
 * ``UNION`` (``getUnionListState``): every subtask gets every item.
 
-Restoring needs the snapshots of *all* old subtasks, in subtask order.
+Restoring needs the snapshots of the old subtasks in subtask order: all of them, but for
+subtasks that had finished (bounded input) and so wrote none.
 """
 
 from __future__ import annotations
@@ -106,9 +107,10 @@ class OperatorStateBackend:
         )
 
     def restore(self, snapshots: Sequence[bytes | tuple[str, bytes]]) -> None:
-        """Replace every list by this subtask's share of ``snapshots`` (all old subtasks'
+        """Replace every list by this subtask's share of ``snapshots`` (the old subtasks'
         snapshots, in subtask order)."""
         gathered: dict[tuple[str, str], tuple[Distribution, list[Any]]] = {}
+        last = -1
         for i, item in enumerate(snapshots):
             source, data = item if isinstance(item, tuple) else (f"<operator snapshot {i}>", item)
             snap = decode_snapshot(data, SnapshotKind.OPERATOR_STATE, source)
@@ -122,10 +124,11 @@ class OperatorStateBackend:
                 raise CorruptSnapshotError(
                     source, f"not an operator state snapshot: {exc!r}"
                 ) from exc
-            if old_index != i:
+            if type(old_index) is not int or old_index <= last:
                 raise CorruptSnapshotError(
-                    source, f"snapshot of subtask {old_index} given at position {i}"
+                    source, f"snapshot of subtask {old_index!r} given after subtask {last}"
                 )
+            last = old_index
             for sid, (dist, items) in states.items():
                 have = gathered.setdefault(sid, (dist, []))
                 if have[0] is not dist:

@@ -409,9 +409,12 @@ def test_stream_execute_arguments(kwargs: dict[str, Any], words: str, tmp_path: 
 #: At least one invalid value for every setting (as given on the command line).
 BAD_FLAG_VALUES: dict[str, list[str]] = {
     "host": ["", "a b"],
+    "advertise_host": ["0.0.0.0", "::", "a b"],
     "data_port": ["-1", "65536", "http"],
     "http_port": ["-5", "99999"],
     "local_socket": ["/" + "s" * 200],
+    "local_socket_group": ["spark users", "-1", "no-such-group-here"],
+    "local_socket_mode": ["0666", "0640", "0060", "rw-rw----"],
     "network_memory": ["-1", "0", "64zb", "lots"],
     "segment_size": ["1000", "-32kb", "1k", "32mb"],
     "exclusive_buffers_per_channel": ["0", "-2", "two"],

@@ -44,3 +44,25 @@ def daemon_config(command: str | Sequence[str], env: Mapping[str, str] = {}) -> 
             flag = arg.split("=", 1)[0]
             assert flag in flags, f"{flag} is not a flag of {name} ({sorted(flags)})"
     return load_config(args, env=dict(env))
+
+
+def local_flags(
+    args: Sequence[str], tmp: Path, values: Mapping[str, str] | None = None
+) -> list[str]:
+    """A deployed daemon's flags (``args``, without the program) made to run here: ports 0,
+    the spill directory and the socket under ``tmp``, then ``values`` (flag -> value). Each
+    flag replaced must be among ``args``: the deployment's own command line is what runs."""
+    argv = list(args)
+    replace = {
+        "--data-port": "0",
+        "--http-port": "0",
+        "--spill-dir": str(tmp / "spill"),
+        "--local-socket": str(tmp / "daemon.sock"),
+        **(values or {}),
+    }
+    for flag, value in replace.items():
+        assert flag in argv, f"{flag} is not in {argv}"
+        argv[argv.index(flag) + 1] = value
+    if "--http-host" in argv:  # what probes and Prometheus reach there: loopback here
+        argv[argv.index("--http-host") + 1] = "127.0.0.1"
+    return argv

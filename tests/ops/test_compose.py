@@ -1,7 +1,12 @@
 """``docker-compose.yml`` as Debian's ``docker-compose config`` resolves it, checked against the
 project: every file it names exists, every daemon runs the project's own entry point with
-flags and values the daemon accepts, ports agree with Prometheus's targets, and each worker
-shares its daemon's socket.
+flags and values the daemon accepts, ports agree with Prometheus's targets, each worker
+shares its daemon's socket, the driver's work directory is on a volume its executors (in
+the workers) see at the same path, and services report their health and restart.
+
+There is no Docker engine here, so what can run does: the daemons' healthcheck command
+against a real daemon started with the compose file's flags, and the driver's command
+against a local standalone cluster (a daemon per worker, a shared directory for the volume).
 
 ``.ci/run`` installs docker-compose when it is missing and it runs as root; elsewhere the
 tests that need it are skipped, saying so.
@@ -14,6 +19,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +28,7 @@ import yaml
 
 from client.local_connection import DAEMON_ENV
 from client.main_job import parse_args as main_job_args
+from tests.kit.modules import load_module
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -190,8 +197,144 @@ def test_workers_run_the_repository_script_and_find_their_daemon(
         ], "a daemon's socket volume is shared with its own worker only"
         assert f"spark://master:{master_port}" in text
         assert f"daemon-{n}" in worker["depends_on"]
-    # the job the file's header tells to run exists and takes the master it names
-    header = (ROOT / "docker-compose.yml").read_text().split("services:")[0]
-    run = re.search(r"python -m (client\.\w+) (.*)", header)
-    assert run is not None and run.group(1) == "client.main_job", header
-    assert main_job_args(shlex.split(run.group(2))).master == f"spark://master:{master_port}"
+
+
+def _master_port(services: dict[str, Any]) -> tuple[str, str]:
+    """(port, web UI port) of the master's command."""
+    *_, script_text = shlex.split(services["master"]["command"])
+    master = shlex.split(script_text)
+    return master[master.index("--port") + 1], master[master.index("--webui-port") + 1]
+
+
+def _driver_argv(services: dict[str, Any]) -> list[str]:
+    command = services["driver"]["command"]
+    argv = shlex.split(command) if isinstance(command, str) else list(command)
+    assert argv[:3] == ["python", "-m", "client.main_job"], argv
+    return argv[3:]
+
+
+def test_the_driver_and_the_workers_executors_share_its_work_directory(
+    resolved: dict[str, Any],
+) -> None:
+    services = resolved["services"]
+    args = main_job_args(_driver_argv(services))
+    assert args.master == f"spark://master:{_master_port(services)[0]}"
+    # input, checkpoints and output live under --workdir: on a named volume that the
+    # workers (where executors run) mount at the same path
+    assert args.workdir is not None
+    [(target, volume)] = [
+        (t, src)
+        for t, src in _mounts(services["driver"]).items()
+        if args.workdir == t or args.workdir.startswith(t + "/")
+    ]
+    assert volume in resolved["volumes"] and not volume.startswith(("/", ".")), volume
+    for worker in ("worker-1", "worker-2"):
+        assert _mounts(services[worker]).get(target) == volume, (worker, services[worker])
+    # the job's tasks fit: 2 x parallelism slots (README), workers' cores as their script says
+    script = (ROOT / "deploy" / "spark-worker.sh").read_text()
+    cores = re.search(r'--cores "\$\{WORKER_CORES:-(\d+)\}"', script)
+    assert cores is not None, script
+    assert 2 * int(cores.group(1)) >= 2 * args.parallelism
+    assert services["driver"]["restart"] == "no"  # a job, run once
+    assert services["driver"]["depends_on"] == {
+        w: {"condition": "service_healthy"} for w in ("worker-1", "worker-2")
+    }
+
+
+def _health_url(service: dict[str, Any]) -> str:
+    test = service["healthcheck"]["test"]
+    assert test[:3] == ["CMD", "python3", "-c"], test
+    url = re.search(r"urlopen\('([^']+)'", test[3])
+    assert url is not None, test
+    return url.group(1)
+
+
+def test_services_report_their_health_and_restart(resolved: dict[str, Any], deploy: Any) -> None:
+    services = resolved["services"]
+    daemons = _daemons(resolved, deploy)
+    http_server = (ROOT / "server" / "http_server.py").read_text()
+    for name, (svc, cfg) in daemons.items():
+        url = _health_url(svc)
+        assert url == f"http://127.0.0.1:{cfg.http_port}/healthz", (name, url)
+        assert 'case "/healthz"' in http_server
+    webui = _master_port(services)[1]
+    assert _health_url(services["master"]) == f"http://127.0.0.1:{webui}/json/"
+    script = (ROOT / "deploy" / "spark-worker.sh").read_text()
+    assert "--webui-port" not in script  # so the worker's UI is on Spark's default, 8081
+    for n in (1, 2):
+        worker = services[f"worker-{n}"]
+        assert _health_url(worker) == "http://127.0.0.1:8081/json/"
+        assert worker["depends_on"] == {
+            "master": {"condition": "service_healthy"},
+            f"daemon-{n}": {"condition": "service_healthy"},
+        }
+    for name, svc in services.items():
+        if name != "driver":
+            assert svc["restart"] == "unless-stopped", name
+
+
+def test_the_daemon_healthcheck_passes_while_a_daemon_serves_and_fails_after(
+    resolved: dict[str, Any], deploy: Any, start_daemon: Any, tmp_path: Path
+) -> None:
+    """The healthcheck's own command, run against a daemon started with the compose file's
+    flags (ports 0, paths in a temporary directory)."""
+    svc, cfg = _daemons(resolved, deploy)["daemon-1"]
+    argv = deploy.local_flags(shlex.split(svc["command"])[1:], tmp_path)
+    advertise = svc["environment"]["EXCHANGE_ADVERTISE_HOST"]
+    d = start_daemon(*argv, "--advertise-host", advertise)
+    assert d.data_address.rpartition(":")[0] == advertise
+    port = d.info["http"].rpartition(":")[2]
+    code = svc["healthcheck"]["test"][3].replace(f":{cfg.http_port}/", f":{port}/")
+
+    def check() -> int:
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, timeout=60
+        ).returncode
+
+    assert check() == 0
+    d.stop_clean()
+    assert check() != 0
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+@pytest.mark.timeout(900)
+def test_the_driver_command_runs_against_a_local_standalone_cluster(
+    resolved: dict[str, Any], tmp_path: Path
+) -> None:
+    """The driver service's command with its master and the volume's path replaced by a
+    local cluster (a Master, two Workers of one core, a daemon per Worker, all on 127.0.0.1)
+    and a shared directory; smaller (20,000 events, parallelism 1: two slots)."""
+    pytest.importorskip("pyspark")
+    sx: Any = load_module("exchange_tests_spark_cluster", ROOT / "tests" / "spark" / "_cluster.py")
+    services = resolved["services"]
+    argv = _driver_argv(services)
+    args = main_job_args(argv)
+    [target] = [t for t in _mounts(services["driver"]) if args.workdir.startswith(t + "/")]
+    volume = tmp_path / "volume"  # what the named volume is to every container
+    workdir = volume / os.path.relpath(args.workdir, target)
+    cluster = sx.StandaloneCluster(workers=2)
+    try:
+        cluster.start()
+        argv[argv.index("--master") + 1] = cluster.master_url
+        argv[argv.index("--workdir") + 1] = str(workdir)
+        argv += ["--events", "20000", "--parallelism", "1"]
+        env = sx.child_env(PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
+        out = subprocess.run(
+            [sys.executable, "-m", "client.main_job", *argv],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            timeout=800,
+        )
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+        # the driver's input, checkpoints and output all went to the shared directory
+        assert {"in", "out", "checkpoints"} <= set(os.listdir(workdir)), os.listdir(workdir)
+        assert any(n.startswith("part-") for n in os.listdir(workdir / "out"))
+        # the executors wrote through their workers' daemons, which are left holding nothing
+        for i in range(2):
+            stats = cluster.daemon_stats(i)
+            assert stats["network"]["available_segments"] == stats["network"]["total_segments"]
+    finally:
+        cluster.close()

@@ -9,13 +9,22 @@ from typing import Any
 
 from client.local_connection import DAEMON_ENV, SECRET_FILE_ENV
 from client.tls import TLS_CA_FILE_ENV, TLS_CERT_FILE_ENV, TLS_KEY_FILE_ENV
-from server.config import DaemonConfig, env_var_name
+from server.config import OTHER_ENV_VARS, DaemonConfig, env_var_name
 from server.daemon import ADVERTISE_HOST_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "deploy.md").read_text()
 #: Flags of other programs the page shows (spark-submit, kubectl, docker compose, systemctl).
-OTHER_TOOLS = {"--conf", "--from-literal", "--build", "--rm", "--master", "--now"}
+OTHER_TOOLS = {
+    "--conf",
+    "--from-literal",
+    "--build",
+    "--wait",
+    "--rm",
+    "--master",
+    "--workdir",
+    "--now",
+}
 
 
 def test_every_daemon_flag_it_names_exists(deploy: Any) -> None:
@@ -28,6 +37,7 @@ def test_every_environment_variable_it_names_is_read() -> None:
     named = set(re.findall(r"\bEXCHANGE_[A-Z_]+[A-Z]\b", DOC))
     settings = {env_var_name(name) for name in DaemonConfig.__dataclass_fields__}
     tasks = {DAEMON_ENV, SECRET_FILE_ENV, TLS_CA_FILE_ENV, TLS_CERT_FILE_ENV, TLS_KEY_FILE_ENV}
+    tasks |= OTHER_ENV_VARS
     assert named <= settings | tasks | {ADVERTISE_HOST_ENV}, named - settings - tasks
 
 

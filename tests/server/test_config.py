@@ -464,9 +464,12 @@ def test_every_setting_has_a_flag_and_an_environment_variable() -> None:
 def test_all_flags() -> None:
     argv = [
         "--host=0.0.0.0",
+        "--advertise-host=node-7.example",
         "--data-port=7000",
         "--http-port=8080",
         "--local-socket=/tmp/x.sock",
+        "--local-socket-group=185",
+        "--local-socket-mode=0660",
         "--network-memory=128mb",
         "--segment-size=64k",
         "--exclusive-buffers-per-channel=4",
@@ -502,9 +505,12 @@ def test_all_flags() -> None:
     ]
     assert load_config(argv, env={}).to_dict() == {
         "host": "0.0.0.0",
+        "advertise_host": "node-7.example",
         "data_port": 7000,
         "http_port": 8080,
         "local_socket": "/tmp/x.sock",
+        "local_socket_group": "185",
+        "local_socket_mode": 0o660,
         "network_memory": 128 * MIB,
         "segment_size": 64 * KIB,
         "exclusive_buffers_per_channel": 4,
@@ -828,3 +834,85 @@ def test_local_socket_checks(tmp_path: Path) -> None:
         DaemonConfig(spill_dir=str(tmp_path), local_socket=str(squatter)).validate_paths()
 
     DaemonConfig(spill_dir=str(tmp_path), local_socket=str(tmp_path / "ok.sock")).validate_paths()
+
+
+@pytest.mark.parametrize(
+    ("value", "mode"),
+    [("0600", 0o600), ("0660", 0o660), ("0o620", 0o620), ("660", 0o660), (0o660, 0o660)],
+)
+def test_local_socket_mode_takes_octal_modes(value: object, mode: int) -> None:
+    assert DaemonConfig(local_socket_mode=value).local_socket_mode == mode  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("0666", "every local user"),
+        ("0604", "every local user"),
+        ("0640", "needs write permission"),
+        ("0460", "read and write"),
+        ("1660", "octal file mode"),
+        ("rw-rw----", "octal file mode"),
+        (660, "octal file mode"),  # a TOML decimal 660 is 0o1224
+        (True, "octal file mode"),
+    ],
+)
+def test_local_socket_mode_refuses_what_would_open_or_close_it_wrongly(
+    value: object, why: str
+) -> None:
+    with pytest.raises(ConfigError, match=why) as info:
+        DaemonConfig(local_socket_mode=value)  # type: ignore[arg-type]
+    assert info.value.setting == "local_socket_mode"
+
+
+def test_local_socket_group_needs_a_mode_that_lets_it_in(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="grants its group nothing") as info:
+        load_config(["--local-socket-group", "185"], env={})
+    assert info.value.setting == "local_socket_group"
+    cfg = load_config(
+        [], env={"EXCHANGE_LOCAL_SOCKET_GROUP": "185", "EXCHANGE_LOCAL_SOCKET_MODE": "0660"}
+    )
+    assert (cfg.local_socket_group, cfg.local_socket_mode, cfg.local_socket_gid()) == (
+        "185",
+        0o660,
+        185,
+    )
+    toml = write_toml(tmp_path, "local_socket_group = 185\nlocal_socket_mode = 0o660\n")
+    assert load_config(["--config", toml], env={}).local_socket_gid() == 185
+    for bad in ("spark users", "-1", "", "g" * 40):
+        if bad == "":
+            assert DaemonConfig(local_socket_group=bad).local_socket_group is None
+            continue
+        with pytest.raises(ConfigError, match="not a group name or numeric gid"):
+            DaemonConfig(local_socket_group=bad, local_socket_mode=0o660)
+
+
+def test_a_group_name_is_looked_up_where_paths_are_checked(tmp_path: Path) -> None:
+    cfg = DaemonConfig(spill_dir=str(tmp_path), local_socket_group="root", local_socket_mode=0o660)
+    assert cfg.local_socket_gid() == 0
+    cfg.validate_paths()
+    unknown = DaemonConfig(
+        spill_dir=str(tmp_path), local_socket_group="no-such-group-here", local_socket_mode=0o660
+    )  # construction touches no file
+    with pytest.raises(ConfigError, match="no group 'no-such-group-here'") as info:
+        unknown.validate_paths()
+    assert info.value.setting == "local_socket_group"
+
+
+@pytest.mark.parametrize("value", ["0.0.0.0", "::", "[::]", "*"])
+def test_advertise_host_refuses_wildcards(value: str) -> None:
+    with pytest.raises(ConfigError, match="every interface") as info:
+        load_config([], env={"EXCHANGE_ADVERTISE_HOST": value})
+    assert info.value.setting == "advertise_host"
+    assert "EXCHANGE_ADVERTISE_HOST" in str(info.value)
+
+
+def test_unknown_variables_are_logged_with_the_closest_setting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("WARNING", logger="exchange.server.config"):
+        cfg = load_config([], env={"EXCHANGE_SEGMENT_SIZ": "64kb", "EXCHANGE_DAEMON": "/x"})
+    assert cfg.segment_size == 32 * KIB  # ignored, as warned
+    [record] = caplog.records
+    assert "EXCHANGE_SEGMENT_SIZ" in record.getMessage()
+    assert "did you mean EXCHANGE_SEGMENT_SIZE?" in record.getMessage()

@@ -9,11 +9,15 @@ stalled so that its downstream task aligns) until the test killed it or lets it 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from client.streaming.connectors import FileSink, GeneratorSource
@@ -286,3 +290,36 @@ def wait_for(predicate: Any, timeout: float, what: str) -> Any:
             return got
         assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def session(sx: ModuleType, master: str, app: str) -> Iterator[Any]:
+    """A local SparkSession whose tasks unpickle this module by value; at the end the
+    embedded daemon must report its pool whole."""
+    from pyspark import cloudpickle
+
+    from client import spark as xs
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
+    spark = sx.local_session(master, app)
+    try:
+        yield spark
+    finally:
+        spark.stop()
+        assert xs.stop_embedded_daemon() is True, "embedded daemon's pool not whole at exit"
+
+
+def dirs(tmp_path: Path) -> tuple[Path, Path, str]:
+    """``probes`` and ``out`` (created) and the checkpoint directory's path."""
+    probes, out = tmp_path / "probes", tmp_path / "out"
+    probes.mkdir()
+    out.mkdir()
+    return probes, out, str(tmp_path / "ckpt")
+
+
+def environment(spark: Any, ckpt: str, job_id: str, **kw: Any) -> Any:
+    """A StreamEnvironment checkpointing every 300 ms (unless ``kw`` says otherwise)."""
+    from client.streaming.environment import StreamEnvironment
+
+    kw.setdefault("checkpoint_interval", "300ms")
+    return StreamEnvironment(spark, checkpoint_dir=ckpt, job_id=job_id, **kw)

@@ -35,31 +35,15 @@ st: Any = load_module(
 def spark(sx: ModuleType) -> Iterator[Any]:
     """local[4]: a source of parallelism 2 and its keyed task need 3 slots at once."""
     pytest.importorskip("pyspark")
-    from pyspark import cloudpickle
-
-    from client import spark as xs
-
-    cloudpickle.register_pickle_by_value(st)  # type: ignore[no-untyped-call]
-    session = sx.local_session("local[4]", "exchange-streaming-faults")
-    try:
+    with st.session(sx, "local[4]", "exchange-streaming-faults") as session:
         yield session
-    finally:
-        session.stop()
-        assert xs.stop_embedded_daemon() is True, "embedded daemon's pool not whole at exit"
 
 
-def _dirs(tmp_path: Path) -> tuple[Path, Path, str]:
-    probes, out = tmp_path / "probes", tmp_path / "out"
-    probes.mkdir()
-    out.mkdir()
-    return probes, out, str(tmp_path / "ckpt")
+_dirs = st.dirs
 
 
 def _env(spark: Any, ckpt: str, **kw: Any) -> Any:
-    from client.streaming.environment import StreamEnvironment
-
-    kw.setdefault("checkpoint_interval", "300ms")
-    return StreamEnvironment(spark, checkpoint_dir=ckpt, job_id="faults", **kw)
+    return st.environment(spark, ckpt, "faults", **kw)
 
 
 class _Run:
@@ -97,15 +81,16 @@ def _first_attempt_pids(probes: Path, tasks: int) -> dict[str, int]:
     return got
 
 
-def _state_file(ckpt: str, checkpoint_id: int, task: str) -> Path:
-    return Path(ckpt) / f"chk-{checkpoint_id}" / f"{task}.state"
+def _wrote_state(ckpt: str, checkpoint_id: int, task: str) -> bool:
+    """Task ``task`` wrote its state file of the checkpoint (``<task>-<unique>.state``)."""
+    return any((Path(ckpt) / f"chk-{checkpoint_id}").glob(f"{task}-*.state"))
 
 
 def _aligning_checkpoint(ckpt: str) -> int | None:
     """A checkpoint source 0 snapshotted (its barrier is downstream) and source 1 not."""
     for d in Path(ckpt).glob("chk-*"):
         cid = int(d.name[4:])
-        if _state_file(ckpt, cid, "v0-0").exists() and not _state_file(ckpt, cid, "v0-1").exists():
+        if _wrote_state(ckpt, cid, "v0-0") and not _wrote_state(ckpt, cid, "v0-1"):
             return cid
     return None
 

@@ -67,8 +67,10 @@ def test_misuse_and_corruption() -> None:
     with pytest.raises(UsageError):
         OperatorStateBackend(2, 2)
     snaps = snapshots(2, 1)
-    with pytest.raises(CorruptSnapshotError, match="subtask 1 given at position 0"):
+    with pytest.raises(CorruptSnapshotError, match="subtask 0 given after subtask 1"):
         OperatorStateBackend().restore([snaps[1], snaps[0]])
+    with pytest.raises(CorruptSnapshotError, match="subtask 0 given after subtask 0"):
+        OperatorStateBackend().restore([snaps[0], snaps[0]])
     with pytest.raises(CorruptSnapshotError, match="checksum"):
         OperatorStateBackend().restore([("x.state", snaps[0][:-1] + b"\xff")])
     with pytest.raises(CorruptSnapshotError, match="KEYED_STATE"):

@@ -14,6 +14,7 @@ import contextlib
 import csv
 import functools
 import json
+import logging
 import math
 import random
 import uuid
@@ -55,12 +56,17 @@ class FakeClock:
 
 
 def op_ctx(
-    k: int, p: int, snaps: list[bytes] | None = None, attempt: int = 0, op_id: str = "op"
+    k: int,
+    p: int,
+    snaps: list[bytes] | None = None,
+    attempt: int = 0,
+    op_id: str = "op",
+    restored: int | None = None,
 ) -> OperatorContext:
     backend = OperatorStateBackend(k, p)
     if snaps is not None:
         backend.restore(snaps)
-    return OperatorContext("job", op_id, k, p, attempt, backend)
+    return OperatorContext("job", op_id, k, p, attempt, backend, restored_checkpoint_id=restored)
 
 
 def open_all(
@@ -597,9 +603,16 @@ def test_file_sink_exactly_once_on_memory_fs(memory_root: str) -> None:
     assert sorted(got) == list(range(300))
 
 
-def restored_sink(url: str, snaps: list[bytes] | None, attempt: int, k: int = 0, p: int = 1) -> Any:
+def restored_sink(
+    url: str,
+    snaps: list[bytes] | None,
+    attempt: int,
+    k: int = 0,
+    p: int = 1,
+    restored: int | None = None,
+) -> Any:
     sink = FileSink(url)
-    sink.open(op_ctx(k, p, snaps, attempt, "sink"))
+    sink.open(op_ctx(k, p, snaps, attempt, "sink", restored))
     return sink
 
 
@@ -672,6 +685,37 @@ def test_file_sink_zombie_files_never_become_visible(tmp_path: Path) -> None:
     restored_sink(url, [new.ctx.operator_state.snapshot()], 2)
     assert list((tmp_path / "out" / ".pending").iterdir()) == []
     assert sorted(committed_indices(url)) == [0, 1]
+
+
+def test_file_sink_never_deletes_pending_files_of_a_completed_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Restored from checkpoint 2 with no state naming them (state lost or dropped): the
+    pending files of checkpoints <= 2 may belong to a completed checkpoint and stay (with a
+    warning); the in-progress file and the pending file of checkpoint 3 (never completed)
+    go."""
+    url = str(tmp_path / "out")
+    sink = FileSink(url)
+    sink.open(op_ctx(0, 1, None, 0, "sink"))
+    for cid in (1, 2, 3):
+        sink.process({"i": cid}, ListCollector())
+        sink.snapshot_state(cid)
+    sink.process({"i": 4}, ListCollector())
+    pending = tmp_path / "out" / ".pending"
+    assert sorted(p.name for p in pending.iterdir()) == [
+        "part-0-0-0.jsonl-chk-1",
+        "part-0-0-1.jsonl-chk-2",
+        "part-0-0-2.jsonl-chk-3",
+    ]
+    with caplog.at_level(logging.WARNING, "exchange.streaming.connectors"):
+        restored_sink(url, None, 1, restored=2)
+    assert sorted(p.name for p in pending.iterdir()) == [
+        "part-0-0-0.jsonl-chk-1",
+        "part-0-0-1.jsonl-chk-2",
+    ]
+    assert list((tmp_path / "out" / ".inprogress").iterdir()) == []
+    assert "not in the restored state; left in place" in caplog.text
+    assert visible_files(url) == {}
 
 
 def test_file_sink_lost_pending_file_is_a_commit_error(tmp_path: Path) -> None:

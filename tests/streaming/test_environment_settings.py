@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from client.streaming.connectors import CollectSink
 from client.streaming.environment import StreamEnvironment
-from exchange.errors import ConfigError
+from client.streaming.graph import JobGraph
+from exchange.errors import ConfigError, UsageError
 
 
 class _Context:
@@ -25,3 +27,57 @@ def test_buffer_timeout_takes_a_duration() -> None:
 def test_a_bad_buffer_timeout_is_a_config_error(bad: object) -> None:
     with pytest.raises(ConfigError, match="buffer_timeout"):
         StreamEnvironment(_Context(), checkpoint_dir="/tmp/ckpt", buffer_timeout=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -1, "soon", True])
+def test_a_bad_lease_timeout_is_refused(bad: object) -> None:
+    with pytest.raises((ConfigError, UsageError), match="lease_timeout"):
+        StreamEnvironment(_Context(), checkpoint_dir="/tmp/ckpt", lease_timeout=bad)  # type: ignore[arg-type]
+
+
+def test_a_bad_secret_file_is_refused() -> None:
+    with pytest.raises(UsageError, match="secret_file"):
+        StreamEnvironment(_Context(), checkpoint_dir="/tmp/ckpt", secret_file="")
+
+
+def _job(p: int) -> JobGraph:
+    env = StreamEnvironment(None, checkpoint_dir="/tmp/ckpt")
+    (
+        env.from_generator(int, count=10, name="gen")
+        .map(str, name="ident", parallelism=p)
+        .key_by(len, name="bykey")
+        .process(lambda v, ctx, out: None, name="sums", parallelism=p)
+        .uid("totals")
+        .sink_to(CollectSink, name="sink", uid="out")
+    )
+    return JobGraph.build(env._nodes, env.max_parallelism)
+
+
+def test_operator_state_ids_do_not_depend_on_the_chaining() -> None:
+    """The same operators at parallelism 1 (two chains) and 2 (three vertices): every
+    operator keeps its state id (uid, else name); only the tasks running it change."""
+    one, two = _job(1).operator_tasks(), _job(2).operator_tasks()
+    assert list(one) == list(two) == ["gen", "ident", "bykey", "totals", "out"]
+    assert one["totals"] == ["v1-0"] and two["totals"] == ["v2-0", "v2-1"]
+    assert one["gen"] == two["gen"] == ["v0-0"] and two["ident"] == ["v1-0", "v1-1"]
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "x" * 65, 7])
+def test_a_bad_uid_is_refused_when_given(bad: object) -> None:
+    env = StreamEnvironment(None, checkpoint_dir="/tmp/ckpt")
+    stream = env.from_generator(int, count=1)
+    with pytest.raises(UsageError, match="uid"):
+        stream.uid(bad)  # type: ignore[arg-type]
+
+
+def test_uids_must_be_unique() -> None:
+    env = StreamEnvironment(None, checkpoint_dir="/tmp/ckpt")
+    env.from_generator(int, count=1, name="a").map(str, name="b").uid("a")
+    with pytest.raises(UsageError, match="state id 'a'"):
+        JobGraph.build(env._nodes, env.max_parallelism)
+
+
+def test_allow_non_restored_state_must_be_a_bool() -> None:
+    env = StreamEnvironment(_Context(), checkpoint_dir="/tmp/ckpt")
+    with pytest.raises(UsageError, match="allow_non_restored_state"):
+        env.execute(allow_non_restored_state="yes")  # type: ignore[arg-type]

@@ -93,7 +93,7 @@ def _all_exited(runner: LocalRunner) -> bool:
 def test_a_keyed_pipeline_runs_in_local_processes_and_returns_what_it_collected(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="exchange.streaming.job")
+    caplog.set_level(logging.INFO, logger="exchange.streaming.driver")
     env = StreamEnvironment(None, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=0.2)
     name = (
         env.from_generator(event, count=300, parallelism=2)
@@ -133,7 +133,7 @@ def test_a_keyed_pipeline_runs_in_local_processes_and_returns_what_it_collected(
 def test_a_killed_task_process_restarts_the_job_from_its_checkpoint_exactly_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="exchange.streaming.job")
+    caplog.set_level(logging.INFO, logger="exchange.streaming.driver")
     pids = tmp_path / "pids"
     pids.mkdir()
     n = 1500
