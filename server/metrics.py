@@ -384,11 +384,11 @@ class ExchangeCollector:
         state = GaugeMetricFamily(
             "exchange_job_info",
             "A streaming job whose driver publishes its status here (always 1).",
-            labels=["job", "state"],
+            labels=["job_id", "state"],
         )
         # counts over the job's life (its driver's): counters, exported as <name>_total
         job_counters = {
-            name: CounterMetricFamily(name, doc, labels=["job"])
+            name: CounterMetricFamily(name, doc, labels=["job_id"])
             for name, doc in (
                 ("exchange_job_restarts", "Times the job restarted from a checkpoint."),
                 ("exchange_job_checkpoints_completed", "Checkpoints the job completed."),
@@ -396,7 +396,7 @@ class ExchangeCollector:
             )
         }
         job_gauges: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
-            name: GaugeMetricFamily(name, doc, labels=["job"])
+            name: GaugeMetricFamily(name, doc, labels=["job_id"])
             for name, doc in (
                 ("exchange_job_attempt", "The job's current attempt (its id)."),
                 (
@@ -417,7 +417,9 @@ class ExchangeCollector:
                 ),
             )
         }
-        task_labels = ["job", "task"]
+        # ``job_id`` (Flink's label), not ``job``: Prometheus gives every scraped series its
+        # target's ``job`` and would rename ours to ``exported_job``
+        task_labels = ["job_id", "task"]
         level = GaugeMetricFamily(
             "exchange_task_back_pressure_status",
             "Flink's back-pressure status of a task (always 1): OK <= 10 %, LOW <= 50 %, "

@@ -112,7 +112,7 @@ def test_the_drivers_view_reaches_the_daemon(
     restarts = next(
         s for s in families["exchange_job_restarts"].samples if s.name.endswith("_total")
     )
-    assert restarts.labels == {"job": "job-x"} and restarts.value == 1
+    assert restarts.labels == {"job_id": "job-x"} and restarts.value == 1
     (size,) = families["exchange_job_last_checkpoint_size_bytes"].samples
     assert size.value == 3000
 
