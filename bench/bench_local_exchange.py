@@ -8,7 +8,7 @@ writes a pipelined partition through ``client.producer.PartitionWriter`` to its 
 names the daemon, so the reader skips TCP), decoding and checking every record
 (``_common.Checker``). The clock runs from the producer's first record to the consumer's
 last. (The in-process path, ``ResultPartitionWriter`` into a ``LocalInputChannel``, is
-what tests use, not tasks; it is not measured here.)
+test tooling in ``tests/kit``, not what tasks run; it is not measured here.)
 
 Baselines, in one process on the same records (``bytes`` of 100 B and 4 KiB): pack and
 unpack with no exchange at all:

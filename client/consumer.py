@@ -40,6 +40,7 @@ from client._checks import check_codec, check_count, check_optional, check_secon
 from client.local_connection import LocalConnection, secret_or_env
 from client.network import UNIX_PREFIX, ConnectionManager
 from client.runtime import ClientRuntime, get_runtime
+from exchange.best_effort import cancel_and_wait, wait_quietly
 from exchange.buffers.buffer import Buffer
 from exchange.checkpointing import (
     BarrierHandlerStats,
@@ -70,7 +71,7 @@ from exchange.protocol.local_messages import (
     DaemonInfo,
     TaskMetrics,
 )
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.serialization.record_codec import RecordCodec, default_codec
 
 __all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader", "reader_settings"]
 
@@ -257,10 +258,7 @@ class _TaskMetricsReporter:
     async def close(self) -> None:
         """Send the last report (if still reporting), then close the connection."""
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_and_wait(task, log, f"metrics reporter of task {self.task}")
         conn, self._conn = self._conn, None
         if conn is None:
             return
@@ -556,10 +554,7 @@ class AsyncPartitionReader:
         if reporter is not None:  # the last report, while the figures are still there
             await reporter.close()
         task, self._debloat_task = self._debloat_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        await cancel_and_wait(task, log, "buffer debloater")
         self.reader.close()
         await self.connections.close()
         self.pool.check_consistency()
@@ -595,7 +590,10 @@ class _Handoff:
     later ``put``s give their buffers back at once; ``drain()`` (loop thread) takes what
     was never consumed. ``on_idle`` / ``on_busy`` (loop thread) hear when the task starts
     waiting for input and when input reaches it again (debloating counts time only while
-    the task has input).
+    the task has input). ``poll(notify)`` is ``get`` for a task thread that waits
+    somewhere else (its mailbox): it never blocks, and when it finds nothing it arms
+    ``notify``, called once (loop thread, or the closing thread) by the next ``put`` or
+    ``close``.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, window: int) -> None:
@@ -607,6 +605,7 @@ class _Handoff:
         self._space = asyncio.Semaphore(window)
         self._closed = False
         self._task_waiting = False
+        self._notify: Callable[[], None] | None = None
         self.on_idle: Callable[[], None] | None = None
         self.on_busy: Callable[[], None] | None = None
 
@@ -630,23 +629,43 @@ class _Handoff:
                 self._items.append(batch)
                 self._cond.notify()
                 woke, self._task_waiting = self._task_waiting, False
+                notify, self._notify = self._notify, None
             else:
                 return False
+        if notify is not None:
+            notify()
         if woke and self.on_busy is not None:
             self.on_busy()
         return True
 
     def get(self) -> list[_Item]:
         with self._cond:
-            if not self._items and not self._closed:
-                self._task_waiting = True
-                if self.on_idle is not None:
-                    self._loop.call_soon_threadsafe(self._report_idle)
             while not self._items:
-                if self._closed:
-                    raise IllegalStateError("the PartitionReader was closed while reading")
+                self._check_open()
+                self._waiting()
                 self._cond.wait()
             return self._items.popleft()
+
+    def poll(self, notify: Callable[[], None]) -> list[_Item] | None:
+        """The next batch, or None after arming ``notify`` for the next ``put`` / ``close``."""
+        with self._cond:
+            if self._items:
+                return self._items.popleft()
+            self._check_open()
+            self._waiting()
+            self._notify = notify
+            return None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise IllegalStateError("the PartitionReader was closed while reading")
+
+    def _waiting(self) -> None:
+        """The task found nothing (lock held): report it idle, once until input comes."""
+        if not self._task_waiting:
+            self._task_waiting = True
+            if self.on_idle is not None:
+                self._loop.call_soon_threadsafe(self._report_idle)
 
     def batch_done(self) -> None:
         """Loop thread: the task is done with a batch it got; its slot is free again
@@ -664,6 +683,9 @@ class _Handoff:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            notify, self._notify = self._notify, None
+        if notify is not None:
+            notify()
 
     def drain(self) -> list[Buffer]:
         with self._cond:
@@ -897,18 +919,41 @@ class PartitionReader:
         """
         return itertools.chain.from_iterable(self._record_lists())
 
-    def record_lists(self) -> Iterator[list[Any]]:
+    def record_lists(
+        self, *, on_available: Callable[[], None] | None = None
+    ) -> Iterator[list[Any]]:
         """The records of ``records()``, one list per decoded buffer, for a caller that
-        chains them itself (the same ends: closed at the end, on an error, when dropped)."""
-        return self._record_lists()
+        chains them itself (the same ends: closed at the end, on an error, when dropped).
 
-    def _record_lists(self) -> Iterator[list[Any]]:
+        With ``on_available`` it never blocks, for a task thread that waits for its input
+        and for other work in one place (Flink's mailbox): when nothing was handed over
+        yet it yields an empty list, and ``on_available()`` is called once, from the loop
+        thread (or the thread closing the reader), as soon as something is. Wait for that,
+        then ask again. A wake-up may find nothing new (a batch that only held a barrier):
+        the next empty list arms it again."""
+        return self._record_lists(on_available)
+
+    @property
+    def end_of_data(self) -> bool:
+        """True once every input channel delivered EndOfData (in the iterating thread:
+        from the event handler on, the records of every producer are in)."""
+        return self._stream.end_of_data
+
+    def _record_lists(self, on_available: Callable[[], None] | None = None) -> Iterator[list[Any]]:
         if self._closed and not self._done:
             raise IllegalStateError("the PartitionReader was closed before the end of its input")
-        get = self._handoff.get
+        get, poll = self._handoff.get, self._handoff.poll
         try:
             while not self._done:
-                out = self._decode(get())
+                if on_available is None:
+                    batch = get()
+                else:
+                    got = poll(on_available)
+                    if got is None:
+                        yield []  # nothing yet: on_available() will be called
+                        continue
+                    batch = got
+                out = self._decode(batch)
                 for kind, ch, item in out:
                     if kind == _DATA:
                         yield item
@@ -986,9 +1031,7 @@ class PartitionReader:
             self._handler.close()
 
     async def _close_async(self) -> None:
-        pump = asyncio.wrap_future(self._pump_future)
-        with contextlib.suppress(BaseException):
-            await pump
+        await wait_quietly(asyncio.wrap_future(self._pump_future), log, "reader pump")
         self._give_back(self._handoff.drain())
         if self._in_flight:  # the task thread is decoding a batch: wait for its buffers
             self._all_back = asyncio.Event()

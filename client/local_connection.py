@@ -22,8 +22,14 @@ from exchange.errors import (
     ExchangeError,
     ProtocolError,
     TransportError,
+    UsageError,
 )
 from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, max_frame_size_for
+from exchange.protocol.handshake import (
+    APP_CREDENTIAL_PREFIX,
+    format_app_credential,
+    parse_app_credential,
+)
 from exchange.protocol.local_messages import (
     ALL_SUBPARTITIONS,
     AddProducerCredit,
@@ -46,6 +52,7 @@ __all__ = [
     "LocalConnection",
     "default_socket_path",
     "fetch_daemon_info",
+    "mint_app_credential",
     "release_dataset",
     "resolve_daemon_socket",
     "resolve_secret",
@@ -87,6 +94,32 @@ def resolve_secret(secret_file: str | None = None) -> bytes | None:
     if not secret or len(secret) > 64 * 1024:
         raise ConfigError("secret_file", f"{path!r} must hold 1 byte to 64 KiB of secret")
     return secret
+
+
+def mint_app_credential(app_id: str, secret_file: str | None = None) -> bytes | None:
+    """The credential application ``app_id``'s tasks authenticate with, minted where the
+    daemons' secret is (the driver) from ``secret_file`` or $EXCHANGE_SECRET_FILE; the
+    tasks get only it (as Spark's shuffle service registers one secret per application).
+
+    A file that holds an application credential already gives that one (ConfigError if it
+    is another application's). None when there is no secret; the daemons' secret itself
+    when ``app_id`` is empty (no application).
+    """
+    secret = resolve_secret(secret_file)
+    if secret is None or not app_id:
+        return secret
+    if secret.startswith(APP_CREDENTIAL_PREFIX):
+        try:
+            cred_app, _ = parse_app_credential(secret)
+        except UsageError as e:
+            raise ConfigError("secret_file", str(e)) from None
+        if cred_app != app_id:
+            raise ConfigError(
+                "secret_file",
+                f"holds application {cred_app!r}'s credential, not {app_id!r}'s",
+            )
+        return secret
+    return format_app_credential(secret, app_id)
 
 
 def secret_or_env(secret: bytes | None) -> bytes | None:

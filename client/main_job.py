@@ -34,8 +34,11 @@ import urllib.request
 from typing import Any
 
 from client.shuffle_job import EVENT_TYPES, generate_events
+from exchange.best_effort import best_effort
 
 __all__ = ["RunningTotals", "main", "parse_click"]
+
+log = logging.getLogger("exchange.client.main_job")
 
 
 def _log(t0: float, msg: str) -> None:
@@ -167,7 +170,7 @@ class Watcher(threading.Thread):
 
     def run(self) -> None:
         while not self.stop_event.wait(0.2):
-            with contextlib.suppress(Exception):  # watching never fails the job
+            with best_effort(log, "watching the job"):  # watching never fails the job
                 self.tick()
 
     def daemon_view(self) -> dict[str, Any] | None:

@@ -18,7 +18,6 @@ connection is aborted and its channels fail with a ``TransportError``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import os
@@ -27,6 +26,7 @@ from typing import Final, Literal
 
 from client.connection_base import HandshakingClientProtocol
 from client.tls import client_ssl_context, connect_kwargs
+from exchange.best_effort import cancel_and_wait
 from exchange.consumer.remote_input_channel import RemoteInputChannel
 from exchange.errors import (
     ExchangeError,
@@ -293,10 +293,8 @@ class ConnectionManager:
         return list(self._clients.values())
 
     async def close(self) -> None:
-        for task in list(self._connecting.values()):
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
+        for address, task in list(self._connecting.items()):
+            await cancel_and_wait(task, log, f"connecting to {address}")
         for client in list(self._clients.values()):
             await client.aclose()
         self._clients.clear()

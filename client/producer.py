@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import itertools
+import logging
 import math
 import threading
 from collections import deque
@@ -32,6 +33,7 @@ from typing import Any, Final
 from client._checks import check_codec, check_count, check_optional, check_selector
 from client.local_connection import LocalConnection, resolve_daemon_socket, secret_or_env
 from client.runtime import ClientRuntime, get_runtime
+from exchange.best_effort import best_effort
 from exchange.errors import UsageError, WriterClosedError, fresh_error
 from exchange.events.events import AbstractEvent
 from exchange.partition.result_partition_id import ResultPartitionID
@@ -42,12 +44,14 @@ from exchange.protocol.local_messages import (
     PartitionCreated,
     PartitionFinished,
 )
-from exchange.serialization.codec import RecordCodec
+from exchange.serialization.record_codec import RecordCodec
+from exchange.writer.async_record_writer import AsyncRecordWriter
 from exchange.writer.channel_selector import ChannelSelector
-from exchange.writer.partition_writer import AsyncRecordWriter
 from exchange.writer.record_writer import DEFAULT_BUFFER_TIMEOUT, OutputBuffer, RecordWriter
 
 __all__ = ["AsyncPartitionWriter", "DaemonSink", "PartitionWriter"]
+
+log = logging.getLogger("exchange.client.producer")
 
 _NO_KEY: Final[Any] = object()
 #: Bytes of cut buffers handed to the loop at a time (with whole-segment buffers).
@@ -625,7 +629,7 @@ class PartitionWriter:
             for _, fut in self._queue:
                 fut.cancel()
         self._inflight.clear()
-        with contextlib.suppress(Exception):
+        with best_effort(log, f"failing the partition after {cause!r}", logging.WARNING):
             self._rt.run(self._sink.fail(cause if not isinstance(cause, str) else _Failure(cause)))
 
     def _stop_timer(self) -> None:

@@ -20,18 +20,21 @@ exchange's random token, so only the driver's own tasks can register.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
+import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from client.runtime import ClientRuntime, get_runtime
+from exchange.best_effort import best_effort
 from exchange.errors import TransportError, UsageError
 
 __all__ = ["RendezvousServer", "RendezvousTicket", "rendezvous", "report_abort"]
+
+log = logging.getLogger("exchange.client.rendezvous")
 
 _MAX_LINE: Final = 1 << 20
 
@@ -166,7 +169,7 @@ class RendezvousServer:
             writer.write(json.dumps({"ok": answer}).encode() + b"\n")
             await writer.drain()
         except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-            with contextlib.suppress(Exception):
+            with best_effort(log, "answering a bad rendezvous request"):
                 writer.write(json.dumps({"error": str(e)}).encode() + b"\n")
                 await writer.drain()
         except (asyncio.CancelledError, TimeoutError, ConnectionError):
@@ -188,7 +191,7 @@ class RendezvousServer:
             for _ in range(10):  # let the cancelled handlers close their connections
                 await asyncio.sleep(0)
 
-        with contextlib.suppress(Exception):
+        with best_effort(log, "stopping the rendezvous service"):
             self._rt.run(stop(), timeout=5)
 
 
@@ -248,7 +251,7 @@ def report_abort(
 ) -> None:
     """Tell the driver this task failed (best effort: the task's own error goes on)."""
     rt = runtime if runtime is not None else get_runtime()
-    with contextlib.suppress(Exception):
+    with best_effort(log, f"telling the driver that task {index} failed", logging.WARNING):
         rt.run(_meet(ticket, index, attempt, None, timeout, abort=True), timeout=timeout)
 
 

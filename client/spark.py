@@ -45,17 +45,16 @@ from typing import TYPE_CHECKING, Any, Final
 from client.consumer import PartitionLocation, PartitionReader, reader_settings
 from client.local_connection import (
     fetch_daemon_info,
+    mint_app_credential,
     release_dataset,
     resolve_daemon_socket,
-    resolve_secret,
 )
 from client.producer import PartitionWriter
 from client.rendezvous import RendezvousServer, rendezvous, report_abort
 from client.runtime import get_runtime
 from exchange.errors import ExchangeError, TransportError, UsageError
 from exchange.partition.result_partition_id import ResultPartitionID
-from exchange.protocol.handshake import APP_CREDENTIAL_PREFIX, format_app_credential
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.serialization.record_codec import RecordCodec, default_codec
 from exchange.writer.hashing import deterministic_hash
 
 log = logging.getLogger("exchange.client.spark")
@@ -325,25 +324,22 @@ def _socket_identity(sock: str) -> tuple[int, int]:
 
 @dataclass(frozen=True, slots=True)
 class _DaemonSpec:
-    """How tasks reach their daemon: a socket hint (None: their environment), the path
-    of the shared-secret file (None: $EXCHANGE_SECRET_FILE) and the Spark application the
-    exchange belongs to. Never the secret itself."""
+    """How tasks reach their daemon: a socket hint (None: their environment), the Spark
+    application the exchange belongs to and its credential, minted on the driver
+    (``mint_app_credential``). Never the daemons' secret: a task can authenticate for its
+    own application only."""
 
     hint: str | None
-    secret_file: str | None
+    credential: bytes | None
     app_id: str = ""
 
     @property
     def secret(self) -> bytes | None:
-        """What tasks authenticate with: the application's credential, derived from the
-        daemons' secret, so that they reach this application's partitions only."""
-        return _app_secret(resolve_secret(self.secret_file), self.app_id)
-
-
-def _app_secret(secret: bytes | None, app_id: str) -> bytes | None:
-    if secret is None or not app_id or secret.startswith(APP_CREDENTIAL_PREFIX):
-        return secret
-    return format_app_credential(secret, app_id)
+        """What tasks authenticate with: the credential the driver minted; without one
+        (the driver holds no secret), what the executor's $EXCHANGE_SECRET_FILE holds."""
+        if self.credential is not None:
+            return self.credential
+        return mint_app_credential(self.app_id)
 
 
 def _local_daemon(spec: _DaemonSpec) -> tuple[str, Any]:
@@ -460,9 +456,10 @@ def exchange_shuffle(
     records); ``codec=MsgpackCodec()`` is the explicit choice for cross-language data.
     The returned RDD has an ``exchange_id`` attribute for ``release_exchange``.
 
-    ``secret_file``: where the daemons' shared secret lies on every host (default:
-    ``$EXCHANGE_SECRET_FILE`` in the executors' environment); the path travels to the
-    tasks, the secret does not.
+    ``secret_file``: where the daemons' shared secret lies on the driver (default:
+    ``$EXCHANGE_SECRET_FILE``); the driver mints the application's credential from it
+    and only that travels to the tasks (executors need no secret). Without a secret on
+    the driver, tasks use their own ``$EXCHANGE_SECRET_FILE``.
     """
     # the arguments first, the RDD last: a bad argument is named before Spark is touched
     if not isinstance(num_partitions, int) or isinstance(num_partitions, bool):
@@ -483,7 +480,7 @@ def exchange_shuffle(
         raise UsageError(f"rdd must be a PySpark RDD of (key, value) pairs, got {rdd!r}")
     the_codec: RecordCodec = codec if codec is not None else default_codec()
     app_id = str(getattr(sc, "applicationId", "") or "")
-    spec = _DaemonSpec(_daemon_hint(sc), secret_file, app_id)
+    spec = _DaemonSpec(_daemon_hint(sc), mint_app_credential(app_id, secret_file), app_id)
     check_executor_python(sc)
     exchange_id = f"x-{uuid.uuid4().hex[:16]}"
     _known_exchanges.add(exchange_id)
@@ -674,7 +671,7 @@ def release_exchange(rdd_or_id: Any, *, secret_file: str | None = None) -> int:
     addresses = _exchanges.pop(exchange_id, set())  # empty: released before, or pipelined
     rt = get_runtime()
     released = 0
-    secret = _app_secret(resolve_secret(secret_file), _exchange_apps.get(exchange_id, ""))
+    secret = mint_app_credential(_exchange_apps.get(exchange_id, ""), secret_file)
     for address in addresses:
         try:
             released += rt.run(release_dataset(address, exchange_id, secret=secret))

@@ -15,29 +15,41 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     ├── InsufficientBuffersError   not enough network buffers: says required, available, setting
     ├── BufferRequestTimeoutError  a batch request for segments timed out
     ├── CorruptRecordError         bytes in a data buffer do not form valid records
-    │   └── RecordTooLargeError    a record exceeds max_record_size; carries size and limit
+    │   ├── RecordTooLargeError    a record exceeds max_record_size; carries size and limit
+    │   └── IntegrityError         a file's MAC does not match the secret: forged, or
+    │                              written without the key (names the file)
     ├── PartitionError             per-stream failures; carry the partition id
-    │   ├── PartitionNotFoundError       no such partition (yet) on that daemon
+    │   ├── PartitionNotFoundError       no such partition (yet) of this application there
     │   ├── PartitionReleasedError       the partition was released while in use
     │   │   └── PartitionDataLostError   its spilled data did not survive a daemon restart
-    │   ├── SubpartitionIndexError       index out of range (also a UsageError in spirit)
+    │   ├── SubpartitionIndexError       a peer's request or push names a subpartition the
+    │   │                                partition does not have; carries index and count
+    │   ├── SequenceNumberError          a BufferResponse arrived out of sequence: the peer's
+    │   │                                fault, one channel's failure
     │   ├── ProducerFailedError          the producer failed: consumers never see a short read
     │   ├── ConsumerAlreadyAttachedError a pipelined subpartition is consumed once
     │   ├── PartitionNotReadyError       a blocking partition is read before it is finished
-    │   ├── AccessDeniedError            the partition belongs to another application
-    │   └── LimitExceededError           a per-connection or per-application limit is reached
+    │   ├── AccessDeniedError            the daemon's access policy refuses the connection
+    │   ├── LimitExceededError           a per-connection or per-application limit is reached
+    │   └── SpillError                   a blocking partition's file cannot be written: disk
+    │                                    full, spill quota or free-space floor; names the dir
     ├── ProtocolError              the peer sent bytes that break the protocol (fatal for the
     │   │                          connection); carries what was wrong and the limit
     │   ├── FrameTooLargeError
     │   ├── BadMagicError
     │   ├── UnknownMessageError
     │   ├── VersionMismatchError
-    │   ├── SequenceNumberError   a BufferResponse arrived out of sequence
     │   └── AuthenticationError   wrong or missing shared secret
+    ├── LocalProtocolError         the peer answered that *this* side broke the protocol
+    │                              (PROTOCOL_ERROR, VERSION_MISMATCH): a bug or a version
+    │                              skew here, fatal for the connection; names the code
     └── TransportError             the connection failed (closed, reset, timed out)
 
 Per-channel errors (``PartitionError`` family) end one stream and leave the connection and
-its other streams alone; ``ProtocolError`` and ``TransportError`` end the whole connection.
+its other streams alone, whoever caused them; ``ProtocolError``, ``LocalProtocolError`` and
+``TransportError`` end the whole connection. As in h11, ``ProtocolError`` (the peer
+misbehaved) and ``LocalProtocolError`` (the peer says we did) are kept apart; a caller's
+own misuse of the API is a ``UsageError``.
 
 An object that remembers its failure and reports it on every later call (a failed
 connection, a poisoned decoder, a failed channel or writer) raises ``fresh_error(stored)``,
@@ -61,7 +73,9 @@ __all__ = [
     "IllegalReferenceCountError",
     "IllegalStateError",
     "InsufficientBuffersError",
+    "IntegrityError",
     "LimitExceededError",
+    "LocalProtocolError",
     "PartitionDataLostError",
     "PartitionError",
     "PartitionNotFoundError",
@@ -73,6 +87,7 @@ __all__ = [
     "RecordTooLargeError",
     "SegmentFreedError",
     "SequenceNumberError",
+    "SpillError",
     "SubpartitionIndexError",
     "TransportError",
     "UnknownMessageError",
@@ -199,6 +214,12 @@ class RecordTooLargeError(CorruptRecordError):
         self.at_least = at_least
 
 
+class IntegrityError(CorruptRecordError):
+    """A file the daemon wrote (a partition manifest) fails its authentication: with a
+    secret configured such files carry an HMAC, and this one's is missing or wrong. It
+    was forged, or written by a daemon with another secret; it is refused, never used."""
+
+
 class PartitionError(ExchangeError):
     """A failure of one stream (one partition or subpartition); the connection survives."""
 
@@ -230,8 +251,51 @@ class PartitionDataLostError(PartitionReleasedError):
     message says which file and what is wrong); the producer has to run again."""
 
 
-class SubpartitionIndexError(PartitionError, IndexError):
-    """A subpartition index is out of range."""
+class SubpartitionIndexError(PartitionError):
+    """A request or a pushed buffer from a peer names a subpartition the partition does
+    not have: that stream fails, the connection lives on. (A caller of this process's API
+    passing a bad index gets a UsageError instead.)"""
+
+    def __init__(
+        self,
+        index: object,
+        num_subpartitions: int,
+        partition_id: object = None,
+        address: str | None = None,
+    ) -> None:
+        super().__init__(
+            f"subpartition index {index!r} out of range [0, {num_subpartitions})",
+            partition_id,
+            address,
+        )
+        self.index = index
+        self.num_subpartitions = num_subpartitions
+
+
+class SequenceNumberError(PartitionError):
+    """A BufferResponse arrived with an unexpected sequence number (gap or repeat).
+
+    The peer's fault, but sequence numbers count per receiver: the one channel fails
+    (as Flink's ``BufferReorderingException``), the connection's other channels go on.
+    """
+
+    def __init__(
+        self,
+        received: int,
+        expected: int,
+        receiver_id: object = None,
+        partition_id: object = None,
+        address: str | None = None,
+    ) -> None:
+        super().__init__(
+            f"buffer with sequence number {received} received, expected {expected}"
+            + (f" (receiver {receiver_id})" if receiver_id is not None else ""),
+            partition_id,
+            address,
+        )
+        self.received = received
+        self.expected = expected
+        self.receiver_id = receiver_id
 
 
 class ProducerFailedError(PartitionError):
@@ -250,10 +314,10 @@ class PartitionNotReadyError(PartitionError):
 
 
 class AccessDeniedError(PartitionError):
-    """The partition belongs to another application than the one this connection
-    authenticated for (``docs/security.md``): it may not be read, written or released.
-
-    Per channel on a read; a producer's connection is closed with it.
+    """The daemon's access policy refuses this connection (``docs/security.md``): a plain
+    connection from a peer off loopback to a daemon with ``require_tls_remote``, refused
+    before the handshake. (Another application's partition is not refused with it: ids
+    are per application, so it is answered as not found, revealing nothing.)
     """
 
 
@@ -278,6 +342,29 @@ class LimitExceededError(PartitionError):
         super().__init__(message, partition_id, address)
         self.setting = setting
         self.limit = limit
+
+
+class SpillError(PartitionError):
+    """A blocking partition's data cannot be spilled: the disk is full or failed
+    (``errno``), the application's spill quota or the spill directory's free-space floor
+    is reached (``setting``). ``directory`` names the spill directory. The partition is
+    released (its files deleted, its pool destroyed); the producer gets this error
+    (``SPILL_FAILED``), its readers a PartitionReleasedError naming it."""
+
+    def __init__(
+        self,
+        message: str,
+        partition_id: object = None,
+        address: str | None = None,
+        *,
+        directory: str | None = None,
+        setting: str | None = None,
+        errno: int | None = None,
+    ) -> None:
+        super().__init__(message, partition_id, address)
+        self.directory = directory
+        self.setting = setting
+        self.errno = errno
 
 
 class ProtocolError(ExchangeError):
@@ -319,21 +406,19 @@ class VersionMismatchError(ProtocolError):
         self.ours = ours
 
 
-class SequenceNumberError(ProtocolError):
-    """A BufferResponse arrived with an unexpected sequence number (gap or repeat)."""
-
-    def __init__(self, received: int, expected: int, receiver_id: object = None) -> None:
-        super().__init__(
-            f"buffer with sequence number {received} received, expected {expected}"
-            + (f" (receiver {receiver_id})" if receiver_id is not None else "")
-        )
-        self.received = received
-        self.expected = expected
-        self.receiver_id = receiver_id
-
-
 class AuthenticationError(ProtocolError):
     """The handshake's shared-secret authentication failed."""
+
+
+class LocalProtocolError(ExchangeError):
+    """The peer answered that this side broke the wire protocol (its fatal
+    ``PROTOCOL_ERROR`` or ``VERSION_MISMATCH`` ErrorResponse): a bug or a version skew on
+    this side, not the peer's misbehaviour (that is a ``ProtocolError``). Fatal for the
+    connection. ``code`` names the peer's error code."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class TransportError(ExchangeError, ConnectionError):

@@ -37,6 +37,7 @@ from exchange.config_values import (
     parse_size,
 )
 from exchange.errors import ConfigError
+from exchange.writer.record_writer import MIN_BUFFER_SIZE
 
 __all__ = [
     "CONFIG_ENV_VAR",
@@ -45,6 +46,7 @@ __all__ = [
     "DaemonConfig",
     "build_arg_parser",
     "config_from_namespace",
+    "default_spill_dir",
     "env_var_name",
     "flag_name",
     "load_config",
@@ -68,6 +70,10 @@ MIN_SEGMENT_SIZE: Final = 4 * KIB
 MAX_SEGMENT_SIZE: Final = 16 * MIB
 MIN_SEGMENTS: Final = 16
 MAX_SECRET_SIZE: Final = 64 * KIB
+#: A shorter secret can be guessed offline from one recorded handshake.
+MIN_SECRET_SIZE: Final = 16
+#: The placeholder ``deploy/k8s/secret.yaml`` ships with (never a real secret).
+PLACEHOLDER_SECRETS: Final = frozenset({b"REPLACE-ME-with-openssl-rand-hex-32"})
 # sun_path holds 108 bytes on Linux, including the terminating NUL.
 MAX_UNIX_SOCKET_PATH: Final = 107
 LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -80,8 +86,10 @@ _UNLIMITED_WORDS: Final = frozenset({"", "none", "unlimited", "-1"})
 DEFAULT_SOCKET_NAME: Final = "exchange-daemon.sock"
 
 
-def _default_spill_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "exchange-spill")
+def default_spill_dir() -> str:
+    """``$TMPDIR/exchange-<uid>``: the daemon's user's own (docs/security.md, Spill files);
+    tasks of the same user find its socket there (``client.local_connection``)."""
+    return os.path.join(tempfile.gettempdir(), f"exchange-{os.geteuid()}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +97,7 @@ class DaemonConfig:
     """Everything an exchange daemon is configured with. Sizes in bytes, durations in seconds."""
 
     host: str = "127.0.0.1"
+    http_host: str = "127.0.0.1"
     advertise_host: str | None = None
     data_port: int = 0
     http_port: int = 0
@@ -106,12 +115,19 @@ class DaemonConfig:
     partition_request_backoff_max: float = 10.0
     buffer_timeout: float = 0.1
     max_connections: int = 1024
-    max_requests_per_connection: int = 16384
-    max_partitions_per_app: int = 0
-    max_pinned_segments_per_app: int = 0
+    max_unauthenticated_connections: int | None = None
+    max_unauthenticated_per_peer: int | None = None
+    max_requests_per_connection: int = 512
+    max_partitions_per_app: int | None = None
+    max_pinned_segments_per_app: int | None = None
+    max_readers_per_app: int | None = None
+    max_reader_memory_per_app: int | None = None
+    max_subpartitions_per_partition: int = 1024
+    spill_quota_per_app: int | None = None
+    spill_min_free: int | None = None
     handshake_timeout: float = 10.0
     peer_timeout: float = 60.0
-    spill_dir: str = field(default_factory=_default_spill_dir)
+    spill_dir: str = field(default_factory=default_spill_dir)
     secret_file: str | None = None
     log_level: str = "INFO"
     blocking_partition_ttl: float = 3600.0
@@ -127,6 +143,7 @@ class DaemonConfig:
     tls_key_file: str | None = None
     tls_ca_file: str | None = None
     tls_client_auth: bool = False
+    require_tls_remote: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -193,6 +210,20 @@ class DaemonConfig:
                 "requiring client certificates needs TLS (tls_cert_file, tls_key_file) and "
                 "the CA that signs them (tls_ca_file)",
             )
+        pending = self.max_unauthenticated_connections
+        if pending is not None and pending >= self.max_connections:
+            raise ConfigError(
+                "max_unauthenticated_connections",
+                f"{pending} must be below max_connections ({self.max_connections}): "
+                "authenticated connections keep the difference as their headroom",
+            )
+        per_peer = self.max_unauthenticated_per_peer
+        if per_peer is not None and per_peer > self.effective_max_unauthenticated:
+            raise ConfigError(
+                "max_unauthenticated_per_peer",
+                f"{self.max_unauthenticated_per_peer} exceeds max_unauthenticated_connections "
+                f"({self.effective_max_unauthenticated})",
+            )
         if self.local_socket_group is not None and not self.local_socket_mode & 0o070:
             raise ConfigError(
                 "local_socket_group",
@@ -208,6 +239,51 @@ class DaemonConfig:
     def num_segments(self) -> int:
         """Number of segments in the NetworkBufferPool (network_memory // segment_size)."""
         return self.network_memory // self.segment_size
+
+    @property
+    def effective_max_unauthenticated(self) -> int:
+        """Connections that may be authenticating at once: the setting, or a quarter of
+        max_connections (at most 256), so authenticated work keeps the rest."""
+        if self.max_unauthenticated_connections is not None:
+            return self.max_unauthenticated_connections
+        return max(1, min(256, self.max_connections // 4))
+
+    @property
+    def effective_max_unauthenticated_per_peer(self) -> int:
+        """The setting, or 8 (at most ``effective_max_unauthenticated``)."""
+        if self.max_unauthenticated_per_peer is not None:
+            return self.max_unauthenticated_per_peer
+        return min(8, self.effective_max_unauthenticated)
+
+    @property
+    def effective_max_partitions_per_app(self) -> int:
+        """Partitions one application may hold; 0 = unlimited. Default 4 per segment of
+        network memory (a partition being written needs at least one)."""
+        v = self.max_partitions_per_app
+        return 4 * self.num_segments if v is None else v
+
+    @property
+    def effective_max_pinned_segments_per_app(self) -> int:
+        """The sum of the pool maxima of one application's partitions; 0 = unlimited.
+        Default: 1.5 x the network memory's segments, so that no partition of one
+        application can require the whole pool (a pool's maximum is about twice what it
+        requires) and others keep room."""
+        v = self.max_pinned_segments_per_app
+        return 3 * self.num_segments // 2 if v is None else v
+
+    @property
+    def effective_max_readers_per_app(self) -> int:
+        """Readers of blocking partitions one application may have open; 0 = unlimited.
+        Default: one per segment of network memory."""
+        v = self.max_readers_per_app
+        return self.num_segments if v is None else v
+
+    @property
+    def effective_max_reader_memory_per_app(self) -> int:
+        """Bytes of read buffers (outside network memory) one application's readers may
+        hold; 0 = unlimited. Default: as much as the network memory."""
+        v = self.max_reader_memory_per_app
+        return self.network_memory if v is None else v
 
     @property
     def effective_high_watermark(self) -> int:
@@ -230,7 +306,7 @@ class DaemonConfig:
         """Create spill_dir if needed and check that it is writable and the socket path usable."""
         spill = self.spill_dir
         try:
-            os.makedirs(spill, exist_ok=True)
+            os.makedirs(spill, mode=0o700, exist_ok=True)
         except FileExistsError:
             raise ConfigError("spill_dir", f"{spill!r} exists and is not a directory") from None
         except OSError as exc:
@@ -289,13 +365,7 @@ class DaemonConfig:
             if not stat.S_ISREG(os.stat(path).st_mode):
                 raise ConfigError("secret_file", f"{path!r} is not a regular file")
             with open(path, "rb") as fh:
-                mode = os.fstat(fh.fileno()).st_mode
-                if mode & (stat.S_IROTH | stat.S_IWOTH):
-                    raise ConfigError(
-                        "secret_file",
-                        f"{path!r} is accessible by other users (mode {stat.filemode(mode)}); "
-                        "restrict it with chmod 600",
-                    )
+                check_private_file("secret_file", path, os.fstat(fh.fileno()).st_mode)
                 data = fh.read(MAX_SECRET_SIZE + 1)
         except FileNotFoundError:
             raise ConfigError("secret_file", f"{path!r} does not exist") from None
@@ -306,11 +376,34 @@ class DaemonConfig:
         secret = data.rstrip(b"\r\n")
         if not secret:
             raise ConfigError("secret_file", f"{path!r} is empty")
+        if len(secret) < MIN_SECRET_SIZE:
+            raise ConfigError(
+                "secret_file",
+                f"{path!r} holds {len(secret)} bytes; a secret needs at least {MIN_SECRET_SIZE} "
+                "(make one with: openssl rand -hex 32)",
+            )
+        if secret in PLACEHOLDER_SECRETS:
+            raise ConfigError(
+                "secret_file",
+                f"{path!r} holds the placeholder of deploy/k8s/secret.yaml, not a secret; "
+                "create one with: openssl rand -hex 32",
+            )
         return secret
 
     def to_dict(self) -> dict[str, object]:
         """The effective settings by field name, for printing; the secret itself is never read."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def check_private_file(setting: str, path: str, mode: int) -> None:
+    """ConfigError naming ``setting`` unless the file of ``mode`` is its owner's only
+    (no group or other permission at all: ``chmod 600`` or ``400``)."""
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(
+            setting,
+            f"{path!r} is accessible by other users or its group (mode "
+            f"{stat.filemode(mode)}); restrict it with chmod 600",
+        )
 
 
 # --- one coercer per setting -------------------------------------------------------------
@@ -412,6 +505,18 @@ def _int(minimum: int, maximum: int | None = None) -> _Coerce:
     return coerce
 
 
+def _optional_int(minimum: int) -> _Coerce:
+    required = _int(minimum)
+
+    def coerce(value: Any, setting: str) -> int | None:
+        if value is None or (isinstance(value, str) and value.strip().lower() in _NONE_WORDS):
+            return None
+        result: int = required(value, setting)
+        return result
+
+    return coerce
+
+
 def _size(minimum: int, maximum: int | None = None, power_of_two: bool = False) -> _Coerce:
     def coerce(value: Any, setting: str) -> int:
         size = parse_size(value, setting)
@@ -471,7 +576,13 @@ _SIZE: Final[tuple[type, ...]] = (int, str)
 _DURATION: Final[tuple[type, ...]] = (int, float, str)
 
 _SETTINGS: Final[dict[str, _Setting]] = {
-    "host": _Setting(_host, _STR, "HOST", "address the data and HTTP ports bind to"),
+    "host": _Setting(_host, _STR, "HOST", "address the data port binds to"),
+    "http_host": _Setting(
+        _host,
+        _STR,
+        "HOST",
+        "address the HTTP port (/metrics, /healthz, dashboard) binds to; loopback by default",
+    ),
     "advertise_host": _Setting(
         _optional_advertise_host,
         _STR,
@@ -549,18 +660,70 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         "flush interval of partly filled buffers; 0 = every record, -1 = only full buffers",
     ),
     "max_connections": _Setting(_int(1), _INT, "N", "most TCP connections served at once"),
+    "max_unauthenticated_connections": _Setting(
+        _optional_int(1),
+        _INT,
+        "N",
+        "data-port connections that may be authenticating at once (TLS and handshake), below "
+        "max_connections; default a quarter of max_connections, at most 256",
+    ),
+    "max_unauthenticated_per_peer": _Setting(
+        _optional_int(1),
+        _INT,
+        "N",
+        "data-port connections one peer address may have authenticating at once; default 8 "
+        "(at most max_unauthenticated_connections)",
+    ),
     "max_requests_per_connection": _Setting(
         _int(1), _INT, "N", "partition requests open at once on one connection"
     ),
     "max_partitions_per_app": _Setting(
-        _int(0), _INT, "N", "partitions one application may hold at once; 0 = unlimited"
+        _optional_int(0),
+        _INT,
+        "N",
+        "partitions one application may hold at once; 0 = unlimited; "
+        "default 4 x the segments of network_memory",
     ),
     "max_pinned_segments_per_app": _Setting(
-        _int(0),
+        _optional_int(0),
         _INT,
         "N",
         "segments the partitions of one application may pin (the sum of their pools' "
-        "maximum sizes); 0 = unlimited",
+        "maximum sizes); 0 = unlimited; default 1.5 x the segments of network_memory",
+    ),
+    "max_readers_per_app": _Setting(
+        _optional_int(0),
+        _INT,
+        "N",
+        "readers of blocking partitions one application may have open at once; "
+        "0 = unlimited; default the segments of network_memory",
+    ),
+    "max_reader_memory_per_app": _Setting(
+        _optional_size(0),
+        _SIZE,
+        "SIZE",
+        "read buffers (outside network memory) one application's readers may hold; "
+        "0 = unlimited; default network_memory",
+    ),
+    "max_subpartitions_per_partition": _Setting(
+        _int(1),
+        _INT,
+        "N",
+        "subpartitions one CreatePartition may ask for (a blocking one keeps a file each)",
+    ),
+    "spill_quota_per_app": _Setting(
+        _optional_size(0),
+        _SIZE,
+        "SIZE",
+        "bytes one application's blocking partitions may fill in spill_dir; 0 = unlimited; "
+        "default half the size of spill_dir's file system",
+    ),
+    "spill_min_free": _Setting(
+        _optional_size(0),
+        _SIZE,
+        "SIZE",
+        "free space spill_dir's file system keeps: spills stop below it; 0 = none; "
+        "default 5% of the file system, at most 1 GiB",
     ),
     "handshake_timeout": _Setting(
         _duration(positive=True), _DURATION, "DURATION", "time a new connection has to authenticate"
@@ -601,7 +764,11 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         _int(0, 100), _INT, "PERCENT", "smallest size change (percent) worth announcing"
     ),
     "debloat_min_buffer_size": _Setting(
-        _size(1), _SIZE, "SIZE", "smallest buffer size the debloater announces"
+        _size(MIN_BUFFER_SIZE),
+        _SIZE,
+        "SIZE",
+        "smallest buffer size the debloater announces (at least 256 B, the smallest buffer "
+        "a producer cuts)",
     ),
     "debloat_initial_buffer_size": _Setting(
         _optional_size(1),
@@ -630,6 +797,12 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         "BOOL",
         "require a client certificate signed by tls_ca_file (mutual TLS)",
     ),
+    "require_tls_remote": _Setting(
+        _bool,
+        (bool,),
+        "BOOL",
+        "refuse data-port connections without TLS from peers that are not on loopback",
+    ),
 }
 
 # A setting without a flag or coercer would be silently unconfigurable.
@@ -640,7 +813,11 @@ assert list(_SETTINGS) == [f.name for f in fields(DaemonConfig)]
 
 
 #: Boolean settings: flags ``--x`` / ``--no-x`` (argparse.BooleanOptionalAction).
-_BOOL_FLAGS: Final = {"debloat_enabled": "--debloat", "tls_client_auth": "--tls-client-auth"}
+_BOOL_FLAGS: Final = {
+    "debloat_enabled": "--debloat",
+    "tls_client_auth": "--tls-client-auth",
+    "require_tls_remote": "--require-tls-remote",
+}
 
 
 def flag_name(setting: str) -> str:

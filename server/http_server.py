@@ -5,7 +5,11 @@ connection (``Connection: close``), GET only, no request bodies. It faces whatev
 the port, so it sets limits before it allocates: the request line and headers together may
 take ``max_head_bytes`` (8 KiB; more is answered 431), at most ``MAX_HEADERS`` header lines,
 ``read_timeout`` seconds (5 s) to send them (a slowloris client gets 408 and is closed), the
-same to take the response, and ``max_connections`` clients at once (the rest get 503).
+same to take the response, ``max_connections_per_peer`` connections per client address
+(more are closed unanswered) and ``max_connections`` clients at once. Beyond that a client
+is still answered if it asks for ``/healthz`` (a liveness probe must not fail because
+others hold every slot), anything else gets 503; the per-address cap bounds what one
+address can hold, ``HARD_LIMIT_FACTOR`` times ``max_connections`` what all together can.
 
 Parsing is sans-I/O: :func:`parse_request_head` turns the bytes of a request head into a
 :class:`Request` or raises :class:`HttpRequestError` carrying the status to answer with;
@@ -47,6 +51,9 @@ log = logging.getLogger("exchange.server.http")
 DEFAULT_MAX_HEAD_BYTES: Final = 8 * 1024
 DEFAULT_READ_TIMEOUT: Final = 5.0
 DEFAULT_MAX_CONNECTIONS: Final = 64
+DEFAULT_MAX_CONNECTIONS_PER_PEER: Final = 8
+#: Connections beyond ``max_connections`` x this are closed at once, /healthz or not.
+HARD_LIMIT_FACTOR: Final = 4
 MAX_HEADERS: Final = 100
 #: How long an error response waits for the client to stop sending before closing.
 LINGER_TIMEOUT: Final = 1.0
@@ -183,6 +190,12 @@ def encode_response(resp: Response) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + resp.body
 
 
+def _peer_host(writer: asyncio.StreamWriter) -> str:
+    """The client's address without its port (what the per-peer cap counts)."""
+    peer = writer.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+
+
 def _load_dashboard() -> bytes:
     return importlib.resources.files("server").joinpath("static/dashboard.html").read_bytes()
 
@@ -204,6 +217,7 @@ class HttpServer:
         read_timeout: float = DEFAULT_READ_TIMEOUT,
         max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_connections_per_peer: int = DEFAULT_MAX_CONNECTIONS_PER_PEER,
         registry: CollectorRegistry | None = None,
     ) -> None:
         if read_timeout <= 0:
@@ -212,10 +226,15 @@ class HttpServer:
             raise ValueError(f"max_head_bytes must be at least 64, got {max_head_bytes}")
         if max_connections < 1:
             raise ValueError(f"max_connections must be positive, got {max_connections}")
+        if max_connections_per_peer < 1:
+            raise ValueError(
+                f"max_connections_per_peer must be positive, got {max_connections_per_peer}"
+            )
         self.daemon = daemon
         self.read_timeout = read_timeout
         self.max_head_bytes = max_head_bytes
         self.max_connections = max_connections
+        self.max_connections_per_peer = max_connections_per_peer
         self.collector = ExchangeCollector(daemon)
         if registry is None:
             registry = CollectorRegistry(auto_describe=False)
@@ -224,6 +243,9 @@ class HttpServer:
         self._dashboard = _load_dashboard()
         self._server: asyncio.Server | None = None
         self._clients: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+        self._per_peer: dict[str, int] = {}
+        #: connections closed unanswered: their address held max_connections_per_peer
+        self.refused_connections = 0
         self._closing = False
         self.requests_served = 0
 
@@ -268,12 +290,22 @@ class HttpServer:
     async def _on_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if self._closing:
+        peer = _peer_host(writer)
+        held = self._per_peer.get(peer, 0)
+        if (
+            self._closing
+            or held >= self.max_connections_per_peer
+            or len(self._clients) >= HARD_LIMIT_FACTOR * self.max_connections
+        ):
+            if not self._closing:
+                self.refused_connections += 1
+                log.debug("HTTP connection from %s refused: %d held", peer, held)
             writer.transport.abort()
             return
         self._clients[task] = writer
+        self._per_peer[peer] = held + 1
         try:
-            await self._serve(reader, writer)
+            await self._serve(reader, writer, over_limit=len(self._clients) > self.max_connections)
         except (ConnectionError, TimeoutError):
             writer.transport.abort()
         except asyncio.CancelledError:
@@ -285,6 +317,9 @@ class HttpServer:
             writer.transport.abort()
         finally:
             del self._clients[task]
+            left = self._per_peer.pop(peer) - 1
+            if left:
+                self._per_peer[peer] = left
             writer.close()
             await self._wait_closed(writer)
 
@@ -296,14 +331,10 @@ class HttpServer:
         except (TimeoutError, OSError):
             writer.transport.abort()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if len(self._clients) > self.max_connections:
-            err = HttpRequestError(
-                HTTPStatus.SERVICE_UNAVAILABLE,
-                f"too many connections (limit {self.max_connections})",
-            )
-            await self._send_error(reader, writer, err)
-            return
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, over_limit: bool
+    ) -> None:
+        """Read one request and answer it; ``over_limit``: only ``/healthz`` is served."""
         try:
             async with asyncio.timeout(self.read_timeout):
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -325,6 +356,13 @@ class HttpServer:
             request = parse_request_head(head, max_head_bytes=self.max_head_bytes)
         except HttpRequestError as err:
             await self._send_error(reader, writer, err)
+            return
+        if over_limit and request.path != "/healthz":
+            busy = HttpRequestError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                f"too many connections (limit {self.max_connections}); /healthz is still served",
+            )
+            await self._send_error(reader, writer, busy)
             return
         resp = self.handle(request)
         self.requests_served += 1

@@ -19,6 +19,12 @@ task, what only it knows:
 
 Only tasks whose partitions live on this daemon get back pressure and output figures: on a
 cluster, a daemon knows the tasks on its host. Everything here runs on the daemon's loop.
+
+A status belongs to the application its driver's connection authenticated for: jobs are
+kept per (application, job id), joined only with that application's partitions and task
+reports, and an application keeps at most :data:`MAX_JOBS_PER_APP` jobs here. When the
+board is full, the least recently updated job of the application holding the most goes,
+so one application publishing many jobs cannot push another's off the dashboard.
 """
 
 from __future__ import annotations
@@ -36,14 +42,17 @@ from server.config import DaemonConfig
 __all__ = [
     "BACK_PRESSURE_WINDOW",
     "MAX_JOBS",
+    "MAX_JOBS_PER_APP",
     "JobBoard",
     "JobView",
     "TaskView",
     "back_pressure_level",
 ]
 
-#: Jobs whose latest status a daemon keeps (the least recently updated goes first).
+#: Jobs whose latest status a daemon keeps (see the module docstring for which goes).
 MAX_JOBS: Final = 8
+#: Jobs one application keeps on the board (its least recently updated goes first).
+MAX_JOBS_PER_APP: Final = 4
 #: Seconds over which a task's back pressure is measured.
 BACK_PRESSURE_WINDOW: Final = 5.0
 #: Shortest span of samples a ratio is computed from.
@@ -65,6 +74,9 @@ def back_pressure_level(ratio: float | None) -> str | None:
 class _Report(Protocol):
     @property
     def task(self) -> str: ...
+
+    @property
+    def app_id(self) -> str: ...
 
     @property
     def metrics(self) -> Mapping[str, float]: ...
@@ -107,11 +119,14 @@ class JobView:
     status: JobStatus
     received_at: float
     tasks: tuple[TaskView, ...]
+    #: the application of the driver that published it ("": none)
+    app_id: str = ""
 
     def json(self, now: float) -> dict[str, Any]:
         s = self.status
         return {
             "job": s.job,
+            "application": self.app_id,
             "state": s.state,
             "attempt": s.attempt,
             "restarts": s.restarts,
@@ -182,40 +197,52 @@ class JobBoard:
         self._clock = clock
         self._wall = wall_clock
         self.window = window
-        #: job -> (status, wall time received)
-        self._jobs: OrderedDict[str, tuple[JobStatus, float]] = OrderedDict()
-        #: (job, task) -> back-pressure samples
-        self._samples: dict[tuple[str, str], _Samples] = {}
+        #: (application, job) -> (status, wall time received), least recently updated first
+        self._jobs: OrderedDict[tuple[str, str], tuple[JobStatus, float]] = OrderedDict()
+        #: (application, job, task) -> back-pressure samples
+        self._samples: dict[tuple[str, str, str], _Samples] = {}
         self.updates = 0
 
-    def update(self, status: JobStatus) -> None:
-        """Keep ``status`` as its job's latest (and take a sample of its tasks)."""
-        self._jobs[status.job] = (status, self._wall())
-        self._jobs.move_to_end(status.job)
+    def update(self, status: JobStatus, app_id: str = "") -> None:
+        """Keep ``status`` as the latest of application ``app_id``'s job (and take a
+        sample of its tasks)."""
+        key = (app_id, status.job)
+        self._jobs[key] = (status, self._wall())
+        self._jobs.move_to_end(key)
+        mine = [k for k in self._jobs if k[0] == app_id]
+        if len(mine) > MAX_JOBS_PER_APP:
+            self._forget(mine[0])
         while len(self._jobs) > MAX_JOBS:
-            gone, _ = self._jobs.popitem(last=False)
-            for key in [k for k in self._samples if k[0] == gone]:
-                del self._samples[key]
+            held: dict[str, int] = {}
+            for app, _ in self._jobs:
+                held[app] = held.get(app, 0) + 1
+            busiest = max(held, key=lambda a: held[a])  # the first of equals: the staler
+            self._forget(next(k for k in self._jobs if k[0] == busiest))
         self.updates += 1
         self._sample()
 
-    def _outputs(self) -> dict[tuple[str, int], ResultPartition]:
+    def _forget(self, key: tuple[str, str]) -> None:
+        del self._jobs[key]
+        for sample in [k for k in self._samples if k[:2] == key]:
+            del self._samples[sample]
+
+    def _outputs(self) -> dict[tuple[str, str, int], ResultPartition]:
         return {
-            (p.partition_id.dataset_id, p.partition_id.partition_index): p
+            (p.app_id, p.partition_id.dataset_id, p.partition_id.partition_index): p
             for p in self._partitions()
         }
 
-    def _sample(self) -> dict[tuple[str, int], ResultPartition]:
+    def _sample(self) -> dict[tuple[str, str, int], ResultPartition]:
         """Sample every running task's back-pressured time; returns the partitions read."""
         parts = self._outputs()
         waiting = self._waiting()
         now = self._clock()
-        live: set[tuple[str, str]] = set()
-        for status, _ in self._jobs.values():
+        live: set[tuple[str, str, str]] = set()
+        for (app, _), (status, _) in self._jobs.items():
             if status.state != "RUNNING":
                 continue
             for t in status.tasks:
-                outs = [parts.get((d, t.subtask)) for d in t.outputs]
+                outs = [parts.get((app, d, t.subtask)) for d in t.outputs]
                 if not outs or any(p is None for p in outs):
                     continue
                 waited = max(
@@ -223,7 +250,7 @@ class JobBoard:
                     for d, p in zip(t.outputs, outs, strict=True)
                     if p is not None
                 )
-                key = (status.job, t.task)
+                key = (app, status.job, t.task)
                 live.add(key)
                 self._samples.setdefault(key, _Samples()).add(now, waited, self.window)
         for key in [k for k in self._samples if k not in live]:
@@ -233,25 +260,29 @@ class JobBoard:
     def views(self) -> list[JobView]:
         """Every job kept, most recently updated last, with fresh figures."""
         parts = self._sample()
-        gates: dict[str, Mapping[str, float]] = {}
+        gates: dict[tuple[str, str], Mapping[str, float]] = {}
         for r in self._reports():
-            gates.setdefault(r.task, r.metrics)
+            gates.setdefault((r.app_id, r.task), r.metrics)
         cfg = self.config
         out = []
-        for status, received in self._jobs.values():
+        for (app, _), (status, received) in self._jobs.items():
             running = status.state == "RUNNING"
             tasks = []
             for t in status.tasks:
                 ratio = usage = in_usage = size = None
                 if running:
-                    samples = self._samples.get((status.job, t.task))
+                    samples = self._samples.get((app, status.job, t.task))
                     ratio = samples.ratio() if samples is not None else None
                     if not t.outputs:
                         ratio = 0.0  # a sink: never waits for output buffers
-                    outs = [parts[(d, t.subtask)] for d in t.outputs if (d, t.subtask) in parts]
+                    outs = [
+                        parts[(app, d, t.subtask)]
+                        for d in t.outputs
+                        if (app, d, t.subtask) in parts
+                    ]
                     if outs:
                         usage = max(p.stats().out_pool_usage for p in outs)
-                    gate = gates.get(f"{status.job}/{t.task}")
+                    gate = gates.get((app, f"{status.job}/{t.task}"))
                     if gate is not None:
                         capacity = (
                             cfg.exclusive_buffers_per_channel * t.channels
@@ -276,5 +307,5 @@ class JobBoard:
                         size,
                     )
                 )
-            out.append(JobView(status, received, tuple(tasks)))
+            out.append(JobView(status, received, tuple(tasks), app))
         return out

@@ -15,8 +15,9 @@ own; the latest report per (connection, task, gate) is kept on that connection, 
 goes when the connection closes: a task that stopped leaves no stale gauges.
 
 A streaming job's driver publishes its job's status (JobStatus) the same way; the latest
-status of each job is kept on the endpoint's ``jobs`` board (``server.jobs``), also after
-the driver's connection closes, so a finished job stays on the dashboard.
+status of each job is kept on the endpoint's ``jobs`` board (``server.jobs``), under the
+application the driver's connection authenticated for, also after the driver's connection
+closes, so a finished job stays on the dashboard.
 """
 
 from __future__ import annotations
@@ -285,7 +286,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             case TaskMetrics():
                 self._task_report(msg)
             case JobStatus():
-                self.endpoint.jobs.update(msg)
+                self.endpoint.jobs.update(msg, self._conn().app_id)
             case _:
                 super().on_message(msg)
 
@@ -296,7 +297,9 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             raise ProtocolError(
                 f"more than {MAX_TASK_REPORTS_PER_CONNECTION} task gates reported on one connection"
             )
-        reports[key] = TaskReport(msg.task, msg.gate, dict(msg.metrics), time.time())
+        reports[key] = TaskReport(
+            msg.task, msg.gate, dict(msg.metrics), time.time(), self._conn().app_id
+        )
 
     def _count_failure(self) -> None:
         self.endpoint.producer_failures += 1
@@ -306,9 +309,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         if self.session is not None:
             raise ProtocolError("one partition per producer connection")
         conn = self._conn()
-        try:
-            if msg.partition_id in self.daemon.manager:
-                conn.check_access(self.daemon.manager.get_partition(msg.partition_id))
+        try:  # ids are per application: another's same id is another partition
             partition = self.daemon.create_partition(
                 msg.partition_id,
                 ResultPartitionType.BLOCKING if msg.blocking else ResultPartitionType.PIPELINED,

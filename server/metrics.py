@@ -212,6 +212,8 @@ class TaskReport:
     gate: str
     metrics: Mapping[str, float]
     received_at: float
+    #: the application of the connection it came on ("": none)
+    app_id: str = ""
 
 
 def _job_views(d: DaemonView) -> list[JobView]:
@@ -737,8 +739,19 @@ class ExchangeCollector:
         )
         yield counter(
             "exchange_connections_rejected_total",
-            "Connections refused on the data port (connection limit).",
+            "Connections refused on the data port (connection limits, require_tls_remote).",
             _num(port, "rejected_connections"),
+        )
+        yield gauge(
+            "exchange_connections_unauthenticated",
+            "Data-port connections still in their TLS or shared-secret handshake.",
+            _num(port, "unauthenticated_connections"),
+        )
+        yield counter(
+            "exchange_connections_evicted_total",
+            "Unauthenticated data-port connections dropped to admit a newcomer "
+            "(max_unauthenticated_connections reached).",
+            _num(port, "evicted_connections"),
         )
         yield gauge(
             "exchange_readers",
@@ -793,6 +806,24 @@ def _task_json(r: TaskReport, now: float) -> dict[str, Any]:
         "gate": r.gate,
         "age_seconds": max(0.0, now - r.received_at),
         "metrics": dict(r.metrics),
+    }
+
+
+def _spill_json(daemon: DaemonView) -> dict[str, int] | None:
+    """What the blocking partitions hold of the spill directory and in readers (all
+    applications together); None for a daemon without them (``spill_space`` and
+    ``reader_budget`` are read with ``getattr``)."""
+    space = getattr(daemon, "spill_space", None)
+    budget = getattr(daemon, "reader_budget", None)
+    if space is None or budget is None:
+        return None
+    readers, memory = budget.totals()
+    return {
+        "bytes": space.total_used,
+        "quota_per_app": space.quota or 0,
+        "min_free": space.min_free,
+        "readers": readers,
+        "reader_memory_bytes": memory,
     }
 
 
@@ -863,6 +894,7 @@ def stats_snapshot(
             "items": [_task_json(r, now) for r in reports[:max_partitions]],
         },
         "jobs": [j.json(now) for j in reversed(jobs)],
+        "spill": _spill_json(d),
         "config": {
             "network_memory": cfg.network_memory,
             "segment_size": cfg.segment_size,

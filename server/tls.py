@@ -2,21 +2,25 @@
 
 The daemon presents ``tls_cert_file`` / ``tls_key_file``; with ``tls_ca_file`` and
 ``tls_client_auth`` it requires every peer to present a certificate signed by that CA
-(mutual TLS). The shared-secret handshake still runs inside the TLS connection, so a peer
-needs both the certificate (when required) and the secret. The local Unix socket stays
+(mutual TLS). ``tls_ca_file`` alone checks the certificates clients present and lets in
+clients that present none (logged as a warning at start). The shared-secret handshake
+still runs inside the TLS connection, so a peer needs both the certificate (when required)
+and the secret. The local Unix socket stays
 plain: it is protected by file permissions on this host.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import ssl
-import stat
 
 from exchange.errors import ConfigError
-from server.config import DaemonConfig
+from server.config import DaemonConfig, check_private_file
 
 __all__ = ["server_ssl_context"]
+
+log = logging.getLogger("exchange.server.tls")
 
 
 def server_ssl_context(config: DaemonConfig) -> ssl.SSLContext | None:
@@ -29,12 +33,7 @@ def server_ssl_context(config: DaemonConfig) -> ssl.SSLContext | None:
         mode = os.stat(key).st_mode if key is not None else 0
     except OSError as e:
         raise ConfigError("tls_key_file", f"{key!r} cannot be read: {e}") from None
-    if mode & (stat.S_IROTH | stat.S_IWOTH):
-        raise ConfigError(
-            "tls_key_file",
-            f"{key!r} is accessible by other users (mode {stat.filemode(mode)}); "
-            "restrict it with chmod 600",
-        )
+    check_private_file("tls_key_file", str(key), mode)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     try:
@@ -54,4 +53,13 @@ def server_ssl_context(config: DaemonConfig) -> ssl.SSLContext | None:
             ) from None
     if config.tls_client_auth:
         ctx.verify_mode = ssl.CERT_REQUIRED
+    elif config.tls_ca_file is not None:
+        # A certificate a client presents must chain to the CA; one without any is let in.
+        ctx.verify_mode = ssl.CERT_OPTIONAL
+        log.warning(
+            "tls_ca_file is set without tls_client_auth: clients that present a certificate "
+            "must chain to %s, clients without one are accepted; set --tls-client-auth to "
+            "require one",
+            config.tls_ca_file,
+        )
     return ctx

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from exchange.consumer import LocalInputChannel, SingleInputGate
+from exchange.consumer import SingleInputGate
 from exchange.memory import NetworkBufferPool
 from exchange.partition import (
     ResultPartition,
@@ -35,6 +35,7 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
+from tests.kit.local_input_channel import LocalInputChannel
 from tests.kit.modules import load_module
 
 TESTS = Path(__file__).resolve().parent

@@ -12,10 +12,15 @@ from exchange.errors import (
     ConfigError,
     FrameTooLargeError,
     LimitExceededError,
+    LocalProtocolError,
+    PartitionError,
     PartitionNotFoundError,
+    ProtocolError,
     RecordTooLargeError,
     SequenceNumberError,
+    SubpartitionIndexError,
     TransportError,
+    UsageError,
     fresh_error,
 )
 from exchange.protocol.messages import ErrorResponse, error_for_response, error_response_for
@@ -27,6 +32,8 @@ STORED = [
     LimitExceededError("too many", "p-2", setting="max_requests", limit=3),
     BufferRequestTimeoutError(2, 0, 1.5, "buffers"),
     SequenceNumberError(7, 5, receiver_id=2),
+    SubpartitionIndexError(4, 2, "p-3", "10.0.0.1:7100"),
+    LocalProtocolError("you sent garbage [remote PROTOCOL_ERROR]", "PROTOCOL_ERROR"),
     ConfigError("segment_size", "must be a power of two"),
     TransportError("connection to daemon x lost"),
     ConnectionResetError(104, "reset by peer"),
@@ -88,3 +95,41 @@ def test_raising_fresh_errors_leaves_the_stored_one_as_it_was() -> None:
             depths.append(depth(e.__traceback__))
     assert depths == [depth(tb) + 1] * 3
     assert stored.__traceback__ is tb and depth(tb) == 1 and stored.__context__ is None
+
+
+# -- the tree's meaning: whose fault, what is broken ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("error", "family"),
+    [
+        # the peer's fault, but one channel's failure: per channel
+        (SequenceNumberError(7, 5, 2, "p-1", "10.0.0.1:7100"), PartitionError),
+        # a peer's request or push named a subpartition the partition lacks: per channel
+        (SubpartitionIndexError(4, 2, "p-1"), PartitionError),
+        # the peer says this side broke the protocol: fatal, but not the peer's misbehaviour
+        (LocalProtocolError("x [remote PROTOCOL_ERROR]", "PROTOCOL_ERROR"), LocalProtocolError),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, Exception) else v.__name__,
+)
+def test_each_error_sits_where_the_tree_says(error: Exception, family: type) -> None:
+    families = (UsageError, PartitionError, ProtocolError, LocalProtocolError, TransportError)
+    assert [f for f in families if isinstance(error, f)] == [family]
+
+
+def test_errors_carry_their_numbers() -> None:
+    seq = SequenceNumberError(7, 5, 2, "p-1", "10.0.0.1:7100")
+    assert (seq.received, seq.expected, seq.receiver_id) == (7, 5, 2)
+    assert (seq.partition_id, seq.address) == ("p-1", "10.0.0.1:7100")
+    idx = SubpartitionIndexError(4, 2, "p-1")
+    assert (idx.index, idx.num_subpartitions, idx.partition_id) == (4, 2, "p-1")
+    assert "index 4 out of range [0, 2)" in str(idx)
+
+
+@pytest.mark.parametrize("code", ["PROTOCOL_ERROR", "VERSION_MISMATCH"])
+def test_a_peers_protocol_error_answer_is_a_local_protocol_error(code: str) -> None:
+    from exchange.protocol.messages import ErrorCode
+
+    err = error_for_response(ErrorResponse(ErrorCode[code], "bad frame"), "10.0.0.1:7100")
+    assert type(err) is LocalProtocolError and err.code == code
+    assert "10.0.0.1:7100" in str(err)

@@ -18,13 +18,20 @@ alignment (``alignment``, seconds) and the bytes processed or parked meanwhile
 Attempts are fenced: a task registers with its job attempt and the token of that attempt,
 so a task of a dead attempt (Spark lets it run on for seconds) is refused and its
 connection closed; it fails at its next control call.
+
+The driver's port faces whatever reaches it, so until a connection has registered it may
+send one frame of at most ``MAX_REGISTER_FRAME`` bytes within ``REGISTER_TIMEOUT``, and
+at most ``max_unregistered`` connections may be waiting to register at once: a newcomer
+beyond that drops the oldest (a task registers as soon as it connects, so the oldest is
+one that does not). Only a registered task's frames may be large (a collect sink's
+records).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
+import logging
 import queue
 import struct
 from typing import Any, Final
@@ -33,13 +40,20 @@ import msgpack
 
 from client.rendezvous import listen_for_tasks
 from client.runtime import ClientRuntime, get_runtime
+from exchange.best_effort import best_effort
 from exchange.errors import ProtocolError, TransportError
 
 __all__ = ["ControlClient", "ControlServer"]
 
+log = logging.getLogger("exchange.streaming.control")
+
 _LEN: Final = struct.Struct(">I")
-#: A frame may carry a collect sink's records.
+#: A registered task's frame may carry a collect sink's records.
 MAX_FRAME: Final = 256 * 1024 * 1024
+#: The registration (token, attempt, task id, daemon address) before the token is checked.
+MAX_REGISTER_FRAME: Final = 4 * 1024
+#: Seconds a new connection has to register.
+REGISTER_TIMEOUT: Final = 30.0
 
 
 def _frame(msg: dict[str, Any]) -> bytes:
@@ -47,11 +61,11 @@ def _frame(msg: dict[str, Any]) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-async def _read_frame(reader: asyncio.StreamReader) -> dict[str, Any]:
+async def _read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> dict[str, Any]:
     head = await reader.readexactly(_LEN.size)
     (n,) = _LEN.unpack(head)
-    if n > MAX_FRAME:
-        raise ProtocolError(f"control frame of {n} bytes exceeds {MAX_FRAME}")
+    if n > limit:  # checked before a byte of the body is read
+        raise ProtocolError(f"control frame of {n} bytes exceeds {limit}")
     try:
         msg = msgpack.unpackb(await reader.readexactly(n), raw=False, strict_map_key=False)
     except (ValueError, msgpack.UnpackException) as e:
@@ -72,7 +86,10 @@ class ControlServer:
         *,
         host: str = "127.0.0.1",
         runtime: ClientRuntime | None = None,
+        max_unregistered: int | None = None,
     ) -> None:
+        """``max_unregistered``: connections that may be waiting to register at once
+        (default: twice the tasks, at least 16)."""
         self._rt = runtime if runtime is not None else get_runtime()
         self.token = token
         self.attempt = attempt
@@ -81,6 +98,12 @@ class ControlServer:
         self.inbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self._writers: dict[str, asyncio.StreamWriter] = {}
         self._done: set[str] = set()
+        self.max_unregistered = (
+            max_unregistered if max_unregistered is not None else max(16, 2 * len(task_ids))
+        )
+        self._unregistered: dict[asyncio.StreamWriter, None] = {}  # oldest first
+        #: connections closed unregistered: over the limit, refused, or malformed
+        self.refused = 0
         self._server: asyncio.Server | None = None
         self.host = host
         self.port = 0
@@ -94,9 +117,22 @@ class ControlServer:
         return f"{self.host}:{self.port}"
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._unregistered) >= self.max_unregistered:
+            oldest = next(iter(self._unregistered))
+            del self._unregistered[oldest]
+            oldest.transport.abort()  # its _serve ends with a ConnectionError
         task = ""
+        self._unregistered[writer] = None
         try:
-            first = await asyncio.wait_for(_read_frame(reader), 30)
+            try:
+                first = await asyncio.wait_for(
+                    _read_frame(reader, MAX_REGISTER_FRAME), REGISTER_TIMEOUT
+                )
+            except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ProtocolError):
+                self.refused += 1
+                return
+            finally:
+                self._unregistered.pop(writer, None)
             task = str(first.get("task", ""))
             if (
                 first["type"] != "register"
@@ -105,9 +141,11 @@ class ControlServer:
                 or task not in self.task_ids
                 or task in self._writers
             ):
+                self.refused += 1
                 writer.write(_frame({"type": "refused", "reason": "unknown or stale task"}))
-                await writer.drain()
                 task = ""
+                async with asyncio.timeout(REGISTER_TIMEOUT):
+                    await writer.drain()
                 return
             self._writers[task] = writer
             self.inbox.put((task, first))
@@ -149,7 +187,7 @@ class ControlServer:
                 w.close()
             self._writers.clear()
 
-        with contextlib.suppress(Exception):
+        with best_effort(log, "stopping the control server"):
             self._rt.run(stop())
 
 
@@ -221,11 +259,11 @@ class ControlClient:
 
         async def stop() -> None:
             if self._writer is not None:
-                with contextlib.suppress(Exception):
+                with best_effort(log, "draining the control connection"):
                     await self._writer.drain()
                 self._writer.close()
             if self._pump is not None:
                 self._pump.cancel()
 
-        with contextlib.suppress(Exception):
+        with best_effort(log, "closing the control connection"):
             self._rt.run(stop())

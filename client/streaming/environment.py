@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from client.local_connection import release_dataset, resolve_secret
+from client.local_connection import mint_app_credential, release_dataset, resolve_secret
 from client.runtime import get_runtime
 from client.streaming.checkpoint_storage import (
     CheckpointLease,
@@ -55,6 +55,7 @@ from client.streaming.graph import JobGraph, Node, Partitioning, check_operator_
 from client.streaming.job_status import JobStatusTracker
 from client.streaming.runners import Runner, runner_for
 from client.streaming.task import JobSpec, dataset_of
+from exchange.best_effort import best_effort
 from exchange.checkpointing import CheckpointFailureReason
 from exchange.checkpointing.coordinator import (
     CheckpointConfig,
@@ -216,6 +217,8 @@ class StreamEnvironment:
         self._runner: Runner | None = None  # set by execute
         #: the running (or last) job's status, published to the driver's local daemon
         self.status: JobStatusTracker | None = None
+        #: the Spark application's credential, minted at execute (None: no secret here)
+        self.credential: bytes | None = None
 
     # -- building --------------------------------------------------------------------------
 
@@ -354,6 +357,8 @@ class StreamEnvironment:
         self._runner = the_runner
         secret = resolve_secret(self.secret_file)
         key = checkpoint_key(secret, self.job_id) if secret is not None else None
+        # the application's credential, minted here: its tasks get it, never the secret
+        self.credential = mint_app_credential(the_runner.application_id(), self.secret_file)
         storage = CheckpointStorage(self.checkpoint_dir, retained=self.config.retained, key=key)
         lease = storage.acquire_lease(
             f"driver of job {self.job_id} ({the_runner.describe()})", self.lease_timeout
@@ -407,7 +412,7 @@ class StreamEnvironment:
         restart_attempts: int,
         restart_backoff: float,
     ) -> JobResult:
-        self.status = status = JobStatusTracker(self.job_id, self.daemon)
+        self.status = status = JobStatusTracker(self.job_id, self.daemon, secret=self.credential)
         assert self._runner is not None
         log.info(
             "job %s: %d tasks (%s) on %s, %s checkpoints every %g s in %s%s",
@@ -543,6 +548,7 @@ class _Attempt:
             env.daemon,
             env.buffer_timeout,
             self.storage.key,
+            env.credential,
         )
         restored = None
         restore_msg = None
@@ -737,11 +743,13 @@ class _Attempt:
                     server.broadcast({"type": "abort", "checkpoint": cmd.checkpoint_id})
                 case DiscardCheckpoint():
                     if cmd.whole_checkpoint:
-                        with contextlib.suppress(Exception):
+                        with best_effort(
+                            log, f"discarding checkpoint {cmd.checkpoint_id}", logging.WARNING
+                        ):
                             self.storage.discard(cmd.checkpoint_id)
                     else:
                         for h in cmd.handles.values():
-                            with contextlib.suppress(Exception):
+                            with best_effort(log, f"removing {h}", logging.WARNING):
                                 self.storage.fs.rm_file(str(h))
                 case FailJob():
                     raise _AttemptFailed(cmd.reason)
@@ -775,10 +783,9 @@ class _Attempt:
         addresses = {d["data"] for d in daemons.values()}
         for edge in self.graph.edges:
             for address in addresses:
-                with contextlib.suppress(Exception):
-                    get_runtime().run(
-                        release_dataset(address, dataset_of(self.env.job_id, self.attempt, edge))
-                    )
+                dataset = dataset_of(self.env.job_id, self.attempt, edge)
+                with best_effort(log, f"releasing {dataset} on {address}", logging.WARNING):
+                    get_runtime().run(release_dataset(address, dataset, secret=self.env.credential))
 
 
 class _AttemptFailed(Exception):

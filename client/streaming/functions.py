@@ -8,11 +8,19 @@ feeds the task's output (the exchange) or nothing (a sink). The runtime calls, i
    completed checkpoint, possibly written by another parallelism), then ``open(ctx)``;
 2. ``process(record, out)`` for every input record (a source: ``poll(out, n)`` instead);
 3. at checkpoint N, between the records before and after the barrier:
-   ``snapshot_state(N)`` — put everything needed to resume into the state backends (a
-   sink pre-commits here: what it wrote since the last checkpoint becomes *pending*);
+   ``prepare_snapshot_pre_barrier(N, out)`` on every operator of the chain, head to
+   tail — what it emits goes downstream *before* barrier N (Flink's
+   ``prepareSnapshotPreBarrier``: flush what an operator holds back); then the barrier
+   is sent; then ``snapshot_state(N)`` — put everything needed to resume into the state
+   backends (a sink pre-commits here: what it wrote since the last checkpoint becomes
+   *pending*). A record emitted during ``snapshot_state`` (through a collector kept from
+   ``process``) comes *after* the barrier: it belongs to checkpoint N + 1;
 4. ``notify_checkpoint_complete(N)`` once every task acknowledged N (a sink commits its
    pending output of checkpoints <= N), or ``notify_checkpoint_aborted(N)``;
-5. ``end_input(out)`` when a bounded input is exhausted (before the final checkpoint);
+5. ``end_input(out)`` once the input ended: a source's bounded input is exhausted (or
+   the job stops cleanly), or every upstream task ended its own (EndOfData on every
+   input channel). It runs head to tail, before the final checkpoint's barrier reaches
+   the task, so what it emits is in the final checkpoint and sinks commit it;
 6. ``close()`` always, also after a failure (release files, connections).
 
 Keyed operators see ``ctx.keyed_state`` with the current key already set by the runtime
@@ -73,7 +81,12 @@ class Operator:
         raise NotImplementedError
 
     def end_input(self, out: Collector) -> None:
-        """A bounded input is exhausted: emit what is still held back."""
+        """The input ended (before the final checkpoint): emit what is still held back."""
+
+    def prepare_snapshot_pre_barrier(self, checkpoint_id: int, out: Collector) -> None:
+        """Checkpoint ``checkpoint_id`` is about to be taken: what is emitted into ``out``
+        now precedes its barrier (Flink's ``prepareSnapshotPreBarrier``). Flush buffered
+        output here, not in ``snapshot_state``, which runs after the barrier left."""
 
     def snapshot_state(self, checkpoint_id: int) -> None:
         """Checkpoint ``checkpoint_id``: write what is needed to resume into the backends."""

@@ -14,7 +14,6 @@ driver's host, a refused message) stops the publishing, never the job.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -27,6 +26,7 @@ from client.local_connection import LocalConnection, resolve_daemon_socket
 from client.runtime import get_runtime
 from client.streaming.graph import JobGraph
 from client.streaming.task import dataset_of
+from exchange.best_effort import best_effort
 from exchange.checkpointing.coordinator import NotifyAborted, NotifyComplete, TriggerCheckpoint
 from exchange.protocol.local_messages import (
     MAX_JOB_CHECKPOINTS,
@@ -97,6 +97,7 @@ class JobStatusTracker:
         job_id: str,
         daemon_socket: str | None,
         *,
+        secret: bytes | None = None,
         interval: float = PUBLISH_INTERVAL,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
@@ -118,6 +119,7 @@ class JobStatusTracker:
         self.history: OrderedDict[tuple[int, int], CheckpointEntry] = OrderedDict()
         self.failures: list[str] = []
         self._socket = daemon_socket
+        self._secret = secret  # the application's credential: the job is its
         self._conn: LocalConnection | None = None
         self._last_sent = float("-inf")
         self._dirty = True
@@ -264,7 +266,9 @@ class JobStatusTracker:
 
     async def _send(self, status: JobStatus) -> None:
         if self._conn is None:
-            self._conn = await LocalConnection.connect(resolve_daemon_socket(self._socket))
+            self._conn = await LocalConnection.connect(
+                resolve_daemon_socket(self._socket), secret=self._secret
+            )
         self._conn.check()
         self._conn.send(status)
 
@@ -275,5 +279,5 @@ class JobStatusTracker:
             async def stop() -> None:
                 conn.close()
 
-            with contextlib.suppress(Exception):
+            with best_effort(log, "closing the job-status connection"):
                 get_runtime().run(stop())

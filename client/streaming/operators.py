@@ -143,8 +143,11 @@ class _FunctionAdapter:
 
 class KeyedProcessOperator(Operator):
     """Runs a keyed process function (an object with ``process_element(value, ctx, out)`` and
-    optionally ``open(runtime_context)``, ``end_input(out)`` and ``close()``, or a bare
-    function ``fn(value, ctx, out)``) on ``(key, value)`` records."""
+    optionally ``open(runtime_context)``, ``end_input(out)``,
+    ``prepare_snapshot_pre_barrier(checkpoint_id, out)`` and ``close()``, or a bare
+    function ``fn(value, ctx, out)``) on ``(key, value)`` records. The optional hooks are
+    not called for a key (state handles would see whichever key was current last): a
+    function emits there what it holds back in memory."""
 
     def __init__(self, fn_or_obj: KeyedProcessFunction | Callable[..., None]) -> None:
         if callable(getattr(fn_or_obj, "process_element", None)):
@@ -188,6 +191,11 @@ class KeyedProcessOperator(Operator):
         hook = getattr(self.function, "end_input", None)
         if callable(hook):
             hook(out)
+
+    def prepare_snapshot_pre_barrier(self, checkpoint_id: int, out: Collector) -> None:
+        hook = getattr(self.function, "prepare_snapshot_pre_barrier", None)
+        if callable(hook):
+            hook(checkpoint_id, out)
 
     def close(self) -> None:
         hook = getattr(self.function, "close", None)

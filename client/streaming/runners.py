@@ -85,6 +85,9 @@ class Runner(Protocol):
     def describe(self) -> str:
         """Where the tasks run, for messages (the checkpoint lease names its owner so)."""
 
+    def application_id(self) -> str:
+        """The application the tasks' credential is minted for (their partitions are its)."""
+
     def launch(self, job: JobSpec, group: str) -> Stage:
         """Start every task of ``job`` (``group`` names the attempt)."""
 
@@ -164,6 +167,9 @@ class SparkRunner:
 
     def describe(self) -> str:
         return f"Spark application {self.sc.applicationId}"
+
+    def application_id(self) -> str:
+        return str(self.sc.applicationId or "")
 
     def launch(self, job: JobSpec, group: str) -> Stage:
         return _SparkStage(self.sc, job, group)
@@ -289,6 +295,9 @@ class LocalRunner:
 
     def describe(self) -> str:
         return f"local task processes of pid {os.getpid()} on {socket.gethostname()}"
+
+    def application_id(self) -> str:
+        return f"local-{os.getpid()}"
 
     def launch(self, job: JobSpec, group: str) -> Stage:
         self.stage = _LocalStage(job, group, {**os.environ, **self.env})

@@ -3,44 +3,59 @@
 The task registers with the driver (its attempt and its local daemon), receives every
 task's daemon and the checkpoint to restore, restores its operators' state, opens one
 pipelined partition per output exchange on its local daemon and one PartitionReader over
-all its input partitions, and runs its chain of operators:
+all its input partitions, and runs its chain of operators.
 
-* a **source task** polls its source between control messages: ``trigger`` snapshots the
-  chain, broadcasts CheckpointBarrier(N) after every record emitted so far and
-  acknowledges; when the source runs dry it says ``exhausted`` and keeps serving
-  checkpoints until the driver's ``finish`` (after the final checkpoint completed), then
-  ends its partitions (EndOfPartition downstream). Before each poll it looks at its
-  output: while back pressure holds it (a writer's window is full), it does not poll but
-  waits on its control inbox, which the output's availability wakes, as Flink's mailbox
-  runs mails while the task waits for output: a trigger is snapshotted, its barrier
-  queued behind the data and acknowledged, a cancel or stop handled, at once. (The
-  checkpoint completes once the barrier passed the data ahead of it: aligned barriers
-  wait for the back pressure to clear; unaligned checkpoints are not implemented.) A
-  poll ships a batch per 256 KiB it emits and one per buffer timeout that passes while
-  it runs; one that overruns the window so still blocks in ``emit`` until a batch frees
-  (as a Flink record that needs more buffers than are left), seeing control only then;
+**The mailbox.** The task thread waits in one place only, ``_wait_for_mail``: on the
+control inbox, where the driver's messages arrive and where the task's own loop thread
+posts wake-ups (input handed over by the reader, room in a writer's window), as Flink's
+mailbox turns input and output availability into mails. So a control message (trigger,
+complete, abort, stop, cancel) is handled at once whether the task waits for input, for
+room in its output, or for nothing; between records it is looked at every 64 records (a
+reading task) or between polls (a source task).
+
+* a **source task** polls its source between mails: ``trigger`` snapshots the chain,
+  broadcasts CheckpointBarrier(N) after every record emitted so far and acknowledges.
+  An idle source waits for mail at most its ``ready_in()``. Before each poll it looks at
+  its output: while back pressure holds it (a writer's window is full), it does not poll
+  but waits for mail. (The checkpoint completes once the barrier passed the data ahead
+  of it: aligned barriers wait for the back pressure to clear; unaligned checkpoints are
+  not implemented.) A poll ships a batch per 256 KiB it emits and one per buffer timeout
+  that passes while it runs; one that overruns the window so still blocks in ``emit``
+  until a batch frees (as a Flink record that needs more buffers than are left);
 * any other task reads its input gate through the barrier handler: at each barrier the
   reader calls ``trigger_checkpoint`` between the records before and after it (aligned in
   ``exactly_once``, tracked in ``at_least_once``); the task snapshots, forwards the barrier
-  and acknowledges. At the end of its input it waits for the driver's ``finish``. Every
-  64 records it looks at its output as a source does before a poll.
+  and acknowledges.
 
-``complete`` / ``abort`` reach the operators in the task's thread, between records. State
-goes to the checkpoint storage as one file per task and checkpoint, under a name of its
-own (every operator's operator state and keyed state, keyed by the operator's uid), whose
-path is the acknowledgement's handle. A restore reads, for each operator of the chain,
-the files the checkpoint's metadata lists for that operator's uid, whatever tasks wrote
-them.
+**End of input (FLIP-147).** When its source runs dry (or the driver says ``stop``), a
+source task runs every operator's ``end_input``, head to tail, sends EndOfData on every
+output after what they emitted, and tells the driver ``exhausted``; a reading task does
+the same once EndOfData arrived on every input channel. The driver triggers the final
+checkpoint once every source is exhausted, so its barrier follows EndOfData on every
+channel: every task ran ``end_input`` before it snapshots for the final checkpoint, and
+sinks commit what ``end_input`` emitted. After the final checkpoint completed the driver
+says ``finish``; sources end their partitions (EndOfPartition), the others follow at the
+end of their input. Every operator's state records whether its task had ended its input;
+a task restored from such a checkpoint is *finished on restore*: it polls nothing and
+does not run ``end_input`` again, it only sends EndOfData (so a restart or rerun after
+end of input emits nothing twice).
+
+**Checkpoint N** in a task: ``prepare_snapshot_pre_barrier(N, out)`` on every operator,
+head to tail (what they emit precedes the barrier), the barrier on every output, then
+``snapshot_state(N)`` of every operator. State goes to the checkpoint storage as one file
+per task and checkpoint, under a name of its own (every operator's operator state and
+keyed state, keyed by the operator's uid), whose path is the acknowledgement's handle. A
+restore reads, for each operator of the chain, the files the checkpoint's metadata lists
+for that operator's uid, whatever tasks wrote them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import itertools
+import logging
 import pickle
 import queue
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,9 +69,10 @@ from client.streaming.checkpoint_storage import CheckpointStorage
 from client.streaming.control import ControlClient
 from client.streaming.functions import Collector, Operator, OperatorContext, Source
 from client.streaming.graph import Edge, JobGraph, Partitioning, TaskSpec
+from exchange.best_effort import best_effort
 from exchange.checkpointing import CheckpointFailureReason
 from exchange.errors import ExchangeError, IllegalStateError
-from exchange.events.events import CheckpointOptions
+from exchange.events.events import AbstractEvent, CheckpointOptions, EndOfDataEvent
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.state import (
     CorruptSnapshotError,
@@ -68,15 +84,18 @@ from exchange.state import (
 
 __all__ = ["JobSpec", "StreamTaskFailed", "dataset_of", "run_task"]
 
-#: Records a source emits between two looks at the control channel.
+log = logging.getLogger("exchange.streaming.task")
+
+#: Records a source emits between two looks at the mailbox.
 _POLL_BATCH: Final = 256
-#: Longest a source task waits for input (or control) when its source had nothing.
+#: Records a reading task processes between two looks at the mailbox.
+_MAIL_EVERY: Final = 64
+#: How long an idle source without ``ready_in()`` waits for mail before it polls again.
 _IDLE_WAIT: Final = 0.1
-#: A task that reads looks at the control channel at least this often (records permitting).
-_CONTROL_EVERY: Final = 0.05
-#: The inbox message (from this process, not the driver) that wakes a task waiting for
-#: room in its output.
+#: Mails from the task's own process (not the driver) that wake a task waiting for room
+#: in its output or for input.
 _OUTPUT_AVAILABLE: Final = "output-available"
+_INPUT_AVAILABLE: Final = "input-available"
 
 
 class StreamTaskFailed(ExchangeError):
@@ -99,6 +118,8 @@ class JobSpec:
     #: the key of the job's checkpoint files (derived from the daemons' secret in the
     #: driver; the secret itself never travels), None: no MAC
     checkpoint_key: bytes | None = None
+    #: the application's credential, minted by the driver (None: the task's environment)
+    credential: bytes | None = None
 
 
 def dataset_of(job_id: str, attempt: int, edge: Edge) -> str:
@@ -187,15 +208,19 @@ class StreamTask:
         self.checkpoints = 0
         self._finish = False
         self._stop = False
-        self._last_control = 0.0
-        self._head: Collector | None = None
+        self._ended_input = False
+        #: restored from a checkpoint taken after this task had ended its input
+        self._finished_on_restore = False
         self._out: _Out | None = None
+        #: what each operator of the chain emits into (the next operator, or the outputs)
+        self._outs: list[Collector] = []
+        self._source_out: _Counting | None = None
 
     # -- setup -----------------------------------------------------------------------------
 
     def _register(self) -> dict[str, Any]:
         sock = resolve_daemon_socket(self.job.daemon_hint)
-        info = get_runtime().run(fetch_daemon_info(sock))
+        info = get_runtime().run(fetch_daemon_info(sock, secret=self.job.credential))
         self.daemon_socket = sock
         self.daemon_info = info
         self.ctl = ControlClient.connect(
@@ -208,7 +233,7 @@ class StreamTask:
             },
         )
         while True:
-            msg = self._next_control(timeout=120.0)
+            msg = self._take_mail(timeout=120.0)
             if msg is None:
                 raise StreamTaskFailed(f"{self.task_id}: no start from the driver in 120 s")
             if msg["type"] == "start":
@@ -220,6 +245,7 @@ class StreamTask:
         p, me = self.vertex.parallelism, self.spec.subtask
         maxp = self.graph.max_parallelism
         files: dict[str, dict[str, Any]] = {}  # state file -> its snapshot (read once)
+        finished: list[bool] = []  # per operator: its input had ended at the checkpoint
         for node in self.vertex.nodes:
             op_state = OperatorStateBackend(me, p)
             keyed = (
@@ -234,6 +260,13 @@ class StreamTask:
                 op_state.restore([(name, s["operator"]) for name, s in old])
                 if keyed is not None:
                     keyed.restore([(name, s["keyed"]) for name, s in old if s["keyed"]])
+                ended = {name: bool(s.get("ended_input")) for name, s in old}
+                subtasks = restore["operators"].get(node.state_id, ())
+                finished.append(
+                    _finished_on_restore(
+                        [True if n is None else ended.get(n, False) for n in subtasks], p, me
+                    )
+                )
             ctx = OperatorContext(
                 job_id=self.job.job_id,
                 operator_id=node.state_id,
@@ -255,15 +288,21 @@ class StreamTask:
                 target.parallelism,
                 daemon_socket=self.daemon_socket,
                 buffer_timeout=self.job.buffer_timeout,
+                secret=self.job.credential,
             )
             self.writers.append((edge, w))
+        self._finished_on_restore = bool(finished) and all(finished)
         for op, ctx in zip(self.ops, self.contexts, strict=True):
             op.open(ctx)
-        out: Collector = _Out(self)
-        self._out = out  # type: ignore[assignment]
+        self._out = tail = _Out(self)
+        outs: list[Collector] = [tail]
         for op in reversed(self.ops[1:]):
-            out = _Chained(op, out)
-        self._chain_out = out  # what the first operator emits into
+            outs.insert(0, _Chained(op, outs[0]))
+        if self.vertex.is_source:  # count what the source emits (a chained sink emits none)
+            self._source_out = _Counting(outs[0])
+            outs[0] = self._source_out
+        self._outs = outs
+        out = outs[0]  # what the first operator emits into
         first = self.vertex.nodes[0]
         head_op = self.ops[0]
         key_fn = first.key_fn
@@ -324,10 +363,12 @@ class StreamTask:
         return PartitionReader(
             locations,
             local_daemon_id=self.daemon_info.daemon_id,
+            event_handler=self._on_event,
             checkpoint_listener=self,
             checkpointing_mode=self.job.mode,
             metrics_socket=self.daemon_socket,  # TaskMetrics: debloating, alignment
             task_name=f"{self.job.job_id}/{self.task_id}",
+            secret=self.job.credential,
             **settings,
         )
 
@@ -336,7 +377,10 @@ class StreamTask:
     def trigger_checkpoint(
         self, checkpoint_id: int, timestamp: int, options: CheckpointOptions
     ) -> None:
-        # the barrier first (it travels while this task snapshots), as Flink does
+        # what operators flush now precedes the barrier (Flink's prepareSnapshotPreBarrier)
+        for op, out in zip(self.ops, self._outs, strict=True):
+            op.prepare_snapshot_pre_barrier(checkpoint_id, out)
+        # then the barrier (it travels while this task snapshots), as Flink does
         for _, w in self.writers:
             w.broadcast_barrier(checkpoint_id, timestamp, aligned=options.exactly_once)
         state: dict[str, Any] = {}
@@ -345,6 +389,7 @@ class StreamTask:
             state[node.state_id] = {
                 "operator": ctx.operator_state.snapshot(),
                 "keyed": ctx.keyed_state.snapshot() if ctx.keyed_state is not None else None,
+                "ended_input": self._ended_input,
             }
         handle = self.storage.write_task_state(
             checkpoint_id, self.task_id, {"task": self.task_id, "operators": state}
@@ -367,7 +412,7 @@ class StreamTask:
         out = self._out.count if self._out is not None else 0
         metrics: dict[str, Any] = {
             "state_bytes": state_bytes,
-            "records_in": self.records_in,
+            "records_in": self._records_in(),
             "records_out": out,
         }
         stats = self.reader.barrier_stats if self.reader is not None else None
@@ -385,23 +430,65 @@ class StreamTask:
             assert self.ctl is not None
             self.ctl.send({"type": "decline", "checkpoint": checkpoint_id, "reason": reason.name})
 
-    # -- control ---------------------------------------------------------------------------
+    def _records_in(self) -> int:
+        """Records taken in so far (a source task: the records its source emitted)."""
+        return self._source_out.count if self._source_out is not None else self.records_in
 
-    def _next_control(self, timeout: float | None) -> dict[str, Any] | None:
+    # -- end of input (FLIP-147) -------------------------------------------------------------
+
+    def _on_event(self, event: AbstractEvent, channel: int) -> None:
+        """The reader's events, in order with the records (the task's thread)."""
+        if (
+            isinstance(event, EndOfDataEvent)
+            and self.reader is not None
+            and self.reader.end_of_data
+        ):
+            self._end_input()
+
+    def _end_input(self) -> None:
+        """The input ended: every operator's ``end_input``, head to tail, each into what
+        follows it, then EndOfData on every output, after all of it (and flushed).
+
+        A task restored from a checkpoint taken after its input had ended (Flink's
+        "finished on restore") skips ``end_input``: what it emitted then is in that
+        checkpoint already; it only sends EndOfData again."""
+        if self._ended_input:
+            raise IllegalStateError(f"{self.task_id}: the input ended twice")
+        self._ended_input = True
+        if not self._finished_on_restore:
+            for op, out in zip(self.ops, self._outs, strict=True):
+                op.end_input(out)
+        for _, w in self.writers:
+            w.broadcast_event(EndOfDataEvent.INSTANCE)
+
+    # -- the mailbox -------------------------------------------------------------------------
+
+    def _take_mail(
+        self, timeout: float | None = None, *, block: bool = True
+    ) -> dict[str, Any] | None:
+        """The next mail: waits up to ``timeout`` seconds (None: until one comes) when
+        ``block``, else only what is queued; None if nothing came."""
         assert self.ctl is not None
         try:
-            if timeout is None:
-                return self.ctl.inbox.get_nowait()
-            return self.ctl.inbox.get(timeout=timeout)
+            return self.ctl.inbox.get(block, timeout)
         except queue.Empty:
             return None
 
-    def _poll_control(self, timeout: float | None = None) -> None:
-        self._last_control = time.monotonic()
-        msg = self._next_control(timeout)
+    def _wait_for_mail(self, timeout: float | None = None) -> None:
+        """The one place the task thread waits: for a control message or a wake-up from its
+        loop thread (input handed over, room in the output), at most ``timeout`` seconds
+        (None: until one comes); then runs every mail queued."""
+        msg = self._take_mail(timeout)
+        if msg is not None:
+            self._control(msg)
+            self._run_mails()
+
+    def _run_mails(self) -> None:
+        """Run every mail queued now, without waiting."""
+        msg = self._take_mail(block=False)
         while msg is not None:
             self._control(msg)
-            msg = self._next_control(None)
+            msg = self._take_mail(block=False)
 
     def _control(self, msg: dict[str, Any]) -> None:
         match msg["type"]:
@@ -419,8 +506,8 @@ class StreamTask:
                 if self.vertex.is_source:
                     for _, w in self.writers:
                         w.broadcast_cancel(cid)
-            case "output-available":
-                pass  # a wake-up for _await_output; whoever waits looks again
+            case "output-available" | "input-available":
+                pass  # a wake-up: whoever waited looks again
             case "finish":
                 self._finish = True
             case "stop":
@@ -449,12 +536,14 @@ class StreamTask:
                 w.close()  # EndOfPartition downstream
             self.writers = []
             assert self.ctl is not None
-            self.ctl.send({"type": "finished", "records_in": self.records_in, **self._collected()})
+            self.ctl.send(
+                {"type": "finished", "records_in": self._records_in(), **self._collected()}
+            )
             self.ctl.flush()
-            return {"task": self.task_id, "records_in": self.records_in}
+            return {"task": self.task_id, "records_in": self._records_in()}
         except BaseException as e:
             if self.ctl is not None and not self.ctl.closed:
-                with contextlib.suppress(Exception):
+                with best_effort(log, f"reporting the failure of task {self.task_id}"):
                     self.ctl.send(
                         {"type": "failed", "error": "".join(traceback.format_exception(e))[-4000:]}
                     )
@@ -477,34 +566,32 @@ class StreamTask:
 
     def _run_source(self) -> None:
         source = self.ops[0]
-        assert isinstance(source, Source)
-        out = _Counting(self._chain_out)  # what the source emits (a chained sink emits none)
-        exhausted = False
+        assert isinstance(source, Source) and self._source_out is not None
+        out = self._source_out
+        if self._finished_on_restore:  # its input ended before the checkpoint: no poll
+            self._end_input()
+            assert self.ctl is not None
+            self.ctl.send({"type": "exhausted"})
         while not self._finish:
-            if exhausted:
-                self._poll_control(timeout=0.1)
+            if self._ended_input:  # serve checkpoints (the final one) until finish
+                self._wait_for_mail()
                 continue
-            self._poll_control()
+            self._run_mails()
             if self._finish:
                 break
-            blocked = None if self._stop else self._blocked_output()
-            if blocked is not None:
-                self._await_output(blocked)
-                continue
             alive, emitted = False, 0
             if not self._stop:  # a clean stop ends the input here, as if exhausted
+                blocked = self._blocked_output()
+                if blocked is not None:
+                    self._await_output(blocked)
+                    continue
                 before = out.count
                 alive = source.poll(out, _POLL_BATCH)
                 emitted = out.count - before
-                self.records_in += emitted
             if alive and emitted == 0:  # idle, rate-limited or watching: wait, never spin
-                ready_in = getattr(source, "ready_in", None)
-                wait = ready_in() if callable(ready_in) else _IDLE_WAIT
-                self._poll_control(timeout=min(max(float(wait), 0.001), _IDLE_WAIT))
+                self._wait_for_mail(_idle_wait(source))
             if not alive:
-                exhausted = True
-                for op in self.ops:
-                    op.end_input(out)  # nothing may follow the final checkpoint's barrier
+                self._end_input()  # nothing may follow the final checkpoint's barrier
                 assert self.ctl is not None
                 self.ctl.send({"type": "exhausted"})
 
@@ -517,45 +604,73 @@ class StreamTask:
         return None
 
     def _await_output(self, blocked: concurrent.futures.Future[None]) -> None:
-        """Handle control messages until ``blocked`` is done (or the task must end)."""
+        """Run mails until ``blocked`` is done (or the task must end)."""
         assert self.ctl is not None
         inbox = self.ctl.inbox
         blocked.add_done_callback(lambda _: inbox.put({"type": _OUTPUT_AVAILABLE}))
         while not (blocked.done() or self._finish or self._stop):
-            self._poll_control(timeout=_IDLE_WAIT)
+            self._wait_for_mail()
 
     def _run_reader(self, start: dict[str, Any]) -> None:
         self.reader = reader = self._open_reader(start)
+        assert self.ctl is not None
+        inbox = self.ctl.inbox
+        wake = {"type": _INPUT_AVAILABLE}
         process = self._process
-        n = 0
-        for record in reader.records():
-            process(record)
-            n += 1
-            if n & 63 == 0:
-                self.records_in = n
-                blocked = self._blocked_output()
-                if blocked is not None:  # reads no more until its output has room
-                    self._await_output(blocked)
-                elif time.monotonic() - self._last_control >= _CONTROL_EVERY:
-                    self._poll_control()
-        self.records_in = n
-        for op in self.ops:
-            op.end_input(self._chain_out)
+        for records in reader.record_lists(on_available=lambda: inbox.put(wake)):
+            if not records:  # nothing handed over: wait for input or control, in one place
+                self._wait_for_mail()
+                continue
+            for at in range(0, len(records), _MAIL_EVERY):  # a look at the mailbox per 64
+                for record in records[at : at + _MAIL_EVERY]:
+                    process(record)
+                if not inbox.empty():
+                    self._run_mails()
+            self.records_in += len(records)
+            blocked = self._blocked_output()
+            if blocked is not None:  # reads no more until its output has room
+                self._await_output(blocked)
+        if not self._ended_input:
+            raise IllegalStateError(
+                f"{self.task_id}: the input ended (EndOfPartition) before EndOfData on "
+                "every channel: what end_input emits would follow the final checkpoint"
+            )
         while not self._finish:  # the final checkpoint's completion, then finish
-            self._poll_control(timeout=0.1)
+            self._wait_for_mail()
 
     def close(self) -> None:
         for op in self.ops:
-            with contextlib.suppress(Exception):
+            with best_effort(log, f"closing operator {op!r}", logging.WARNING):
                 op.close()
         if self.reader is not None:
             self.reader.close()
         for _, w in self.writers:
-            with contextlib.suppress(Exception):
+            with best_effort(log, f"failing writer {w!r}", logging.WARNING):
                 w.fail("the task failed")
         self.writers = []
         if self.ctl is not None:
             self.ctl.close()
+
+
+def _idle_wait(source: Source) -> float | None:
+    """How long an idle source lets the task wait for mail: its ``ready_in()`` (at least
+    1 ms, never a spin; None for infinite: only mail matters), else ``_IDLE_WAIT``."""
+    ready_in = getattr(source, "ready_in", None)
+    wait = float(ready_in()) if callable(ready_in) else _IDLE_WAIT
+    return None if wait == float("inf") else max(wait, 0.001)
+
+
+def _finished_on_restore(ended: list[bool], p: int, me: int) -> bool:
+    """Whether an operator whose old subtasks had ``ended`` their input (in subtask order;
+    a subtask that left no state had finished) is restored as finished: with the same
+    parallelism, subtask ``me``'s own flag says; with another, only if every old subtask
+    had (fully finished, as Flink restores a finished operator; a partly finished one
+    reads its input again)."""
+    if not ended:
+        return False
+    if len(ended) == p:
+        return ended[me]
+    return all(ended)
 
 
 def run_task(job: JobSpec, index: int) -> dict[str, Any]:

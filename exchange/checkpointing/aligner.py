@@ -17,6 +17,8 @@ channels that already delivered it must not feed the task. How they are held bac
 
 Either way every aligned barrier received gets exactly one ``resume``: at alignment end for
 a held channel (blocking), at once otherwise (parking, obsolete or duplicate barriers).
+That holds when the listener raises too (the resume is in a ``finally``): a caller that
+survives the error reads on, and the failed checkpoint is simply not taken here.
 A barrier whose options are not exactly-once (it does not block upstream) counts towards
 alignment but holds nothing back: that input is at least once for its checkpoint.
 
@@ -195,7 +197,11 @@ class AlignedBarrierHandler(CheckpointBarrierHandler):
         if boe.buffer is not None:
             if al is not None and self._blocker is None:
                 al.bytes += boe.buffer.size
-                self._check_limit(al)
+                try:
+                    self._check_limit(al)
+                except BaseException:
+                    boe.buffer.release()  # the listener failed: nobody else gets the buffer
+                    raise
             return boe
         event = boe.event
         match event:
@@ -219,7 +225,16 @@ class AlignedBarrierHandler(CheckpointBarrierHandler):
             self._align_channel(al, ch, blocks)
         elif cid > self._current_id:
             if al is not None:
-                self._end_alignment(CheckpointFailureReason.SUBSUMED)
+                try:
+                    self._end_alignment(CheckpointFailureReason.SUBSUMED)
+                except BaseException:
+                    # the listener failed on the subsumed checkpoint: this barrier aligns
+                    # nothing now, but it blocked its channel, and later barriers of its
+                    # checkpoint are obsolete (resumed at once)
+                    self._current_id = cid
+                    if blocks:
+                        self._resume_channel(ch)
+                    raise
             al = self._start_alignment(barrier)
             self._align_channel(al, ch, blocks)
         else:
@@ -281,20 +296,24 @@ class AlignedBarrierHandler(CheckpointBarrierHandler):
         assert al is not None
         self._transition(AlignmentState.WAITING_FOR_FIRST_BARRIER)
         self._alignment = None
-        if reason is None:
-            self.last_alignment_duration = self.clock() - al.started_at
-            self.last_aligned_bytes = al.bytes
-            b = al.barrier
-            self._trigger(b.checkpoint_id, b.timestamp, b.options)
-        else:
-            self._abort(al.checkpoint_id, reason)
-        if self._blocker is not None:
-            seq = self._blocker.roll_over()
-            if seq is not None:
-                self._replay.appendleft(seq)  # before older parked input still queued
-        else:
-            for ch in sorted(al.held):
-                self._resume_channel(ch)
+        try:
+            if reason is None:
+                self.last_alignment_duration = self.clock() - al.started_at
+                self.last_aligned_bytes = al.bytes
+                b = al.barrier
+                self._trigger(b.checkpoint_id, b.timestamp, b.options)
+            else:
+                self._abort(al.checkpoint_id, reason)
+        finally:
+            # whatever the listener did (it may raise), the held input flows again: a
+            # caller that survives the error must not find its channels blocked forever
+            if self._blocker is not None:
+                seq = self._blocker.roll_over()
+                if seq is not None:
+                    self._replay.appendleft(seq)  # before older parked input still queued
+            else:
+                for ch in sorted(al.held):
+                    self._resume_channel(ch)
 
     # -- lifecycle -----------------------------------------------------------------------
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from exchange.consumer.input_channel import BufferAndAvailability, InputChannel
-from exchange.consumer.local_input_channel import LocalInputChannel
 from exchange.consumer.record_reader import EventHandler, RecordReader, RecordStream
 from exchange.consumer.single_input_gate import BufferOrEvent, SingleInputGate
 
@@ -12,7 +11,6 @@ __all__ = [
     "BufferOrEvent",
     "EventHandler",
     "InputChannel",
-    "LocalInputChannel",
     "RecordReader",
     "RecordStream",
     "SingleInputGate",

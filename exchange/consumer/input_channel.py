@@ -43,7 +43,7 @@ class BufferAndAvailability(NamedTuple):
 
 
 class InputChannel(ABC):
-    """Base of LocalInputChannel and RemoteInputChannel.
+    """Base of RemoteInputChannel (and of the test kit's in-process LocalInputChannel).
 
     Partition requests back off exponentially (``backoff_initial`` doubling up to
     ``backoff_max``) while the producer's partition is not registered yet, then fail.

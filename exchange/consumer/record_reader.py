@@ -8,6 +8,10 @@ order; a record may span any number of buffers. Events go to an optional handler
 order with the records. A channel that ends inside a record is a CorruptRecordError,
 never a silently dropped tail.
 
+End of data (FLIP-147): ``end_of_data`` turns True once every channel delivered its
+EndOfData event (the producers' last records are in; barriers and EndOfPartition may still
+follow). A channel's record after its EndOfData, or a second EndOfData, is a ProtocolError.
+
 Checkpoints: with a ``CheckpointBarrierHandler`` (``exchange.checkpointing``) the handler
 sits between the gate and the decoder: it takes every buffer and event first, consumes
 barriers and cancellation markers (calling the task's ``trigger_checkpoint`` at the exact
@@ -25,9 +29,14 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from exchange.consumer.single_input_gate import BufferOrEvent, SingleInputGate
-from exchange.errors import CorruptRecordError
-from exchange.events.events import AbstractEvent, CheckpointBarrier, EndOfPartitionEvent
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.errors import CorruptRecordError, ProtocolError
+from exchange.events.events import (
+    AbstractEvent,
+    CheckpointBarrier,
+    EndOfDataEvent,
+    EndOfPartitionEvent,
+)
+from exchange.serialization.record_codec import RecordCodec, default_codec
 
 if TYPE_CHECKING:
     from exchange.checkpointing.barrier_handler import CheckpointBarrierHandler
@@ -41,7 +50,15 @@ EventHandler = Callable[[AbstractEvent, int], bool | None]
 class RecordStream:
     """Decoding and event dispatch for a set of channels; no I/O, no buffers kept."""
 
-    __slots__ = ("_auto_resume", "_decoders", "_handler", "_resume", "codec", "records_in")
+    __slots__ = (
+        "_auto_resume",
+        "_decoders",
+        "_ended_data",
+        "_handler",
+        "_resume",
+        "codec",
+        "records_in",
+    )
 
     def __init__(
         self,
@@ -57,10 +74,18 @@ class RecordStream:
         self._resume = resume
         self._handler = event_handler
         self._auto_resume = auto_resume_barriers
+        self._ended_data: set[int] = set()  # channels that delivered EndOfData
         self.records_in = 0
+
+    @property
+    def end_of_data(self) -> bool:
+        """True once every channel delivered EndOfData (its producer's last record)."""
+        return len(self._ended_data) == len(self._decoders)
 
     def feed(self, channel: int, data: memoryview) -> list[Any]:
         """The records completed by ``data`` (copied as needed; the caller may release)."""
+        if self._ended_data and channel in self._ended_data:
+            raise ProtocolError(f"channel {channel} sent data after its EndOfData")
         dec = self._decoders[channel]
         dec.feed(data)
         records = dec.take()
@@ -76,6 +101,16 @@ class RecordStream:
                     f"channel {channel} ended inside a record "
                     f"({dec.buffered_bytes} bytes of an incomplete record)"
                 )
+        elif isinstance(event, EndOfDataEvent):
+            if channel in self._ended_data:
+                raise ProtocolError(f"channel {channel} sent EndOfData twice")
+            dec = self._decoders[channel]
+            if dec.has_partial_record:
+                raise CorruptRecordError(
+                    f"channel {channel} ended its data inside a record "
+                    f"({dec.buffered_bytes} bytes of an incomplete record)"
+                )
+            self._ended_data.add(channel)
         handled = self._handler(event, channel) if self._handler is not None else None
         if (
             self._auto_resume

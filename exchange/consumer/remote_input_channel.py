@@ -215,7 +215,13 @@ class RemoteInputChannel(InputChannel):
         if sequence_number != self._expected_sequence:
             buffer.release()
             self.set_error(
-                SequenceNumberError(sequence_number, self._expected_sequence, self.receiver_id)
+                SequenceNumberError(
+                    sequence_number,
+                    self._expected_sequence,
+                    self.receiver_id,
+                    self.partition_id,
+                    self.address,
+                )
             )
             return
         self._expected_sequence = sequence_number + 1

@@ -5,6 +5,10 @@ reported under the name the user typed: ``debloat_target``, ``debloat_period``,
 ``debloat_samples``, ``debloat_threshold_percent``, ``debloat_min_buffer_size`` and
 ``segment_size`` for the largest size. The starting size has no daemon setting yet; it is
 reported as ``debloat_initial_buffer_size``.
+
+The announced sizes must be sizes a producer honours: at most one segment, and at least
+``MIN_BUFFER_SIZE`` (256 B), the smallest buffer a RecordWriter cuts (it clamps smaller
+announcements up). A minimum below that floor is refused rather than silently raised.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from exchange.config_values import (
     parse_size,
 )
 from exchange.errors import ConfigError
+from exchange.writer.record_writer import MIN_BUFFER_SIZE
 
 __all__ = [
     "DEFAULT_INITIAL_BUFFER_SIZE",
@@ -74,6 +79,12 @@ class DebloatConfig:
         _check_int(SAMPLES, self.samples, 1, None)
         _check_int(THRESHOLD, self.threshold_percent, 0, 100)
         _check_int(MIN_BUFFER, self.min_buffer_size, 1, MAX_SIZE)
+        if self.min_buffer_size < MIN_BUFFER_SIZE:
+            raise ConfigError(
+                MIN_BUFFER,
+                f"{self.min_buffer_size} bytes is below {MIN_BUFFER_SIZE} bytes, the smallest "
+                "buffer a producer cuts: smaller announced sizes would not be honoured",
+            )
         _check_int(MAX_BUFFER, self.max_buffer_size, 1, MAX_SIZE)
         if self.min_buffer_size > self.max_buffer_size:
             raise ConfigError(

@@ -1,4 +1,5 @@
-"""In-band events: EndOfPartition, CheckpointBarrier, CancelCheckpointMarker, user events.
+"""In-band events: EndOfData, EndOfPartition, CheckpointBarrier, CancelCheckpointMarker, user
+events.
 
 Events travel as buffers of ``DataType.EVENT_BUFFER`` between data buffers, never inside
 one, so a record never straddles an event. Wire form: ``u8 tag | body``. Tags below 128
@@ -17,7 +18,7 @@ from typing import Any, ClassVar, Final
 import msgpack
 
 from exchange.buffers.buffer import Buffer, DataType
-from exchange.buffers.buffer_builder import BufferConsumer
+from exchange.buffers.buffer_consumer import BufferConsumer
 from exchange.errors import CorruptRecordError, UsageError
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "CheckpointBarrier",
     "CheckpointOptions",
     "CheckpointType",
+    "EndOfDataEvent",
     "EndOfPartitionEvent",
     "EventSerializer",
     "register_event_type",
@@ -48,6 +50,22 @@ class EndOfPartitionEvent(AbstractEvent):
 
 
 EndOfPartitionEvent.INSTANCE = EndOfPartitionEvent()
+
+
+@dataclass(frozen=True, slots=True)
+class EndOfDataEvent(AbstractEvent):
+    """The producer emitted its last record (Flink's ``EndOfData``, FLIP-147).
+
+    A streaming task sends it once its input ended and its operators' ``end_input`` ran,
+    so everything ``end_input`` emitted is ahead of it. Checkpoint barriers may still
+    follow (the final checkpoint's); EndOfPartition comes last. A record after it on the
+    same channel is a protocol error.
+    """
+
+    INSTANCE: ClassVar[EndOfDataEvent]
+
+
+EndOfDataEvent.INSTANCE = EndOfDataEvent()
 
 
 class CheckpointType(IntEnum):
@@ -87,6 +105,7 @@ class _Tag(IntEnum):
     END_OF_PARTITION = 0
     CHECKPOINT_BARRIER = 1
     CANCEL_CHECKPOINT_MARKER = 2
+    END_OF_DATA = 3
 
 
 _BARRIER: Final = struct.Struct(">BQqBB")
@@ -119,6 +138,8 @@ class EventSerializer:
         match event:
             case EndOfPartitionEvent():
                 return bytes((_Tag.END_OF_PARTITION,))
+            case EndOfDataEvent():
+                return bytes((_Tag.END_OF_DATA,))
             case CheckpointBarrier(checkpoint_id=cid, timestamp=ts, options=opts):
                 return _BARRIER.pack(
                     _Tag.CHECKPOINT_BARRIER, cid, ts, opts.checkpoint_type, int(opts.exactly_once)
@@ -140,6 +161,8 @@ class EventSerializer:
         try:
             if tag == _Tag.END_OF_PARTITION and len(data) == 1:
                 return EndOfPartitionEvent.INSTANCE
+            if tag == _Tag.END_OF_DATA and len(data) == 1:
+                return EndOfDataEvent.INSTANCE
             if tag == _Tag.CHECKPOINT_BARRIER and len(data) == _BARRIER.size:
                 _, cid, ts, ctype, eo = _BARRIER.unpack(data)
                 if eo > 1:

@@ -284,10 +284,7 @@ class ProducerSession:
         n = self.partition.num_subpartitions
         if not 0 <= subpartition < n and subpartition != ALL_SUBPARTITIONS:
             buf.release()
-            raise SubpartitionIndexError(
-                f"subpartition index {subpartition} out of range [0, {n})",
-                self.partition.partition_id,
-            )
+            raise SubpartitionIndexError(subpartition, n, self.partition.partition_id)
         self.bytes_received += size
         self.buffers_received += 1
         # takes it over, even when it raises; ALL_SUBPARTITIONS: every subpartition reads it

@@ -48,13 +48,14 @@ class CreditBasedSequenceNumberingViewReader:
         self.subpartition_index = -1
 
     def request_subpartition_view(
-        self, manager: ResultPartitionManager, pid: ResultPartitionID, index: int
+        self, manager: ResultPartitionManager, pid: ResultPartitionID, index: int, app_id: str = ""
     ) -> None:
+        """Open application ``app_id``'s partition ``pid`` (its ids are its own)."""
         if self._view is not None:
             raise IllegalStateError(f"receiver {self.receiver_id} already has a view")
         self.partition_id = pid
         self.subpartition_index = index
-        self._view = manager.create_subpartition_view(pid, index, self)
+        self._view = manager.create_subpartition_view(pid, index, self, app_id)
 
     def notify_data_available(self) -> None:
         """BufferAvailabilityListener: the view has data (called by the producer side)."""

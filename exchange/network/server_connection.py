@@ -54,7 +54,6 @@ from typing import Any, Final, NamedTuple, Protocol
 
 from exchange.buffers.buffer import Buffer
 from exchange.errors import (
-    AccessDeniedError,
     IllegalStateError,
     LimitExceededError,
     PartitionError,
@@ -63,7 +62,6 @@ from exchange.errors import (
 )
 from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberingViewReader
 from exchange.network.partition_request_queue import PartitionRequestQueue
-from exchange.partition.result_partition import ResultPartition
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.protocol.codec import (
     MAX_CONTROL_FRAME_SIZE,
@@ -194,7 +192,7 @@ class ServerConnectionSettings:
     peer_timeout: float | None = 60.0
     #: Partition requests (readers) open at once on one connection; more are refused
     #: with LimitExceededError, per channel.
-    max_requests: int = 16384
+    max_requests: int = 512
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_requests, int) or self.max_requests < 1:
@@ -230,6 +228,8 @@ class ServerConnection:
     passes ``data_frames``, a ``body_sink`` (the header -> the view the payload lands in,
     or None to decode the frame as an ordinary message) and ``on_payload`` (a payload has
     landed): the kernel writes the payload straight into that view, no copy on the way.
+    ``on_established`` is called once, when the handshake completes (the server's books:
+    the connection no longer counts as unauthenticated).
     """
 
     def __init__(
@@ -247,6 +247,7 @@ class ServerConnection:
         data_frames: Mapping[int, DataFrameSpec] | None = None,
         body_sink: BodySink | None = None,
         on_payload: Callable[[Any, memoryview], None] | None = None,
+        on_established: Callable[[], None] | None = None,
     ) -> None:
         if (body_sink is None) != (on_payload is None) or (body_sink is None) != (
             data_frames is None
@@ -269,6 +270,7 @@ class ServerConnection:
             settings.max_frame_size, body_sink=body_sink, data_frames=data_frames
         )
         self._on_payload = on_payload
+        self._on_established = on_established
         #: Where the transport writes the next received bytes: a payload's own segment
         #: while one lands, scratch space otherwise (the decoder's method, called as is).
         self.get_buffer: Callable[..., memoryview] = self._decoder.get_buffer
@@ -364,6 +366,8 @@ class ServerConnection:
                 self._cancel_handshake_timer()
                 self._transition(ServerConnectionState.ESTABLISHED)
                 self._arm_keepalive()
+                if self._on_established is not None:
+                    self._on_established()
             return
         if type(msg) is Pong:
             self._ping_ticks = None
@@ -408,11 +412,9 @@ class ServerConnection:
             return
         reader = CreditBasedSequenceNumberingViewReader(rid, req.initial_credit, self.queue)
         self.queue.add_reader(reader)
-        try:
-            if req.partition_id in self._manager:
-                self.check_access(self._manager.get_partition(req.partition_id))
+        try:  # the connection's application's partition: another's is "not found"
             reader.request_subpartition_view(
-                self._manager, req.partition_id, req.subpartition_index
+                self._manager, req.partition_id, req.subpartition_index, self.app_id
             )
         except Exception as e:
             # That one channel fails; typed errors keep their code for the client.
@@ -422,15 +424,6 @@ class ServerConnection:
             self.send(error_response_for(e, rid))
             return
         log.debug("%s requested %s[%d]", self.peer, req.partition_id, req.subpartition_index)
-
-    def check_access(self, partition: ResultPartition) -> None:
-        """AccessDeniedError unless ``partition`` belongs to this connection's application."""
-        if partition.app_id != self.app_id:
-            mine = repr(self.app_id) if self.app_id else "none"
-            raise AccessDeniedError(
-                f"the partition belongs to another application (this connection's: {mine})",
-                partition.partition_id,
-            )
 
     # -- writability ---------------------------------------------------------------------
 
@@ -679,7 +672,11 @@ class ServerConnection:
             self._discard_output()
         t = self._transport
         if t.can_write_eof():
-            t.write_eof()
+            try:
+                t.write_eof()
+            except OSError:  # the peer is gone already (its reset not processed yet)
+                t.abort()
+                return
             self._eof_written = True
         else:
             t.close()

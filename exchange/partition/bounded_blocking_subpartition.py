@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING
 
 from exchange.buffers.buffer import Buffer, DataType
 from exchange.buffers.buffer_consumer import BufferConsumer
-from exchange.errors import PartitionNotReadyError, PartitionReleasedError
+from exchange.errors import (
+    PartitionDataLostError,
+    PartitionNotReadyError,
+    PartitionReleasedError,
+)
 from exchange.events.events import EndOfPartitionEvent, EventSerializer
 from exchange.partition.bounded_data import BoundedData, BoundedDataReader
 from exchange.partition.states import (
@@ -155,13 +159,35 @@ class BoundedBlockingSubpartition:
                 "finished yet; blocking partitions are read after they are fully written",
                 self._parent.partition_id,
             )
-        reader = BoundedBlockingSubpartitionReader(self, self._data.create_reader(), listener)
+        account = self._parent.reader_account
+        memory = self._data.reader_memory
+        if account is not None:  # LimitExceededError: the application's readers are at a limit
+            account.acquire(memory, self._parent.partition_id)
+        try:
+            try:
+                data_reader = self._data.create_reader()
+            except PartitionDataLostError as e:  # the file was replaced or changed
+                raise PartitionDataLostError(str(e), self._parent.partition_id) from None
+            try:  # it reads its first buffer at once: a corrupt file raises here
+                reader = BoundedBlockingSubpartitionReader(self, data_reader, listener)
+            except BaseException:
+                data_reader.close()  # its descriptor and read segments
+                raise
+        except BaseException:
+            if account is not None:
+                account.release(memory)
+            raise
+        reader.memory = memory
         self._readers.add(reader)
         listener.notify_data_available()
         return reader
 
     def _on_reader_released(self, reader: BoundedBlockingSubpartitionReader) -> None:
-        self._readers.discard(reader)
+        if reader in self._readers:
+            self._readers.discard(reader)
+            account = self._parent.reader_account
+            if account is not None:
+                account.release(reader.memory)
         if self.state is SubpartitionState.RELEASED and not self._readers:
             self._dispose()
 
@@ -190,6 +216,7 @@ class BoundedBlockingSubpartitionReader:
         self._listener = listener
         self.state = ReaderState.READING
         self._next: Buffer | None = None
+        self.memory = 0  # counted against the application's reader budget
         self._data_backlog = subpartition.num_data_buffers
         self._sequence_number = 0
         data_reader.set_on_memory_available(self._on_memory_available)

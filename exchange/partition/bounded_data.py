@@ -7,27 +7,37 @@ Flink's BufferReaderWriterUtil layout in spirit) followed by its bytes.
 * ``FileBoundedData`` reads with plain file reads into a few read segments per reader.
 * ``MmapBoundedData`` maps the finished file and hands out zero-copy slices of the map.
 
-Files live in the spill directory and are deleted by ``close`` (unless ``keep_file`` was
-called: a daemon shutting down leaves finished partitions for its successor). The writer
-keeps a CRC-32 of everything it wrote (``crc32``) for the partition's manifest;
-``create_bounded_data(..., existing=(size, crc32))`` opens a finished file again.
+Files live in the spill directory, are created on the first write, private (0600, never
+over an existing file) and deleted by ``close`` (unless ``keep_file`` was called: a
+daemon shutting down leaves finished partitions for its successor). A write that fails
+(disk full, the application's spill quota) raises a SpillError naming the directory. The
+writer keeps a CRC-32 of everything it wrote (``crc32``) for the partition's manifest;
+``create_bounded_data(..., existing=(size, crc32))`` opens a finished file again. Readers
+open the file only after checking it is the one written (inode and size).
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import io
 import mmap
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Final, Protocol
+from typing import Final, Protocol
 
 from exchange.buffers.buffer import Buffer, DataType
-from exchange.errors import CorruptRecordError, IllegalStateError
+from exchange.errors import (
+    CorruptRecordError,
+    IllegalStateError,
+    PartitionDataLostError,
+    SpillError,
+)
 from exchange.memory.memory_segment import MemorySegment
+from exchange.partition.spill_space import SpillAccount, spill_error
 
 __all__ = [
     "BoundedData",
@@ -39,6 +49,10 @@ __all__ = [
 
 HEADER: Final = struct.Struct(">BBI")
 FLAG_COMPRESSED: Final = 0x01
+#: Read segments (outside network memory) a reader of ``file`` storage allocates at most.
+READ_SEGMENTS: Final = 2
+#: A spill file is new (never an existing file or a symlink planted there) and private.
+_CREATE_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 class BoundedDataReader(Protocol):
@@ -65,6 +79,11 @@ class BoundedData(Protocol):
     def create_reader(self) -> BoundedDataReader: ...
 
     @property
+    def reader_memory(self) -> int:
+        """Bytes a reader allocates outside network memory, at most."""
+        ...
+
+    @property
     def size(self) -> int: ...
 
     @property
@@ -77,47 +96,130 @@ class BoundedData(Protocol):
 
 class _FileWriterBase:
     """Writes buffers into a file in the spill directory (or, given ``existing`` =
-    ``(size, crc32)``, takes a finished file over)."""
+    ``(size, crc32)``, takes a finished file over).
 
-    def __init__(self, path: Path, existing: tuple[int, int] | None = None) -> None:
+    The file is created on the first write (a partition of many subpartitions holds no
+    descriptor for those not written yet), with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode
+    0600, and written with one ``writev`` per buffer: no write buffer outside network
+    memory. Its identity (device, inode) is recorded; every later open for reading checks
+    it and the size, so a file replaced or changed under a finished partition is refused
+    with a PartitionDataLostError. ``account`` (a ``SpillAccount``) is charged with every
+    byte before it is written and refunded when the file is deleted.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        existing: tuple[int, int] | None = None,
+        account: SpillAccount | None = None,
+    ) -> None:
         self.path = path
         self._keep = False
-        self._closed = False
+        self._fd = -1
+        self._account = account
+        self._charged = 0
+        self._identity: tuple[int, int] | None = None
         if existing is not None:
-            self._file: BinaryIO | None = None
             self._size, self._crc = existing
             self._finished = True
+            try:
+                st = os.lstat(path)
+            except OSError as e:
+                raise PartitionDataLostError(f"spill file {path} cannot be read: {e}") from None
+            if not stat.S_ISREG(st.st_mode):
+                raise PartitionDataLostError(f"spill file {path} is not a regular file")
+            self._identity = (st.st_dev, st.st_ino)
+            if account is not None:
+                account.add_existing(self._size)
+                self._charged = self._size
             return
-        self._file = open(path, "xb", buffering=1 << 16)  # noqa: SIM115
         self._size = 0
         self._crc = 0
         self._finished = False
 
+    def _open(self) -> int:
+        try:
+            fd = os.open(self.path, _CREATE_FLAGS, 0o600)
+        except OSError as e:
+            raise self._spill_error("create", e) from None
+        st = os.fstat(fd)
+        self._identity = (st.st_dev, st.st_ino)
+        self._fd = fd
+        return fd
+
+    def _spill_error(self, what: str, e: OSError) -> SpillError:
+        return spill_error(self.path.parent, f"{what} {self.path.name}", e)
+
     def write_buffer(self, buffer: Buffer) -> None:
-        f = self._file
-        if f is None or self._finished:
+        if self._finished:
             raise IllegalStateError(f"bounded data {self.path} is no longer writable")
+        fd = self._fd
+        if fd < 0:
+            fd = self._open()
         n = buffer.size
         flags = FLAG_COMPRESSED if buffer.compressed else 0
         header = HEADER.pack(buffer.data_type, flags, n)
-        f.write(header)
+        total = HEADER.size + n
+        account = self._account
+        if account is not None:
+            account.charge(total)  # SpillError: over the quota or below the free floor
+            self._charged += total
         crc = zlib.crc32(header, self._crc)
-        if n:
-            view = buffer.memoryview()
-            f.write(view)
-            crc = zlib.crc32(view, crc)
+        try:
+            if n:
+                view = buffer.memoryview()
+                done = os.writev(fd, (header, view))
+                if done != total:
+                    _write_rest(fd, header, view, done)
+                crc = zlib.crc32(view, crc)
+            else:
+                done = os.write(fd, header)
+                if done != HEADER.size:
+                    _write_rest(fd, header, memoryview(b""), done)
+        except OSError as e:
+            raise self._spill_error("write", e) from None
         self._crc = crc
-        self._size += HEADER.size + n
+        self._size += total
 
     def _finish_file(self) -> None:
         if self._finished:
             return
+        fd = self._fd
+        if fd < 0:
+            fd = self._open()  # an empty file: nothing was ever written
         self._finished = True
-        f = self._file
-        if f is not None:
-            f.flush()
-            f.close()
-            self._file = None
+        self._fd = -1
+        try:
+            os.close(fd)
+        except OSError as e:
+            raise self._spill_error("close", e) from None
+
+    def open_checked(self) -> int:
+        """A read-only descriptor of the finished file, after checking that it is still the
+        file this object wrote (same inode, same size); PartitionDataLostError if not."""
+        path = self.path
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as e:
+            raise PartitionDataLostError(
+                f"spill file {path} cannot be opened: {e.strerror or e}"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self._identity or not stat.S_ISREG(st.st_mode):
+                raise PartitionDataLostError(
+                    f"spill file {path} was replaced after it was written "
+                    f"(inode {st.st_ino}, written as {self._identity and self._identity[1]})"
+                )
+            if st.st_size != self._size:
+                raise PartitionDataLostError(
+                    f"spill file {path} changed after it was written "
+                    f"({st.st_size} bytes, written {self._size})"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     @property
     def size(self) -> int:
@@ -133,13 +235,40 @@ class _FileWriterBase:
         self._keep = True
 
     def _delete(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._keep:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        """Close and (unless kept) unlink the file, and refund its bytes, whatever fails;
+        the first OSError other than a missing file is raised after all of it."""
+        error: OSError | None = None
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError as e:
+                error = e
+        if not self._keep and self._identity is not None:
+            try:  # only the file this object created (or took over), never another one
+                st = os.lstat(self.path)
+                if (st.st_dev, st.st_ino) == self._identity:
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                error = error or e
+        charged, self._charged = self._charged, 0
+        if charged and self._account is not None:
+            self._account.refund(charged)
+        if error is not None:
+            raise error
+
+
+def _write_rest(fd: int, header: bytes, view: memoryview, done: int) -> None:
+    """Finish a ``writev`` of header + view that wrote only ``done`` bytes."""
+    hs = len(header)
+    while done < hs + len(view):
+        rest: list[bytes | memoryview] = [header[done:], view] if done < hs else [view[done - hs :]]
+        k = os.writev(fd, rest)
+        if k <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        done += k
 
 
 def _parse_header(header: bytes | memoryview, path: Path) -> tuple[DataType, bool, int]:
@@ -154,9 +283,9 @@ def _parse_header(header: bytes | memoryview, path: Path) -> tuple[DataType, boo
 class _FileReader:
     """Reads buffers with plain file reads into ``num_segments`` recycled read segments."""
 
-    def __init__(self, path: Path, segment_size: int, num_segments: int = 2) -> None:
+    def __init__(self, path: Path, fd: int, segment_size: int, num_segments: int = 2) -> None:
         self._path = path
-        self._file: io.FileIO | None = open(path, "rb", buffering=0)  # noqa: SIM115
+        self._file: io.FileIO | None = io.FileIO(fd, "rb", closefd=True)
         self._segment_size = segment_size
         self._free: list[MemorySegment] = []
         self._num_allocated = 0
@@ -234,10 +363,18 @@ class FileBoundedData(_FileWriterBase):
     """Blocking-partition storage in a file, read with plain reads."""
 
     def __init__(
-        self, path: Path, segment_size: int, existing: tuple[int, int] | None = None
+        self,
+        path: Path,
+        segment_size: int,
+        existing: tuple[int, int] | None = None,
+        account: SpillAccount | None = None,
     ) -> None:
-        super().__init__(path, existing)
+        super().__init__(path, existing, account)
         self._segment_size = segment_size
+
+    @property
+    def reader_memory(self) -> int:
+        return READ_SEGMENTS * self._segment_size
 
     def finish_write(self) -> None:
         self._finish_file()
@@ -245,7 +382,7 @@ class FileBoundedData(_FileWriterBase):
     def create_reader(self) -> _FileReader:
         if not self._finished:
             raise IllegalStateError("bounded data is still being written")
-        return _FileReader(self.path, self._segment_size)
+        return _FileReader(self.path, self.open_checked(), self._segment_size, READ_SEGMENTS)
 
     def close(self) -> None:
         self._delete()
@@ -304,13 +441,19 @@ class MmapBoundedData(_FileWriterBase):
     """Blocking-partition storage in a file, read through one private memory map."""
 
     def __init__(
-        self, path: Path, segment_size: int, existing: tuple[int, int] | None = None
+        self,
+        path: Path,
+        segment_size: int,
+        existing: tuple[int, int] | None = None,
+        account: SpillAccount | None = None,
     ) -> None:
-        super().__init__(path, existing)
+        super().__init__(path, existing, account)
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
         if existing is not None:
             self._map_file()
+
+    reader_memory = 0  # slices of the one shared mapping
 
     def finish_write(self) -> None:
         self._finish_file()
@@ -318,8 +461,11 @@ class MmapBoundedData(_FileWriterBase):
 
     def _map_file(self) -> None:
         if self._size:
-            with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            fd = self.open_checked()
+            try:
+                self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            finally:
+                os.close(fd)
             self._view = memoryview(self._map)
         else:
             self._view = memoryview(bytearray(0))
@@ -343,12 +489,18 @@ class MmapBoundedData(_FileWriterBase):
 
 
 def create_bounded_data(
-    kind: str, path: Path, segment_size: int, *, existing: tuple[int, int] | None = None
+    kind: str,
+    path: Path,
+    segment_size: int,
+    *,
+    existing: tuple[int, int] | None = None,
+    account: SpillAccount | None = None,
 ) -> BoundedData:
     """``kind`` is ``"file"`` or ``"mmap"``; ``existing`` = ``(size, crc32)`` of a finished
-    file to read again (a restored partition) instead of a new file to write."""
+    file to read again (a restored partition) instead of a new file to write; ``account``
+    is charged with the file's bytes."""
     if kind == "file":
-        return FileBoundedData(path, segment_size, existing)
+        return FileBoundedData(path, segment_size, existing, account)
     if kind == "mmap":
-        return MmapBoundedData(path, segment_size, existing)
+        return MmapBoundedData(path, segment_size, existing, account)
     raise IllegalStateError(f"unknown bounded data kind {kind!r} (use 'file' or 'mmap')")

@@ -9,9 +9,14 @@ file, ``<stem>.manifest``, next to its spill files ``<stem>.<i>.bin``:
 * deleted when the partition is released (before its files), kept when a daemon shuts
   down cleanly (``ResultPartition.keep_spilled_data``).
 
-Every write goes to a temporary file that is fsynced and renamed over the manifest, so a
-crash leaves the old manifest or the new one, never half of one; the body carries its own
-CRC-32, so a damaged manifest is told from a valid one.
+Every write goes to a new temporary file (``O_EXCL``, mode 0600) that is fsynced and
+renamed over the manifest, so a crash leaves the old manifest or the new one, never half
+of one; the body carries its own CRC-32, so a damaged manifest is told from a valid one.
+With a key (``manifest_key(secret)``: the daemon has a secret) the body carries an
+HMAC-SHA256 instead, and a manifest without one or with a wrong one is refused with an
+:class:`~exchange.errors.IntegrityError`: who cannot compute the daemon's key cannot make
+a daemon serve files it did not write. (The spill files themselves are covered by the
+CRC-32s the manifest lists and by the directory's privacy, not by a MAC of their own.)
 
 At startup the daemon reads every manifest of its spill directory (``scan``): a
 ``finished`` blocking partition whose files are intact (present, of the recorded size,
@@ -24,9 +29,12 @@ I/O; reading and writing these files is the partition's own storage, as BoundedD
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import math
 import os
+import stat
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,7 +42,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Final
 
-from exchange.errors import CorruptRecordError, PartitionDataLostError
+from exchange.errors import CorruptRecordError, IntegrityError, PartitionDataLostError
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_type import ResultPartitionType
 
@@ -46,6 +54,7 @@ __all__ = [
     "decode_manifest",
     "delete_partition_files",
     "encode_manifest",
+    "manifest_key",
     "orphan_spill_files",
     "read_manifest",
     "scan_manifests",
@@ -171,25 +180,52 @@ def _app_id(value: Any) -> str:
     return str(value)
 
 
-def encode_manifest(manifest: PartitionManifest) -> bytes:
-    """The manifest file's bytes: its body as JSON, with the body's CRC-32."""
-    return wrap_body(json.dumps(manifest.to_json(), sort_keys=True, separators=(",", ":")))
+def manifest_key(secret: bytes) -> bytes:
+    """The key a daemon with ``secret`` signs its manifests with (never the secret itself)."""
+    return hmac.new(secret, b"exchange-manifest-v1", hashlib.sha256).digest()
 
 
-def wrap_body(body: str) -> bytes:
-    """A manifest body (JSON text) with its checksum, as a manifest file holds it."""
-    return json.dumps({"crc32": zlib.crc32(body.encode()), "body": body}).encode() + b"\n"
+def encode_manifest(manifest: PartitionManifest, key: bytes | None = None) -> bytes:
+    """The manifest file's bytes: its body as JSON, with the body's CRC-32 (or, with
+    ``key``, its HMAC-SHA256)."""
+    return wrap_body(json.dumps(manifest.to_json(), sort_keys=True, separators=(",", ":")), key)
 
 
-def decode_manifest(data: bytes, path: Path) -> PartitionManifest:
+def wrap_body(body: str, key: bytes | None = None) -> bytes:
+    """A manifest body (JSON text) with its checksum or MAC, as a manifest file holds it."""
+    raw = body.encode()
+    outer: dict[str, Any] = (
+        {"crc32": zlib.crc32(raw)}
+        if key is None
+        else {"hmac": hmac.new(key, raw, hashlib.sha256).hexdigest()}
+    )
+    outer["body"] = body
+    return json.dumps(outer).encode() + b"\n"
+
+
+def decode_manifest(data: bytes, path: Path, key: bytes | None = None) -> PartitionManifest:
     """Parse a manifest file's bytes; CorruptRecordError (naming ``path``) for anything
-    that is not an intact manifest."""
+    that is not an intact manifest; with ``key``, IntegrityError for one whose HMAC is
+    missing or wrong."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptRecordError(f"{path}: larger than {MAX_MANIFEST_BYTES} bytes")
     try:
         outer = json.loads(data)
         body_bytes = outer["body"].encode()
-        if zlib.crc32(body_bytes) != outer["crc32"]:
+        if key is not None:
+            mac = outer.get("hmac")
+            if not isinstance(mac, str):
+                raise IntegrityError(
+                    f"{path}: manifest carries no HMAC, but this daemon signs its manifests "
+                    "(it has a secret): refused as forged or written without the key"
+                )
+            expected = hmac.new(key, body_bytes, hashlib.sha256).hexdigest()
+            if not hmac.compare_digest(mac.encode(), expected.encode()):
+                raise IntegrityError(
+                    f"{path}: manifest HMAC does not match this daemon's key: refused as "
+                    "forged or written by a daemon with another secret"
+                )
+        elif zlib.crc32(body_bytes) != outer["crc32"]:
             raise CorruptRecordError(f"{path}: manifest checksum mismatch")
         body = json.loads(body_bytes)
     except CorruptRecordError:
@@ -199,27 +235,39 @@ def decode_manifest(data: bytes, path: Path) -> PartitionManifest:
     return PartitionManifest.from_json(body, path)
 
 
-def write_manifest(path: Path, manifest: PartitionManifest, *, sync: bool = True) -> None:
-    """Write atomically: a temporary file (fsynced when ``sync``) renamed over ``path``."""
+def write_manifest(
+    path: Path, manifest: PartitionManifest, *, sync: bool = True, key: bytes | None = None
+) -> None:
+    """Write atomically: a new temporary file (fsynced when ``sync``) renamed over ``path``;
+    signed with ``key`` if given. On failure (a full disk) the temporary file is removed."""
     tmp = path.with_name(path.name[: -len(MANIFEST_SUFFIX)] + _TMP_SUFFIX)
-    data = encode_manifest(manifest)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    data = encode_manifest(manifest, key)
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # left by a crash of this very write
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        raise
 
 
-def read_manifest(path: Path) -> PartitionManifest:
-    """Read and check one manifest; CorruptRecordError when it is damaged."""
-    with open(path, "rb") as f:
+def read_manifest(path: Path, key: bytes | None = None) -> PartitionManifest:
+    """Read and check one manifest; CorruptRecordError when it is damaged (IntegrityError,
+    with ``key``, when it is not signed with it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    with open(fd, "rb") as f:
         data = f.read(MAX_MANIFEST_BYTES + 1)
-    return decode_manifest(data, path)
+    return decode_manifest(data, path, key)
 
 
 def verify_spilled_data(manifest: PartitionManifest, directory: Path) -> None:
@@ -231,16 +279,19 @@ def verify_spilled_data(manifest: PartitionManifest, directory: Path) -> None:
     for sub in manifest.subpartitions:
         path = directory / sub.file
         try:
-            size = path.stat().st_size
+            st = path.lstat()  # a symlink is not a spill file the daemon wrote
         except FileNotFoundError:
             raise PartitionDataLostError(f"spill file {path} is missing", pid) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise PartitionDataLostError(f"spill file {path} is not a regular file", pid)
+        size = st.st_size
         if size != sub.size:
             what = "truncated" if size < sub.size else "longer than written"
             raise PartitionDataLostError(
                 f"spill file {path} is {what} ({size} of {sub.size} bytes)", pid
             )
         crc = 0
-        with open(path, "rb", buffering=0) as f:
+        with open(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW), "rb", 0) as f:
             while chunk := f.read(_CHUNK):
                 crc = zlib.crc32(chunk, crc)
         if crc != sub.crc32:

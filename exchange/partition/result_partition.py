@@ -2,7 +2,7 @@
 
 Owns its LocalBufferPool (``num_required = number of subpartitions``, as in Flink). The
 partition does not encode records: its writer (``exchange.writer``: a RecordWriter driven
-by a ResultPartitionSink in process, or the daemon's local endpoint for producer tasks)
+by the daemon's local endpoint for producer tasks; in tests, by ``tests/kit``'s sink)
 copies each buffer it cut into a segment of this pool and queues it here.
 
 Buffers are handed over complete with ``add_buffer(target, buffer)``;
@@ -26,18 +26,21 @@ blocking partition again and fails the readers of one that died unfinished;
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final, NamedTuple, TypeVar
+from typing import Final, NamedTuple, NoReturn, TypeVar
 
 from exchange.buffers.buffer import Buffer
-from exchange.buffers.buffer_builder import BufferConsumer
+from exchange.buffers.buffer_consumer import BufferConsumer
 from exchange.errors import (
     PartitionReleasedError,
     ProducerFailedError,
+    SpillError,
     SubpartitionIndexError,
     UsageError,
     WriterClosedError,
@@ -56,8 +59,10 @@ from exchange.partition.partition_manifest import (
     write_manifest,
 )
 from exchange.partition.pipelined_subpartition import PipelinedSubpartition
+from exchange.partition.reader_budget import ReaderAccount
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_type import ResultPartitionType
+from exchange.partition.spill_space import SpillAccount, spill_error
 from exchange.partition.states import PARTITION_TRANSITIONS, ResultPartitionState, transition
 from exchange.partition.subpartition_view import BufferAvailabilityListener, ResultSubpartitionView
 
@@ -107,6 +112,9 @@ class ResultPartition:
         keep_manifest: bool = False,
         restore_from: PartitionManifest | None = None,
         app_id: str = "",
+        spill_account: SpillAccount | None = None,
+        manifest_key: bytes | None = None,
+        reader_account: ReaderAccount | None = None,
     ) -> None:
         if not isinstance(num_subpartitions, int) or num_subpartitions <= 0:
             raise UsageError(f"num_subpartitions must be a positive int, got {num_subpartitions!r}")
@@ -123,36 +131,35 @@ class ResultPartition:
         #: The application that created it ("": none); only its connections may use it.
         self.app_id = app_id if restore_from is None else restore_from.app_id
         self.buffer_pool = buffer_pool
+        #: Counts this partition's blocking readers against its application's budget.
+        self.reader_account = reader_account
         self.segment_size = buffer_pool.segment_size
         self.subpartitions: list[ResultSubpartition] = []
         self._bounded_data_kind = bounded_data_kind
         self._manifest_path: Path | None = None
+        self._manifest_key = manifest_key
         self._keep_spilled = False
-        directory = Path(spill_dir if spill_dir is not None else "/tmp/exchange-spill")
+        directory = Path(spill_dir) if spill_dir is not None else _default_spill_dir()
+        self.spill_dir = directory
         stem = f"{_safe(partition_id.dataset_id)}-{partition_id.partition_index}-" + (
             f"{partition_id.attempt_id}-{uuid.uuid4().hex[:8]}"
         )
         if restore_from is not None:
-            self._restore_subpartitions(restore_from, directory)
+            self._restore_subpartitions(restore_from, directory, spill_account)
         elif partition_type.is_blocking:
-            directory.mkdir(parents=True, exist_ok=True)
-            if keep_manifest:  # first, so that no spill file exists without its manifest
-                self._manifest_path = directory / (stem + MANIFEST_SUFFIX)
-                write_manifest(
-                    self._manifest_path, self._manifest(num_subpartitions, False), sync=False
-                )
-            for i in range(num_subpartitions):
+            if spill_account is not None:
+                spill_account.check_new()  # SpillError: quota used up, free space below floor
+            self._create_manifest(directory, stem, num_subpartitions, keep_manifest)
+            for i in range(num_subpartitions):  # each file is created on its first write
                 data = create_bounded_data(
-                    bounded_data_kind, directory / f"{stem}.{i}.bin", self.segment_size
+                    bounded_data_kind,
+                    directory / f"{stem}.{i}.bin",
+                    self.segment_size,
+                    account=spill_account,
                 )
                 self.subpartitions.append(BoundedBlockingSubpartition(i, self, data))
         else:
-            if keep_manifest:
-                directory.mkdir(parents=True, exist_ok=True)
-                self._manifest_path = directory / (stem + MANIFEST_SUFFIX)
-                write_manifest(
-                    self._manifest_path, self._manifest(num_subpartitions, False), sync=False
-                )
+            self._create_manifest(directory, stem, num_subpartitions, keep_manifest)
             for i in range(num_subpartitions):
                 self.subpartitions.append(PipelinedSubpartition(i, self))
         self._state = _WRITING
@@ -170,10 +177,17 @@ class ResultPartition:
 
     @classmethod
     def restore(
-        cls, manifest_path: Path, manifest: PartitionManifest, buffer_pool: LocalBufferPool
+        cls,
+        manifest_path: Path,
+        manifest: PartitionManifest,
+        buffer_pool: LocalBufferPool,
+        *,
+        spill_account: SpillAccount | None = None,
+        reader_account: ReaderAccount | None = None,
     ) -> ResultPartition:
         """A finished blocking partition a previous daemon left (its files checked by
-        ``verify_spilled_data``); it keeps ``manifest_path`` as its manifest."""
+        ``verify_spilled_data``); it keeps ``manifest_path`` as its manifest. Its files
+        count against ``spill_account``, its readers against ``reader_account``."""
         if manifest.state is not ManifestState.FINISHED or not manifest.partition_type.is_blocking:
             raise UsageError(f"{manifest_path}: only finished blocking partitions are restored")
         if manifest.segment_size != buffer_pool.segment_size:
@@ -189,17 +203,41 @@ class ResultPartition:
             spill_dir=manifest_path.parent,
             bounded_data_kind=manifest.bounded_data_kind,
             restore_from=manifest,
+            spill_account=spill_account,
+            reader_account=reader_account,
         )
         part._manifest_path = manifest_path
         return part
 
-    def _restore_subpartitions(self, manifest: PartitionManifest, directory: Path) -> None:
+    def _create_manifest(
+        self, directory: Path, stem: str, num_subpartitions: int, keep_manifest: bool
+    ) -> None:
+        """Create the spill directory (0700) and, with ``keep_manifest``, the manifest: first,
+        so that no spill file exists without its manifest."""
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if keep_manifest:
+                path = directory / (stem + MANIFEST_SUFFIX)
+                write_manifest(
+                    path,
+                    self._manifest(num_subpartitions, False),
+                    sync=False,
+                    key=self._manifest_key,
+                )
+                self._manifest_path = path
+        except OSError as e:
+            raise spill_error(directory, "create the partition's manifest", e) from None
+
+    def _restore_subpartitions(
+        self, manifest: PartitionManifest, directory: Path, account: SpillAccount | None
+    ) -> None:
         for i, spilled in enumerate(manifest.subpartitions):
             data = create_bounded_data(
                 manifest.bounded_data_kind,
                 directory / spilled.file,
                 self.segment_size,
                 existing=(spilled.size, spilled.crc32),
+                account=account,
             )
             sub = BoundedBlockingSubpartition(i, self, data)
             sub.restore_finished(spilled.payload_bytes, spilled.buffers, spilled.data_buffers)
@@ -278,43 +316,10 @@ class ResultPartition:
             return
         self._release_listeners.append(listener)
 
-    def remove_release_listener(self, listener: ReleaseListener) -> None:
-        """Forget ``listener`` (no error if it is not registered)."""
-        if listener in self._release_listeners:
-            self._release_listeners.remove(listener)
-
     def add_consumer_failure_listener(self, listener: ConsumerFailureListener) -> None:
         """Call ``listener(cause)`` whenever a reader leaves a pipelined subpartition before
         its end: a producer not writing into that subpartition would not notice otherwise."""
         self._consumer_failure_listeners.append(listener)
-
-    def remove_consumer_failure_listener(self, listener: ConsumerFailureListener) -> None:
-        if listener in self._consumer_failure_listeners:
-            self._consumer_failure_listeners.remove(listener)
-
-    @property
-    def on_release(self) -> ReleaseListener:
-        """Deprecated slot, kept while callers move to ``add_release_listener``.
-
-        Assigning adds a listener and never replaces one. Reading gives a no-op, so a
-        caller that wraps the old value and calls it calls no listener twice.
-        """
-        return _ignore
-
-    @on_release.setter
-    def on_release(self, listener: ReleaseListener | None) -> None:
-        if listener is not None:
-            self.add_release_listener(listener)
-
-    @property
-    def on_consumer_failure(self) -> ConsumerFailureListener:
-        """Deprecated: assigning adds a consumer-failure listener (see ``on_release``)."""
-        return _ignore
-
-    @on_consumer_failure.setter
-    def on_consumer_failure(self, listener: ConsumerFailureListener | None) -> None:
-        if listener is not None:
-            self.add_consumer_failure_listener(listener)
 
     # -- writing records -----------------------------------------------------------------
 
@@ -362,9 +367,7 @@ class ResultPartition:
                 for i in range(n):
                     self.check_writable(i)
             elif not 0 <= target < n:
-                raise SubpartitionIndexError(
-                    f"subpartition index {target} out of range [0, {n})", self.partition_id
-                )
+                raise SubpartitionIndexError(target, n, self.partition_id)
             else:
                 self.check_writable(target)
         except BaseException:
@@ -372,17 +375,39 @@ class ResultPartition:
             raise
         size = buffer.size
         if target != ALL_SUBPARTITIONS:
-            if not subs[target].add(BufferConsumer.of_buffer(buffer)):
-                self.check_writable(target)  # pragma: no cover - checked above
+            try:
+                if not subs[target].add(BufferConsumer.of_buffer(buffer)):
+                    self.check_writable(target)  # pragma: no cover - checked above
+            except SpillError as e:
+                self._spill_failed(e)
             self._bytes_out += size
             self._buffers_out += 1
             return
         for _ in range(n - 1):
             buffer.retain()
-        for sub in subs:  # none refuses: every one was checked writable above
-            sub.add(BufferConsumer.of_buffer(buffer))
+        for i, sub in enumerate(subs):  # none refuses: every one was checked writable above
+            try:
+                sub.add(BufferConsumer.of_buffer(buffer))
+            except SpillError as e:
+                for _ in range(n - 1 - i):
+                    buffer.release()  # the references of the subpartitions not reached
+                self._spill_failed(e)
         self._bytes_out += size * n
         self._buffers_out += n
+
+    def _spill_failed(self, error: SpillError) -> NoReturn:
+        """A blocking file could not be written: release the partition with ``error`` (files
+        deleted, pool destroyed, listeners and the producer told), then raise it."""
+        if error.partition_id is None:
+            error = SpillError(
+                str(error),
+                self.partition_id,
+                directory=error.directory,
+                setting=error.setting,
+                errno=error.errno,
+            )
+        self.release(error)
+        raise error
 
     # -- events, flushing, finishing -----------------------------------------------------
 
@@ -393,6 +418,8 @@ class ResultPartition:
         try:
             for sub in self.subpartitions:
                 sub.add(consumer.copy())
+        except SpillError as e:
+            self._spill_failed(e)
         finally:
             consumer.close()
 
@@ -414,11 +441,21 @@ class ResultPartition:
         if self._state is _FINISHED:
             return
         self.check_writable()
-        for sub in self.subpartitions:
-            sub.finish()
+        try:
+            for sub in self.subpartitions:
+                sub.finish()
+            if self._manifest_path is not None and self.partition_type.is_blocking:
+                try:
+                    write_manifest(
+                        self._manifest_path,
+                        self._manifest(len(self.subpartitions), True),
+                        key=self._manifest_key,
+                    )
+                except OSError as e:
+                    raise spill_error(self.spill_dir, "write the partition's manifest", e) from None
+        except SpillError as e:
+            self._spill_failed(e)
         self._transition(_FINISHED)
-        if self._manifest_path is not None and self.partition_type.is_blocking:
-            write_manifest(self._manifest_path, self._manifest(len(self.subpartitions), True))
         if self.partition_type.is_blocking:
             # Everything is spilled and nothing more will be requested: give the pool's
             # segments and its claim on the global pool back now. A pipelined partition
@@ -455,15 +492,22 @@ class ResultPartition:
         self._finished_at_release = self._state is _FINISHED
         self._transition(_FAILED if isinstance(cause, ProducerFailedError) else _RELEASED)
         self._failure = cause
+        # Every step runs whatever an earlier one raised (a full disk, a file already gone):
+        # a partition half released would keep its segments and files for ever.
+        steps: list[Callable[[], None]] = []
         if self._manifest_path is not None and not self._keep_spilled:
             # before the files: a crash in between leaves orphans the next daemon deletes
-            with contextlib.suppress(FileNotFoundError):
-                self._manifest_path.unlink()
-        for sub in self.subpartitions:
-            sub.release(cause)
-        self.buffer_pool.destroy()
+            steps.append(self._delete_manifest)
+        steps.extend(functools.partial(sub.release, cause) for sub in self.subpartitions)
+        steps.append(self.buffer_pool.destroy)
         listeners, self._release_listeners = self._release_listeners, []
-        _call_all(listeners, self)
+        steps.extend(functools.partial(listener, self) for listener in listeners)
+        _run_all(steps)
+
+    def _delete_manifest(self) -> None:
+        assert self._manifest_path is not None
+        with contextlib.suppress(FileNotFoundError):
+            self._manifest_path.unlink()
 
     # -- reading -------------------------------------------------------------------------
 
@@ -471,10 +515,7 @@ class ResultPartition:
         self, index: int, listener: BufferAvailabilityListener
     ) -> ResultSubpartitionView:
         if not isinstance(index, int) or not 0 <= index < len(self.subpartitions):
-            raise SubpartitionIndexError(
-                f"subpartition index {index!r} out of range [0, {len(self.subpartitions)})",
-                self.partition_id,
-            )
+            raise SubpartitionIndexError(index, len(self.subpartitions), self.partition_id)
         if self._state is _FAILED:
             cause = self._failure
             raise ProducerFailedError(
@@ -529,21 +570,28 @@ class ResultPartition:
         )
 
 
-def _ignore(_: object) -> None:
-    """What the deprecated listener slots read as."""
-
-
 def _call_all(listeners: list[Callable[[_T], None]], arg: _T) -> None:
     """Call every listener, even when one raises; then re-raise the first error."""
+    _run_all([functools.partial(listener, arg) for listener in listeners])
+
+
+def _run_all(steps: list[Callable[[], None]]) -> None:
+    """Run every step, even when one raises; then re-raise the first error."""
     error: BaseException | None = None
-    for listener in listeners:
+    for step in steps:
         try:
-            listener(arg)
+            step()
         except BaseException as e:  # re-raised below, after the others ran
             if error is None:
                 error = e
     if error is not None:
         raise error
+
+
+def _default_spill_dir() -> Path:
+    """Where an in-process partition spills when given no directory: this user's own
+    (never a name every user shares), apart from a daemon's files."""
+    return Path(tempfile.gettempdir()) / f"exchange-{os.geteuid()}" / "in-process"
 
 
 def _safe(name: str) -> str:

@@ -1,4 +1,11 @@
-"""ResultPartitionManager: the registry of a daemon's (or process's) result partitions."""
+"""ResultPartitionManager: the registry of a daemon's (or process's) result partitions.
+
+Partition ids are per application: the registry is keyed by (application, partition id),
+so one application can neither see, nor take first, nor learn of another's ids: asking
+for a partition another application holds, or held, is answered exactly as asking for one
+that never existed (``PartitionNotFoundError``). ``""`` is the namespace of "no
+application" (no secret, or a client of the daemon's secret that names none).
+"""
 
 from __future__ import annotations
 
@@ -21,31 +28,36 @@ __all__ = ["ResultPartitionManager"]
 
 _REMEMBER_RELEASED: Final = 4096
 
+#: (application, partition id): how the registry keys a partition
+_Key = tuple[str, ResultPartitionID]
+
 
 class ResultPartitionManager:
     """Registers partitions, hands out subpartition views, releases partitions."""
 
     def __init__(self) -> None:
-        self._partitions: dict[ResultPartitionID, ResultPartition] = {}
+        self._partitions: dict[_Key, ResultPartition] = {}
         # Recently released ids, so a late reader hears "released" (or "producer failed",
         # or "data lost"), not "not found". Kept as (error type, text): an exception would
         # pin its traceback.
-        self._released: OrderedDict[ResultPartitionID, tuple[type[PartitionError], str]] = (
-            OrderedDict()
-        )
+        self._released: OrderedDict[_Key, tuple[type[PartitionError], str]] = OrderedDict()
 
     def register_result_partition(self, partition: ResultPartition) -> None:
         pid = partition.partition_id
-        if pid in self._partitions:
+        key = (partition.app_id, pid)
+        if key in self._partitions:
             raise UsageError(f"result partition {pid} is already registered")
-        self._partitions[pid] = partition
-        self._released.pop(pid, None)
+        self._partitions[key] = partition
+        self._released.pop(key, None)
         partition.add_release_listener(self._on_partition_released)
 
-    def get_partition(self, pid: ResultPartitionID) -> ResultPartition:
-        part = self._partitions.get(pid)
+    def get_partition(self, pid: ResultPartitionID, app_id: str = "") -> ResultPartition:
+        """Application ``app_id``'s partition ``pid``; PartitionNotFoundError if it has none
+        (whoever else has one), or the error it was released with."""
+        key = (app_id, pid)
+        part = self._partitions.get(key)
         if part is None:
-            released = self._released.get(pid)
+            released = self._released.get(key)
             if released is not None:
                 error_type, reason = released
                 raise error_type(reason, pid)
@@ -53,13 +65,19 @@ class ResultPartitionManager:
         return part
 
     def create_subpartition_view(
-        self, pid: ResultPartitionID, index: int, listener: BufferAvailabilityListener
+        self,
+        pid: ResultPartitionID,
+        index: int,
+        listener: BufferAvailabilityListener,
+        app_id: str = "",
     ) -> ResultSubpartitionView:
-        return self.get_partition(pid).create_subpartition_view(index, listener)
+        return self.get_partition(pid, app_id).create_subpartition_view(index, listener)
 
-    def release_partition(self, pid: ResultPartitionID, cause: BaseException | None = None) -> bool:
+    def release_partition(
+        self, pid: ResultPartitionID, cause: BaseException | None = None, app_id: str = ""
+    ) -> bool:
         """Release one partition; False if it is not registered."""
-        part = self._partitions.get(pid)
+        part = self._partitions.get((app_id, pid))
         if part is None:
             return False
         part.release(cause)
@@ -70,14 +88,14 @@ class ResultPartitionManager:
     ) -> int:
         """Release every partition of one exchange (of application ``app_id`` only, unless
         None); returns how many."""
-        pids = [
-            pid
-            for pid, part in self._partitions.items()
-            if pid.dataset_id == dataset_id and (app_id is None or part.app_id == app_id)
+        parts = [
+            part
+            for (app, pid), part in self._partitions.items()
+            if pid.dataset_id == dataset_id and (app_id is None or app == app_id)
         ]
-        for pid in pids:
-            self._partitions[pid].release(cause)
-        return len(pids)
+        for part in parts:
+            part.release(cause)
+        return len(parts)
 
     def release_all(self, cause: BaseException | None = None) -> None:
         for part in list(self._partitions.values()):
@@ -85,28 +103,30 @@ class ResultPartitionManager:
 
     def _on_partition_released(self, partition: ResultPartition) -> None:
         pid = partition.partition_id
-        if self._partitions.get(pid) is partition:
-            del self._partitions[pid]
+        key = (partition.app_id, pid)
+        if self._partitions.get(key) is partition:
+            del self._partitions[key]
             cause = partition.failure_cause
             failed = isinstance(cause, ProducerFailedError)
             reason = "failed: " + error_reason(cause) if cause else "released"
             self._remember(
-                pid,
+                key,
                 ProducerFailedError if failed else PartitionReleasedError,
                 f"partition was released ({reason})",
             )
 
-    def remember_gone(self, pid: ResultPartitionID, error: PartitionError) -> None:
-        """A partition this manager never held is gone for good (it died with a previous
-        daemon, or its data did not survive): readers asking for it get ``error``'s type
-        and message instead of a not-found they would retry."""
-        if pid not in self._partitions:
-            self._remember(pid, type(error), error.reason)
-
-    def _remember(
-        self, pid: ResultPartitionID, error_type: type[PartitionError], text: str
+    def remember_gone(
+        self, pid: ResultPartitionID, error: PartitionError, app_id: str = ""
     ) -> None:
-        self._released[pid] = (error_type, text)
+        """Application ``app_id``'s partition that this manager never held is gone for
+        good (it died with a previous daemon, or its data did not survive): its readers get
+        ``error``'s type and message instead of a not-found they would retry."""
+        key = (app_id, pid)
+        if key not in self._partitions:
+            self._remember(key, type(error), error.reason)
+
+    def _remember(self, key: _Key, error_type: type[PartitionError], text: str) -> None:
+        self._released[key] = (error_type, text)
         while len(self._released) > _REMEMBER_RELEASED:
             self._released.popitem(last=False)
 
@@ -118,4 +138,7 @@ class ResultPartitionManager:
         return len(self._partitions)
 
     def __contains__(self, pid: object) -> bool:
-        return pid in self._partitions
+        """Whether ``pid`` is registered for "no application" (``(app_id, pid)``: for
+        that application)."""
+        key = pid if isinstance(pid, tuple) else ("", pid)
+        return key in self._partitions

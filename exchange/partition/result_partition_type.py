@@ -21,7 +21,3 @@ class ResultPartitionType(Enum):
     @property
     def is_blocking(self) -> bool:
         return self is ResultPartitionType.BLOCKING
-
-    @property
-    def is_reconsumable(self) -> bool:
-        return self is ResultPartitionType.BLOCKING

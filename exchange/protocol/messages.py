@@ -18,11 +18,13 @@ from exchange.errors import (
     AuthenticationError,
     ExchangeError,
     LimitExceededError,
+    LocalProtocolError,
     PartitionError,
     PartitionNotFoundError,
     PartitionReleasedError,
     ProducerFailedError,
     ProtocolError,
+    SpillError,
     TransportError,
     UsageError,
     VersionMismatchError,
@@ -105,6 +107,7 @@ class ErrorCode(IntEnum):
     INVALID_REQUEST = 11
     ACCESS_DENIED = 12
     LIMIT_EXCEEDED = 13
+    SPILL_FAILED = 14
 
 
 class Message:
@@ -391,10 +394,13 @@ def error_for_response(
         return AccessDeniedError(text, partition_id, address)
     if code is ErrorCode.LIMIT_EXCEEDED:
         return LimitExceededError(text, partition_id, address)
+    if code is ErrorCode.SPILL_FAILED:
+        return SpillError(text, partition_id, address)
     if code is ErrorCode.AUTH_FAILED:
         return AuthenticationError(text + where)
     if code in (ErrorCode.PROTOCOL_ERROR, ErrorCode.VERSION_MISMATCH):
-        return ProtocolError(text + where)
+        # the peer says *we* broke the protocol: not the peer's misbehaviour
+        return LocalProtocolError(text + where, code.name)
     if code in (ErrorCode.TOO_MANY_CONNECTIONS, ErrorCode.SERVER_SHUTDOWN):
         return TransportError(text + where)
     # CANCELLED, INVALID_REQUEST, INTERNAL: one stream's failure when it names a receiver,
@@ -418,6 +424,8 @@ def error_response_for(exc: BaseException, receiver_id: int | None = None) -> Er
             code = ErrorCode.ACCESS_DENIED
         case LimitExceededError():
             code = ErrorCode.LIMIT_EXCEEDED
+        case SpillError():
+            code = ErrorCode.SPILL_FAILED
         case PartitionError() | UsageError():
             code = ErrorCode.INVALID_REQUEST
         case AuthenticationError():

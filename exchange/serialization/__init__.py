@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from exchange.serialization.codec import (
+from exchange.serialization.pickle_batch import (
+    PickleBatchCodec,
+    PickleBatchDecoder,
+    PickleBatchEncoder,
+)
+from exchange.serialization.record_codec import (
     DEFAULT_MAX_RECORD_SIZE,
     BytesCodec,
     BytesLike,
@@ -14,12 +19,6 @@ from exchange.serialization.codec import (
     RecordEncoder,
     default_codec,
 )
-from exchange.serialization.pickle_batch import (
-    PickleBatchCodec,
-    PickleBatchDecoder,
-    PickleBatchEncoder,
-)
-from exchange.serialization.record_deserializer import RecordDeserializer
 
 __all__ = [
     "DEFAULT_MAX_RECORD_SIZE",
@@ -33,7 +32,6 @@ __all__ = [
     "PickleCodec",
     "RecordCodec",
     "RecordDecoder",
-    "RecordDeserializer",
     "RecordEncoder",
     "default_codec",
 ]

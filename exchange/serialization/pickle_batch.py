@@ -43,7 +43,7 @@ import struct
 from typing import Any, Final
 
 from exchange.errors import CorruptRecordError, RecordTooLargeError, UsageError
-from exchange.serialization.codec import (
+from exchange.serialization.record_codec import (
     DEFAULT_MAX_RECORD_SIZE,
     MAX_FRAMED_RECORD_SIZE,
     LengthPrefixedDecoder,

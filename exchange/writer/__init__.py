@@ -3,6 +3,7 @@ channel selectors, deterministic hashing."""
 
 from __future__ import annotations
 
+from exchange.writer.async_record_writer import AsyncRecordWriter, BufferSink
 from exchange.writer.channel_selector import (
     BroadcastSelector,
     ChannelSelector,
@@ -11,12 +12,6 @@ from exchange.writer.channel_selector import (
     RoundRobinSelector,
 )
 from exchange.writer.hashing import deterministic_hash, partition_for_key
-from exchange.writer.partition_writer import (
-    AsyncRecordWriter,
-    BufferSink,
-    ResultPartitionSink,
-    ResultPartitionWriter,
-)
 from exchange.writer.record_writer import (
     ALL_SUBPARTITIONS,
     DEFAULT_BUFFER_TIMEOUT,
@@ -36,8 +31,6 @@ __all__ = [
     "OutputBuffer",
     "PartitionerSelector",
     "RecordWriter",
-    "ResultPartitionSink",
-    "ResultPartitionWriter",
     "RoundRobinSelector",
     "WriterStats",
     "deterministic_hash",

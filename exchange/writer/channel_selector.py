@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from exchange.errors import SubpartitionIndexError, UsageError
+from exchange.errors import UsageError
 from exchange.writer.hashing import deterministic_hash
 
 __all__ = [
@@ -95,7 +95,7 @@ class PartitionerSelector:
     def select_channel(self, record: Any) -> int:
         p = self._partitioner(self._key_fn(record))
         if not isinstance(p, int):
-            raise SubpartitionIndexError(f"partitioner returned {p!r}, not an int")
+            raise UsageError(f"partitioner returned {p!r}, not an int")
         return p % self._n
 
 

@@ -1,8 +1,8 @@
 """RecordWriter: the one write path, sans I/O. Records in, finished buffers out.
 
 Every producer drives this class: the PySpark task (``client.producer.PartitionWriter``),
-the asyncio API (``client.producer.AsyncPartitionWriter``) and in-process writers
-(``exchange.writer.partition_sink``). It does no I/O and never waits; whoever drives it
+the asyncio API (``client.producer.AsyncPartitionWriter``) and the tests' in-process
+writer (``tests/kit/partition_writer.py``). It does no I/O and never waits; whoever drives it
 takes the buffers it cut (``take_output``) and moves them (to the daemon, into a
 partition's segments), waiting for credit or segments there: that is where backpressure
 reaches the producer.
@@ -49,7 +49,7 @@ from exchange.events.events import (
     EventSerializer,
 )
 from exchange.partition.result_partition import ALL_SUBPARTITIONS
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.serialization.record_codec import RecordCodec, default_codec
 from exchange.writer.channel_selector import ChannelSelector
 from exchange.writer.hashing import FIBONACCI_64, deterministic_hash
 
@@ -100,7 +100,8 @@ class OutputBuffer:
         return self.data_type is not DataType.DATA_BUFFER
 
     def to_bytes(self) -> bytes:
-        """The buffer's bytes (for tests and in-process copies of small buffers)."""
+        """The buffer's bytes joined into one object (a copy: the data path sends
+        ``pieces`` as they are; tests compare buffers with this)."""
         return b"".join(self.pieces)
 
 

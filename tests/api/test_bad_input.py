@@ -409,6 +409,7 @@ def test_stream_execute_arguments(kwargs: dict[str, Any], words: str, tmp_path: 
 #: At least one invalid value for every setting (as given on the command line).
 BAD_FLAG_VALUES: dict[str, list[str]] = {
     "host": ["", "a b"],
+    "http_host": ["", "a b"],
     "advertise_host": ["0.0.0.0", "::", "a b"],
     "data_port": ["-1", "65536", "http"],
     "http_port": ["-5", "99999"],
@@ -426,11 +427,18 @@ BAD_FLAG_VALUES: dict[str, list[str]] = {
     "partition_request_backoff_max": ["0", "-10s"],
     "buffer_timeout": ["-2", "-1s", "often"],
     "max_connections": ["0", "-1"],
+    "max_unauthenticated_connections": ["0", "-1", "1024"],
+    "max_unauthenticated_per_peer": ["0", "-1", "300"],
     "handshake_timeout": ["0", "-1"],
     "peer_timeout": ["-1", "-5s", "never"],
     "max_requests_per_connection": ["0", "-1", "many"],
     "max_partitions_per_app": ["-1", "lots"],
     "max_pinned_segments_per_app": ["-1", "1.5"],
+    "max_readers_per_app": ["-1", "some"],
+    "max_reader_memory_per_app": ["-1", "plenty"],
+    "max_subpartitions_per_partition": ["0", "-1", "wide"],
+    "spill_quota_per_app": ["-1", "half"],
+    "spill_min_free": ["-1", "5%"],
     "spill_dir": ["/proc/sys"],
     "secret_file": ["/nonexistent/secret"],
     "log_level": ["LOUD", "0"],
@@ -447,6 +455,7 @@ BAD_FLAG_VALUES: dict[str, list[str]] = {
     "tls_key_file": ["/nonexistent/key.pem"],
     "tls_ca_file": ["/nonexistent/ca.pem"],
     "tls_client_auth": [],  # --tls-client-auth / --no-tls-client-auth
+    "require_tls_remote": [],  # --require-tls-remote / --no-require-tls-remote
 }
 
 FLAG_CASES = [(name, value) for name, values in BAD_FLAG_VALUES.items() for value in values]

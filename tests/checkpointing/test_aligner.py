@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +30,7 @@ from tests.checkpointing.conftest import (
     barrier,
     cancel,
     data,
+    drain,
     eop,
     event,
     feed,
@@ -424,3 +426,106 @@ def test_other_events_pass_through_every_handler(task: Task, clock: FakeClock) -
         feed(h, task, [event(0, wm)])
         h.close()
     assert task.log == [("event", 0, wm), ("event", 0, wm)]
+
+
+# -- a listener that raises (issue 18) ----------------------------------------------------
+
+
+class Failing(Task):
+    """A task whose trigger (or abort) of ``checkpoint_id`` raises, once."""
+
+    def __init__(self, on: str, checkpoint_id: int) -> None:
+        super().__init__()
+        self.on = on
+        self.checkpoint_id = checkpoint_id
+
+    def _maybe_fail(self, kind: str, checkpoint_id: int) -> None:
+        if kind == self.on and checkpoint_id == self.checkpoint_id:
+            self.on = ""
+            raise RuntimeError(f"injected: {kind} {checkpoint_id}")
+
+    def trigger_checkpoint(self, checkpoint_id: int, timestamp: int, options: Any) -> None:
+        super().trigger_checkpoint(checkpoint_id, timestamp, options)
+        self._maybe_fail("trigger", checkpoint_id)
+
+    def abort_checkpoint(self, checkpoint_id: int, reason: CheckpointFailureReason) -> None:
+        super().abort_checkpoint(checkpoint_id, reason)
+        self._maybe_fail("abort", checkpoint_id)
+
+
+def _resumed(task: Task) -> list[int]:
+    return sorted(e[1] for e in task.log if e[0] == "resume")
+
+
+def test_a_raising_trigger_still_resumes_every_held_channel(clock: FakeClock) -> None:
+    """Before, the resume came after the listener: its exception left both channels
+    blocked upstream, so a reader that survived it never got input from them again."""
+    task = Failing("trigger", 1)
+    h = blocking(2, task, clock)
+    feed(h, task, [barrier(0, 1)])
+    with pytest.raises(RuntimeError, match="injected: trigger 1"):
+        h.process(barrier(1, 1))
+    assert _resumed(task) == [0, 1]
+    assert h.state is AlignmentState.WAITING_FOR_FIRST_BARRIER
+    task.clear()  # the next checkpoint aligns as usual
+    feed(h, task, [data(0, b"a"), barrier(0, 2), barrier(1, 2)])
+    assert task.log == [("rec", 0, b"a"), ("trigger", 2), ("resume", 0), ("resume", 1)]
+
+
+def test_a_raising_abort_by_a_cancel_marker_still_resumes(clock: FakeClock) -> None:
+    task = Failing("abort", 1)
+    h = blocking(3, task, clock)
+    feed(h, task, [barrier(0, 1), barrier(2, 1)])
+    with pytest.raises(RuntimeError, match="injected: abort 1"):
+        h.process(cancel(1, 1))
+    assert _resumed(task) == [0, 2]
+    assert h.state is AlignmentState.WAITING_FOR_FIRST_BARRIER
+
+
+def test_a_raising_abort_of_a_subsumed_checkpoint_resumes_the_new_barrier_too(
+    clock: FakeClock,
+) -> None:
+    """Barrier 2 subsumes alignment 1 and the abort of 1 raises: channel 0 (held for 1)
+    and channel 1 (blocked by barrier 2, which now aligns nothing) both flow again; the
+    rest of checkpoint 2 is obsolete here, checkpoint 3 aligns as usual."""
+    task = Failing("abort", 1)
+    h = blocking(2, task, clock)
+    feed(h, task, [barrier(0, 1)])
+    with pytest.raises(RuntimeError, match="injected: abort 1"):
+        h.process(barrier(1, 2))
+    assert _resumed(task) == [0, 1]
+    task.clear()
+    feed(h, task, [barrier(0, 2), barrier(0, 3), barrier(1, 3)])
+    assert task.log == [("resume", 0), ("trigger", 3), ("resume", 0), ("resume", 1)]
+
+
+def test_a_raising_abort_at_the_alignment_limit_releases_the_buffer(
+    clock: FakeClock, pool: NetworkBufferPool
+) -> None:
+    task = Failing("abort", 1)
+    h = blocking(2, task, clock, limit=3)
+    feed(h, task, [barrier(0, 1)])
+    with pytest.raises(RuntimeError, match="injected: abort 1"):
+        h.process(data(1, b"abcd", pool))
+    assert _resumed(task) == [0]
+    h.close()  # the pool fixture checks the buffer came back
+
+
+def test_a_raising_trigger_while_parking_still_replays_the_parked_input(
+    clock: FakeClock,
+) -> None:
+    task = Failing("trigger", 1)
+    h = AlignedBarrierHandler(
+        2,
+        task,
+        clock,
+        task.resume,
+        strategy=AlignmentStrategy.PARKING,
+        blocker=CachedBufferBlocker(),
+    )
+    feed(h, task, [barrier(0, 1), data(0, b"parked")])
+    with pytest.raises(RuntimeError, match="injected: trigger 1"):
+        h.process(barrier(1, 1))
+    task.clear()
+    drain(h, task)
+    assert task.log == [("rec", 0, b"parked")]

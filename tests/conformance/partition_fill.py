@@ -15,7 +15,7 @@ from typing import Any
 from exchange.buffers.buffer import Buffer
 from exchange.events.events import EventSerializer
 from exchange.partition import ResultPartition
-from exchange.serialization.codec import BytesCodec, RecordCodec
+from exchange.serialization.record_codec import BytesCodec, RecordCodec
 from exchange.writer.record_writer import OutputBuffer, RecordWriter
 
 __all__ = [

@@ -5,7 +5,7 @@ Every producer path writes one pipelined partition on the daemon with the same c
 * ``sync``: ``client.producer.PartitionWriter``, the facade PySpark tasks use (on a worker
   thread: it blocks, and the daemon runs on this loop), over the daemon's Unix socket;
 * ``async``: ``client.producer.AsyncPartitionWriter`` over the same socket;
-* ``in-process``: ``exchange.writer.ResultPartitionWriter`` into the daemon's partition.
+* ``in-process``: ``tests.kit.partition_writer.ResultPartitionWriter`` into the daemon's partition.
 
 Scenarios: routing by key hash, round robin, broadcast mixed with keyed records, and a
 flush timeout (records must become readable with no flush and no close). Each subpartition
@@ -25,13 +25,15 @@ from typing import Any
 import pytest
 
 from client.producer import AsyncPartitionWriter, PartitionWriter
-from exchange.consumer import LocalInputChannel, RecordReader, SingleInputGate
+from exchange.consumer import RecordReader, SingleInputGate
 from exchange.events import AbstractEvent, EndOfPartitionEvent
 from exchange.partition import ResultPartitionID, ResultPartitionType
-from exchange.writer import ChannelSelector, ResultPartitionWriter, RoundRobinSelector
+from exchange.writer import ChannelSelector, RoundRobinSelector
 from exchange.writer.hashing import deterministic_hash
 from server.daemon import ExchangeDaemon
 from tests.conformance.conftest import daemon_pool_whole, wait_until
+from tests.kit.local_input_channel import LocalInputChannel
+from tests.kit.partition_writer import ResultPartitionWriter
 from tests.serialization.test_pickle_batch import SAMPLES, assert_exact
 
 pytestmark = pytest.mark.timeout(60)

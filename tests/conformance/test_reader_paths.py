@@ -25,12 +25,13 @@ from typing import Any
 import pytest
 
 from client.consumer import AsyncPartitionReader, PartitionLocation, PartitionReader
-from exchange.consumer import LocalInputChannel, RecordReader, SingleInputGate
+from exchange.consumer import RecordReader, SingleInputGate
 from exchange.events import AbstractEvent, EndOfPartitionEvent
 from exchange.partition import ResultPartitionID, ResultPartitionType
-from exchange.writer import ResultPartitionWriter
 from server.daemon import ExchangeDaemon
 from tests.conformance.conftest import daemon_pool_whole, wait_until
+from tests.kit.local_input_channel import LocalInputChannel
+from tests.kit.partition_writer import ResultPartitionWriter
 from tests.serialization.test_pickle_batch import SAMPLES, assert_exact
 
 pytestmark = pytest.mark.timeout(60)

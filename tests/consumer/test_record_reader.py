@@ -9,18 +9,25 @@ from typing import Any
 import pytest
 
 from exchange.consumer import RecordReader
-from exchange.errors import CorruptRecordError, PartitionReleasedError, ProducerFailedError
+from exchange.errors import (
+    CorruptRecordError,
+    PartitionReleasedError,
+    ProducerFailedError,
+    ProtocolError,
+)
 from exchange.events import (
     AbstractEvent,
     CancelCheckpointMarker,
     CheckpointBarrier,
     CheckpointOptions,
+    EndOfDataEvent,
     EndOfPartitionEvent,
+    EventSerializer,
 )
 from exchange.partition import ResultPartition, ResultPartitionType
-from exchange.serialization.codec import MsgpackCodec
-from exchange.writer import ResultPartitionWriter
+from exchange.serialization.record_codec import MsgpackCodec
 from tests.conformance.partition_fill import add_raw_bytes
+from tests.kit.partition_writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -231,4 +238,66 @@ async def test_garbage_bytes_are_corrupt_records(
     reader = RecordReader(gate)
     with pytest.raises(CorruptRecordError):
         await asyncio.wait_for(reader.read_all(), 1)
+    reader.close()
+
+
+# -- end of data (FLIP-147) ------------------------------------------------------------------
+
+
+def test_end_of_data_serializes_as_one_byte_distinct_from_end_of_partition() -> None:
+    data = EventSerializer.to_bytes(EndOfDataEvent.INSTANCE)
+    assert data == bytes((3,))
+    assert EventSerializer.from_bytes(data) is EndOfDataEvent.INSTANCE
+    buf = EventSerializer.to_buffer(EndOfDataEvent.INSTANCE)
+    assert not EventSerializer.is_end_of_partition(buf)
+    with pytest.raises(CorruptRecordError):
+        EventSerializer.from_bytes(data + b"x")
+
+
+@pytest.mark.asyncio
+async def test_end_of_data_turns_true_once_every_channel_delivered_it(
+    make_partition: PartitionFactory, open_gate: GateOpener
+) -> None:
+    """The records before EndOfData arrive before it; ``end_of_data`` is False after the
+    first channel's and True from the last one's on; barriers and EndOfPartition follow."""
+    part = make_partition("eod", PIPELINED, 2)
+    gate = await open_gate([(part.partition_id, 0), (part.partition_id, 1)])
+    log: list[Any] = []
+    reader: RecordReader | None = None
+
+    def handler(event: AbstractEvent, channel: int) -> None:
+        assert reader is not None
+        if isinstance(event, EndOfDataEvent):
+            log.append(("eod", channel, reader.stream.end_of_data))
+
+    reader = RecordReader(gate, event_handler=handler)
+    async with ResultPartitionWriter(part, buffer_timeout=-1) as writer:
+        await writer.emit_to(("a", 0), 0)
+        await writer.emit_to(("b", 1), 1)
+        await writer.broadcast_event(EndOfDataEvent.INSTANCE)
+        await writer.broadcast_event(CheckpointBarrier(7, 0))
+    while (batch := await asyncio.wait_for(reader.next_batch(), 2)) is not None:
+        log.extend(batch)
+    assert sorted(log[:2]) == [("a", 0), ("b", 1)]
+    eods = log[2:]
+    assert sorted(e[1] for e in eods) == [0, 1]
+    assert [e[2] for e in eods] == [False, True] and reader.stream.end_of_data
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("then", ["record", "end-of-data"])
+async def test_anything_but_events_after_end_of_data_is_a_protocol_error(
+    make_partition: PartitionFactory, open_gate: GateOpener, then: str
+) -> None:
+    part = make_partition("after-eod", PIPELINED, 1)
+    gate = await open_gate([(part.partition_id, 0)])
+    reader = RecordReader(gate)
+    async with ResultPartitionWriter(part, buffer_timeout=-1) as writer:
+        await writer.broadcast_event(EndOfDataEvent.INSTANCE)
+        if then == "record":
+            await writer.emit(("late",))
+        else:
+            await writer.broadcast_event(EndOfDataEvent.INSTANCE)
+    with pytest.raises(ProtocolError, match=r"after its EndOfData|EndOfData twice"):
+        await asyncio.wait_for(reader.read_all(), 2)
     reader.close()

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from exchange.consumer import LocalInputChannel, RecordReader, SingleInputGate
+from exchange.consumer import RecordReader, SingleInputGate
 from exchange.errors import IllegalStateError, UsageError
 from exchange.events import EndOfPartitionEvent
 from exchange.partition import (
@@ -17,7 +17,8 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
-from exchange.writer import ResultPartitionWriter
+from tests.kit.local_input_channel import LocalInputChannel
+from tests.kit.partition_writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -217,13 +217,14 @@ class DaemonProcess:
 
 
 def started_daemons() -> Iterator[Callable[..., DaemonProcess]]:
-    """The body of a ``start_daemon`` fixture: yields ``start(*flags)``; at teardown every
+    """The body of a ``start_daemon`` fixture: yields ``start(*flags, spill_dir=None)`` (a
+    spill directory of the test's, left in place, or one of its own); at teardown every
     daemon still running gets SIGTERM and must exit 0 with its pool whole, and every
     process is reaped and its spill directory removed."""
     started: list[DaemonProcess] = []
 
-    def start(*flags: str) -> DaemonProcess:
-        d = DaemonProcess(*flags)
+    def start(*flags: str, spill_dir: str | None = None) -> DaemonProcess:
+        d = DaemonProcess(*flags, spill_dir=spill_dir)
         started.append(d)
         return d
 
@@ -238,8 +239,11 @@ def started_daemons() -> Iterator[Callable[..., DaemonProcess]]:
             assert d.proc.returncode is not None
 
 
-def run_daemon_cli(args: Sequence[str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """``python -m server ARGS`` expected to exit by itself (refused configs)."""
+def run_daemon_cli(
+    args: Sequence[str], timeout: float = 30.0, preexec_fn: Callable[[], None] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m server ARGS`` expected to exit by itself (refused configs);
+    ``preexec_fn`` runs in the child before the daemon (a lower resource limit)."""
     return subprocess.run(
         [sys.executable, "-m", "server", *args],
         capture_output=True,
@@ -247,6 +251,7 @@ def run_daemon_cli(args: Sequence[str], timeout: float = 30.0) -> subprocess.Com
         cwd=ROOT,
         env=child_env(),
         timeout=timeout,
+        preexec_fn=preexec_fn,
     )
 
 

@@ -6,12 +6,14 @@ before and after each barrier (exactly once), or after all of them (at least onc
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
 import pytest
 
-from client.consumer import PartitionLocation, PartitionReader
+from client.consumer import AsyncPartitionReader, PartitionLocation, PartitionReader
+from client.runtime import get_runtime
 from exchange.checkpointing import CheckpointFailureReason
 from exchange.errors import UsageError
 from exchange.events.events import CheckpointOptions
@@ -142,3 +144,76 @@ def test_reader_refuses_bad_checkpoint_arguments(start_daemon: Any) -> None:
         PartitionReader([loc], checkpoint_listener=Task(1), checkpoint_alignment_limit=-1)
     with pytest.raises(UsageError, match="trigger_checkpoint"):
         PartitionReader([loc], checkpoint_listener=object())  # type: ignore[arg-type]
+
+
+class RaisingTask(Task):
+    """Its snapshot of checkpoint ``failing`` raises (a full disk, a bug)."""
+
+    def __init__(self, producers: int, failing: int) -> None:
+        super().__init__(producers)
+        self.failing = failing
+
+    def trigger_checkpoint(self, checkpoint_id: int, timestamp: int, options: Any) -> None:
+        super().trigger_checkpoint(checkpoint_id, timestamp, options)
+        if checkpoint_id == self.failing:
+            raise RuntimeError(f"injected: snapshot {checkpoint_id} failed")
+
+
+def test_a_listener_that_raises_leaves_no_channel_blocked(start_daemon: Any, dm: Any) -> None:
+    """The async reader's listener raises at checkpoint 3; its caller survives the error
+    and reads on. Every channel was resumed in spite of the error: every record arrives,
+    and the later checkpoints align as usual. Before, the resume came after the listener,
+    so both aligned channels stayed blocked upstream and the read never ended."""
+    d = start_daemon()
+    n_producers, n_barriers = 2, 6
+    producers = [
+        dm.BarrierProducer(
+            d.local_socket, "cp-raise", i, barriers=n_barriers, interval=0.1, aligned=True
+        )
+        for i in range(n_producers)
+    ]
+    task = RaisingTask(n_producers, failing=3)
+    errors: list[str] = []
+
+    async def read() -> None:
+        task.thread = threading.current_thread()  # the loop's: callbacks run in next_batch
+        reader = await AsyncPartitionReader.open(
+            [
+                PartitionLocation(
+                    ResultPartitionID("cp-raise", i, 0), 0, d.data_address, d.daemon_id
+                )
+                for i in range(n_producers)
+            ],
+            checkpoint_listener=task,
+            backoff_initial=0.01,
+            backoff_max=0.1,
+        )
+        try:
+            while True:
+                try:
+                    batch = await asyncio.wait_for(reader.next_batch(), 30)
+                except RuntimeError as e:
+                    errors.append(str(e))
+                    continue
+                if batch is None:
+                    return
+                for record in batch:
+                    task.on_record(record)
+        finally:
+            await reader.close()
+
+    try:
+        for p in producers:
+            p.wait_writing()
+        get_runtime().run(read())
+        logs = [p.lines() for p in producers]
+    finally:
+        for p in producers:
+            p.cleanup()
+    assert errors == ["injected: snapshot 3 failed"]
+    assert task.seen == [log[-1]["done"] for log in logs]  # nothing lost, nothing blocked
+    assert sorted(task.snapshots) == list(range(1, n_barriers + 1))
+    barriers = [{e["barrier"]: e["emitted"] for e in log if "barrier" in e} for log in logs]
+    for cid in range(4, n_barriers + 1):  # aligned as usual after the error
+        assert task.snapshots[cid] == [barriers[0][cid], barriers[1][cid]], cid
+    d.wait_pool_whole()

@@ -37,6 +37,12 @@ REFUSED = {
         None,
         ["low_watermark", "high_watermark"],
     ),
+    # below the smallest buffer a producer cuts: announced, never honoured (issue 18)
+    "debloat-min-below-the-writers-floor": (
+        ["--debloat", "--debloat-min-buffer-size", "128"],
+        None,
+        ["debloat_min_buffer_size", "'128'", "256 bytes", "--debloat-min-buffer-size"],
+    ),
     "unknown-flag": (["--bogus-flag", "1"], None, ["unrecognized arguments", "--bogus-flag"]),
     "flag-overrides-bad-toml-still-refused": (
         ["--data-port", "0"],

@@ -173,11 +173,11 @@ def test_zero_throughput_estimates_against_one_byte_per_second() -> None:
 
 
 def test_fractional_target_uses_exact_integer_bytes() -> None:
-    # 0.3 s x 100 B/s is 30 bytes, although 100 * 0.3 == 29.999999999999996 in floats.
-    debloater = BufferDebloater(_config(target=0.3, min_buffer_size=1, initial_buffer_size=20))
-    debloater.recalculate(100, 1)
-    assert debloater.stats().desired_total_bytes == 30
-    assert debloater.stats().computed_buffer_size == 25  # 20 + 0.5 * (30 - 20)
+    # 0.7 s x 1290 B/s is 903 bytes, although 1290 * 0.7 == 902.9999999999999 in floats.
+    debloater = BufferDebloater(_config(target=0.7, initial_buffer_size=600))
+    debloater.recalculate(1290, 1)
+    assert debloater.stats().desired_total_bytes == 903
+    assert debloater.stats().computed_buffer_size == 752  # 600 + 0.5 * (903 - 600), half up
 
 
 def test_target_scales_the_desired_total() -> None:

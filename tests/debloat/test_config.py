@@ -37,7 +37,7 @@ def test_defaults_match_the_daemons() -> None:
 
 @pytest.mark.parametrize(
     ("min_size", "max_size", "expected"),
-    [(256, 32768, 1024), (2048, 32768, 2048), (64, 512, 512), (1024, 1024, 1024)],
+    [(256, 32768, 1024), (2048, 32768, 2048), (256, 512, 512), (1024, 1024, 1024)],
 )
 def test_starting_size_defaults_to_1k_within_bounds(
     min_size: int, max_size: int, expected: int
@@ -69,6 +69,7 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"threshold_percent": 101}, "debloat_threshold_percent"),
     ({"threshold_percent": 25.5}, "debloat_threshold_percent"),
     ({"min_buffer_size": 0}, "debloat_min_buffer_size"),
+    ({"min_buffer_size": 255}, "debloat_min_buffer_size"),  # below the writers' floor
     ({"min_buffer_size": "256"}, "debloat_min_buffer_size"),
     ({"min_buffer_size": 64 * 1024}, "debloat_min_buffer_size"),  # above the segment size
     ({"max_buffer_size": 0}, "segment_size"),

@@ -44,6 +44,8 @@ pytestmark = pytest.mark.timeout(120)
 
 Daemon = Any  # tests/daemon/_daemon.py: DaemonProcess
 FAST_BACKOFF: dict[str, Any] = {"backoff_initial": 0.01, "backoff_max": 0.04}
+#: Where a daemon keeps its partitions under its spill directory (server/spill_dir.py).
+PARTS = "partitions"
 #: Everything a dead daemon leaves must reach its readers within this many seconds.
 FAIL_WITHIN = 10.0
 
@@ -122,7 +124,7 @@ def test_finished_blocking_partition_served_again(
         d1.kill()
     else:
         d1.stop_clean()  # a clean stop keeps finished blocking partitions for the next one
-    assert len([n for n in spill_files(spill_dir) if n.endswith(".bin")]) == 2
+    assert len([n for n in spill_files(spill_dir / PARTS) if n.endswith(".bin")]) == 2
 
     d2 = daemon_on()
     assert d2.info["recovered"] == {"restored": 1, "refused": 0, "failed": 0, "expired": 0}
@@ -130,7 +132,7 @@ def test_finished_blocking_partition_served_again(
         for sub in (0, 1):
             assert read(d2, pid, sub) == expected(recs, sub)
     assert get_runtime().run(release_dataset(d2.local_socket, "restart-ok")) == 1
-    assert spill_files(spill_dir) == []  # released: manifest and files gone
+    assert spill_files(spill_dir / PARTS) == []  # released: manifest and files gone
     d2.wait_pool_whole()
 
 
@@ -164,7 +166,7 @@ def test_damaged_blocking_partition_refused(
     write_blocking(d1, bad, recs)
     write_blocking(d1, good, recs)
     d1.kill()
-    victim = sorted(spill_dir.glob("restart-bad-*.1.bin"))
+    victim = sorted((spill_dir / PARTS).glob("restart-bad-*.1.bin"))
     assert len(victim) == 1
     damage(victim[0])
 
@@ -176,7 +178,7 @@ def test_damaged_blocking_partition_refused(
         assert isinstance(err, PartitionReleasedError), repr(err)
         assert words in str(err) and victim[0].name in str(err), str(err)
         assert took < FAIL_WITHIN
-    assert not list(spill_dir.glob("restart-bad-*"))  # the damaged partition is deleted
+    assert not list((spill_dir / PARTS).glob("restart-bad-*"))  # the damaged partition is deleted
     assert read(d2, good, 0) == expected(recs, 0)  # its neighbour is untouched
 
 
@@ -248,7 +250,7 @@ def test_partitions_of_the_dead_daemon_fail_their_readers(
         assert isinstance(err, ProducerFailedError), repr(err)
         assert "died with its exchange daemon" in str(err)
         assert took < FAIL_WITHIN  # at once, not after retrying a not-found
-    assert spill_files(spill_dir) == []
+    assert spill_files(spill_dir / PARTS) == []
 
 
 def test_damaged_manifest_and_orphans_deleted_at_startup(
@@ -258,16 +260,16 @@ def test_damaged_manifest_and_orphans_deleted_at_startup(
     pid = ResultPartitionID("restart-manifest", 0, 0)  # its id becomes unreadable
     write_blocking(d1, pid, records(100))
     d1.kill()
-    (manifest,) = spill_dir.glob("*.manifest")
+    (manifest,) = (spill_dir / PARTS).glob("*.manifest")
     manifest.write_bytes(manifest.read_bytes().replace(b"restart", b"rEstart"))
-    orphan = spill_dir / "lost-3-0-0123abcd.0.bin"
+    orphan = spill_dir / PARTS / "lost-3-0-0123abcd.0.bin"
     orphan.write_bytes(b"left by a crash between manifest and file deletion")
-    (spill_dir / "x.manifest.tmp").write_bytes(b"{half")
+    (spill_dir / PARTS / "x.manifest.tmp").write_bytes(b"{half")
 
     d2 = daemon_on()
     assert d2.info["recovered"]["refused"] == 1
-    assert spill_files(spill_dir) == []
-    assert not (spill_dir / "x.manifest.tmp").exists()
+    assert spill_files(spill_dir / PARTS) == []
+    assert not (spill_dir / PARTS / "x.manifest.tmp").exists()
 
 
 def test_expired_blocking_partition_not_served_again(
@@ -282,7 +284,7 @@ def test_expired_blocking_partition_not_served_again(
     assert d2.info["recovered"]["expired"] == 1
     err, _ = read_error(d2, pid)
     assert isinstance(err, PartitionReleasedError) and "time to live" in str(err), str(err)
-    assert spill_files(spill_dir) == []
+    assert spill_files(spill_dir / PARTS) == []
 
 
 def test_restored_with_less_network_memory(

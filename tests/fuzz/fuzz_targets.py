@@ -131,8 +131,8 @@ with _instrumented():
         ResumeConsumption,
         ServerHello,
     )
-    from exchange.serialization.codec import BytesCodec, FramedCodec, MsgpackCodec
     from exchange.serialization.pickle_batch import PickleBatchDecoder
+    from exchange.serialization.record_codec import BytesCodec, FramedCodec, MsgpackCodec
 
 __all__ = ["DOCUMENTED", "TARGETS", "InvariantError", "check", "seeds"]
 

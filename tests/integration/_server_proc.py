@@ -46,9 +46,9 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
-from exchange.serialization.codec import default_codec
-from exchange.writer import ResultPartitionWriter
+from exchange.serialization.record_codec import default_codec
 from server.partition_request_server import DataServer
+from tests.kit.partition_writer import ResultPartitionWriter
 
 DEFAULTS: dict[str, Any] = {
     "segment_size": 32 * 1024,

@@ -15,7 +15,7 @@ import pytest
 
 from client.network import ConnectionManager
 from exchange.consumer import RecordReader, SingleInputGate
-from exchange.errors import PartitionError, TransportError
+from exchange.errors import LocalProtocolError, PartitionError, ProtocolError, TransportError
 from exchange.memory import NetworkBufferPool
 from exchange.partition import (
     ResultPartition,
@@ -26,10 +26,16 @@ from exchange.partition import (
 from exchange.protocol.codec import FrameDecoder, encode
 from exchange.protocol.handshake import ClientHandshake
 from exchange.protocol.local_messages import CreatePartition
-from exchange.protocol.messages import ClientHello, ErrorCode, ErrorResponse, Message
-from exchange.serialization.codec import BytesCodec
-from exchange.writer import ResultPartitionWriter
+from exchange.protocol.messages import (
+    ClientHello,
+    ErrorCode,
+    ErrorResponse,
+    Message,
+    error_for_response,
+)
+from exchange.serialization.record_codec import BytesCodec
 from server.partition_request_server import DataServer
+from tests.kit.partition_writer import ResultPartitionWriter
 
 SEG = 32 * 1024
 
@@ -138,6 +144,11 @@ async def test_the_data_port_refuses_local_endpoint_messages(net: Any) -> None:
         assert isinstance(err, ErrorResponse) and err.is_fatal
         assert err.code is ErrorCode.PROTOCOL_ERROR and "CreatePartition" in err.message
         assert len(manager) == 0
+        # on the side that sent it, the answer says *we* broke the protocol: not the
+        # ProtocolError the tree keeps for a misbehaving peer
+        answer = error_for_response(err, f"{host}:{port}")
+        assert isinstance(answer, LocalProtocolError) and not isinstance(answer, ProtocolError)
+        assert answer.code == "PROTOCOL_ERROR" and "CreatePartition" in str(answer)
     finally:
         writer.close()
         with contextlib.suppress(OSError):
@@ -208,4 +219,49 @@ async def test_a_truncated_spill_file_fails_its_channel_only(
     server_pool.check_consistency()
     assert server_pool.is_whole(), server_pool.stats()
     server_pool.destroy()
+    await net.assert_no_other_tasks()
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+async def test_out_of_descriptors_at_accept_is_logged_and_survived(
+    net: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """EMFILE at accept went unlogged and broke the daemon's other work: it is logged,
+    accepting pauses for a second, and the connections waiting are served afterwards."""
+    import resource
+    import socket
+
+    manager = ResultPartitionManager()
+    server = DataServer(manager, segment_size=SEG)
+    host, port = await server.start("127.0.0.1", 0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    clients: list[socket.socket] = []
+    caplog.set_level("ERROR", logger="exchange.server.data")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:
+        while True:  # the clients take the last descriptors; the server's accept finds none
+            try:
+                s = socket.socket()
+            except OSError:
+                break
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect((host, port))
+            clients.append(s)
+            await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):
+            while "cannot accept" not in caplog.text:
+                await asyncio.sleep(0.01)
+        assert "Too many open files" in caplog.text and "max_connections" in caplog.text
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        async with asyncio.timeout(10):  # accepting resumes: every client gets in
+            while server.total_connections < len(clients):
+                await asyncio.sleep(0.02)
+    finally:
+        for s in clients:
+            s.close()
+        await server.close()
+    assert server.num_connections == 0 and server.unauthenticated == {}
     await net.assert_no_other_tasks()

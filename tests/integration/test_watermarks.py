@@ -31,9 +31,9 @@ from exchange.protocol.codec import (
 )
 from exchange.protocol.handshake import ClientHandshake
 from exchange.protocol.messages import BufferResponse, DataType, PartitionRequest
-from exchange.serialization.codec import BytesCodec
-from exchange.writer import ResultPartitionWriter
+from exchange.serialization.record_codec import BytesCodec
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
+from tests.kit.partition_writer import ResultPartitionWriter
 
 SEG = 32 * 1024
 FRAME = SEG + BUFFER_RESPONSE_HEADER_SIZE

@@ -411,9 +411,11 @@ def test_a_truncated_spill_file_fails_only_its_channel(
     add_full_buffers(part, 0, 6, start=0)
     add_full_buffers(part, 1, 6, start=100)
     part.finish()
-    truncate_spill_file(part, 0, keep_buffers=2)
     broken = attach(queue, manager, part, 10, credit=20, index=0)
     attach(queue, manager, part, 20, credit=20, index=1)
+    # cut under the open reader (a reader opens only the file it was written as, of the
+    # size written: cut before, the request itself is refused)
+    truncate_spill_file(part, 0, keep_buffers=2)
     loop.run()  # must not raise: the error is routed to its channel
 
     [err] = channel.messages

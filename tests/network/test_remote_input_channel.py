@@ -29,7 +29,9 @@ from exchange.consumer.remote_input_channel import (
 from exchange.consumer.single_input_gate import SingleInputGate
 from exchange.errors import (
     IllegalStateError,
+    PartitionError,
     PartitionNotFoundError,
+    ProtocolError,
     SequenceNumberError,
     TransportError,
     UsageError,
@@ -345,6 +347,34 @@ async def test_sequence_gap_fails_the_channel(nbp: NetworkBufferPool) -> None:
         gate.poll_next()
     assert (info.value.received, info.value.expected) == (2, 1)
     assert info.value.receiver_id == ch.receiver_id
+    gate.close()
+
+
+@pytest.mark.asyncio
+async def test_a_sequence_gap_fails_its_channel_only(nbp: NetworkBufferPool) -> None:
+    """Sequence numbers count per receiver: a gap is the peer's fault, but the error is
+    per channel (a PartitionError naming the partition), and the connection's other
+    channel goes on receiving."""
+    client = RecordingClient()
+    gate, [ch0, ch1] = make_gate(nbp, 2, client)
+    await gate.request_partitions()
+    s0, s1 = Sender(ch0, total=3), Sender(ch1, total=3)
+    s0.send_data()
+    s0.seq += 1  # buffer 1 of channel 0 is lost
+    s0.send_data()
+    s1.send_data()
+    s1.send_data()
+    with pytest.raises(SequenceNumberError) as info:
+        ch0.get_next_buffer()
+    err = info.value
+    assert isinstance(err, PartitionError) and not isinstance(err, ProtocolError)
+    assert (err.partition_id, err.address) == (ch0.partition_id, client.address)
+    for expected in (0, 1):
+        got = ch1.get_next_buffer()
+        assert got is not None
+        payload = bytes(got.buffer.memoryview()[:8])
+        got.buffer.release()
+        assert struct.unpack(">II", payload) == (1, expected)
     gate.close()
 
 

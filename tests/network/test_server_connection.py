@@ -761,12 +761,14 @@ def test_truncated_spill_file_fails_its_channel_the_other_completes(
     add_full_buffers(part, 0, 6, start=0)
     add_full_buffers(part, 1, 6, start=100)
     part.finish()
-    truncate_spill_file(part, 0, keep_buffers=2)
     s = connect(manager, seg, socket_space=socket_space)
     s.peer.send(
         PartitionRequest(part.partition_id, 0, 10, 50),
         PartitionRequest(part.partition_id, 1, 20, 50),
     )
+    # cut under the open reader (cut before, the request itself is refused: the reader
+    # opens only the file it was written as, of the size written)
+    truncate_spill_file(part, 0, keep_buffers=2)
     for _ in range(200):
         s.timers.run()
         s.transport.drain()

@@ -177,7 +177,7 @@ def test_secret_socket_and_spill_dir_are_mounted_where_the_flags_point(
     assert key in secret.get("stringData", {}) or key in secret.get("data", {})
 
     socket_volume, _ = _volume(spec, c, cfg.resolved_local_socket())
-    spill_volume, _ = _volume(spec, c, cfg.spill_dir)
+    spill_volume, spill_path = _volume(spec, c, cfg.spill_dir)
     ex_spec, executor = _executor(file)
     env = {e["name"]: e.get("value") for e in executor["env"]}
     assert env[DAEMON_ENV] == cfg.resolved_local_socket()
@@ -198,6 +198,9 @@ def test_secret_socket_and_spill_dir_are_mounted_where_the_flags_point(
     else:
         assert ex_spec is spec and ex_socket_volume is socket_volume
         assert "emptyDir" in socket_volume
+        # kubelet makes an emptyDir 0777, which the daemon refuses as its spill directory
+        # (docs/security.md): it spills into a directory of its own inside it
+        assert "emptyDir" in spill_volume and spill_path not in (".", "")
 
 
 # -- who may read and connect to what (official Spark image: uid/gid 185) --------------------

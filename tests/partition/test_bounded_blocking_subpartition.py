@@ -14,7 +14,8 @@ from exchange.errors import PartitionNotReadyError, PartitionReleasedError
 from exchange.events import CheckpointBarrier, EndOfPartitionEvent
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartition, ResultPartitionManager, ResultPartitionType
-from exchange.writer import ResultPartitionWriter, RoundRobinSelector
+from exchange.writer import RoundRobinSelector
+from tests.kit.partition_writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from pathlib import Path
 
 import pytest
 
 from exchange.buffers import Buffer, DataType
-from exchange.errors import CorruptRecordError, IllegalStateError
+from exchange.errors import (
+    CorruptRecordError,
+    IllegalStateError,
+    PartitionDataLostError,
+    SpillError,
+)
+from exchange.events.events import EndOfPartitionEvent, EventSerializer
 from exchange.partition import BoundedData, create_bounded_data
 from exchange.partition.bounded_data import HEADER
 
@@ -131,11 +140,53 @@ def test_unknown_kind_is_refused(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_existing_file_is_never_overwritten(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", KINDS)
+def test_existing_file_is_never_overwritten_nor_deleted(tmp_path: Path, kind: str) -> None:
     (tmp_path / "taken.bin").write_bytes(b"precious")
-    with pytest.raises(FileExistsError):
-        create_bounded_data("file", tmp_path / "taken.bin", SEGMENT)
+    (tmp_path / "link.bin").symlink_to(tmp_path / "elsewhere")
+    for name in ("taken.bin", "link.bin"):
+        data = create_bounded_data(kind, tmp_path / name, SEGMENT)  # files open lazily
+        with pytest.raises(SpillError, match="cannot create") as info:
+            data.write_buffer(EventSerializer.to_buffer(EndOfPartitionEvent.INSTANCE))
+        assert info.value.errno == errno.EEXIST and info.value.directory == str(tmp_path)
+        data.close()  # deletes only what it created
     assert (tmp_path / "taken.bin").read_bytes() == b"precious"
+    assert (tmp_path / "link.bin").is_symlink() and not (tmp_path / "elsewhere").exists()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_spill_files_are_private_and_a_swapped_file_is_refused(tmp_path: Path, kind: str) -> None:
+    old = os.umask(0)  # the daemon's umask does not widen them
+    try:
+        data = create_bounded_data(kind, tmp_path / "p.0.bin", SEGMENT)
+        assert list(tmp_path.iterdir()) == []  # nothing opened before the first write
+        data.write_buffer(EventSerializer.to_buffer(EndOfPartitionEvent.INSTANCE))
+        data.finish_write()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "p.0.bin").st_mode) == 0o600
+    data.create_reader().close()
+    # someone replaces the finished file by one of the same size
+    (tmp_path / "evil").write_bytes(b"x" * data.size)
+    os.replace(tmp_path / "evil", tmp_path / "p.0.bin")
+    if kind == "file":  # mmap mapped the written file at finish: it reads that one
+        with pytest.raises(PartitionDataLostError, match="was replaced"):
+            data.create_reader()
+    data.close()
+    assert (tmp_path / "p.0.bin").exists()  # not ours: left alone
+
+
+def _written_with_tail(kind: str, path: Path, tail: bytes) -> BoundedData:
+    """A finished file whose writer wrote ``tail`` after a valid buffer (a writer bug or
+    a damaged disk: the file is the one written, of the size written)."""
+    data = create_bounded_data(kind, path, SEGMENT)
+    buf = Buffer.wrap(b"ok", DataType.DATA_BUFFER)
+    data.write_buffer(buf)
+    buf.release()
+    os.write(data._fd, tail)  # type: ignore[attr-defined]
+    data._size += len(tail)  # type: ignore[attr-defined]
+    data.finish_write()
+    return data
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -150,19 +201,7 @@ def test_existing_file_is_never_overwritten(tmp_path: Path) -> None:
 def test_corrupt_file_is_a_typed_error(
     kind: str, tail: bytes, message: str, tmp_path: Path
 ) -> None:
-    path = tmp_path / "sub.bin"
-    data = _write(kind, path) if kind == "file" else None
-    if data is None:
-        data = create_bounded_data(kind, path, SEGMENT)
-        buf = Buffer.wrap(b"ok", DataType.DATA_BUFFER)
-        data.write_buffer(buf)
-        buf.release()
-        # corrupt the file before it is mapped
-        data._file.write(tail)  # type: ignore[attr-defined]
-        data.finish_write()
-    else:
-        with path.open("ab") as f:
-            f.write(tail)
+    data = _written_with_tail(kind, tmp_path / "sub.bin", tail)
     reader = data.create_reader()
     with pytest.raises(CorruptRecordError, match=message):
         while (polled := reader.next_buffer()) is not None:
@@ -172,10 +211,8 @@ def test_corrupt_file_is_a_typed_error(
 
 
 def test_oversized_buffer_in_file_is_a_typed_error(tmp_path: Path) -> None:
-    path = tmp_path / "sub.bin"
-    data = _write("file", path)
-    with path.open("ab") as f:
-        f.write(HEADER.pack(0, 0, SEGMENT + 1) + b"x" * (SEGMENT + 1))
+    tail = HEADER.pack(0, 0, SEGMENT + 1) + b"x" * (SEGMENT + 1)
+    data = _written_with_tail("file", tmp_path / "sub.bin", tail)
     reader = data.create_reader()
     with pytest.raises(CorruptRecordError, match="spilled buffer of"):
         while (buf := reader.next_buffer()) is not None:

@@ -313,17 +313,6 @@ def test_a_failing_release_listener_does_not_starve_the_others(
     assert part.is_released and part.buffer_pool.is_destroyed
 
 
-def test_deprecated_on_release_slot_adds_a_listener(
-    make_partition: PartitionFactory, manager: ResultPartitionManager
-) -> None:
-    part = make_partition("slot", PIPELINED, 1)
-    seen: list[ResultPartition] = []
-    part.on_release = seen.append  # the old slot no longer overwrites the manager's hook
-    part.release()
-    assert seen == [part]
-    assert part.partition_id not in manager
-
-
 def test_a_consumer_failure_listener_may_fail_the_partition(
     make_partition: PartitionFactory,
 ) -> None:

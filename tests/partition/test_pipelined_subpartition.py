@@ -22,8 +22,8 @@ from exchange.partition import (
     ResultPartitionType,
     ResultSubpartitionView,
 )
-from exchange.serialization import RecordDeserializer
-from exchange.writer import ResultPartitionWriter
+from tests.kit.partition_writer import ResultPartitionWriter
+from tests.kit.record_deserializer import RecordDeserializer
 
 pytestmark = pytest.mark.timeout(10)
 

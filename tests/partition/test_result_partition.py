@@ -10,6 +10,7 @@ import pytest
 
 from exchange.consumer import RecordReader
 from exchange.errors import (
+    PartitionError,
     PartitionReleasedError,
     ProducerFailedError,
     SubpartitionIndexError,
@@ -19,7 +20,8 @@ from exchange.errors import (
 from exchange.events import EndOfPartitionEvent
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartition, ResultPartitionID, ResultPartitionType
-from exchange.writer import ResultPartitionWriter, RoundRobinSelector
+from exchange.writer import RoundRobinSelector
+from tests.kit.partition_writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -75,7 +77,9 @@ def test_subpartition_index_out_of_range(make_partition: PartitionFactory, index
     part = make_partition("idx", PIPELINED, 3)
     with pytest.raises(SubpartitionIndexError, match="out of range") as info:
         part.create_subpartition_view(index, Listener())
-    assert isinstance(info.value, IndexError)
+    # a peer's request named it: one stream's failure, not the API misuse of a UsageError
+    assert isinstance(info.value, PartitionError) and not isinstance(info.value, UsageError)
+    assert (info.value.index, info.value.num_subpartitions) == (index, 3)
     assert info.value.partition_id == part.partition_id
 
 

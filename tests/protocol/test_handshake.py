@@ -11,6 +11,7 @@ import pytest
 from exchange.errors import (
     AuthenticationError,
     IllegalStateError,
+    LocalProtocolError,
     ProtocolError,
     UsageError,
     VersionMismatchError,
@@ -257,7 +258,8 @@ def test_server_rejects_another_version() -> None:
     assert (info.value.theirs, info.value.ours) == (PROTOCOL_VERSION + 1, PROTOCOL_VERSION)
     resp = s.error_response
     assert resp is not None and resp.code is ErrorCode.VERSION_MISMATCH and resp.is_fatal
-    with pytest.raises(ProtocolError, match="version"):
+    # the server's answer tells the client that *it* speaks an unsupported version
+    with pytest.raises(LocalProtocolError, match="version"):
         c.receive(resp)
 
 
@@ -323,7 +325,7 @@ def test_client_rejects_a_second_server_hello() -> None:
 def test_per_channel_error_during_handshake_still_fails_it() -> None:
     c = client(None)
     c.start()
-    with pytest.raises(ProtocolError):
+    with pytest.raises(LocalProtocolError):
         c.receive(ErrorResponse(ErrorCode.PROTOCOL_ERROR, "bad", 3))
     assert c.state is ClientHandshakeState.FAILED
 

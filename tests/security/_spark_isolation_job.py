@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -54,7 +57,13 @@ def main(socket_path: str, secret_file: str, http: str) -> None:
         sc = session.sparkContext
         app = str(sc.applicationId)
         rdd = sc.parallelize([(i % 7, i) for i in range(2000)], 3)
-        out = exchange_shuffle(rdd, 4, secret_file=secret_file)
+        # the driver mints the application's credential; the tasks get only it: the
+        # secret's file is gone before they run, and their environment never named it
+        assert "EXCHANGE_SECRET_FILE" not in os.environ
+        scratch = tempfile.mkdtemp()
+        driver_copy = shutil.copy(secret_file, os.path.join(scratch, "secret"))
+        out = exchange_shuffle(rdd, 4, secret_file=driver_copy)
+        shutil.rmtree(scratch)
         got = out.glom().collect()
         cluster.assert_exact_partitions(got, rdd.partitionBy(4, exchange_hash).glom().collect())
         run = get_runtime().run
@@ -68,9 +77,41 @@ def main(socket_path: str, secret_file: str, http: str) -> None:
         while _partitions(http) != 0:
             assert time.monotonic() < deadline, "partitions left after release"
             time.sleep(0.05)
+        _streaming(session, secret_file, http, app)
     finally:
         session.stop()
     print("OK", flush=True)
+
+
+def _streaming(session: Any, secret_file: str, http: str, app: str) -> None:
+    """A streaming job authenticates as the application: the driver mints the credential
+    (from $EXCHANGE_SECRET_FILE, the driver's only: Spark's JVM and its Python workers
+    started before it was set), its tasks and its status use it."""
+    from client.streaming.connectors import CollectSink
+    from client.streaming.environment import StreamEnvironment
+
+    os.environ["EXCHANGE_SECRET_FILE"] = secret_file
+    try:
+        env = StreamEnvironment(
+            session,
+            checkpoint_dir=tempfile.mkdtemp(),
+            checkpoint_interval="200ms",
+            job_id="isolated-stream",
+        )
+        (
+            env.from_generator(lambda i: (i % 3, i), count=600, parallelism=1)
+            .map(lambda r: r[1])
+            .rebalance()  # an exchange: pipelined partitions on the daemon
+            .sink_to(CollectSink, parallelism=1)
+        )
+        result = env.execute(restart_attempts=0)
+        assert result.records, result
+    finally:
+        del os.environ["EXCHANGE_SECRET_FILE"]
+    with urllib.request.urlopen(f"http://{http}/api/stats", timeout=10) as resp:
+        jobs = json.load(resp)["jobs"]
+    [job] = [j for j in jobs if j["job"] == "isolated-stream"]
+    assert job["application"] == app and job["state"] == "FINISHED", job
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Fixtures for the security tests: real daemons (``start_daemon`` and ``run_daemon_cli``
-of ``tests/conftest.py``) and a certificate authority made with the openssl CLI
-(``certs.py``) once per session."""
+of ``tests/conftest.py``), a certificate authority made with the openssl CLI
+(``certs.py``) once per session, and ``secret_file``: the test module's ``SECRET`` in a
+file of mode 0600."""
 
 from __future__ import annotations
 
@@ -22,3 +23,11 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Any:
     if not certs.openssl_available():
         pytest.skip("the openssl command line is not installed (.ci/run installs it)")
     return certs.make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture
+def secret_file(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    path = tmp_path / "secret"
+    path.write_bytes(request.module.SECRET)
+    path.chmod(0o600)
+    return str(path)

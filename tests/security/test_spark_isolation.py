@@ -1,7 +1,9 @@
-"""``exchange_shuffle`` on a daemon that holds a secret: its tasks authenticate for the
-Spark application (``sc.applicationId``) with the credential derived from the secret file,
-the result equals ``partitionBy``, and the partitions are the application's: another
-application, or a client of no application, can neither release nor count them."""
+"""``exchange_shuffle`` and a streaming job on a daemon that holds a secret: the driver
+mints the Spark application's (``sc.applicationId``) credential from the secret file and
+its tasks get only that (the file is gone before they run, their environment never named
+it); the result equals ``partitionBy``, the partitions are the application's (another
+application, or a client of no application, can neither release nor count them), and the
+streaming job's status on the daemon is the application's."""
 
 from __future__ import annotations
 

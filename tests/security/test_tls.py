@@ -69,6 +69,17 @@ def trust(monkeypatch: pytest.MonkeyPatch, ca: Path | None, cert: Path | None = 
             monkeypatch.setenv(var, str(value))
 
 
+def present(monkeypatch: pytest.MonkeyPatch, pki: Any, client: str) -> None:
+    """Trust the daemons' CA and present ``client``'s certificate: none, one of a rogue
+    CA, or one the daemon's CA signed."""
+    if client == "none":
+        trust(monkeypatch, pki.ca)
+    elif client == "rogue":
+        trust(monkeypatch, pki.ca, pki.rogue_client_cert, pki.rogue_client_key)
+    else:
+        trust(monkeypatch, pki.ca, pki.client_cert, pki.client_key)
+
+
 @pytest.fixture
 def secret_file(tmp_path: Path) -> Path:
     path = tmp_path / "secret"
@@ -119,16 +130,30 @@ def test_mutual_tls(
     d = start_daemon(*tls_flags(pki, "--tls-ca-file", str(pki.ca), "--tls-client-auth"))
     pid = ResultPartitionID("mtls", 0, 0)
     recs = write(d, pid, 1000)
-    if client == "none":
-        trust(monkeypatch, pki.ca)
-    elif client == "rogue":
-        trust(monkeypatch, pki.ca, pki.rogue_client_cert, pki.rogue_client_key)
-    else:
-        trust(monkeypatch, pki.ca, pki.client_cert, pki.client_key)
+    present(monkeypatch, pki, client)
     if client == "trusted":
         assert read(d, pid) == recs
     else:
         assert isinstance(refused(d, pid), TransportError)
+
+
+@pytest.mark.parametrize("client", ["none", "rogue", "trusted"])
+def test_ca_without_client_auth_checks_presented_certificates(
+    start_daemon: Callable[..., Daemon], pki: Any, monkeypatch: pytest.MonkeyPatch, client: str
+) -> None:
+    # tls_ca_file alone accepted every client silently, a rogue certificate included
+    d = start_daemon(*tls_flags(pki, "--tls-ca-file", str(pki.ca)))
+    deadline = time.monotonic() + 30  # the warning, logged at start
+    while "clients without one are accepted" not in d.stderr:
+        assert time.monotonic() < deadline, d.stderr
+        time.sleep(0.05)
+    pid = ResultPartitionID("ca-only", 0, 0)
+    recs = write(d, pid, 200)
+    present(monkeypatch, pki, client)
+    if client == "rogue":
+        assert isinstance(refused(d, pid), TransportError)
+    else:
+        assert read(d, pid) == recs
 
 
 def test_bad_tls_settings_refused(

@@ -28,10 +28,10 @@ from exchange.serialization import (
     PickleBatchCodec,
     PickleCodec,
     RecordCodec,
-    RecordDeserializer,
     default_codec,
 )
 from exchange.writer.record_writer import MIN_BUFFER_SIZE, OutputBuffer, RecordWriter
+from tests.kit.record_deserializer import RecordDeserializer
 
 SEGMENT = 4096
 MiB = 1024 * 1024

@@ -220,7 +220,16 @@ def test_defaults_are_flinks() -> None:
     assert config.buffer_timeout == 0.1
     assert config.max_connections == 1024
     assert config.handshake_timeout == 10.0
-    assert config.spill_dir == os.path.join(tempfile.gettempdir(), "exchange-spill")
+    # the daemon's user's own directory (docs/security.md), not one shared by every user
+    assert config.spill_dir == os.path.join(tempfile.gettempdir(), f"exchange-{os.geteuid()}")
+    assert config.max_requests_per_connection == 512
+    # per-application budgets are on by default, derived from the network memory
+    assert config.effective_max_pinned_segments_per_app == 3072
+    assert config.effective_max_partitions_per_app == 4 * 2048
+    assert config.effective_max_readers_per_app == 2048
+    assert config.effective_max_reader_memory_per_app == 64 * MIB
+    assert config.max_subpartitions_per_partition == 1024
+    assert (config.spill_quota_per_app, config.spill_min_free) == (None, None)
     assert config.secret_file is None
     assert config.log_level == "INFO"
     assert config.blocking_partition_ttl == 3600.0
@@ -358,6 +367,7 @@ BAD_VALUES: list[tuple[str, str]] = [
     ("debloat_threshold_percent", "-1"),
     ("debloat_threshold_percent", "25%"),
     ("debloat_min_buffer_size", "0"),
+    ("debloat_min_buffer_size", "255"),  # below the writers' floor: never honoured
     ("debloat_min_buffer_size", "64k"),  # above the segment size
     ("debloat_initial_buffer_size", "0"),
     ("debloat_initial_buffer_size", "64k"),  # above the segment size
@@ -483,6 +493,11 @@ def test_all_flags() -> None:
         "--max-requests-per-connection=100",
         "--max-partitions-per-app=50",
         "--max-pinned-segments-per-app=800",
+        "--max-readers-per-app=300",
+        "--max-reader-memory-per-app=20mb",
+        "--max-subpartitions-per-partition=200",
+        "--spill-quota-per-app=10g",
+        "--spill-min-free=1g",
         "--handshake-timeout=2s",
         "--peer-timeout=30s",
         "--spill-dir=/tmp/spill-here",
@@ -502,9 +517,14 @@ def test_all_flags() -> None:
         "--tls-key-file=/etc/exchange/daemon.key",
         "--tls-ca-file=/etc/exchange/ca.pem",
         "--tls-client-auth",
+        "--http-host=127.0.0.2",
+        "--max-unauthenticated-connections=4",
+        "--max-unauthenticated-per-peer=2",
+        "--require-tls-remote",
     ]
     assert load_config(argv, env={}).to_dict() == {
         "host": "0.0.0.0",
+        "http_host": "127.0.0.2",
         "advertise_host": "node-7.example",
         "data_port": 7000,
         "http_port": 8080,
@@ -522,9 +542,16 @@ def test_all_flags() -> None:
         "partition_request_backoff_max": 5.0,
         "buffer_timeout": 0.0,
         "max_connections": 10,
+        "max_unauthenticated_connections": 4,
+        "max_unauthenticated_per_peer": 2,
         "max_requests_per_connection": 100,
         "max_partitions_per_app": 50,
         "max_pinned_segments_per_app": 800,
+        "max_readers_per_app": 300,
+        "max_reader_memory_per_app": 20 * MIB,
+        "max_subpartitions_per_partition": 200,
+        "spill_quota_per_app": 10 * 1024 * MIB,
+        "spill_min_free": 1024 * MIB,
         "handshake_timeout": 2.0,
         "peer_timeout": 30.0,
         "spill_dir": "/tmp/spill-here",
@@ -543,6 +570,7 @@ def test_all_flags() -> None:
         "tls_key_file": "/etc/exchange/daemon.key",
         "tls_ca_file": "/etc/exchange/ca.pem",
         "tls_client_auth": True,
+        "require_tls_remote": True,
     }
 
 
@@ -730,13 +758,53 @@ def test_no_secret_file_means_no_secret() -> None:
     assert DaemonConfig().load_secret() is None
 
 
+GOOD = b"0123456789abcdef-s3cret"
+
+
 @pytest.mark.parametrize(
     ("content", "expected"),
-    [(b"s3cret\n", b"s3cret"), (b"s3cret", b"s3cret"), (b"s3 cret\r\n\n", b"s3 cret")],
+    [(GOOD + b"\n", GOOD), (GOOD, GOOD), (b"s3 cret" + GOOD + b"\r\n\n", b"s3 cret" + GOOD)],
 )
 def test_good_secret_file_loads(tmp_path: Path, content: bytes, expected: bytes) -> None:
     assert secret_config(tmp_path / "secret", content).load_secret() == expected
-    assert secret_config(tmp_path / "g", content, mode=0o640).load_secret() == expected
+    assert secret_config(tmp_path / "r", content, mode=0o400).load_secret() == expected
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o620, 0o660, 0o610])
+def test_secret_file_open_to_its_group_refused(tmp_path: Path, mode: int) -> None:
+    with pytest.raises(ConfigError, match="its group") as info:
+        secret_config(tmp_path / "secret", GOOD, mode=mode).load_secret()
+    assert info.value.setting == "secret_file"
+
+
+@pytest.mark.parametrize(
+    "content", [b"s3cret\n", b"x" * 15, b"REPLACE-ME-with-openssl-rand-hex-32\n"]
+)
+def test_short_or_placeholder_secret_refused(tmp_path: Path, content: bytes) -> None:
+    with pytest.raises(ConfigError, match=r"at least 16|placeholder") as info:
+        secret_config(tmp_path / "secret", content).load_secret()
+    assert info.value.setting == "secret_file"
+
+
+def test_the_k8s_placeholder_is_refused(tmp_path: Path) -> None:
+    # the placeholder as deploy/k8s/secret.yaml ships it, read from that file
+    yaml = (Path(__file__).parents[2] / "deploy" / "k8s" / "secret.yaml").read_text()
+    placeholder = yaml.split("secret:", 2)[-1].strip().encode()
+    with pytest.raises(ConfigError, match="placeholder"):
+        secret_config(tmp_path / "secret", placeholder + b"\n").load_secret()
+
+
+def test_unauthenticated_limits_are_checked() -> None:
+    config = DaemonConfig(max_connections=64)
+    assert config.effective_max_unauthenticated == 16
+    assert config.effective_max_unauthenticated_per_peer == 8
+    assert DaemonConfig(max_connections=5).effective_max_unauthenticated_per_peer == 1
+    with pytest.raises(ConfigError) as info:
+        DaemonConfig(max_connections=64, max_unauthenticated_connections=64)
+    assert info.value.setting == "max_unauthenticated_connections"
+    with pytest.raises(ConfigError) as info:
+        DaemonConfig(max_unauthenticated_connections=4, max_unauthenticated_per_peer=5)
+    assert info.value.setting == "max_unauthenticated_per_peer"
 
 
 def test_missing_secret_file(tmp_path: Path) -> None:
@@ -755,7 +823,7 @@ def test_empty_secret_file_refused(tmp_path: Path, content: bytes) -> None:
 @pytest.mark.parametrize("mode", [0o644, 0o604, 0o602, 0o666])
 def test_secret_file_open_to_others_refused(tmp_path: Path, mode: int) -> None:
     with pytest.raises(ConfigError, match="other users") as info:
-        secret_config(tmp_path / "secret", b"s3cret\n", mode=mode).load_secret()
+        secret_config(tmp_path / "secret", GOOD, mode=mode).load_secret()
     assert info.value.setting == "secret_file"
 
 

@@ -36,8 +36,7 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
-from exchange.serialization.codec import MsgpackCodec
-from exchange.writer import ResultPartitionWriter
+from exchange.serialization.record_codec import MsgpackCodec
 from server.config import DaemonConfig
 from server.http_server import (
     DEFAULT_MAX_HEAD_BYTES,
@@ -48,6 +47,7 @@ from server.http_server import (
 )
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer
+from tests.kit.partition_writer import ResultPartitionWriter
 
 SEGMENTS = 256
 SEGMENT_SIZE = 4096
@@ -90,8 +90,6 @@ class StandInDaemon:
             pool.destroy()
             raise
         self.manager.register_result_partition(part)
-        hook = part.on_release
-        assert hook is not None
 
         def on_release(p: ResultPartition) -> None:
             s = p.stats()
@@ -99,9 +97,8 @@ class StandInDaemon:
             self.retired["buffers_out"] += s.buffers_out
             self.retired["back_pressured_seconds"] += s.back_pressured_seconds
             self.released += 1
-            hook(p)
 
-        part.on_release = on_release
+        part.add_release_listener(on_release)
         self.created += 1
         return part
 
@@ -488,22 +485,58 @@ async def test_client_hanging_up_midway_costs_nothing(http: tuple[HttpServer, in
     assert (await get(port, "/healthz")).status == 200
 
 
+async def _wait_connections(server: HttpServer, n: int) -> None:
+    for _ in range(500):
+        if server.num_connections == n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{server.num_connections} connections, expected {n}")
+
+
 @pytest.mark.asyncio
-async def test_connection_limit(daemon: StandInDaemon) -> None:
+async def test_connection_limit_still_answers_healthz(daemon: StandInDaemon) -> None:
+    # idle clients on other addresses hold every slot: /healthz is answered, the rest 503
     server = HttpServer(daemon, read_timeout=2.0, max_connections=2)
     _, port = await server.start("127.0.0.1", 0)
-    idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+    idle = [
+        await asyncio.open_connection("127.0.0.1", port, local_addr=(f"127.0.0.{2 + i}", 0))
+        for i in range(2)
+    ]
     try:
-        for _ in range(50):
-            if server.num_connections == 2:
-                break
-            await asyncio.sleep(0.01)
-        assert (await get(port, "/healthz")).status == 503
+        await _wait_connections(server, 2)
+        assert (await get(port, "/healthz")).status == 200
+        assert (await get(port, "/api/stats")).status == 503
     finally:
         for _, w in idle:
             w.close()
             await w.wait_closed()
         await server.close()
+
+
+@pytest.mark.asyncio
+async def test_connections_per_peer_are_capped(daemon: StandInDaemon) -> None:
+    server = HttpServer(daemon, read_timeout=5.0, max_connections_per_peer=3)
+    _, port = await server.start("127.0.0.1", 0)
+    idle = [
+        await asyncio.open_connection("127.0.0.1", port, local_addr=("127.0.0.2", 0))
+        for _ in range(3)
+    ]
+    try:
+        await _wait_connections(server, 3)
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, local_addr=("127.0.0.2", 0)
+        )
+        with contextlib.suppress(ConnectionError):  # closed unanswered
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        assert server.refused_connections == 1
+        assert (await get(port, "/api/stats")).status == 200  # another address is served
+    finally:
+        for _, w in idle:
+            w.close()
+            await w.wait_closed()
+        await server.close()
+    assert server.num_connections == 0 and server._per_peer == {}
 
 
 @pytest.mark.asyncio

@@ -11,7 +11,7 @@ from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartition, ResultPartitionID, ResultPartitionType
 from exchange.protocol.local_messages import CheckpointRecord, JobStatus, JobTask
 from server.config import DaemonConfig
-from server.jobs import MAX_JOBS, JobBoard, back_pressure_level
+from server.jobs import MAX_JOBS, MAX_JOBS_PER_APP, JobBoard, back_pressure_level
 from server.metrics import TaskReport
 
 
@@ -137,12 +137,29 @@ def test_ended_jobs_keep_their_status_without_live_figures(pool: NetworkBufferPo
         "aligned_bytes": 100,
         "state_bytes": 2000,
     }
-    for i in range(MAX_JOBS):
+    for i in range(MAX_JOBS_PER_APP):  # one application keeps its most recent jobs
         board.update(status(f"job-{i}", "CANCELED"))
     jobs = [v.status.job for v in board.views()]
-    assert len(jobs) == MAX_JOBS and "a" not in jobs  # the least recently updated went
+    assert len(jobs) == MAX_JOBS_PER_APP and "a" not in jobs  # the least recently updated
     board.update(status("job-0", "CANCELED"))
     assert [v.status.job for v in board.views()][-1] == "job-0"
+
+
+def test_jobs_are_per_application_and_none_pushes_anothers_off() -> None:
+    # nine spoofed jobs of no application pushed a real one off the dashboard
+    board = JobBoard(lambda: [], lambda: [], DaemonConfig())
+    board.update(status("real", "RUNNING"), "app-a")
+    board.update(status("real", "FAILED"))  # the same id from no application: its own
+    for i in range(3 * MAX_JOBS):
+        board.update(status(f"spoof-{i}", "RUNNING"), f"app-{i % 3}-spoof")
+    views = board.views()
+    assert len(views) == MAX_JOBS
+    [real] = [v for v in views if v.app_id == "app-a"]
+    assert (real.status.job, real.status.state) == ("real", "RUNNING")
+    assert real.json(0.0)["application"] == "app-a"
+    assert all(
+        sum(v.app_id == app for v in views) <= MAX_JOBS_PER_APP for app in {v.app_id for v in views}
+    )
 
 
 def test_a_wait_still_going_on_counts(pool: NetworkBufferPool) -> None:

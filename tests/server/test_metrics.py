@@ -33,8 +33,7 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
-from exchange.serialization.codec import MsgpackCodec
-from exchange.writer import ResultPartitionWriter
+from exchange.serialization.record_codec import MsgpackCodec
 from server.config import DaemonConfig
 from server.metrics import (
     OTHER_LABEL,
@@ -46,6 +45,7 @@ from server.metrics import (
     stats_snapshot,
 )
 from server.partition_request_server import DataServer
+from tests.kit.partition_writer import ResultPartitionWriter
 
 SEGMENTS = 256
 SEGMENT_SIZE = 4096
@@ -103,8 +103,6 @@ class StandInDaemon:
             pool.destroy()
             raise
         self.manager.register_result_partition(part)
-        manager_hook = part.on_release
-        assert manager_hook is not None
 
         def on_release(p: ResultPartition) -> None:
             s = p.stats()
@@ -113,9 +111,8 @@ class StandInDaemon:
             self._retired["back_pressured_seconds"] += s.back_pressured_seconds
             self._released += 1
             self._failed += p.failure_cause is not None
-            manager_hook(p)
 
-        part.on_release = on_release
+        part.add_release_listener(on_release)
         self._created += 1
         return part
 

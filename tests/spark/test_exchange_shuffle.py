@@ -222,7 +222,7 @@ def test_values_come_back_exactly_as_written(spark: Any, sx: ModuleType) -> None
 
 
 def test_msgpack_stays_an_explicit_choice(spark: Any) -> None:
-    from exchange.serialization.codec import MsgpackCodec
+    from exchange.serialization.record_codec import MsgpackCodec
 
     rows = [(1, [1, [2, 3]]), (2, {"a": [1]})]
     out = exchange_shuffle(

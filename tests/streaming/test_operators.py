@@ -228,3 +228,38 @@ def test_keyed_misuse_is_a_typed_error() -> None:
     wrong = next(f"k{i}" for i in range(100) if subtask_for_key(f"k{i}", MAX_P, 2) == 1)
     with pytest.raises(KeyGroupOutOfRangeError):
         op2.process((wrong, 1), ListCollector())
+
+
+class _Buffering:
+    """Holds values; emits them before the barrier, and the rest at the end of input."""
+
+    def __init__(self) -> None:
+        self.held: list[Any] = []
+
+    def process_element(self, value: Any, ctx: ProcessContext, out: Any) -> None:
+        self.held.append(value)
+
+    def prepare_snapshot_pre_barrier(self, checkpoint_id: int, out: Any) -> None:
+        out.collect(("flushed", checkpoint_id, self.held))
+        self.held = []
+
+    def end_input(self, out: Any) -> None:
+        out.collect(("end", self.held))
+
+
+def test_keyed_process_forwards_the_optional_hooks() -> None:
+    op = KeyedProcessOperator(_Buffering())
+    op.open(keyed_ctx())
+    out = ListCollector()
+    op.process(("k", 1), out)
+    op.process(("k", 2), out)
+    op.prepare_snapshot_pre_barrier(4, out)
+    op.process(("k", 3), out)
+    op.end_input(out)
+    assert out.records == [("flushed", 4, [1, 2]), ("end", [3])]
+    # a function without the hooks: they do nothing (the Operator defaults)
+    bare = KeyedProcessOperator(lambda value, ctx, out: out.collect(value))
+    bare.open(keyed_ctx())
+    bare.prepare_snapshot_pre_barrier(1, out)
+    bare.end_input(out)
+    assert len(out.records) == 2

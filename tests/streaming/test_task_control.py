@@ -6,17 +6,26 @@ state holds exactly the position of the last record emitted; ``finish`` ends the
 from __future__ import annotations
 
 import itertools
+import math
+import os
 import queue
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from client.streaming.checkpoint_storage import (
+    CheckpointMetadata,
+    CheckpointStorage,
+    operator_files,
+)
 from client.streaming.connectors import CollectSink, GeneratorSource
 from client.streaming.control import ControlServer
+from client.streaming.functions import Collector, Operator, Source
 from client.streaming.graph import JobGraph, Node, Partitioning
 from client.streaming.operators import MapOperator
 from client.streaming.task import JobSpec, run_task
@@ -45,6 +54,33 @@ def _next(
         assert msg["type"] not in ("failed", "lost"), msg
         if msg["type"] == kind and task in (None, sender):
             return msg
+
+
+def _start_tasks(
+    server: ControlServer, job: JobSpec, tasks: list[str], errors: dict[int, BaseException]
+) -> list[threading.Thread]:
+    """Run tasks 0..len(tasks)-1 of ``job`` in threads (what each raises goes to
+    ``errors``), answer their registrations and start them."""
+
+    def body(index: int) -> None:
+        try:
+            run_task(job, index)
+        except BaseException as e:  # a cancel: the caller checks
+            errors[index] = e
+
+    threads = [
+        threading.Thread(target=body, args=(i,), name=f"stream-task-{i}", daemon=True)
+        for i in range(len(tasks))
+    ]
+    for t in threads:
+        t.start()
+    daemons = {}
+    for _ in tasks:
+        reg = _next(server, "register")
+        daemons[reg["task"]] = reg["daemon"]
+    for task in tasks:
+        server.send(task, {"type": "start", "daemons": daemons, "restore": None})
+    return threads
 
 
 def test_a_stopped_source_ends_its_input_and_the_final_checkpoint_holds_its_position(
@@ -131,27 +167,10 @@ def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
     # small ints ship at most one batch, so a task that found room never blocks in emit
     # (with a timeout, a batch slower than it may ship twice and overrun the window)
     job = JobSpec(**{**job.__dict__, "daemon_hint": daemon.local_socket, "buffer_timeout": -1})
-    errors: list[BaseException] = []
-
-    def body(index: int) -> None:
-        try:
-            run_task(job, index)
-        except BaseException as e:  # the cancel: checked below
-            errors.append(e)
-
-    threads = [
-        threading.Thread(target=body, args=(i,), name=f"stream-task-{i}", daemon=True)
-        for i in range(len(tasks))
-    ]
+    errors: dict[int, BaseException] = {}
+    threads: list[threading.Thread] = []
     try:
-        for t in threads:
-            t.start()
-        daemons = {}
-        for _ in tasks:
-            reg = _next(server, "register")
-            daemons[reg["task"]] = reg["daemon"]
-        for task in tasks:
-            server.send(task, {"type": "start", "daemons": daemons, "restore": None})
+        threads = _start_tasks(server, job, tasks, errors)
         counts: list[int] = []
         for cid in itertools.count(1):
             assert cid <= 500, f"the source never stopped emitting: {counts[-5:]}"
@@ -175,8 +194,177 @@ def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
             t.join(30)
             assert not t.is_alive(), f"{t.name}, held, did not see the cancel"
         assert len(errors) == len(tasks)
-        assert all("cancelled by the driver" in str(e) for e in errors), errors
+        assert all("cancelled by the driver" in str(e) for e in errors.values()), errors
     finally:
         server.close()
         for t in threads:
             t.join(30)
+
+
+class _IdleAfter(Source):
+    """Unbounded: emits ``k`` records, then nothing (``ready_in`` infinite: only mail)."""
+
+    bounded = False
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.next = 0
+
+    def poll(self, out: Collector, max_records: int) -> bool:
+        while self.next < self.k and max_records > 0:
+            out.collect(self.next)
+            self.next += 1
+            max_records -= 1
+        return True
+
+    def ready_in(self) -> float:
+        return 0.0 if self.next < self.k else math.inf
+
+
+class _Recorder(Operator):
+    """A sink that notes what reaches it, for the test thread to watch."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+        self.calls: list[tuple[str, int]] = []
+
+    def process(self, record: Any, out: Collector) -> None:
+        self.records.append(record)
+
+    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+        self.calls.append(("complete", checkpoint_id))
+
+    def notify_checkpoint_aborted(self, checkpoint_id: int) -> None:
+        self.calls.append(("abort", checkpoint_id))
+
+
+def _until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.01)
+
+
+def test_a_task_waiting_for_input_handles_its_control_messages(daemon: Any, tmp_path: Path) -> None:
+    """The source emits 100 records and then nothing: the sink's task waits for input.
+    ``complete``, ``abort`` and ``cancel`` still reach it at once (the task waits on its
+    mailbox, which the reader's hand-off wakes). Before, a reading task looked at its
+    control messages only between records: none of them arrived while its input was
+    idle."""
+    sink = _Recorder()
+    source = Node(0, "idle", lambda: _IdleAfter(100), 1, is_source=True)
+    node = Node(1, "rec", lambda: sink, 1, inputs=[(source, Partitioning.REBALANCE, None)])
+    source.outputs.append(node)
+    graph = JobGraph.build([source, node], DEFAULT_MAX_PARALLELISM)
+    tasks = ["v0-0", "v1-0"]
+    token = secrets.token_hex(8)
+    server = ControlServer(token, 5, set(tasks))
+    job = JobSpec("idle", 5, token, server.address, graph, str(tmp_path / "ckpt"), "exactly_once")
+    job = JobSpec(**{**job.__dict__, "daemon_hint": daemon.local_socket})
+    errors: dict[int, BaseException] = {}
+    threads: list[threading.Thread] = []
+    try:
+        threads = _start_tasks(server, job, tasks, errors)
+        _until(lambda: len(sink.records) == 100, "the 100 records reached the sink")
+        server.send("v0-0", {"type": "trigger", "checkpoint": 1, "timestamp": 1})
+        assert _next(server, "ack", task="v1-0")["checkpoint"] == 1  # the barrier came
+        server.send("v1-0", {"type": "complete", "checkpoint": 1})
+        _until(lambda: sink.calls == [("complete", 1)], "complete while waiting for input")
+        server.send("v1-0", {"type": "abort", "checkpoint": 2})
+        _until(lambda: ("abort", 2) in sink.calls, "abort while waiting for input")
+        server.send("v1-0", {"type": "cancel"})
+        threads[1].join(20)
+        assert not threads[1].is_alive(), "the idle task did not see the cancel"
+        assert "cancelled by the driver" in str(errors[1])
+        assert sink.records == list(range(100))
+    finally:
+        server.send("v0-0", {"type": "cancel"})
+        for t in threads:
+            t.join(30)
+        server.close()
+
+
+class _EndMarker(Operator):
+    """Passes records on; emits ``"end"`` from ``end_input``."""
+
+    def process(self, record: Any, out: Collector) -> None:
+        out.collect(record)
+
+    def end_input(self, out: Collector) -> None:
+        out.collect("end")
+
+
+def _run_bounded_chain(
+    daemon: Any, ckpt: str, attempt: int, restore: dict[str, Any] | None
+) -> tuple[_Recorder, dict[str, Any]]:
+    """generator(3) -> _EndMarker -> _Recorder, chained in one task, to its end: the
+    records that reached the recorder and the final checkpoint's ack."""
+    sink = _Recorder()
+    nodes = [
+        Node(0, "gen", lambda: GeneratorSource(lambda i: i, count=3), 1, is_source=True),
+        Node(1, "marker", _EndMarker, 1),
+        Node(2, "rec", lambda: sink, 1),
+    ]
+    for up, down in itertools.pairwise(nodes):
+        down.inputs.append((up, Partitioning.FORWARD, None))
+        up.outputs.append(down)
+    graph = JobGraph.build(nodes, DEFAULT_MAX_PARALLELISM)
+    assert graph.num_tasks == 1
+    token = secrets.token_hex(8)
+    server = ControlServer(token, attempt, {"v0-0"})
+    job = JobSpec("fin", attempt, token, server.address, graph, ckpt, "exactly_once")
+    job = JobSpec(**{**job.__dict__, "daemon_hint": daemon.local_socket})
+    errors: dict[int, BaseException] = {}
+
+    def body() -> None:
+        try:
+            run_task(job, 0)
+        except BaseException as e:  # checked below
+            errors[0] = e
+
+    thread = threading.Thread(target=body, daemon=True)
+    try:
+        thread.start()
+        reg = _next(server, "register")
+        server.send(
+            "v0-0", {"type": "start", "daemons": {"v0-0": reg["daemon"]}, "restore": restore}
+        )
+        _next(server, "exhausted")
+        cid = attempt * 10
+        server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
+        ack = _next(server, "ack")
+        name = os.path.basename(ack["handle"])  # the driver's part: the metadata
+        files = {"v0-0": name}
+        operators = operator_files(files, graph.operator_tasks())
+        CheckpointStorage(ckpt).commit(
+            CheckpointMetadata(cid, cid, files, is_final=True, operators=operators)
+        )
+        server.send("v0-0", {"type": "complete", "checkpoint": cid})
+        server.send("v0-0", {"type": "finish"})
+        _next(server, "finished")
+        thread.join(30)
+        assert not thread.is_alive() and not errors
+    finally:
+        server.close()
+        thread.join(30)
+    return sink, ack
+
+
+def test_a_task_restored_after_its_end_of_input_does_not_run_end_input_again(
+    daemon: Any, tmp_path: Path
+) -> None:
+    """Restored from a checkpoint taken after its input ended (the final one here, as a
+    rerun or a restart after it would), the task is finished on restore: the source
+    polls nothing and ``end_input`` does not run again, so nothing it emitted is emitted
+    twice; it still ends its input and serves the final checkpoint."""
+    ckpt = str(tmp_path / "ckpt")
+    first, ack = _run_bounded_chain(daemon, ckpt, 1, None)
+    assert first.records == [0, 1, 2, "end"]
+    latest = CheckpointStorage(ckpt).latest_completed()
+    assert latest is not None and latest.checkpoint_id == ack["checkpoint"]
+    restore = {
+        "checkpoint_id": latest.checkpoint_id,
+        "operators": {uid: list(f) for uid, f in latest.operators.items()},
+    }
+    again, _ = _run_bounded_chain(daemon, ckpt, 2, restore)
+    assert again.records == []

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from exchange.errors import SubpartitionIndexError, UsageError
+from exchange.errors import UsageError
 from exchange.writer import (
     BroadcastSelector,
     KeyHashSelector,
@@ -49,10 +49,11 @@ def test_partitioner_selector_takes_result_mod_n() -> None:
     assert sel.select_channel((-1,)) == (-10) % 4
 
 
-def test_partitioner_returning_a_non_int_is_a_typed_error() -> None:
+def test_partitioner_returning_a_non_int_is_a_usage_error() -> None:
+    # the caller's partitioner is at fault (API misuse), not a peer: a UsageError
     sel = PartitionerSelector(lambda key: "nope")  # type: ignore[arg-type, return-value]
     sel.setup(2)
-    with pytest.raises(SubpartitionIndexError, match="partitioner returned"):
+    with pytest.raises(UsageError, match="partitioner returned"):
         sel.select_channel((1,))
 
 

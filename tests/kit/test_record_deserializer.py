@@ -20,8 +20,8 @@ from exchange.serialization import (
     BytesCodec,
     MsgpackCodec,
     PickleCodec,
-    RecordDeserializer,
 )
+from tests.kit.record_deserializer import RecordDeserializer
 
 SEGMENT = 4096
 

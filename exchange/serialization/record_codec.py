@@ -180,10 +180,6 @@ def unencodable_record(record: Any, fmt: str, exc: BaseException) -> UsageError:
     return error
 
 
-def _nbytes(data: BytesLike) -> int:
-    return data.nbytes if isinstance(data, memoryview) else len(data)
-
-
 class _DecoderBase:
     """Delivery of decoded records and of a deferred error."""
 

@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from exchange.consumer import LocalInputChannel, RecordReader, SingleInputGate
+from exchange.consumer import RecordReader, SingleInputGate
 from exchange.consumer.input_channel import backoff_delays
 from exchange.errors import (
     ConsumerAlreadyAttachedError,
@@ -26,8 +26,9 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
-from exchange.serialization.codec import MsgpackCodec
-from exchange.writer import ResultPartitionWriter
+from exchange.serialization.record_codec import MsgpackCodec
+from tests.kit.local_input_channel import LocalInputChannel
+from tests.kit.partition_writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(10)
 

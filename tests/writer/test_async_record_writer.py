@@ -21,10 +21,10 @@ from exchange.partition import ResultPartition, ResultPartitionID, ResultPartiti
 from exchange.writer import (
     BroadcastSelector,
     KeyHashSelector,
-    ResultPartitionWriter,
     RoundRobinSelector,
     deterministic_hash,
 )
+from tests.kit.partition_writer import ResultPartitionWriter
 
 pytestmark = pytest.mark.timeout(30)
 

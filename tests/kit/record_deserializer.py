@@ -1,5 +1,8 @@
 """RecordDeserializer: one input channel's records, rebuilt from the data buffers it receives.
 
+Test tooling: production's RecordReader feeds each channel's codec decoder itself; tests
+that hold Buffers (a subpartition's queue, a RecordWriter's output) decode them with this.
+
 Flink's SpillingAdaptiveSpanningRecordDeserializer without the spilling: each buffer's
 bytes are handed to the codec's stream decoder (which copies what it keeps) and the
 buffer is released at once, so its segment goes back to its pool as soon as it is read.
@@ -17,7 +20,7 @@ from typing import Any
 
 from exchange.buffers.buffer import Buffer
 from exchange.errors import UsageError
-from exchange.serialization.codec import RecordCodec, default_codec
+from exchange.serialization.record_codec import RecordCodec, default_codec
 
 __all__ = ["RecordDeserializer"]
 

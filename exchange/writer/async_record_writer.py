@@ -1,37 +1,33 @@
-"""The asyncio driver of the one write path, and its in-process sink.
+"""AsyncRecordWriter: the asyncio driver of the one write path.
 
 ``AsyncRecordWriter`` drives a ``RecordWriter`` from asyncio code: it emits into the
 writer and moves the buffers the writer cuts to a ``BufferSink``, waiting there when the
 sink cannot take more (backpressure). A background task flushes every ``buffer_timeout``
 seconds (Flink's output flusher), so a producer stalled on slow input still makes its data
-readable. Two sinks exist: ``ResultPartitionSink`` (a partition in this process: each
-buffer is copied into a segment of its LocalBufferPool and queued with
-``ResultPartition.add_buffer``, exactly as the daemon queues the buffers a task pushes)
-and the daemon connection of ``client.producer`` (producer tasks).
+readable. Production's sink is the daemon connection of ``client.producer`` (producer
+tasks); the tests also write into a partition of their own process
+(``tests/kit/partition_writer.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
+import logging
 from collections.abc import Iterable
 from typing import Any, Final, Protocol
 
-from exchange.buffers.buffer import Buffer
-from exchange.errors import ExchangeError, PartitionError, PoolDestroyedError, WriterClosedError
-from exchange.events.events import AbstractEvent, EventSerializer
-from exchange.partition.result_partition import ResultPartition
-from exchange.serialization.codec import RecordCodec
-from exchange.writer.channel_selector import ChannelSelector, RoundRobinSelector
+from exchange.best_effort import best_effort, cancel_and_wait
+from exchange.errors import ExchangeError, PartitionError, WriterClosedError
+from exchange.events.events import AbstractEvent
 from exchange.writer.record_writer import (
     ALL_SUBPARTITIONS,
-    DEFAULT_BUFFER_TIMEOUT,
     OutputBuffer,
     RecordWriter,
 )
 
-__all__ = ["AsyncRecordWriter", "BufferSink", "ResultPartitionSink", "ResultPartitionWriter"]
+__all__ = ["AsyncRecordWriter", "BufferSink"]
+
+log = logging.getLogger("exchange.writer")
 
 _NO_KEY: Final[Any] = object()
 #: Records taken from ``emit_all``'s iterable between two moves of the cut buffers.
@@ -191,8 +187,8 @@ class AsyncRecordWriter:
             if self._move_lock.locked() or self._closed:
                 continue
             if writer.flush_if_due():
-                with contextlib.suppress(Exception):
-                    # an error (e.g. the partition released) surfaces at the next emit
+                # an error (e.g. the partition released) surfaces at the next emit
+                with best_effort(log, f"the output flusher's move of {self.sink.name}"):
                     await self._move(quiet=True)
 
     # -- closing -------------------------------------------------------------------------
@@ -222,7 +218,7 @@ class AsyncRecordWriter:
             self._closed = True
             self.writer.discard()
             await self._stop_flusher()
-            with contextlib.suppress(Exception):
+            with best_effort(log, f"failing {self.sink.name} after {e!r}", logging.WARNING):
                 await self.sink.fail(e)
             raise
 
@@ -236,9 +232,8 @@ class AsyncRecordWriter:
     async def _stop_flusher(self) -> None:
         task, self._flusher = self._flusher, None
         if task is not None and task is not asyncio.current_task():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # the writer's own cancellation (the task closing it was cancelled) propagates
+            await cancel_and_wait(task, log, f"the output flusher of {self.sink.name}")
 
     @property
     def is_closed(self) -> bool:
@@ -252,99 +247,3 @@ class AsyncRecordWriter:
             await self.close()
         else:
             await self.fail(exc)
-
-
-class ResultPartitionSink:
-    """A partition in this process: buffers copied into its segments, then queued."""
-
-    def __init__(self, partition: ResultPartition) -> None:
-        self.partition = partition
-
-    @property
-    def name(self) -> str:
-        return str(self.partition.partition_id)
-
-    def check_writable(self) -> None:
-        self.partition.check_writable()
-
-    async def write(self, out: OutputBuffer) -> None:
-        partition = self.partition
-        if out.is_event:
-            partition.broadcast_event(EventSerializer.from_bytes(out.pieces[0]))
-            return
-        buf = await self._request_buffer()
-        view = buf.segment.view()
-        pos = 0
-        for piece in out.pieces:
-            n = len(piece)
-            view[pos : pos + n] = piece
-            pos += n
-        buf.set_size(pos)
-        partition.add_buffer(out.target, buf)
-
-    async def _request_buffer(self) -> Buffer:
-        partition = self.partition
-        pool = partition.buffer_pool
-        while True:
-            partition.check_writable()
-            try:
-                buf = pool.request_buffer()
-            except PoolDestroyedError:
-                partition.check_writable()
-                raise
-            if buf is not None:
-                return buf
-            start = time.monotonic()
-            try:
-                await pool.get_available_future()
-            finally:
-                partition.record_back_pressure(time.monotonic() - start)
-
-    async def finish(self) -> None:
-        self.partition.finish()
-
-    async def fail(self, cause: BaseException | None) -> None:
-        if not self.partition.is_released:
-            self.partition.fail(cause)
-
-
-class ResultPartitionWriter(AsyncRecordWriter):
-    """The writer of an in-process ResultPartition. Without a selector, records go round
-    robin (Flink's default for an unkeyed exchange); ``emit(record, key=...)`` and
-    ``emit_to`` pick their target themselves."""
-
-    def __init__(
-        self,
-        partition: ResultPartition,
-        selector: ChannelSelector | None = None,
-        codec: RecordCodec | None = None,
-        *,
-        buffer_timeout: float = DEFAULT_BUFFER_TIMEOUT,
-    ) -> None:
-        super().__init__(
-            RecordWriter(
-                partition.num_subpartitions,
-                buffer_size=partition.segment_size,
-                codec=codec,
-                selector=selector if selector is not None else RoundRobinSelector(),
-                buffer_timeout=buffer_timeout,
-            ),
-            ResultPartitionSink(partition),
-        )
-        self.partition = partition
-
-    def _check_writable(self) -> None:
-        super()._check_writable()
-        self._sync_buffer_sizes()
-
-    async def _move(self, *, quiet: bool = False) -> None:
-        self._sync_buffer_sizes()
-        await super()._move(quiet=quiet)
-
-    def _sync_buffer_sizes(self) -> None:
-        """A consumer's NewBufferSize lands on its subpartition: new buffers take it."""
-        writer = self.writer
-        for i, sub in enumerate(self.partition.subpartitions):
-            size = sub.buffer_size
-            if size != writer.buffer_size(i):
-                writer.set_buffer_size(i, size)

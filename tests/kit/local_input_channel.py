@@ -1,4 +1,8 @@
-"""LocalInputChannel: reads a subpartition of the same process; no network, no copies."""
+"""LocalInputChannel: reads a subpartition of the same process; no network, no copies.
+
+Test tooling: production reads go through the daemon (RemoteInputChannel, also over the
+Unix socket on one host). Tests use this channel to read a partition of their own process.
+"""
 
 from __future__ import annotations
 
