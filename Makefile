@@ -23,6 +23,7 @@ typecheck: setup
 	$(VENV)/bin/mypy exchange server client
 
 unit: setup
+	@bash scripts/ensure-prometheus.sh
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 # The test command the README gives and .ci/run calls.

@@ -243,6 +243,12 @@ class _TaskMetricsReporter:
     async def _run(self) -> None:
         try:
             conn = self._conn = await LocalConnection.connect(self.socket_path, secret=self.secret)
+            # Python 3.11's asyncio.wait_for (in connect) returns the result and drops a
+            # cancel that arrives as the connection completes: ``close`` would wait for
+            # this loop forever. The cancel request is still counted: honour it.
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise asyncio.CancelledError
             while True:
                 self._send(conn)
                 await asyncio.sleep(self.interval)

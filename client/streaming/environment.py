@@ -52,7 +52,7 @@ from client.streaming.checkpoint_storage import (
 from client.streaming.control import ControlServer
 from client.streaming.functions import Operator, Source
 from client.streaming.graph import JobGraph, Node, Partitioning, check_operator_id
-from client.streaming.job_status import JobStatusTracker
+from client.streaming.job_status import AttemptFailure, FailureCollector, JobStatusTracker
 from client.streaming.runners import Runner, runner_for
 from client.streaming.task import JobSpec, dataset_of
 from exchange.best_effort import best_effort
@@ -74,6 +74,7 @@ from exchange.state import DEFAULT_MAX_PARALLELISM, NonRestoredStateError, check
 from exchange.state.key_groups import MAX_MAX_PARALLELISM
 
 __all__ = [
+    "AttemptFailure",
     "CheckpointInfo",
     "DataStream",
     "JobFailedError",
@@ -82,17 +83,27 @@ __all__ = [
     "StreamEnvironment",
 ]
 
+#: Seconds a failed attempt waits, after its Spark stage ended, for its tasks' connections
+#: to end: the failure reports still in flight decide the attempt's root cause.
+_LATE_REPORTS_WAIT = 10.0
 
 log = logging.getLogger("exchange.streaming.driver")
 
 
 class JobFailedError(ExchangeError):
     """The job failed more often than ``restart_attempts`` allowed, or was cancelled hard;
-    ``failures`` holds why each attempt failed, oldest first."""
+    ``failures`` holds each attempt's root cause, oldest first; ``failure_history`` the
+    same with each root cause's consequences."""
 
-    def __init__(self, message: str, failures: list[str]) -> None:
+    def __init__(
+        self,
+        message: str,
+        failures: list[str],
+        failure_history: list[AttemptFailure] | None = None,
+    ) -> None:
         super().__init__(message)
         self.failures = failures
+        self.failure_history = failure_history if failure_history is not None else []
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,7 @@ class JobResult:
     checkpoints_completed: int
     last_checkpoint_id: int | None
     duration: float
+    #: the root cause of each failed attempt, oldest first
     failures: list[str] = field(default_factory=list)
     #: every checkpoint completed by this driver, oldest first, over all attempts
     checkpoints: list[CheckpointInfo] = field(default_factory=list)
@@ -133,6 +145,8 @@ class JobResult:
     #: True when nothing ran: the checkpoint directory holds the final checkpoint of a job
     #: that already read all its input (a rerun; use a new ``checkpoint_dir`` to run again)
     already_finished: bool = False
+    #: each failed attempt's root cause with the failures that followed from it
+    failure_history: list[AttemptFailure] = field(default_factory=list)
 
 
 #: ``CheckpointMetadata.extra["ended"]`` of a final checkpoint taken because every source
@@ -427,6 +441,7 @@ class StreamEnvironment:
         )
         started = time.monotonic()
         failures: list[str] = []
+        history: list[AttemptFailure] = []
         checkpoints: list[CheckpointInfo] = []
         aborted: list[tuple[int, str]] = []
         last_attempt = 0
@@ -453,6 +468,7 @@ class StreamEnvironment:
                     run.records,
                     stopped=self._stop.is_set(),
                     collected=run.collected(),
+                    failure_history=history,
                 )
                 log.info(
                     "job %s %s in %.1f s: %d restarts, %d checkpoints, last %s",
@@ -465,6 +481,16 @@ class StreamEnvironment:
                 )
                 return result
             failures.append(error)
+            if run.failure is not None:
+                history.append(run.failure)
+                if run.failure.consequences:
+                    log.info(
+                        "job %s attempt %d failed: %s; consequences: %s",
+                        self.job_id,
+                        attempt,
+                        error,
+                        " | ".join(c[:200] for c in run.failure.consequences),
+                    )
             status.attempt_failed(error)
             if lease.lost is not None:  # another driver runs the job now: never restart
                 status.job_ended("FAILED")
@@ -494,7 +520,9 @@ class StreamEnvironment:
             failures[-1].splitlines()[0] if failures[-1] else failures[-1],
         )
         raise JobFailedError(
-            f"job {self.job_id} failed after {len(failures)} attempt(s): {failures[-1]}", failures
+            f"job {self.job_id} failed after {len(failures)} attempt(s): {failures[-1]}",
+            failures,
+            history,
         )
 
 
@@ -594,15 +622,16 @@ class _Attempt:
         self._started = False
         self._stopping = False
         self._restore_msg = restore_msg
-        self.error: str | None = None
+        self.failures = FailureCollector()
+        self.failure: AttemptFailure | None = None
         try:
             while True:
                 if stage.done():
                     done = stage.error
-                    if done is not None and self.error is None:
-                        self.error = f"{runner.stage_title} failed: {type(done).__name__}: {done}"
-                    if done is None and len(self._finished) < n and self.error is None:
-                        self.error = f"{runner.stage_title} ended before every task finished"
+                    if done is not None:
+                        self._fail(f"{runner.stage_title} failed: {type(done).__name__}: {done}")
+                    elif len(self._finished) < n:
+                        self._fail(f"{runner.stage_title} ended before every task finished")
                     break
                 self._step()
                 if self.error is not None:
@@ -612,17 +641,47 @@ class _Attempt:
             if self.error is not None:
                 stage.cancel()
             stage.join(60)
+            if self.failures.failed:
+                self._collect_late_failures()
             server.close()
             self._release(self._daemons)
-        return self.error
+        self.failure = self.failures.result(self.attempt)
+        return None if self.failure is None else self.failure.root_cause
+
+    @property
+    def error(self) -> str | None:
+        """The first failure the driver learnt of (it stops the attempt); the attempt's
+        root cause is chosen once every report is in (``failure``)."""
+        return self.failures.reports[0].message if self.failures.reports else None
+
+    def _fail(self, message: str) -> None:
+        self.failures.driver_failure(message)
+
+    def _collect_late_failures(self) -> None:
+        """The failure reports still on their way when the stage ended: the task that
+        failed first may be heard last. Waits (bounded) until every task's connection has
+        ended, so everything they sent is in the inbox."""
+        if not self._server.wait_disconnected(_LATE_REPORTS_WAIT):
+            log.info(
+                "attempt %d: tasks still connected %.0f s after the stage ended; their "
+                "later failure reports are not counted",
+                self.attempt,
+                _LATE_REPORTS_WAIT,
+            )
+        while True:
+            try:
+                task, msg = self._server.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.failures.on_message(task, msg)
 
     def _step(self) -> None:
         """One turn of the driver loop: a control message, the coordinator's commands."""
         env, coord, server = self.env, self._coord, self._server
         if env._cancel.is_set() and self.error is None:
-            self.error = "cancelled"
+            self._fail("cancelled")
         if self.lease.lost is not None and self.error is None:
-            self.error = str(self.lease.lost)
+            self._fail(str(self.lease.lost))
         if env._stop.is_set() and self._started and not self._stopping:
             self._stopping = True  # a clean stop: sources end their input now
             server.broadcast({"type": "stop"}, self.sources)
@@ -641,7 +700,7 @@ class _Attempt:
             try:
                 self._execute(coord, server)
             except _AttemptFailed as e:
-                self.error = f"checkpoint failure: {e}"
+                self._fail(f"checkpoint failure: {e}")
         if env.status is not None:
             env.status.publish()
 
@@ -684,8 +743,8 @@ class _Attempt:
             for name, blob in (msg.get("results") or {}).items():
                 records = pickle.loads(blob)  # from a task of this attempt (token checked)
                 self._collected.setdefault(name, {})[_subtask_of(task)] = records
-        elif kind in ("failed", "lost") and self.error is None:
-            self.error = f"task {task} {kind}: {msg.get('error', '')}".strip()
+        elif kind in ("failed", "lost"):
+            self.failures.on_message(task, msg)
 
     def _execute(self, coord: CheckpointCoordinator, server: ControlServer) -> None:
         for cmd in coord.poll_commands():

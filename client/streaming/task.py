@@ -56,6 +56,7 @@ import itertools
 import logging
 import pickle
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,7 +72,13 @@ from client.streaming.functions import Collector, Operator, OperatorContext, Sou
 from client.streaming.graph import Edge, JobGraph, Partitioning, TaskSpec
 from exchange.best_effort import best_effort
 from exchange.checkpointing import CheckpointFailureReason
-from exchange.errors import ExchangeError, IllegalStateError
+from exchange.errors import (
+    ExchangeError,
+    IllegalStateError,
+    PartitionDataLostError,
+    PartitionReleasedError,
+    ProducerFailedError,
+)
 from exchange.events.events import AbstractEvent, CheckpointOptions, EndOfDataEvent
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.state import (
@@ -82,7 +89,7 @@ from exchange.state import (
     subtask_for_key,
 )
 
-__all__ = ["JobSpec", "StreamTaskFailed", "dataset_of", "run_task"]
+__all__ = ["JobSpec", "StreamTaskFailed", "dataset_of", "is_consequence", "run_task"]
 
 log = logging.getLogger("exchange.streaming.task")
 
@@ -100,6 +107,23 @@ _INPUT_AVAILABLE: Final = "input-available"
 
 class StreamTaskFailed(ExchangeError):
     """The task was cancelled, refused (a stale attempt) or lost its driver."""
+
+
+def is_consequence(error: BaseException) -> bool:
+    """True when ``error`` follows from another failure, so is no attempt's root cause:
+    the partition it wrote or read was released (its consumer or producer failed and the
+    attempt is being torn down), its producer failed, or the driver cancelled or dropped
+    the task. Spilled data lost in a daemon restart is a failure of its own."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, PartitionDataLostError):
+            return False
+        if isinstance(e, PartitionReleasedError | ProducerFailedError | StreamTaskFailed):
+            return True
+        e = e.__cause__ if e.__cause__ is not None else e.__context__
+    return False
 
 
 @dataclass(frozen=True)
@@ -542,10 +566,16 @@ class StreamTask:
             self.ctl.flush()
             return {"task": self.task_id, "records_in": self._records_in()}
         except BaseException as e:
+            failed_at = time.time()
             if self.ctl is not None and not self.ctl.closed:
                 with best_effort(log, f"reporting the failure of task {self.task_id}"):
                     self.ctl.send(
-                        {"type": "failed", "error": "".join(traceback.format_exception(e))[-4000:]}
+                        {
+                            "type": "failed",
+                            "error": "".join(traceback.format_exception(e))[-4000:],
+                            "time": failed_at,
+                            "consequence": is_consequence(e),
+                        }
                     )
                     self.ctl.flush()
             raise
