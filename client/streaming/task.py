@@ -62,8 +62,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from client.consumer import PartitionLocation, PartitionReader, reader_settings
+from client.consumer import PartitionLocation, PartitionReader
 from client.local_connection import fetch_daemon_info, resolve_daemon_socket
+from client.options import ReaderOptions
 from client.producer import PartitionWriter
 from client.runtime import get_runtime
 from client.streaming.checkpoint_storage import CheckpointStorage
@@ -382,19 +383,19 @@ class StreamTask:
                         d["socket"],
                     )
                 )
-        settings = reader_settings(self.daemon_info, checkpointing=True)
-        settings.setdefault("backoff_max", 2.0)
-        return PartitionReader(
-            locations,
-            local_daemon_id=self.daemon_info.daemon_id,
+        info = self.daemon_info
+        options = ReaderOptions.from_daemon(
+            info,
             event_handler=self._on_event,
             checkpoint_listener=self,
             checkpointing_mode=self.job.mode,
             metrics_socket=self.daemon_socket,  # TaskMetrics: debloating, alignment
             task_name=f"{self.job.job_id}/{self.task_id}",
             secret=self.job.credential,
-            **settings,
+            # a daemon that does not say retries within 2 s
+            **({} if info.settings.get("partition_request_backoff_max") else {"backoff_max": 2.0}),
         )
+        return PartitionReader(locations, options)
 
     # -- checkpoints (CheckpointListener; the task's thread) --------------------------------
 

@@ -36,7 +36,7 @@ async def daemon() -> AsyncIterator[ExchangeDaemon]:
         segment_size=SEGMENT_SIZE,
         spill_dir=spill,
         log_level="WARNING",
-        # readers here take these (reader_settings); small backoff: partitions may be
+        # readers here take these (ReaderOptions.from_daemon); small backoff: partitions may be
         # requested before their producer registered them
         partition_request_backoff_initial=0.01,
         partition_request_backoff_max=0.05,

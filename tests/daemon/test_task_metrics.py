@@ -20,9 +20,9 @@ from client.consumer import (
     AsyncPartitionReader,
     PartitionLocation,
     PartitionReader,
-    reader_settings,
 )
 from client.local_connection import LocalConnection, fetch_daemon_info
+from client.options import ReaderOptions
 from client.producer import PartitionWriter
 from client.runtime import get_runtime
 from exchange.checkpointing.barrier_handler import CheckpointFailureReason
@@ -123,16 +123,14 @@ class ConsumerTask(threading.Thread):
 
 def _reader(d: Any, dataset: str, **extra: Any) -> PartitionReader:
     info = get_runtime().run(fetch_daemon_info(d.local_socket))
-    settings = {
-        **reader_settings(info, checkpointing="checkpoint_listener" in extra),
-        "backoff_initial": 0.01,
-        "backoff_max": 0.1,
-        **extra,
-    }
+    # over TCP (no local_daemon_id), as a remote reader
+    options = ReaderOptions.from_daemon(
+        info, local_daemon_id=None, backoff_initial=0.01, backoff_max=0.1, **extra
+    )
     loc = PartitionLocation(
         ResultPartitionID(dataset, 0, 0), 0, d.data_address, d.daemon_id, d.local_socket
     )
-    return PartitionReader([loc], **settings)
+    return PartitionReader([loc], options)
 
 
 def scrape(d: Any) -> dict[str, dict[tuple[str, str], float]]:
@@ -243,7 +241,7 @@ def test_the_async_reader_reports_too(start_daemon: Any) -> None:
         )
         reader = await AsyncPartitionReader.open(
             [loc],
-            **reader_settings(info),
+            ReaderOptions.from_daemon(info, local_daemon_id=None),
             metrics_socket=d.local_socket,
             task_name="async-task",
         )
