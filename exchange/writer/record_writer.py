@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from exchange.buffers.buffer import DataType
-from exchange.errors import RecordTooLargeError, UsageError, WriterClosedError
+from exchange.errors import NotAPairError, RecordTooLargeError, UsageError, WriterClosedError
 from exchange.events.events import (
     AbstractEvent,
     CancelCheckpointMarker,
@@ -70,6 +70,22 @@ _NO_KEY: Final[Any] = object()
 _M32: Final = 0xFFFFFFFF
 _I63: Final = 2**63
 _MIN_I64: Final = -(2**63)
+#: What ``emit_all``'s loop variable holds before its first record.
+_NO_RECORD: Final = object()
+
+
+def _check_pair(record: Any, error: BaseException) -> None:
+    """Raise ``NotAPairError`` (from ``error``) if ``error`` came from taking ``record``'s
+    key: ``record[0]`` fails. Otherwise return (the error was the input's or the partition
+    function's, to be raised as it is)."""
+    if record is _NO_RECORD:
+        return
+    try:
+        record[0]
+    except (TypeError, IndexError, KeyError):
+        raise NotAPairError.for_record(record) from error
+
+
 #: Keys (ints, and strs/bytes of at most ``_KEY_CACHE_LEN``) whose target a writer
 #: remembers across ``emit_all`` calls (cleared when full): a str key's hash costs more
 #: than a dict lookup, and PySpark producers call ``emit_all`` per chunk of records.
@@ -344,6 +360,7 @@ class RecordWriter:
                 lists = [s.records for s in streams]
                 appends = [pending.append for pending in lists]
                 before = sum(map(len, lists))
+                record = _NO_RECORD
                 try:
                     for record in itertools.islice(it, _SLICE):
                         key = record[0] if no_key_func else key_func(record)  # type: ignore[misc]
@@ -365,6 +382,11 @@ class RecordWriter:
                                     cache.clear()
                                 cache[key] = cached
                         appends[cached](record)
+                except (TypeError, IndexError, KeyError) as e:
+                    # no cost per record: only a failure looks at the record it stopped on
+                    if no_key_func:
+                        _check_pair(record, e)
+                    raise
                 finally:
                     taken = sum(map(len, lists)) - before
                     count += taken
@@ -386,7 +408,13 @@ class RecordWriter:
     ) -> int:
         if self.selector is not None and partition_func is None and key_func is None:
             return self.selector.select_channel(record)
-        key = record[0] if key_func is None else key_func(record)
+        if key_func is not None:
+            return self._partition(key_func(record), partition_func)
+        try:
+            key = record[0]
+        except (TypeError, IndexError, KeyError) as e:
+            _check_pair(record, e)
+            raise
         return self._partition(key, partition_func)
 
     def _partition(self, key: Any, partition_func: Callable[[Any], int] | None) -> int:
