@@ -249,9 +249,10 @@ class RecordWriter:
                 self.broadcast(record)
                 return
             target = self.selector.select_channel(record)
+        elif key is _NO_KEY:
+            target = self._route(record, None, None)
         else:
-            k = record[0] if key is _NO_KEY else key
-            target = deterministic_hash(k) % self.num_subpartitions
+            target = deterministic_hash(key) % self.num_subpartitions
         self.emit_to(record, target)
 
     def emit_to(self, record: Any, target: int) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from exchange.errors import RecordTooLargeError, UsageError, WriterClosedError
+from exchange.errors import NotAPairError, RecordTooLargeError, UsageError, WriterClosedError
 from exchange.events.events import (
     AbstractEvent,
     CancelCheckpointMarker,
@@ -167,6 +167,39 @@ def test_bad_routing_is_a_usage_error_and_the_writer_goes_on() -> None:
             w.emit_to(("x",), bad)  # type: ignore[arg-type]
     w.emit_to(("ok",), 1)
     assert decode(w.close(), 2) == [[], [("ok",)]]
+
+
+@pytest.mark.parametrize("timeout", [-1, 0])
+@pytest.mark.parametrize("bad", [7, None, (), "", {"a": 1}])
+def test_a_record_without_a_key_is_a_not_a_pair_error_naming_it(timeout: int, bad: Any) -> None:
+    w = RecordWriter(3, buffer_size=1024, buffer_timeout=timeout)
+    good = [(i, i) for i in range(100)]
+    with pytest.raises(NotAPairError) as excinfo:
+        w.emit_all([*good, bad, (1, 1)])
+    assert f"record {bad!r} of type {type(bad).__name__} is not a (key, value) pair" in str(
+        excinfo.value
+    )
+    assert isinstance(excinfo.value, TypeError)  # what unpacking it would raise
+    with pytest.raises(NotAPairError):
+        w.emit(bad)
+    # the records before it were taken; the writer goes on
+    w.emit_all([(5, 5)])
+    assert sorted(r for p in decode(w.close(), 3) for r in p) == sorted([*good, (5, 5)])
+
+
+def test_a_type_error_of_the_input_or_the_partition_function_stays_what_it_was() -> None:
+    def failing_input() -> Any:
+        yield (1, 1)
+        raise TypeError("the input's own")
+
+    w = RecordWriter(3, buffer_size=1024, buffer_timeout=-1)
+    with pytest.raises(TypeError, match="the input's own") as excinfo:
+        w.emit_all(failing_input())
+    assert not isinstance(excinfo.value, NotAPairError)
+    with pytest.raises(TypeError, match="unhashable") as excinfo:
+        w.emit_all([([1], 1)], partition_func=hash)
+    assert not isinstance(excinfo.value, NotAPairError)
+    w.close()
 
 
 @pytest.mark.parametrize(
