@@ -55,6 +55,7 @@ from exchange.errors import ExchangeError, NotAPairError, TransportError, UsageE
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.serialization.record_codec import RecordCodec, default_codec
 from exchange.writer.hashing import deterministic_hash
+from exchange.writer.record_writer import register_int_value_hash
 
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext
@@ -86,7 +87,12 @@ def _writer_partition_func(
     partition_func: Callable[[Any], int],
 ) -> Callable[[Any], int] | None:
     """What the task's writer is given: None for the exchange's own hash (its default,
-    hashed inline), else the function itself."""
+    hashed inline), else the function itself. Called in the task, it tells the writer
+    that ``portable_hash`` of an int is the int (Python's hash: routed inline)."""
+    from pyspark.rdd import portable_hash
+
+    if partition_func is portable_hash:
+        register_int_value_hash(portable_hash)
     return (
         None
         if partition_func is exchange_hash or partition_func is deterministic_hash

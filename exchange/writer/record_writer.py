@@ -59,6 +59,7 @@ __all__ = [
     "OutputBuffer",
     "RecordWriter",
     "WriterStats",
+    "register_int_value_hash",
 ]
 
 #: Flink's default buffer timeout (100 ms).
@@ -70,6 +71,22 @@ _NO_KEY: Final[Any] = object()
 _M32: Final = 0xFFFFFFFF
 _I63: Final = 2**63
 _MIN_I64: Final = -(2**63)
+#: Python's hash of an int in [0, 2**61 - 1) is the int itself (the modulus is 2**61 - 1).
+_HASH_IS_VALUE_BELOW: Final = 2**61 - 1
+#: Partition functions known to return ``key`` itself for an int ``key`` in
+#: [0, 2**61 - 1): ``emit_all`` routes such keys inline, with no call.
+_INT_VALUE_HASHES: set[Callable[[Any], int]] = {hash}
+
+
+def register_int_value_hash(func: Callable[[Any], int]) -> None:
+    """Declare that ``func(k) == k`` for every int ``k`` in [0, 2**61 - 1) (as Python's
+    ``hash`` and PySpark's ``portable_hash`` are), so ``emit_all`` routes those keys
+    inline. Other keys still go through ``func``."""
+    if not callable(func):
+        raise UsageError(f"expected a partition function, got {func!r}")
+    _INT_VALUE_HASHES.add(func)
+
+
 #: What ``emit_all``'s loop variable holds before its first record.
 _NO_RECORD: Final = object()
 
@@ -344,6 +361,8 @@ class RecordWriter:
         cache_get = cache.get
         hash_key = deterministic_hash
         hash_ints = partition_func is None
+        value_ints = partition_func in _INT_VALUE_HASHES
+        vhi = _HASH_IS_VALUE_BELOW
         no_key_func = key_func is None
         partition = self._partition
         # deterministic_hash's int path, inlined (cheaper than any cache lookup), for keys
@@ -366,9 +385,14 @@ class RecordWriter:
                     for record in itertools.islice(it, _SLICE):
                         key = record[0] if no_key_func else key_func(record)  # type: ignore[misc]
                         t = type(key)
-                        if t is int and hash_ints and lo <= key < hi:
-                            appends[(key * fib >> 32 & m32) % n](record)
-                            continue
+                        if t is int:
+                            if hash_ints:
+                                if lo <= key < hi:
+                                    appends[(key * fib >> 32 & m32) % n](record)
+                                    continue
+                            elif value_ints and 0 <= key < vhi:
+                                appends[key % n](record)
+                                continue
                         cacheable = t is int or (
                             (t is str or t is bytes) and len(key) <= _KEY_CACHE_LEN
                         )

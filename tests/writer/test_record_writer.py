@@ -34,7 +34,7 @@ from exchange.writer import (
     RoundRobinSelector,
     deterministic_hash,
 )
-from exchange.writer.record_writer import MIN_BUFFER_SIZE
+from exchange.writer.record_writer import MIN_BUFFER_SIZE, register_int_value_hash
 
 
 class Clock:
@@ -167,6 +167,31 @@ def test_bad_routing_is_a_usage_error_and_the_writer_goes_on() -> None:
             w.emit_to(("x",), bad)  # type: ignore[arg-type]
     w.emit_to(("ok",), 1)
     assert decode(w.close(), 2) == [[], [("ok",)]]
+
+
+def test_a_hash_that_is_the_int_itself_routes_ints_inline_to_the_same_place() -> None:
+    # Python's hash is registered: ints in [0, 2**61 - 1) go inline to key % n, the rest
+    # through the function; each lands where hash(key) % n says (negative: -1 hashes to -2)
+    edges = [0, 1, 6, -1, -2, -7, 2**61 - 2, 2**61 - 1, 2**61, 2**64 + 3, -(2**61), 10**15]
+    records: list[Any] = [(k, i) for i in range(3) for k in [*edges, *range(200)]] + [("s", 0)]
+    w = RecordWriter(7, buffer_size=1024, buffer_timeout=-1)
+    w.emit_all(records, partition_func=hash)
+    want: list[list[Any]] = [[] for _ in range(7)]
+    for r in records:
+        want[hash(r[0]) % 7].append(r)
+    assert decode(w.close(), 7) == want
+
+    calls: list[Any] = []
+
+    def doubling(k: Any) -> int:
+        calls.append(k)
+        return 2 * k if isinstance(k, int) else 0
+
+    w = RecordWriter(3, buffer_size=1024, buffer_timeout=-1)
+    w.emit_all([(1, "a")], partition_func=doubling)  # not registered: called
+    assert calls == [1] and decode(w.close(), 3) == [[], [], [(1, "a")]]
+    with pytest.raises(UsageError):
+        register_int_value_hash(3)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("timeout", [-1, 0])
