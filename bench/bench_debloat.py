@@ -9,7 +9,7 @@ distinct: channel and sequence number in its first 10 bytes; ``buffer_timeout`` 
 that broadcast an aligned checkpoint barrier every second, stamped with its scheduled
 wall-clock time (``time.time()`` ms), and a consumer task process reading the 8 channels
 over loopback TCP with one ``client.consumer.PartitionReader`` (settings from the daemon:
-``reader_settings(fetch_daemon_info(...), checkpointing=True)``), throttled to
+``ReaderOptions.from_daemon(fetch_daemon_info(...), checkpoint_listener=...)``), throttled to
 ``THROTTLE`` bytes of records per second, with a checkpoint listener recording trigger
 time minus barrier timestamp.
 
@@ -151,19 +151,20 @@ def consume(
     conn: Connection, socket_path: str, data_address: str, dataset: str, channels: int
 ) -> None:
     """One reader on the CHANNELS partitions, throttled until "drain", then to the end."""
-    from client.consumer import PartitionLocation, PartitionReader, reader_settings
+    from client.consumer import PartitionLocation, PartitionReader
     from client.local_connection import fetch_daemon_info
+    from client.options import ReaderOptions
     from client.runtime import get_runtime
     from exchange.partition.result_partition_id import ResultPartitionID
 
     info = get_runtime().run(fetch_daemon_info(socket_path))
-    settings = reader_settings(info, checkpointing=True)
     locations = [
         PartitionLocation(ResultPartitionID(dataset, i), 0, data_address) for i in range(channels)
     ]
     listener = _Listener()
-    reader = PartitionReader(locations, checkpoint_listener=listener, **settings)
-    conn.send(("ready", "debloat" in settings))
+    options = ReaderOptions.from_daemon(info, checkpoint_listener=listener)
+    reader = PartitionReader(locations, options)
+    conn.send(("ready", options.debloat is not None))
     conn.recv()  # "go"
     drain = threading.Event()
     send_lock = threading.Lock()  # the reporter thread and this one share the pipe

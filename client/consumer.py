@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final
 
-from client._checks import check_codec, check_count, check_optional, check_seconds
+from client._checks import check_count, check_metrics_target, check_optional
 from client.local_connection import LocalConnection, secret_or_env
 from client.network import UNIX_PREFIX, ConnectionManager
+from client.options import ReaderOptions
 from client.runtime import ClientRuntime, get_runtime
 from exchange.best_effort import cancel_and_wait, wait_quietly
 from exchange.buffers.buffer import Buffer
@@ -50,7 +51,6 @@ from exchange.checkpointing import (
     create_barrier_handler,
 )
 from exchange.checkpointing.barrier_handler import CheckpointFailureReason
-from exchange.consumer.input_channel import DEFAULT_BACKOFF_INITIAL, DEFAULT_BACKOFF_MAX
 from exchange.consumer.record_reader import EventHandler, RecordReader, RecordStream
 from exchange.consumer.remote_input_channel import RemoteInputChannel
 from exchange.consumer.single_input_gate import BufferOrEvent, SingleInputGate
@@ -59,21 +59,12 @@ from exchange.debloat.config import DebloatConfig
 from exchange.debloat.gate_debloater import GateDebloater
 from exchange.errors import IllegalStateError, UsageError
 from exchange.events.events import CheckpointOptions
-from exchange.memory.network_buffer_pool import (
-    MAX_SEGMENT_SIZE,
-    MIN_SEGMENT_SIZE,
-    NetworkBufferPool,
-)
+from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.partition.result_partition_id import ResultPartitionID
-from exchange.protocol.local_messages import (
-    MAX_TASK_NAME_LENGTH,
-    TASK_METRIC_NAMES,
-    DaemonInfo,
-    TaskMetrics,
-)
+from exchange.protocol.local_messages import TASK_METRIC_NAMES, TaskMetrics
 from exchange.serialization.record_codec import RecordCodec, default_codec
 
-__all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader", "reader_settings"]
+__all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader", "ReaderOptions"]
 
 log = logging.getLogger("exchange.client.consumer")
 
@@ -106,87 +97,21 @@ class PartitionLocation:
         return self.data_address
 
 
-_DAEMON_READER_SETTINGS: Final = {
-    "exclusive_buffers_per_channel": "num_exclusive",
-    "floating_buffers_per_gate": "num_floating",
-    "partition_request_backoff_initial": "backoff_initial",
-    "partition_request_backoff_max": "backoff_max",
-}
-
-
-def reader_settings(info: DaemonInfo, *, checkpointing: bool = False) -> dict[str, Any]:
-    """The reader arguments the local daemon's settings decide (``DaemonInfo.settings``):
-    buffers per channel and gate, request backoff, debloating (a ``DebloatConfig`` when
-    ``debloat_enabled``), and with ``checkpointing`` the alignment limit. An invalid
-    value raises ConfigError naming the setting."""
-    settings = info.settings
-    out: dict[str, Any] = {
-        arg: settings[name]
-        for name, arg in _DAEMON_READER_SETTINGS.items()
-        if settings.get(name) is not None
-    }
-    out["segment_size"] = info.segment_size
-    if settings.get("debloat_enabled"):
-        out["debloat"] = DebloatConfig.from_settings(
-            {**settings, "segment_size": info.segment_size}
-        )
-    if checkpointing and settings.get("checkpoint_alignment_limit") is not None:
-        out["checkpoint_alignment_limit"] = settings["checkpoint_alignment_limit"]
-    return out
-
-
 def _barrier_handler(
     listener: CheckpointListener,
-    mode: CheckpointingMode | str,
+    options: ReaderOptions,
     num_channels: int,
     resume: Callable[[int], None],
-    alignment_limit: int | None,
 ) -> CheckpointBarrierHandler:
-    """The handler for a reader's checkpoint arguments, validated."""
-    try:
-        mode = CheckpointingMode(mode)
-    except ValueError:
-        raise UsageError(
-            f"checkpointing_mode must be one of {[m.value for m in CheckpointingMode]}, "
-            f"got {mode!r}"
-        ) from None
-    if alignment_limit is not None and (
-        not isinstance(alignment_limit, int)
-        or isinstance(alignment_limit, bool)
-        or alignment_limit < 0
-    ):
-        raise UsageError(
-            "checkpoint_alignment_limit must be an int >= 0 (0: unlimited), "
-            f"got {alignment_limit!r}"
-        )
-    _check_listener(listener)
+    """The barrier handler of a reader's (validated) checkpoint options."""
     return create_barrier_handler(
-        mode,
+        CheckpointingMode(options.checkpointing_mode),
         max(num_channels, 1),
         listener,
         time.monotonic,
         resume,
-        max_aligned_bytes=alignment_limit or None,
+        max_aligned_bytes=options.checkpoint_alignment_limit or None,
     )
-
-
-def _check_listener(listener: object) -> None:
-    for name in ("trigger_checkpoint", "abort_checkpoint"):
-        if not callable(getattr(listener, name, None)):
-            raise UsageError(f"checkpoint_listener needs a {name}() method, got {listener!r}")
-
-
-def _check_debloat(debloat: DebloatConfig | None, segment_size: int) -> DebloatConfig | None:
-    if debloat is None:
-        return None
-    if not isinstance(debloat, DebloatConfig):
-        raise UsageError(f"debloat must be a DebloatConfig, got {debloat!r}")
-    if debloat.max_buffer_size > segment_size:
-        raise UsageError(
-            f"debloat max_buffer_size {debloat.max_buffer_size} exceeds the segment size "
-            f"{segment_size}"
-        )
-    return debloat
 
 
 def _task_metrics(
@@ -243,6 +168,12 @@ class _TaskMetricsReporter:
     async def _run(self) -> None:
         try:
             conn = self._conn = await LocalConnection.connect(self.socket_path, secret=self.secret)
+            # Python 3.11's asyncio.wait_for (in connect) returns the result and drops a
+            # cancel that arrives as the connection completes: ``close`` would wait for
+            # this loop forever. The cancel request is still counted: honour it.
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise asyncio.CancelledError
             while True:
                 self._send(conn)
                 await asyncio.sleep(self.interval)
@@ -271,18 +202,8 @@ class _TaskMetricsReporter:
             conn.close()
 
 
-def _check_reader_args(
-    locations: Any,
-    local_daemon_id: Any,
-    codec: Any,
-    secret: Any,
-    segment_size: Any,
-    num_exclusive: Any,
-    num_floating: Any,
-    backoff_initial: Any,
-    backoff_max: Any,
-) -> None:
-    """Every argument of a reader, checked before it takes a segment or connects."""
+def _check_locations(locations: Any) -> None:
+    """The locations of a reader, checked before it takes a segment or connects."""
     if isinstance(locations, str | bytes) or not isinstance(locations, Sequence):
         raise UsageError(f"locations must be a sequence of PartitionLocation, got {locations!r}")
     for loc in locations:
@@ -295,28 +216,6 @@ def _check_reader_args(
             raise UsageError(f"{loc!r}: data_address must be a 'host:port' string")
         check_optional("daemon_id", loc.daemon_id, str)
         check_optional("local_socket", loc.local_socket, str)
-    check_optional("local_daemon_id", local_daemon_id, str)
-    check_codec(codec)
-    check_optional("secret", secret, bytes)
-    check_count("segment_size", segment_size, MIN_SEGMENT_SIZE)
-    if segment_size > MAX_SEGMENT_SIZE:
-        raise UsageError(f"segment_size must be <= {MAX_SEGMENT_SIZE}, got {segment_size}")
-    check_count("num_exclusive", num_exclusive, 1)
-    check_count("num_floating", num_floating, 0)
-    check_seconds("backoff_initial", backoff_initial)
-    check_seconds("backoff_max", backoff_max)
-    if backoff_max < backoff_initial:
-        raise UsageError(f"backoff_max {backoff_max} is below backoff_initial {backoff_initial}")
-
-
-def _check_metrics_args(metrics_socket: str | None, task_name: str | None) -> None:
-    for name, value in (("metrics_socket", metrics_socket), ("task_name", task_name)):
-        if value is not None and (not isinstance(value, str) or not value):
-            raise UsageError(f"{name} must be a non-empty string or None, got {value!r}")
-    if task_name is not None and len(task_name) > MAX_TASK_NAME_LENGTH:
-        raise UsageError(
-            f"task_name must be at most {MAX_TASK_NAME_LENGTH} characters, got {len(task_name)}"
-        )
 
 
 class AsyncPartitionReader:
@@ -359,54 +258,21 @@ class AsyncPartitionReader:
     async def open(
         cls,
         locations: Sequence[PartitionLocation],
-        *,
-        local_daemon_id: str | None = None,
-        codec: RecordCodec | None = None,
-        secret: bytes | None = None,
-        segment_size: int = 32 * 1024,
-        num_exclusive: int = 2,
-        num_floating: int = 8,
-        backoff_initial: float = DEFAULT_BACKOFF_INITIAL,
-        backoff_max: float = DEFAULT_BACKOFF_MAX,
-        event_handler: EventHandler | None = None,
-        auto_resume_barriers: bool = True,
-        checkpoint_listener: CheckpointListener | None = None,
-        checkpointing_mode: CheckpointingMode | str = CheckpointingMode.EXACTLY_ONCE,
-        checkpoint_alignment_limit: int | None = None,
-        debloat: DebloatConfig | None = None,
-        metrics_socket: str | None = None,
-        task_name: str | None = None,
+        options: ReaderOptions | None = None,
+        **overrides: Any,
     ) -> AsyncPartitionReader:
         """Open channels to every location and request their subpartitions.
 
-        ``num_exclusive`` buffers per channel are its initial credit; ``num_floating`` are
-        shared by the gate's channels as their backlogs ask; a partition not registered
-        yet is requested again after ``backoff_initial`` doubling up to ``backoff_max``.
-        ``auto_resume_barriers``: see ``exchange.consumer.record_reader``.
-        ``checkpoint_listener``: its ``trigger_checkpoint`` / ``abort_checkpoint`` run at
-        the exact point in the records (``checkpointing_mode`` exactly_once aligns,
-        at_least_once tracks; ``checkpoint_alignment_limit`` bytes, 0 or None unlimited).
-        ``debloat``: buffer debloating of this reader's gate (off when None or disabled).
-        ``metrics_socket`` and ``task_name``: report the gate's debloating and checkpoint
-        figures, if it has any, to the daemon at that local socket as task ``task_name``.
+        ``options`` (a ``ReaderOptions``; the defaults when None), with ``overrides``
+        (option names as keywords) applied, say how: see ``client.options``.
         """
-        _check_metrics_args(metrics_socket, task_name)
-        _check_reader_args(
-            locations,
-            local_daemon_id,
-            codec,
-            secret,
-            segment_size,
-            num_exclusive,
-            num_floating,
-            backoff_initial,
-            backoff_max,
-        )
-        debloat = _check_debloat(debloat, segment_size)
-        secret = secret_or_env(secret)
+        opts = ReaderOptions.of(options, overrides)
+        _check_locations(locations)
+        secret = secret_or_env(opts.secret)
         n = len(locations)
-        pool = NetworkBufferPool(max(n * num_exclusive + num_floating, 1), segment_size)
-        connections = ConnectionManager(secret=secret, segment_size=segment_size)
+        num_floating = opts.num_floating
+        pool = NetworkBufferPool(max(n * opts.num_exclusive + num_floating, 1), opts.segment_size)
+        connections = ConnectionManager(secret=secret, segment_size=opts.segment_size)
         gate = SingleInputGate(
             "reader", pool.create_buffer_pool(0, max(num_floating, 1)) if num_floating else None
         )
@@ -416,40 +282,34 @@ class AsyncPartitionReader:
                 i,
                 loc.partition_id,
                 loc.subpartition_index,
-                loc.address_for(local_daemon_id),
+                loc.address_for(opts.local_daemon_id),
                 connections,
                 pool,
-                num_exclusive=num_exclusive,
-                backoff_initial=backoff_initial,
-                backoff_max=backoff_max,
+                num_exclusive=opts.num_exclusive,
+                backoff_initial=opts.backoff_initial,
+                backoff_max=opts.backoff_max,
             )
             for i, loc in enumerate(locations)
         ]
         gate.set_input_channels(channels)
         handler = None
-        if checkpoint_listener is not None:
-            handler = _barrier_handler(
-                checkpoint_listener,
-                checkpointing_mode,
-                n,
-                gate.resume_consumption,
-                checkpoint_alignment_limit,
-            )
+        if opts.checkpoint_listener is not None:
+            handler = _barrier_handler(opts.checkpoint_listener, opts, n, gate.resume_consumption)
         self = cls(
             gate,
             pool,
             connections,
-            codec or default_codec(),
-            event_handler,
-            auto_resume_barriers=auto_resume_barriers,
+            opts.codec or default_codec(),
+            opts.event_handler,
+            auto_resume_barriers=opts.auto_resume_barriers,
             barrier_handler=handler,
         )
         try:
             await gate.request_partitions()
-            if debloat is not None and debloat.enabled:
-                self._start_debloating(debloat)
-            if metrics_socket is not None and task_name is not None:
-                self.start_reporting(metrics_socket, task_name, secret=secret)
+            if opts.debloat is not None and opts.debloat.enabled:
+                self._start_debloating(opts.debloat)
+            if opts.metrics_socket is not None and opts.task_name is not None:
+                self.start_reporting(opts.metrics_socket, opts.task_name, secret=secret)
         except BaseException:
             await self.close()
             raise
@@ -500,7 +360,7 @@ class AsyncPartitionReader:
         """Loop thread: report ``collect()`` (default: this reader's debloating and barrier
         figures) to the daemon at ``metrics_socket`` every second and at close, as
         ``task_name``. False (and nothing started) when there is nothing to report."""
-        _check_metrics_args(metrics_socket, task_name)
+        check_metrics_target(metrics_socket, task_name)
         if self._reporter is not None or self._closed:
             raise IllegalStateError("this reader already reports, or is closed")
         if collect is None:
@@ -723,54 +583,26 @@ class PartitionReader:
     def __init__(
         self,
         locations: Sequence[PartitionLocation],
+        options: ReaderOptions | None = None,
         *,
-        local_daemon_id: str | None = None,
-        codec: RecordCodec | None = None,
-        secret: bytes | None = None,
-        segment_size: int = 32 * 1024,
-        num_exclusive: int = 2,
-        num_floating: int = 8,
-        backoff_initial: float = DEFAULT_BACKOFF_INITIAL,
-        backoff_max: float = DEFAULT_BACKOFF_MAX,
-        event_handler: EventHandler | None = None,
-        auto_resume_barriers: bool = True,
         runtime: ClientRuntime | None = None,
         window: int = 4,
-        checkpoint_listener: CheckpointListener | None = None,
-        checkpointing_mode: CheckpointingMode | str = CheckpointingMode.EXACTLY_ONCE,
-        checkpoint_alignment_limit: int | None = None,
-        debloat: DebloatConfig | None = None,
-        metrics_socket: str | None = None,
-        task_name: str | None = None,
+        **overrides: Any,
     ) -> None:
-        _check_metrics_args(metrics_socket, task_name)
-        _check_reader_args(
-            locations,
-            local_daemon_id,
-            codec,
-            secret,
-            segment_size,
-            num_exclusive,
-            num_floating,
-            backoff_initial,
-            backoff_max,
-        )
+        """``options`` with ``overrides`` as in ``AsyncPartitionReader.open``; at most
+        ``window`` batches wait between the loop thread and the task thread."""
+        opts = ReaderOptions.of(options, overrides)
+        _check_locations(locations)
         check_count("window", window, 1)
-        _check_debloat(debloat, segment_size)
-        secret = secret_or_env(secret)  # read once: the reporter connects with it too
+        secret = secret_or_env(opts.secret)  # read once: the reporter connects with it too
         self._rt = runtime if runtime is not None else get_runtime()
-        self.codec: RecordCodec = codec if codec is not None else default_codec()
-        self._listener = checkpoint_listener
+        self.codec: RecordCodec = opts.codec if opts.codec is not None else default_codec()
+        self._listener = opts.checkpoint_listener
         self._calls = _CallsInOrder()
         self._handler: CheckpointBarrierHandler | None = None
-        if checkpoint_listener is not None:
-            _check_listener(checkpoint_listener)  # the handler itself calls the queue
+        if opts.checkpoint_listener is not None:  # the handler itself calls the queue
             self._handler = _barrier_handler(
-                self._calls,
-                checkpointing_mode,
-                len(locations),
-                self.resume_consumption,
-                checkpoint_alignment_limit,
+                self._calls, opts, len(locations), self.resume_consumption
             )
         self._closed = False
         self._handoff = _Handoff(self._rt.loop, window)
@@ -780,23 +612,20 @@ class PartitionReader:
             self.codec,
             len(locations),
             self.resume_consumption,
-            event_handler,
-            auto_resume_barriers=auto_resume_barriers,
+            opts.event_handler,
+            auto_resume_barriers=opts.auto_resume_barriers,
         )
-        self._core = self._rt.run(
-            AsyncPartitionReader.open(
-                locations,
-                local_daemon_id=local_daemon_id,
-                codec=self.codec,
-                secret=secret,
-                segment_size=segment_size,
-                num_exclusive=num_exclusive,
-                num_floating=num_floating,
-                backoff_initial=backoff_initial,
-                backoff_max=backoff_max,
-                debloat=debloat,
-            )
+        # The core reads the gate; events, barriers and reports are this facade's (they
+        # run in the task thread, or report what it saw).
+        core_options = opts.replace(
+            codec=self.codec,
+            secret=secret,
+            event_handler=None,
+            checkpoint_listener=None,
+            metrics_socket=None,
+            task_name=None,
         )
+        self._core = self._rt.run(AsyncPartitionReader.open(locations, core_options))
         self._core.in_flight = lambda: self._in_flight
         debloater = self._core.gate.debloater
         if debloater is not None:  # the task is idle when the hand-off is empty
@@ -810,6 +639,7 @@ class PartitionReader:
         # The handler runs in the task thread: its figures are taken there after each batch
         # (handler.stats() is not safe from the loop thread), the reporter reads the last.
         self._barrier_snapshot: BarrierHandlerStats | None = None
+        metrics_socket, task_name = opts.metrics_socket, opts.task_name
         if metrics_socket is not None and task_name is not None:
             if self._handler is not None:
                 self._barrier_snapshot = self._handler.stats()

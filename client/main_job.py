@@ -7,11 +7,14 @@ directory, then runs a streaming job on local Spark and the embedded exchange da
 
 with exactly-once checkpoints every second. Midway it SIGKILLs the Python worker of one
 ``totals`` task (``--no-kill``: not) and the job restarts from its last completed
-checkpoint. At the end it checks the committed output against Spark's DataFrame
-``groupBy`` over the same input files: per user exactly one output line per event, with
-running counts 1..n and final sums equal to Spark's (nothing lost, nothing twice). It
-prints progress, checkpoints, the restart, back pressure per task and the verdict; exit
-status 0 only if the check passed. ``--linger`` keeps the dashboard up until Ctrl-C.
+checkpoint. The first attempt's sources hold their input at the kill point (``--kill-at``
+of each source subtask's events) until that kill, so it lands mid-stream however fast or
+loaded the machine is; the restarted attempt reads on. At the end it checks the committed
+output against Spark's DataFrame ``groupBy`` over the same input files: per user exactly
+one output line per event, with running counts 1..n and final sums equal to Spark's
+(nothing lost, nothing twice). It prints progress, checkpoints, the restart, back
+pressure per task and the verdict; exit status 0 only if the check passed. ``--linger``
+keeps the dashboard up until Ctrl-C.
 
     python -m client.main_job [--events 500000] [--parallelism 2] [--no-kill] [--linger]
     python -m client.main_job --job shuffle [...]   # the batch exchange job
@@ -31,12 +34,22 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from client.shuffle_job import EVENT_TYPES, generate_events
+from client.streaming.connectors import FileSource
 from exchange.best_effort import best_effort
 
-__all__ = ["RunningTotals", "main", "parse_click"]
+__all__ = [
+    "HeldFileSource",
+    "RunningTotals",
+    "check_output",
+    "main",
+    "output_equals",
+    "parse_click",
+]
 
 log = logging.getLogger("exchange.client.main_job")
 
@@ -90,15 +103,74 @@ class RunningTotals:
 # -- input -------------------------------------------------------------------------------
 
 
+class _Counting:
+    """A collector that counts what passes through it."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.n = 0
+
+    def collect(self, record: Any) -> None:
+        self.out.collect(record)
+        self.n += 1
+
+
+class HeldFileSource(FileSource):
+    """The main job's input: a FileSource whose subtask k, in the job's first attempt,
+    holds (idles like a source with nothing to read, still taking checkpoints) once it
+    has emitted ``holds[k]`` records, until the driver's kill restarts the job. So the
+    demo's SIGKILL always lands mid-stream; without a kill (``holds`` None) it is a plain
+    FileSource."""
+
+    def __init__(self, path: str, holds: Sequence[int] | None) -> None:
+        super().__init__(path)
+        self.holds = holds
+        self._emitted = 0
+
+    def _room(self) -> int | None:
+        if self.holds is None or self.ctx.attempt != 0:
+            return None
+        return max(0, self.holds[self.ctx.subtask_index] - self._emitted)
+
+    def poll(self, out: Any, max_records: int) -> bool:
+        room = self._room()
+        if room is None:
+            return super().poll(out, max_records)
+        if room == 0:
+            return True  # held: nothing now, more later
+        counting = _Counting(out)
+        more = super().poll(counting, min(max_records, room))
+        self._emitted += counting.n
+        return more
+
+    def ready_in(self) -> float:
+        if self._room() == 0:
+            return 0.1
+        return super().ready_in()
+
+
+def event_counts(events: int, files: int) -> list[int]:
+    """Events per input file, as ``write_events`` writes them."""
+    per_file = [events // files] * files
+    per_file[-1] += events - sum(per_file)
+    return per_file
+
+
+def hold_points(events: int, files: int, parallelism: int, kill_at: float) -> list[int]:
+    """Per source subtask, the records it emits before the first attempt holds: the
+    ``kill_at`` share of the files it owns (FileSource gives file i to subtask i % p)."""
+    per_file = event_counts(events, files)
+    owned = [sum(per_file[k::parallelism]) for k in range(parallelism)]
+    return [int(n * kill_at) for n in owned]
+
+
 def write_events(
     directory: str, events: int, files: int, users: int, skew: float, seed: int
 ) -> int:
     """``events`` click events as JSON lines in ``files`` files; returns the bytes written."""
     os.makedirs(directory, exist_ok=True)
-    per_file = [events // files] * files
-    per_file[-1] += events - sum(per_file)
     total = 0
-    for i, n in enumerate(per_file):
+    for i, n in enumerate(event_counts(events, files)):
         lines = [
             f'{{"user":{u},"ts":{ts},"type":"{kind}","page":{page},"duration":{d},"bytes":{b}}}\n'
             for u, ts, kind, page, d, b in generate_events(i, n, users, skew, seed)
@@ -285,6 +357,19 @@ def check_output(spark: Any, in_glob: str, out_dir: str) -> dict[str, int]:
     }
 
 
+def output_equals(verdict: dict[str, int], events: int) -> bool:
+    """``check_output``'s verdict says the output equals the input's groupBy: every one of
+    the ``events`` events once (one line each, none missing, none twice), no user
+    differing."""
+    return (
+        verdict["bad_users"] == 0
+        and verdict["duplicates"] == 0
+        and verdict["missing"] == 0
+        and verdict["events"] == events
+        and verdict["lines"] == events
+    )
+
+
 # -- the command ---------------------------------------------------------------------------
 
 
@@ -374,18 +459,19 @@ def run_clickstream(args: argparse.Namespace) -> int:
             mode="exactly_once",
             job_id=f"clickstream-{os.getpid()}",
         )
+        if not args.no_kill and daemon is None:
+            _log(t0, "not a local master: the driver cannot kill a worker's process; --no-kill")
+            args.no_kill = True
+        holds = None if args.no_kill else hold_points(args.events, args.files, par, args.kill_at)
         (
-            env.from_files(in_glob, parallelism=par, name="clicks")
+            env.add_source(partial(HeldFileSource, in_glob, holds), parallelism=par, name="clicks")
             .map(parse_click, name="parse")
             .key_by(lambda e: e[0], name="by-user")
             .process(RunningTotals(pid_dir), parallelism=par, name="totals")
             .sink_to_files(out_dir, parallelism=par)
         )
         stats_url = daemon.dashboard_url.rstrip("/") + "/api/stats" if daemon else None
-        if not args.no_kill and daemon is None:
-            _log(t0, "not a local master: the driver cannot kill a worker's process; --no-kill")
-            args.no_kill = True
-        kill_after = None if args.no_kill else int(args.events * args.kill_at)
+        kill_after = None if holds is None else sum(holds)
         watcher = Watcher(env, t0, args.events, stats_url, pid_dir, kill_after)
         watcher.start()
         _log(
@@ -461,11 +547,7 @@ def run_clickstream(args: argparse.Namespace) -> int:
             f"committed        {verdict['lines']:,} running-total records in "
             f"{len(committed)} files; checked in {check_s:.1f} s"
         )
-        equal = (
-            verdict["bad_users"] == 0
-            and verdict["events"] == args.events
-            and verdict["lines"] == args.events
-        )
+        equal = output_equals(verdict, args.events)
         restarted = args.no_kill or (k is not None and result.restarts >= 1)
         ok = equal and restarted
         if ok:

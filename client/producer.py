@@ -23,15 +23,15 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
-import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, Final
 
-from client._checks import check_codec, check_count, check_optional, check_selector
+from client._checks import check_count
 from client.local_connection import LocalConnection, resolve_daemon_socket, secret_or_env
+from client.options import WriterOptions
 from client.runtime import ClientRuntime, get_runtime
 from exchange.best_effort import best_effort
 from exchange.errors import UsageError, WriterClosedError, fresh_error
@@ -44,12 +44,10 @@ from exchange.protocol.local_messages import (
     PartitionCreated,
     PartitionFinished,
 )
-from exchange.serialization.record_codec import RecordCodec
 from exchange.writer.async_record_writer import AsyncRecordWriter
-from exchange.writer.channel_selector import ChannelSelector
-from exchange.writer.record_writer import DEFAULT_BUFFER_TIMEOUT, OutputBuffer, RecordWriter
+from exchange.writer.record_writer import OutputBuffer, RecordWriter
 
-__all__ = ["AsyncPartitionWriter", "DaemonSink", "PartitionWriter"]
+__all__ = ["AsyncPartitionWriter", "DaemonSink", "PartitionWriter", "WriterOptions"]
 
 log = logging.getLogger("exchange.client.producer")
 
@@ -103,41 +101,23 @@ class DaemonSink:
         await self.conn.aclose()
 
 
-def _check_writer_args(
-    partition_id: Any,
-    num_subpartitions: Any,
-    blocking: Any,
-    daemon_socket: Any,
-    secret: Any,
-    codec: Any,
-    selector: Any,
-    buffer_timeout: Any,
-) -> None:
-    """Every argument of a writer, checked before it connects (UsageError)."""
+def _check_partition(partition_id: Any, num_subpartitions: Any) -> None:
+    """The partition a writer creates, checked before it connects (UsageError)."""
     if not isinstance(partition_id, ResultPartitionID):
         raise UsageError(f"partition_id must be a ResultPartitionID, got {partition_id!r}")
     check_count("num_subpartitions", num_subpartitions, 1)
-    if not isinstance(blocking, bool):
-        raise UsageError(f"blocking must be a bool, got {blocking!r}")
-    check_optional("daemon_socket", daemon_socket, str)
-    check_optional("secret", secret, bytes)
-    check_codec(codec)
-    check_selector(selector)
-    _check_timeout(buffer_timeout)
 
 
 async def _open_partition(
-    partition_id: ResultPartitionID,
-    num_subpartitions: int,
-    blocking: bool,
-    daemon_socket: str | None,
-    secret: bytes | None,
+    partition_id: ResultPartitionID, num_subpartitions: int, options: WriterOptions
 ) -> tuple[LocalConnection, PartitionCreated]:
     conn = await LocalConnection.connect(
-        resolve_daemon_socket(daemon_socket), secret=secret_or_env(secret)
+        resolve_daemon_socket(options.daemon_socket), secret=secret_or_env(options.secret)
     )
     try:
-        reply = await conn.request(CreatePartition(partition_id, blocking, num_subpartitions))
+        reply = await conn.request(
+            CreatePartition(partition_id, options.blocking, num_subpartitions)
+        )
     except BaseException:
         await conn.aclose()
         raise
@@ -145,14 +125,17 @@ async def _open_partition(
     return conn, reply
 
 
-def _check_timeout(buffer_timeout: float) -> None:
-    if (
-        not isinstance(buffer_timeout, (int, float))
-        or isinstance(buffer_timeout, bool)
-        or math.isnan(buffer_timeout)
-        or (buffer_timeout != -1 and buffer_timeout < 0)
-    ):
-        raise UsageError(f"buffer_timeout must be >= 0 or -1, got {buffer_timeout!r}")
+def _record_writer(
+    num_subpartitions: int, created: PartitionCreated, options: WriterOptions
+) -> RecordWriter:
+    """The engine's write path for a partition the daemon created."""
+    return RecordWriter(
+        num_subpartitions,
+        buffer_size=created.segment_size,
+        codec=options.codec,
+        selector=options.selector,
+        buffer_timeout=options.buffer_timeout,
+    )
 
 
 class AsyncPartitionWriter(AsyncRecordWriter):
@@ -177,34 +160,19 @@ class AsyncPartitionWriter(AsyncRecordWriter):
         cls,
         partition_id: ResultPartitionID,
         num_subpartitions: int,
-        *,
-        blocking: bool = False,
-        daemon_socket: str | None = None,
-        codec: RecordCodec | None = None,
-        selector: ChannelSelector | None = None,
-        secret: bytes | None = None,
-        buffer_timeout: float = DEFAULT_BUFFER_TIMEOUT,
+        options: WriterOptions | None = None,
+        **overrides: Any,
     ) -> AsyncPartitionWriter:
-        _check_writer_args(
-            partition_id,
-            num_subpartitions,
-            blocking,
-            daemon_socket,
-            secret,
-            codec,
-            selector,
-            buffer_timeout,
-        )
-        conn, created = await _open_partition(
-            partition_id, num_subpartitions, blocking, daemon_socket, secret
-        )
-        writer = RecordWriter(
-            num_subpartitions,
-            buffer_size=created.segment_size,
-            codec=codec,
-            selector=selector,
-            buffer_timeout=buffer_timeout,
-        )
+        """Create the partition on the local daemon; ``options`` (a ``WriterOptions``; the
+        defaults when None) with ``overrides`` applied say how (``client.options``)."""
+        opts = WriterOptions.of(options, overrides)
+        _check_partition(partition_id, num_subpartitions)
+        conn, created = await _open_partition(partition_id, num_subpartitions, opts)
+        try:
+            writer = _record_writer(num_subpartitions, created, opts)
+        except BaseException:
+            await conn.aclose()
+            raise
         return cls(writer, DaemonSink(conn, partition_id), created.segment_size)
 
     @property
@@ -231,40 +199,22 @@ class PartitionWriter:
         self,
         partition_id: ResultPartitionID,
         num_subpartitions: int,
+        options: WriterOptions | None = None,
         *,
-        blocking: bool = False,
-        daemon_socket: str | None = None,
-        codec: RecordCodec | None = None,
-        selector: ChannelSelector | None = None,
-        secret: bytes | None = None,
-        buffer_timeout: float = DEFAULT_BUFFER_TIMEOUT,
         runtime: ClientRuntime | None = None,
         window: int = _WINDOW,
+        **overrides: Any,
     ) -> None:
-        _check_writer_args(
-            partition_id,
-            num_subpartitions,
-            blocking,
-            daemon_socket,
-            secret,
-            codec,
-            selector,
-            buffer_timeout,
-        )
+        """``options`` with ``overrides`` as in ``AsyncPartitionWriter.open``; at most
+        ``window`` batches of buffers are in flight to the loop."""
+        opts = WriterOptions.of(options, overrides)
+        _check_partition(partition_id, num_subpartitions)
         check_count("window", window, 1)
         self._rt = runtime if runtime is not None else get_runtime()
-        conn, created = self._rt.run(
-            _open_partition(partition_id, num_subpartitions, blocking, daemon_socket, secret)
-        )
+        conn, created = self._rt.run(_open_partition(partition_id, num_subpartitions, opts))
         self._sink = DaemonSink(conn, partition_id)
         try:
-            self._writer = RecordWriter(
-                num_subpartitions,
-                buffer_size=created.segment_size,
-                codec=codec,
-                selector=selector,
-                buffer_timeout=buffer_timeout,
-            )
+            self._writer = _record_writer(num_subpartitions, created, opts)
         except BaseException:
             self._rt.run(conn.aclose())
             raise
@@ -272,7 +222,7 @@ class PartitionWriter:
         self.num_subpartitions = num_subpartitions
         self.segment_size = created.segment_size
         self.codec = self._writer.codec
-        self._timeout = float(buffer_timeout)
+        self._timeout = float(opts.buffer_timeout)
         self._window = window
         self._inflight: deque[concurrent.futures.Future[None]] = deque()
         self._queue: deque[tuple[list[OutputBuffer], concurrent.futures.Future[None]]] = deque()

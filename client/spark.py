@@ -41,13 +41,14 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from client.consumer import PartitionLocation, PartitionReader, reader_settings
+from client.consumer import PartitionLocation, PartitionReader
 from client.local_connection import (
     fetch_daemon_info,
     mint_app_credential,
     release_dataset,
     resolve_daemon_socket,
 )
+from client.options import ReaderOptions, WriterOptions
 from client.producer import PartitionWriter
 from client.rendezvous import RendezvousServer, rendezvous, report_abort
 from client.runtime import get_runtime
@@ -365,17 +366,11 @@ def _write_partition(
     """Write one input partition; ``opened`` gets the writer before any record is read."""
     sock, info = _local_daemon(spec)
     pid = ResultPartitionID(exchange_id, index, attempt)
-    timeout = info.settings.get("buffer_timeout")
-    with PartitionWriter(
-        pid,
-        num_partitions,
-        blocking=blocking,
-        daemon_socket=sock,
-        codec=codec,
-        secret=spec.secret,
-        # a blocking partition is read after it is written: only full buffers
-        buffer_timeout=-1 if blocking else (0.1 if timeout is None else float(timeout)),
-    ) as writer:
+    # the daemon's buffer timeout; a blocking partition flushes only full buffers
+    options = WriterOptions.from_daemon(
+        info, blocking=blocking, daemon_socket=sock, codec=codec, secret=spec.secret
+    )
+    with PartitionWriter(pid, num_partitions, options) as writer:
         if opened is not None:
             opened(writer)
         n = writer.emit_all(records, _writer_partition_func(partition_func))
@@ -403,15 +398,15 @@ def _open_reader(
         )
         for p in producers
     ]
-    return PartitionReader(
-        locations,
-        local_daemon_id=info.daemon_id,
+    options = ReaderOptions.from_daemon(
+        info,
         codec=codec,
         secret=spec.secret,
         metrics_socket=sock,
         task_name=f"{exchange_id}/{subpartition}",
-        **{**reader_settings(info), "segment_size": producers[0].segment_size},
+        segment_size=producers[0].segment_size,
     )
+    return PartitionReader(locations, options)
 
 
 def _read_subpartition(

@@ -6,7 +6,8 @@ hand received messages to their own thread through a ``queue.Queue``.
 
 Task -> driver: ``register`` (token, attempt, task id, its local daemon) first, then
 ``ack`` (checkpoint id, state handle), ``decline``, ``exhausted`` (a bounded source ran
-out), ``finished``, ``failed`` (error text), ``results`` (a collect sink's records).
+out), ``finished``, ``failed`` (error text, when it failed (``time``, wall clock) and
+whether the error is a ``consequence`` of another failure), ``results`` (a collect sink's records).
 Driver -> task: ``start`` (every task's daemon, the checkpoint to restore), ``trigger``
 (sources), ``complete``, ``abort``, ``stop`` (sources, a clean stop: end the input now, as
 if exhausted), ``finish`` (after the final checkpoint: end the stream), ``cancel``.
@@ -34,6 +35,7 @@ import hmac
 import logging
 import queue
 import struct
+import time
 from typing import Any, Final
 
 import msgpack
@@ -94,7 +96,8 @@ class ControlServer:
         self.token = token
         self.attempt = attempt
         self.task_ids = set(task_ids)
-        #: (task id, message) in arrival order; ("", {"type": "lost", ...}) on a lost task
+        #: (task id, message) in arrival order; (task, {"type": "lost", "time": ...}) when
+        #: a task's connection ended before its ``finished`` or ``failed``
         self.inbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
         self._writers: dict[str, asyncio.StreamWriter] = {}
         self._done: set[str] = set()
@@ -104,6 +107,9 @@ class ControlServer:
         self._unregistered: dict[asyncio.StreamWriter, None] = {}  # oldest first
         #: connections closed unregistered: over the limit, refused, or malformed
         self.refused = 0
+        #: set while no registered task is connected
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._server: asyncio.Server | None = None
         self.host = host
         self.port = 0
@@ -148,6 +154,7 @@ class ControlServer:
                     await writer.drain()
                 return
             self._writers[task] = writer
+            self._idle.clear()
             self.inbox.put((task, first))
             while True:
                 msg = await _read_frame(reader)
@@ -156,12 +163,15 @@ class ControlServer:
                 self.inbox.put((task, msg))
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ProtocolError) as e:
             if task and task not in self._done:
-                self.inbox.put((task, {"type": "lost", "error": f"{type(e).__name__}: {e}"}))
+                lost = {"type": "lost", "error": f"{type(e).__name__}: {e}", "time": time.time()}
+                self.inbox.put((task, lost))
         except asyncio.CancelledError:
             pass
         finally:
             if task:
                 self._writers.pop(task, None)
+                if not self._writers:
+                    self._idle.set()
             writer.close()
 
     def send(self, task: str, msg: dict[str, Any]) -> None:
@@ -179,6 +189,19 @@ class ControlServer:
         for t in sorted(self.task_ids if tasks is None else tasks):
             self.send(t, msg)
 
+    def wait_disconnected(self, timeout: float) -> bool:
+        """Wait until no task is connected (everything they sent is in ``inbox``);
+        False if some still are after ``timeout`` seconds."""
+
+        async def idle() -> bool:
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout)
+            except TimeoutError:
+                return False
+            return True
+
+        return self._rt.run(idle())
+
     def close(self) -> None:
         async def stop() -> None:
             if self._server is not None:
@@ -186,6 +209,7 @@ class ControlServer:
             for w in list(self._writers.values()):
                 w.close()
             self._writers.clear()
+            self._idle.set()
 
         with best_effort(log, "stopping the control server"):
             self._rt.run(stop())

@@ -51,7 +51,7 @@ from client.streaming.checkpoint_storage import (
 from client.streaming.control import ControlServer
 from client.streaming.functions import Operator
 from client.streaming.graph import JobGraph, Node, Partitioning, check_operator_id
-from client.streaming.job_status import JobStatusTracker
+from client.streaming.job_status import AttemptFailure, FailureCollector, JobStatusTracker
 from client.streaming.task import JobSpec, dataset_of, run_task
 from exchange.best_effort import best_effort
 from exchange.checkpointing import CheckpointFailureReason
@@ -71,18 +71,36 @@ from exchange.errors import ExchangeError, UsageError
 from exchange.state import DEFAULT_MAX_PARALLELISM, NonRestoredStateError, checkpoint_key
 from exchange.state.key_groups import MAX_MAX_PARALLELISM
 
-__all__ = ["DataStream", "JobFailedError", "JobResult", "KeyedStream", "StreamEnvironment"]
+__all__ = [
+    "AttemptFailure",
+    "DataStream",
+    "JobFailedError",
+    "JobResult",
+    "KeyedStream",
+    "StreamEnvironment",
+]
+
+#: Seconds a failed attempt waits, after its Spark stage ended, for its tasks' connections
+#: to end: the failure reports still in flight decide the attempt's root cause.
+_LATE_REPORTS_WAIT = 10.0
 
 log = logging.getLogger("exchange.streaming.driver")
 
 
 class JobFailedError(ExchangeError):
     """The job failed more often than ``restart_attempts`` allowed, or was cancelled hard;
-    ``failures`` holds why each attempt failed, oldest first."""
+    ``failures`` holds each attempt's root cause, oldest first; ``failure_history`` the
+    same with each root cause's consequences."""
 
-    def __init__(self, message: str, failures: list[str]) -> None:
+    def __init__(
+        self,
+        message: str,
+        failures: list[str],
+        failure_history: list[AttemptFailure] | None = None,
+    ) -> None:
         super().__init__(message)
         self.failures = failures
+        self.failure_history = failure_history if failure_history is not None else []
 
 
 @dataclass(frozen=True)
@@ -108,6 +126,7 @@ class JobResult:
     checkpoints_completed: int
     last_checkpoint_id: int | None
     duration: float
+    #: the root cause of each failed attempt, oldest first
     failures: list[str] = field(default_factory=list)
     #: every checkpoint completed by this driver, oldest first, over all attempts
     checkpoints: list[CheckpointInfo] = field(default_factory=list)
@@ -117,6 +136,8 @@ class JobResult:
     records: dict[str, int] = field(default_factory=dict)
     #: True when the job ended by ``cancel()`` / Ctrl-C (a clean stop), not end of input
     stopped: bool = False
+    #: each failed attempt's root cause with the failures that followed from it
+    failure_history: list[AttemptFailure] = field(default_factory=list)
 
 
 #: What a job id may be: it names the job's exchanges and its checkpoint directory.
@@ -381,6 +402,7 @@ class StreamEnvironment:
         self.status = status = JobStatusTracker(self.job_id, self.daemon, secret=self.credential)
         started = time.monotonic()
         failures: list[str] = []
+        history: list[AttemptFailure] = []
         checkpoints: list[CheckpointInfo] = []
         aborted: list[tuple[int, str]] = []
         last_attempt = 0
@@ -406,8 +428,19 @@ class StreamEnvironment:
                     aborted,
                     run.records,
                     stopped=self._stop.is_set(),
+                    failure_history=history,
                 )
             failures.append(error)
+            if run.failure is not None:
+                history.append(run.failure)
+                if run.failure.consequences:
+                    log.info(
+                        "job %s attempt %d failed: %s; consequences: %s",
+                        self.job_id,
+                        attempt,
+                        error,
+                        " | ".join(c[:200] for c in run.failure.consequences),
+                    )
             status.attempt_failed(error)
             if lease.lost is not None:  # another driver runs the job now: never restart
                 status.job_ended("FAILED")
@@ -420,7 +453,9 @@ class StreamEnvironment:
                     break
         status.job_ended("CANCELED" if self._cancel.is_set() else "FAILED")
         raise JobFailedError(
-            f"job {self.job_id} failed after {len(failures)} attempt(s): {failures[-1]}", failures
+            f"job {self.job_id} failed after {len(failures)} attempt(s): {failures[-1]}",
+            failures,
+            history,
         )
 
 
@@ -509,15 +544,16 @@ class _Attempt:
         self._started = False
         self._stopping = False
         self._restore_msg = restore_msg
-        self.error: str | None = None
+        self.failures = FailureCollector()
+        self.failure: AttemptFailure | None = None
         try:
             while True:
                 with contextlib.suppress(queue.Empty):
                     done = outcome.get_nowait()
-                    if done is not None and self.error is None:
-                        self.error = f"the Spark stage failed: {type(done).__name__}: {done}"
-                    if done is None and len(self._finished) < n and self.error is None:
-                        self.error = "the Spark stage ended before every task finished"
+                    if done is not None:
+                        self._fail(f"the Spark stage failed: {type(done).__name__}: {done}")
+                    elif len(self._finished) < n:
+                        self._fail("the Spark stage ended before every task finished")
                     break
                 self._step()
                 if self.error is not None:
@@ -527,17 +563,47 @@ class _Attempt:
             if self.error is not None:
                 sc.cancelJobGroup(group)
             thread.join(60)
+            if self.failures.failed:
+                self._collect_late_failures()
             server.close()
             self._release(self._daemons)
-        return self.error
+        self.failure = self.failures.result(self.attempt)
+        return None if self.failure is None else self.failure.root_cause
+
+    @property
+    def error(self) -> str | None:
+        """The first failure the driver learnt of (it stops the attempt); the attempt's
+        root cause is chosen once every report is in (``failure``)."""
+        return self.failures.reports[0].message if self.failures.reports else None
+
+    def _fail(self, message: str) -> None:
+        self.failures.driver_failure(message)
+
+    def _collect_late_failures(self) -> None:
+        """The failure reports still on their way when the stage ended: the task that
+        failed first may be heard last. Waits (bounded) until every task's connection has
+        ended, so everything they sent is in the inbox."""
+        if not self._server.wait_disconnected(_LATE_REPORTS_WAIT):
+            log.info(
+                "attempt %d: tasks still connected %.0f s after the stage ended; their "
+                "later failure reports are not counted",
+                self.attempt,
+                _LATE_REPORTS_WAIT,
+            )
+        while True:
+            try:
+                task, msg = self._server.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.failures.on_message(task, msg)
 
     def _step(self) -> None:
         """One turn of the driver loop: a control message, the coordinator's commands."""
         env, coord, server = self.env, self._coord, self._server
         if env._cancel.is_set() and self.error is None:
-            self.error = "cancelled"
+            self._fail("cancelled")
         if self.lease.lost is not None and self.error is None:
-            self.error = str(self.lease.lost)
+            self._fail(str(self.lease.lost))
         if env._stop.is_set() and self._started and not self._stopping:
             self._stopping = True  # a clean stop: sources end their input now
             server.broadcast({"type": "stop"}, self.sources)
@@ -556,7 +622,7 @@ class _Attempt:
             try:
                 self._execute(coord, server)
             except _AttemptFailed as e:
-                self.error = f"checkpoint failure: {e}"
+                self._fail(f"checkpoint failure: {e}")
         if env.status is not None:
             env.status.publish()
 
@@ -590,8 +656,8 @@ class _Attempt:
         elif kind == "finished":
             self._finished.add(task)
             self.records[task] = int(msg.get("records_in", 0))
-        elif kind in ("failed", "lost") and self.error is None:
-            self.error = f"task {task} {kind}: {msg.get('error', '')}".strip()
+        elif kind in ("failed", "lost"):
+            self.failures.on_message(task, msg)
 
     def _execute(self, coord: CheckpointCoordinator, server: ControlServer) -> None:
         for cmd in coord.poll_commands():

@@ -10,6 +10,15 @@ driver's local daemon (the daemon given to the environment, else ``$EXCHANGE_DAE
 the default socket) when something changes and at most every ``interval`` seconds; that
 daemon's dashboard and ``/metrics`` show it. A failure to publish (no daemon on the
 driver's host, a refused message) stops the publishing, never the job.
+
+A failed attempt reports one root cause, as Flink's exception history does: the
+:class:`FailureCollector` gathers every failure seen during the attempt (a task's
+``failed`` report carries when it failed and whether its error is a consequence of another
+failure; a ``lost`` task is stamped when its connection ended) and names the earliest
+failure that is not a consequence, whatever order the messages arrived in; the others are
+listed as its consequences (Flink's concurrent exceptions). Times are wall clocks of the
+tasks' and the driver's hosts: across hosts they order failures as well as the hosts'
+clocks agree (NTP keeps them within milliseconds; a consequence flag never depends on it).
 """
 
 from __future__ import annotations
@@ -38,7 +47,14 @@ from exchange.protocol.local_messages import (
     JobTask,
 )
 
-__all__ = ["CheckpointEntry", "JobStatusTracker", "TaskFigures"]
+__all__ = [
+    "AttemptFailure",
+    "CheckpointEntry",
+    "FailureCollector",
+    "FailureReport",
+    "JobStatusTracker",
+    "TaskFigures",
+]
 
 log = logging.getLogger("exchange.streaming.status")
 
@@ -83,6 +99,89 @@ class CheckpointEntry:
             self.aligned_bytes,
             self.state_bytes,
         )
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    """One failure seen during an attempt."""
+
+    #: a task id, or "" for the driver itself
+    task: str
+    #: when it failed (wall clock, seconds): the task's, or the driver's for a lost task
+    time: float
+    message: str
+    #: caused by another failure (an upstream partition released, a cancellation)
+    consequence: bool = False
+
+
+@dataclass(frozen=True)
+class AttemptFailure:
+    """Why one attempt failed: its root cause, then the failures that followed from it
+    (oldest first), as Flink's ``RootExceptionHistoryEntry`` and its concurrent
+    exceptions."""
+
+    attempt: int
+    root_cause: str
+    consequences: tuple[str, ...] = ()
+
+
+class FailureCollector:
+    """The failures of one attempt, in whatever order they arrive; names the root cause.
+
+    The root cause is the earliest failure that is not a consequence (the earliest of all
+    when every one is). A task lost after the driver began failing the attempt (Spark kills
+    the other tasks) is a consequence; so is a task's report of an error its code marked as
+    one (see ``client.streaming.task``).
+    """
+
+    def __init__(self, *, wall_clock: Callable[[], float] = time.time) -> None:
+        self._wall = wall_clock
+        self.reports: list[FailureReport] = []
+        #: when the driver learnt of the first failure (and began cancelling the attempt)
+        self.failing_since: float | None = None
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.reports)
+
+    def add(self, report: FailureReport) -> None:
+        self.reports.append(report)
+        if self.failing_since is None:
+            self.failing_since = self._wall()
+
+    def driver_failure(self, message: str) -> None:
+        """The driver's own finding (a failed checkpoint, a cancel, the Spark stage's end):
+        a consequence when a failure was already known."""
+        self.add(FailureReport("", self._wall(), message, consequence=self.failed))
+
+    def on_message(self, task: str, msg: dict[str, Any]) -> None:
+        """A ``failed`` or ``lost`` control message (others are ignored)."""
+        kind = msg.get("type")
+        if kind not in ("failed", "lost"):
+            return
+        at = msg.get("time")
+        at = float(at) if isinstance(at, int | float) and not isinstance(at, bool) else None
+        if at is None:
+            at = self._wall()
+        if kind == "lost":
+            consequence = self.failing_since is not None and at >= self.failing_since
+        else:
+            consequence = msg.get("consequence") is True
+        text = f"task {task} {kind}: {msg.get('error', '')}".strip()
+        self.add(FailureReport(task, at, text, consequence))
+
+    def root_cause(self) -> FailureReport | None:
+        if not self.reports:
+            return None
+        order = {id(r): i for i, r in enumerate(self.reports)}
+        return min(self.reports, key=lambda r: (r.consequence, r.time, order[id(r)]))
+
+    def result(self, attempt: int) -> AttemptFailure | None:
+        root = self.root_cause()
+        if root is None:
+            return None
+        rest = sorted((r for r in self.reports if r is not root), key=lambda r: r.time)
+        return AttemptFailure(attempt, root.message, tuple(r.message for r in rest))
 
 
 def _uint(v: Any) -> int:

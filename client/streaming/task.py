@@ -55,13 +55,15 @@ import concurrent.futures
 import itertools
 import logging
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from client.consumer import PartitionLocation, PartitionReader, reader_settings
+from client.consumer import PartitionLocation, PartitionReader
 from client.local_connection import fetch_daemon_info, resolve_daemon_socket
+from client.options import ReaderOptions
 from client.producer import PartitionWriter
 from client.runtime import get_runtime
 from client.streaming.checkpoint_storage import CheckpointStorage
@@ -70,7 +72,13 @@ from client.streaming.functions import Collector, Operator, OperatorContext, Sou
 from client.streaming.graph import Edge, JobGraph, Partitioning, TaskSpec
 from exchange.best_effort import best_effort
 from exchange.checkpointing import CheckpointFailureReason
-from exchange.errors import ExchangeError, IllegalStateError
+from exchange.errors import (
+    ExchangeError,
+    IllegalStateError,
+    PartitionDataLostError,
+    PartitionReleasedError,
+    ProducerFailedError,
+)
 from exchange.events.events import AbstractEvent, CheckpointOptions, EndOfDataEvent
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.state import (
@@ -81,7 +89,7 @@ from exchange.state import (
     subtask_for_key,
 )
 
-__all__ = ["JobSpec", "StreamTaskFailed", "dataset_of", "run_task"]
+__all__ = ["JobSpec", "StreamTaskFailed", "dataset_of", "is_consequence", "run_task"]
 
 log = logging.getLogger("exchange.streaming.task")
 
@@ -99,6 +107,23 @@ _INPUT_AVAILABLE: Final = "input-available"
 
 class StreamTaskFailed(ExchangeError):
     """The task was cancelled, refused (a stale attempt) or lost its driver."""
+
+
+def is_consequence(error: BaseException) -> bool:
+    """True when ``error`` follows from another failure, so is no attempt's root cause:
+    the partition it wrote or read was released (its consumer or producer failed and the
+    attempt is being torn down), its producer failed, or the driver cancelled or dropped
+    the task. Spilled data lost in a daemon restart is a failure of its own."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, PartitionDataLostError):
+            return False
+        if isinstance(e, PartitionReleasedError | ProducerFailedError | StreamTaskFailed):
+            return True
+        e = e.__cause__ if e.__cause__ is not None else e.__context__
+    return False
 
 
 @dataclass(frozen=True)
@@ -357,19 +382,19 @@ class StreamTask:
                         d["socket"],
                     )
                 )
-        settings = reader_settings(self.daemon_info, checkpointing=True)
-        settings.setdefault("backoff_max", 2.0)
-        return PartitionReader(
-            locations,
-            local_daemon_id=self.daemon_info.daemon_id,
+        info = self.daemon_info
+        options = ReaderOptions.from_daemon(
+            info,
             event_handler=self._on_event,
             checkpoint_listener=self,
             checkpointing_mode=self.job.mode,
             metrics_socket=self.daemon_socket,  # TaskMetrics: debloating, alignment
             task_name=f"{self.job.job_id}/{self.task_id}",
             secret=self.job.credential,
-            **settings,
+            # a daemon that does not say retries within 2 s
+            **({} if info.settings.get("partition_request_backoff_max") else {"backoff_max": 2.0}),
         )
+        return PartitionReader(locations, options)
 
     # -- checkpoints (CheckpointListener; the task's thread) --------------------------------
 
@@ -539,10 +564,16 @@ class StreamTask:
             self.ctl.flush()
             return {"task": self.task_id, "records_in": self._records_in()}
         except BaseException as e:
+            failed_at = time.time()
             if self.ctl is not None and not self.ctl.closed:
                 with best_effort(log, f"reporting the failure of task {self.task_id}"):
                     self.ctl.send(
-                        {"type": "failed", "error": "".join(traceback.format_exception(e))[-4000:]}
+                        {
+                            "type": "failed",
+                            "error": "".join(traceback.format_exception(e))[-4000:],
+                            "time": failed_at,
+                            "consequence": is_consequence(e),
+                        }
                     )
                     self.ctl.flush()
             raise

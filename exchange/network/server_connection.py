@@ -64,6 +64,7 @@ from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberi
 from exchange.network.partition_request_queue import PartitionRequestQueue
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.protocol.codec import (
+    DEFAULT_READ_AHEAD,
     MAX_CONTROL_FRAME_SIZE,
     BodySink,
     DataFrameSpec,
@@ -266,8 +267,13 @@ class ServerConnection:
         )
         self.peer = peer
         self._state = ServerConnectionState.HANDSHAKE
+        # A role that receives data frames reads batches of them (256 KiB per read); a
+        # control-only role (the data port's inbound side) keeps a small scratch.
         self._decoder = InPlaceFrameDecoder(
-            settings.max_frame_size, body_sink=body_sink, data_frames=data_frames
+            settings.max_frame_size,
+            body_sink=body_sink,
+            data_frames=data_frames,
+            read_ahead=DEFAULT_READ_AHEAD if body_sink is not None else MAX_CONTROL_FRAME_SIZE,
         )
         self._on_payload = on_payload
         self._on_established = on_established

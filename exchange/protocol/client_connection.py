@@ -50,6 +50,8 @@ from exchange.errors import (
     fresh_error,
 )
 from exchange.protocol.codec import (
+    DEFAULT_READ_AHEAD,
+    MAX_CONTROL_FRAME_SIZE,
     BufferResponseHeader,
     InPlaceFrameDecoder,
     PayloadReceived,
@@ -183,7 +185,8 @@ class ClientConnection:
     def _new_decoder(
         self, max_frame_size: int, accept: Collection[int] | None
     ) -> InPlaceFrameDecoder:
-        return InPlaceFrameDecoder(max_frame_size, accept=accept)
+        # Control frames only (a producer's credit, replies): a small scratch.
+        return InPlaceFrameDecoder(max_frame_size, accept=accept, read_ahead=MAX_CONTROL_FRAME_SIZE)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -380,7 +383,11 @@ class PartitionRequestClientConnection(ClientConnection):
     def _new_decoder(
         self, max_frame_size: int, accept: Collection[int] | None
     ) -> InPlaceFrameDecoder:
-        return InPlaceFrameDecoder(max_frame_size, accept=accept, body_sink=self._body_sink)
+        # BufferResponses: each read carries a batch of frames (DEFAULT_READ_AHEAD), parsed
+        # in one call; payloads are copied from the read into their credited segments.
+        return InPlaceFrameDecoder(
+            max_frame_size, accept=accept, body_sink=self._body_sink, read_ahead=DEFAULT_READ_AHEAD
+        )
 
     @property
     def num_channels(self) -> int:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import struct
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, NamedTuple, TypeVar
+from typing import Any, Final, TypeVar
 
 from exchange.errors import (
     BadMagicError,
@@ -58,6 +58,7 @@ __all__ = [
     "BUFFER_RESPONSE_HEADER_SIZE",
     "BUFFER_RESPONSE_SPEC",
     "DEFAULT_MAX_FRAME_SIZE",
+    "DEFAULT_READ_AHEAD",
     "FRAME_HEADER_SIZE",
     "LOCAL_ENDPOINT_MESSAGE_IDS",
     "MAGIC",
@@ -656,28 +657,10 @@ def _header_error(length: int, magic: int, msg_id: int, limit: int) -> ProtocolE
     return UnknownMessageError(msg_id)
 
 
-# -- the in-place decoder -----------------------------------------------------------------
+# -- the in-place decoder (compiled) ---------------------------------------------------------
 #
-# How it works: the transport asks ``get_buffer()`` where to put the next bytes and says
-# how many came with ``buffer_updated(n)`` (``asyncio.BufferedProtocol``'s pair). Headers
-# and control frames go to a scratch bytearray. A *data frame* (an id with a
-# ``DataFrameSpec``) is read up to the end of its fixed fields, which are checked, and
-# then handed to the body sink: the sink returns the memoryview the payload must land in
-# (a credited segment) and from then on ``get_buffer()`` returns that view, so the kernel
-# writes the payload straight into the segment. Only payload bytes read ahead together
-# with the header (at most ``read_ahead``) are copied there from the scratch. When the
-# sink returns None the frame is decoded like any other one, from the scratch.
-
-
-class BufferResponseHeader(NamedTuple):
-    """The fixed fields of a ``BufferResponse``, checked; ``size`` is the payload's."""
-
-    receiver_id: int
-    sequence_number: int
-    backlog: int
-    data_type: DataType
-    compressed: bool
-    size: int
+# ``InPlaceFrameDecoder`` is the Cython extension ``exchange.protocol.frame_parser`` (how
+# it works is in that module's docstring). Its frames are described here.
 
 
 @dataclass(frozen=True, slots=True)
@@ -693,273 +676,23 @@ class DataFrameSpec:
     parse: Callable[[memoryview, int], Any]
 
 
-def _parse_buffer_response(prefix: memoryview, payload_size: int) -> BufferResponseHeader:
-    rid, seq, backlog, dt, comp, size = _BR_BODY.unpack_from(prefix)
-    if size != payload_size:
-        raise ProtocolError(f"BufferResponse declares {size} payload bytes, has {payload_size}")
-    if dt >= _N_DATA_TYPES:
-        raise ProtocolError(f"BufferResponse with unknown data type {dt}")
-    if comp > 1:  # _flag's check, inline: this runs once per data frame
-        raise ProtocolError(f"compressed must be 0 or 1, got {comp}")
-    return BufferResponseHeader(rid, seq, backlog, _DATA_TYPES[dt], comp == 1, size)
-
-
-BUFFER_RESPONSE_SPEC: Final = DataFrameSpec(_BR_BODY.size, _parse_buffer_response)
-
-
-class PayloadReceived(NamedTuple):
-    """A data frame whose payload landed in the view its body sink returned."""
-
-    header: Any
-    payload: memoryview
-
-
 BodySink = Callable[[Any], "memoryview | None"]
-DEFAULT_READ_AHEAD: Final = 1024
 
-
-class InPlaceFrameDecoder:
-    """Sans-I/O frame decoder for ``BufferedProtocol``: data payloads land in place.
-
-    ``body_sink(header) -> memoryview | None`` is called once per data frame (ids in
-    ``data_frames``) with the parsed, checked header: return a view of exactly the
-    payload's size to receive the payload there (a ``PayloadReceived`` is emitted once
-    it is full), or None to have the frame decoded as an ordinary ``Message``. ``accept``
-    limits the message ids this side decodes (None: every registered id); any other id is
-    an ``UnknownMessageError``. Errors, from the stream or raised by the sink, poison the
-    decoder: every later ``buffer_updated``/``feed`` raises the first one again.
-    """
-
-    __slots__ = (
-        "_accept",
-        "_data_frames",
-        "_end",
-        "_error",
-        "_filled",
-        "_frame_len",
-        "_header",
-        "_inline",
-        "_max_frame_size",
-        "_msg_id",
-        "_read_ahead",
-        "_scratch",
-        "_sink",
-        "_start",
-        "_target",
-        "_view",
-        "bytes_received",
+# Imported last: the extension takes the tables above from this module.
+try:
+    from exchange.protocol.frame_parser import (
+        DEFAULT_READ_AHEAD,
+        BufferResponseHeader,
+        InPlaceFrameDecoder,
+        PayloadReceived,
+        parse_buffer_response,
     )
+except ModuleNotFoundError as exc:
+    if exc.name != "exchange.protocol.frame_parser":
+        raise
+    raise ImportError(
+        "exchange.protocol.frame_parser is a compiled extension (Cython) and is not built "
+        "in this checkout: run `make setup` (or `pip install -e .`) to build it"
+    ) from exc
 
-    def __init__(
-        self,
-        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
-        *,
-        body_sink: BodySink | None = None,
-        data_frames: Mapping[int, DataFrameSpec] | None = None,
-        accept: Collection[int] | None = None,
-        read_ahead: int = DEFAULT_READ_AHEAD,
-    ) -> None:
-        if not isinstance(max_frame_size, int) or max_frame_size < MAX_CONTROL_FRAME_SIZE:
-            raise UsageError(
-                f"max_frame_size must be an int >= {MAX_CONTROL_FRAME_SIZE}, got {max_frame_size!r}"
-            )
-        if not isinstance(read_ahead, int) or read_ahead < FRAME_HEADER_SIZE:
-            raise UsageError(
-                f"read_ahead must be an int >= {FRAME_HEADER_SIZE}, got {read_ahead!r}"
-            )
-        if data_frames is None:
-            data_frames = {MessageId.BUFFER_RESPONSE: BUFFER_RESPONSE_SPEC}
-        self._max_frame_size = max_frame_size
-        self._sink = body_sink
-        self._data_frames: dict[int, DataFrameSpec] = dict(data_frames) if body_sink else {}
-        self._accept = frozenset(accept) if accept is not None else None
-        self._read_ahead = read_ahead
-        self._scratch = bytearray(max(read_ahead, MAX_CONTROL_FRAME_SIZE))
-        self._view = memoryview(self._scratch)
-        self._start = 0  # first undecoded byte in the scratch
-        self._end = 0  # end of the received bytes in the scratch
-        self._frame_len = -1  # length of the pending frame once its header is in, else -1
-        self._msg_id = 0
-        self._inline = False  # the pending data frame is decoded from the scratch
-        self._target: memoryview | None = None  # where the pending payload lands
-        self._filled = 0
-        self._header: Any = None
-        self._error: ProtocolError | None = None
-        self.bytes_received = 0
-
-    @property
-    def max_frame_size(self) -> int:
-        return self._max_frame_size
-
-    @property
-    def error(self) -> ProtocolError | None:
-        """The error that poisoned the decoder, if any."""
-        return self._error
-
-    @property
-    def buffered(self) -> int:
-        """Bytes of an incomplete frame received (non-zero: the stream ended mid-frame)."""
-        return self._end - self._start + self._filled
-
-    @property
-    def landing(self) -> bool:
-        """True while a payload is being received into a sink's view."""
-        return self._target is not None
-
-    def get_buffer(self, sizehint: int = -1) -> memoryview:
-        """Where the transport should write the next bytes (never empty)."""
-        target = self._target
-        if target is not None:
-            return target[self._filled :]
-        if self._error is not None:
-            return self._view  # discarded: the stream is dead
-        start, end = self._start, self._end
-        if start == end:
-            start = end = self._start = self._end = 0
-        avail = end - start
-        if self._frame_len < 0:
-            need = FRAME_HEADER_SIZE - avail
-        elif self._msg_id in self._data_frames and not self._inline:
-            need = FRAME_HEADER_SIZE + self._data_frames[self._msg_id].prefix_size - avail
-        else:
-            need = self._frame_len - avail
-        want = max(need, self._read_ahead)
-        size = len(self._scratch)
-        if size - end < want:
-            if start:  # compact: move the pending bytes to the front
-                self._view[:avail] = bytes(self._view[start:end])  # ranges may overlap
-                self._start, self._end = 0, avail
-                end = avail
-            if size - end < need:  # a control frame larger than the scratch
-                self._grow(end + need)
-        return self._view[end : min(end + want, len(self._scratch))]
-
-    def _grow(self, size: int) -> None:
-        bigger = bytearray(size)
-        bigger[: self._end] = self._view[: self._end]
-        self._view.release()
-        self._scratch = bigger
-        self._view = memoryview(bigger)
-
-    def buffer_updated(self, nbytes: int) -> list[Message | PayloadReceived]:
-        """``nbytes`` were written into the last ``get_buffer()``; the frames completed."""
-        if self._error is not None:
-            raise fresh_error(self._error)
-        self.bytes_received += nbytes
-        out: list[Message | PayloadReceived] = []
-        try:
-            if self._target is not None:
-                self._filled += nbytes
-                if self._filled < self._target.nbytes:
-                    return out
-                self._land(out)
-                if self._start == self._end:
-                    return out  # the payload ended the received bytes: nothing to parse
-            else:
-                self._end += nbytes
-            self._parse(out)
-        except ProtocolError as exc:
-            self._poison(exc)
-            raise
-        except BaseException as exc:
-            self._poison(ProtocolError(f"decoding stopped by {type(exc).__name__}: {exc}"))
-            raise
-        return out
-
-    def feed(self, data: bytes | bytearray | memoryview) -> list[Message | PayloadReceived]:
-        """Copy ``data`` in as the transport would and decode (tests, plain Protocols)."""
-        out: list[Message | PayloadReceived] = []
-        src = memoryview(data).cast("B")
-        pos, n = 0, src.nbytes
-        if self._error is not None:
-            raise fresh_error(self._error)
-        while pos < n:
-            buf = self.get_buffer()
-            k = min(buf.nbytes, n - pos)
-            buf[:k] = src[pos : pos + k]
-            pos += k
-            out.extend(self.buffer_updated(k))
-        return out
-
-    def abort(self, error: ProtocolError | None = None) -> None:
-        """Stop decoding (the connection died): forget any sink view, discard all input.
-
-        A view the sink handed out is never written again after this returns.
-        """
-        if self._error is None:
-            self._poison(error or ProtocolError("the connection was aborted"))
-
-    def _poison(self, exc: ProtocolError) -> None:
-        self._error = exc
-        self._target = None
-        self._header = None
-        self._start = self._end = self._filled = 0
-
-    def _land(self, out: list[Message | PayloadReceived]) -> None:
-        target = self._target
-        assert target is not None
-        out.append(PayloadReceived(self._header, target))
-        self._target = None
-        self._header = None
-        self._filled = 0
-        self._frame_len = -1
-
-    def _parse(self, out: list[Message | PayloadReceived]) -> None:
-        view = self._view
-        start, end = self._start, self._end
-        while True:
-            avail = end - start
-            length = self._frame_len
-            if length < 0:
-                if avail < FRAME_HEADER_SIZE:
-                    break
-                length, magic, msg_id = _HEADER.unpack_from(view, start)
-                limit = self._max_frame_size
-                if magic != MAGIC or not FRAME_HEADER_SIZE <= length <= limit:
-                    raise _header_error(length, magic, msg_id, limit)
-                accept = self._accept
-                if msg_id not in _DECODERS or (accept is not None and msg_id not in accept):
-                    raise UnknownMessageError(msg_id)
-                self._frame_len = length
-                self._msg_id = msg_id
-                self._inline = False
-            msg_id = self._msg_id
-            spec = self._data_frames.get(msg_id)
-            if spec is not None and not self._inline:
-                fixed = FRAME_HEADER_SIZE + spec.prefix_size
-                if length < fixed:
-                    raise ProtocolError(f"frame {msg_id} of {length} bytes is too short")
-                if avail < fixed:
-                    break
-                payload_size = length - fixed
-                header = spec.parse(view[start + FRAME_HEADER_SIZE : start + fixed], payload_size)
-                assert self._sink is not None
-                target = self._sink(header)
-                if target is None:
-                    self._inline = True
-                else:
-                    if target.nbytes != payload_size or target.readonly:
-                        raise UsageError(
-                            f"body sink returned a view of {target.nbytes} bytes for a "
-                            f"{payload_size}-byte payload (writable, exact size needed)"
-                        )
-                    have = min(avail - fixed, payload_size)
-                    pos = start + fixed
-                    target[:have] = view[pos : pos + have]
-                    start = pos + have
-                    self._start = start
-                    self._target = target
-                    self._header = header
-                    self._filled = have
-                    if have < payload_size:
-                        return  # the rest lands straight in the target
-                    self._land(out)
-                    continue
-            if avail < length:
-                break
-            body = bytes(view[start + FRAME_HEADER_SIZE : start + length])
-            out.append(_DECODERS[msg_id](memoryview(body)))
-            start += length
-            self._start = start
-            self._frame_len = -1
-        self._start = start
+BUFFER_RESPONSE_SPEC: Final = DataFrameSpec(_BR_BODY.size, parse_buffer_response)

@@ -62,3 +62,11 @@ def test_vs_structured_streaming_bench_smoke() -> None:
         assert r[name] > 0, name
     assert r["spark_p50_ms"] <= r["spark_p99_ms"] and r["ours_p50_ms"] <= r["ours_p99_ms"]
     assert r["spark_max_rows_per_s"] > 0 and r["ours_max_rows_per_s"] > 0
+
+
+def test_frame_parser_bench_smoke() -> None:
+    """Every frame is checked as it lands (a wrong one ends the run with BenchError)."""
+    r = run_bench("bench_frame_parser.py", "--quick")
+    assert r["bench"] == "frame_parser" and r["frames_per_run"] == 2048
+    for read_ahead in ("1k", "64k", "256k"):
+        assert r[f"receive_cpu_us_per_32k_read_ahead_{read_ahead}"] > 0

@@ -11,11 +11,9 @@ daemon runs on the loop they would block.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import tempfile
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import pytest_asyncio
 
@@ -38,7 +36,7 @@ async def daemon() -> AsyncIterator[ExchangeDaemon]:
         segment_size=SEGMENT_SIZE,
         spill_dir=spill,
         log_level="WARNING",
-        # readers here take these (reader_settings); small backoff: partitions may be
+        # readers here take these (ReaderOptions.from_daemon); small backoff: partitions may be
         # requested before their producer registered them
         partition_request_backoff_initial=0.01,
         partition_request_backoff_max=0.05,
@@ -51,17 +49,6 @@ async def daemon() -> AsyncIterator[ExchangeDaemon]:
         whole = await d.shutdown(grace=5.0)
         shutil.rmtree(spill, ignore_errors=True)
     assert whole, "the daemon's network pool was not whole at shutdown"
-
-
-async def wait_until(
-    predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition"
-) -> None:
-    """Poll ``predicate`` on the loop until it holds; AssertionError after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout}s")
-        await asyncio.sleep(0.01)
 
 
 def daemon_pool_whole(d: ExchangeDaemon) -> bool:

@@ -31,9 +31,10 @@ from exchange.partition import ResultPartitionID, ResultPartitionType
 from exchange.writer import ChannelSelector, RoundRobinSelector
 from exchange.writer.hashing import deterministic_hash
 from server.daemon import ExchangeDaemon
-from tests.conformance.conftest import daemon_pool_whole, wait_until
+from tests.conformance.conftest import daemon_pool_whole
 from tests.kit.local_input_channel import LocalInputChannel
 from tests.kit.partition_writer import ResultPartitionWriter
+from tests.kit.polling import wait_until
 from tests.serialization.test_pickle_batch import SAMPLES, assert_exact
 
 pytestmark = pytest.mark.timeout(60)

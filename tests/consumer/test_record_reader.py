@@ -105,20 +105,20 @@ async def test_barrier_handler_returning_true_keeps_the_channel_blocked(
     await writer.emit_to(("after", 1), 1)
     await writer.flush()
 
-    assert await asyncio.wait_for(reader.next_batch(), 1) == [("before", 0)]
+    assert await asyncio.wait_for(reader.next_batch(), 10) == [("before", 0)]
     pending = asyncio.create_task(reader.next_batch())
     await asyncio.sleep(0.2)
     assert not pending.done()  # both channels are blocked behind their barrier
     assert sorted(ch for ch, _ in seen) == [0, 1]
     gate.resume_consumption(1)
-    assert await asyncio.wait_for(pending, 1) == [("after", 1)]
+    assert await asyncio.wait_for(pending, 10) == [("after", 1)]
     pending = asyncio.create_task(reader.next_batch())
     await asyncio.sleep(0.1)
     assert not pending.done()  # channel 0 still blocked
     gate.resume_consumption(0)
-    assert await asyncio.wait_for(pending, 1) == [("after", 0)]
+    assert await asyncio.wait_for(pending, 10) == [("after", 0)]
     await writer.close()
-    assert await asyncio.wait_for(reader.read_all(), 1) == []
+    assert await asyncio.wait_for(reader.read_all(), 10) == []
 
 
 @pytest.mark.asyncio
@@ -139,7 +139,7 @@ async def test_reader_resumes_by_itself_when_the_handler_does_not_take_charge(
         for cp in range(5):
             await writer.emit((cp,))
             await writer.broadcast_event(CheckpointBarrier(cp, 0))
-    assert await asyncio.wait_for(reader.read_all(), 1) == [(cp,) for cp in range(5)]
+    assert await asyncio.wait_for(reader.read_all(), 10) == [(cp,) for cp in range(5)]
     assert barriers[:-1] == [CheckpointBarrier(cp, 0) for cp in range(5)]
 
 
@@ -167,13 +167,13 @@ async def test_producer_failure_is_an_error_not_a_short_read(
     writer = ResultPartitionWriter(part, buffer_timeout=0.01)
     await writer.emit_all((i,) for i in range(100))
     await writer.flush()
-    got = await asyncio.wait_for(reader.next_batch(), 1)
+    got = await asyncio.wait_for(reader.next_batch(), 10)
     assert got
     waiting = asyncio.create_task(reader.read_all())
     await asyncio.sleep(0.05)
     await writer.fail(MemoryError("task killed"))
     with pytest.raises(ProducerFailedError, match="task killed") as info:
-        await asyncio.wait_for(waiting, 1)
+        await asyncio.wait_for(waiting, 10)
     assert isinstance(info.value.__cause__, MemoryError)
     assert info.value.partition_id == part.partition_id
     reader.close()
@@ -188,10 +188,10 @@ async def test_producer_failure_after_all_data_but_before_end(
     reader = RecordReader(gate)
     writer = ResultPartitionWriter(part, buffer_timeout=0)
     await writer.emit(("all there is",))
-    assert await asyncio.wait_for(reader.next_batch(), 1) == [("all there is",)]
+    assert await asyncio.wait_for(reader.next_batch(), 10) == [("all there is",)]
     await writer.fail(None)
     with pytest.raises(ProducerFailedError):
-        await asyncio.wait_for(reader.next_batch(), 1)
+        await asyncio.wait_for(reader.next_batch(), 10)
     reader.close()
 
 
@@ -204,7 +204,7 @@ async def test_consumer_closing_early_fails_the_writer(
     reader = RecordReader(gate)
     writer = ResultPartitionWriter(part, buffer_timeout=0)
     await writer.emit((1,))
-    assert await asyncio.wait_for(reader.next_batch(), 1) == [(1,)]
+    assert await asyncio.wait_for(reader.next_batch(), 10) == [(1,)]
     reader.close()
     with pytest.raises(PartitionReleasedError):
         await writer.emit((2,))
@@ -221,9 +221,9 @@ async def test_stream_ending_inside_a_record_is_corrupt(
     add_raw_bytes(part, 0, b"\x92\x01\x02\x93\x01")
     part.finish()
     reader = RecordReader(gate, MsgpackCodec())  # raw msgpack bytes above
-    assert await asyncio.wait_for(reader.next_batch(), 1) == [[1, 2]]
+    assert await asyncio.wait_for(reader.next_batch(), 10) == [[1, 2]]
     with pytest.raises(CorruptRecordError, match="ended inside a record"):
-        await asyncio.wait_for(reader.next_batch(), 1)
+        await asyncio.wait_for(reader.next_batch(), 10)
     reader.close()
 
 
@@ -237,7 +237,7 @@ async def test_garbage_bytes_are_corrupt_records(
     part.finish()
     reader = RecordReader(gate)
     with pytest.raises(CorruptRecordError):
-        await asyncio.wait_for(reader.read_all(), 1)
+        await asyncio.wait_for(reader.read_all(), 10)
     reader.close()
 
 

@@ -32,7 +32,7 @@ async def test_gate_without_channels_ends_at_once() -> None:
     gate = SingleInputGate("empty")
     await gate.request_partitions()
     assert gate.is_finished
-    assert await asyncio.wait_for(gate.get_next(), 1) is None
+    assert await asyncio.wait_for(gate.get_next(), 10) is None
     assert await RecordReader(gate).read_all() == []
     gate.close()
 
@@ -69,17 +69,17 @@ async def test_buffers_and_events_then_end(
     assert gate.poll_next() is None
     async with ResultPartitionWriter(a, buffer_timeout=-1) as writer:
         await writer.emit(("from a",))
-    first = await asyncio.wait_for(gate.get_next(), 1)
+    first = await asyncio.wait_for(gate.get_next(), 10)
     assert first is not None and first.buffer is not None and first.channel_index == 0
     first.buffer.release()
-    eop = await asyncio.wait_for(gate.get_next(), 1)
+    eop = await asyncio.wait_for(gate.get_next(), 10)
     assert eop is not None and eop.event == EndOfPartitionEvent.INSTANCE
     assert not gate.is_finished  # channel 1 is still open
     pending = asyncio.create_task(gate.get_next())
     await asyncio.sleep(0.05)
     assert not pending.done()
     await ResultPartitionWriter(b).close()
-    last = await asyncio.wait_for(pending, 1)
+    last = await asyncio.wait_for(pending, 10)
     assert last is not None and last.event == EndOfPartitionEvent.INSTANCE
     assert last.channel_index == 1
     assert gate.is_finished
@@ -99,7 +99,7 @@ async def test_close_releases_views_and_refuses_polls(
     gate.close()  # idempotent
     assert gate.is_closed
     with pytest.raises(IllegalStateError, match="closed"):
-        await asyncio.wait_for(waiting, 1)  # a waiting reader wakes up and learns it
+        await asyncio.wait_for(waiting, 10)  # a waiting reader wakes up and learns it
     with pytest.raises(IllegalStateError, match="closed"):
         gate.poll_next()
     assert part.is_released  # its consumer went away before the end

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from client.consumer import PartitionLocation, PartitionReader, reader_settings
+from client.consumer import PartitionLocation, PartitionReader
 from client.local_connection import fetch_daemon_info
+from client.options import ReaderOptions
 from client.producer import PartitionWriter
 from client.runtime import get_runtime
 from exchange.partition.result_partition_id import ResultPartitionID
@@ -65,14 +66,17 @@ class Producer(threading.Thread):
 
 def _reader(d: Any, dataset: str, n: int, **extra: Any) -> PartitionReader:
     info = get_runtime().run(fetch_daemon_info(d.local_socket))
-    settings = {**reader_settings(info), "backoff_initial": 0.01, "backoff_max": 0.1, **extra}
+    # over TCP (no local_daemon_id), as a remote reader
+    options = ReaderOptions.from_daemon(
+        info, local_daemon_id=None, backoff_initial=0.01, backoff_max=0.1, **extra
+    )
     locations = [
         PartitionLocation(
             ResultPartitionID(dataset, i, 0), 0, d.data_address, d.daemon_id, d.local_socket
         )
         for i in range(n)
     ]
-    return PartitionReader(locations, **settings)
+    return PartitionReader(locations, options)
 
 
 class Consumer:

@@ -11,7 +11,6 @@ import asyncio
 import math
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -21,9 +20,9 @@ from client.consumer import (
     AsyncPartitionReader,
     PartitionLocation,
     PartitionReader,
-    reader_settings,
 )
 from client.local_connection import LocalConnection, fetch_daemon_info
+from client.options import ReaderOptions
 from client.producer import PartitionWriter
 from client.runtime import get_runtime
 from exchange.checkpointing.barrier_handler import CheckpointFailureReason
@@ -31,6 +30,7 @@ from exchange.errors import ExchangeError
 from exchange.events.events import CheckpointOptions
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.local_messages import TaskMetrics
+from tests.kit.polling import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -123,16 +123,14 @@ class ConsumerTask(threading.Thread):
 
 def _reader(d: Any, dataset: str, **extra: Any) -> PartitionReader:
     info = get_runtime().run(fetch_daemon_info(d.local_socket))
-    settings = {
-        **reader_settings(info, checkpointing="checkpoint_listener" in extra),
-        "backoff_initial": 0.01,
-        "backoff_max": 0.1,
-        **extra,
-    }
+    # over TCP (no local_daemon_id), as a remote reader
+    options = ReaderOptions.from_daemon(
+        info, local_daemon_id=None, backoff_initial=0.01, backoff_max=0.1, **extra
+    )
     loc = PartitionLocation(
         ResultPartitionID(dataset, 0, 0), 0, d.data_address, d.daemon_id, d.local_socket
     )
-    return PartitionReader([loc], **settings)
+    return PartitionReader([loc], options)
 
 
 def scrape(d: Any) -> dict[str, dict[tuple[str, str], float]]:
@@ -155,16 +153,6 @@ def task_item(stats: dict[str, Any], task: str) -> dict[str, Any] | None:
     items = [it for it in stats["tasks"]["items"] if it["task"] == task]
     assert len(items) <= 1, items
     return items[0] if items else None
-
-
-def wait_for(what: Callable[[], Any], timeout: float, message: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = what()
-        if value:
-            return value
-        assert time.monotonic() < deadline, message
-        time.sleep(0.05)
 
 
 def test_running_task_gauges_appear_follow_and_vanish_after_close(start_daemon: Any) -> None:
@@ -253,7 +241,7 @@ def test_the_async_reader_reports_too(start_daemon: Any) -> None:
         )
         reader = await AsyncPartitionReader.open(
             [loc],
-            **reader_settings(info),
+            ReaderOptions.from_daemon(info, local_daemon_id=None),
             metrics_socket=d.local_socket,
             task_name="async-task",
         )
@@ -399,3 +387,42 @@ def task_item_gate(stats: dict[str, Any], gate: str) -> dict[str, Any]:
     items: list[dict[str, Any]] = [it for it in stats["tasks"]["items"] if it["gate"] == gate]
     assert len(items) == 1, items
     return items[0]
+
+
+def test_a_cancel_lost_as_the_connection_completes_still_ends_the_reporter(
+    start_daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Python 3.11's ``asyncio.wait_for`` (inside ``LocalConnection.connect``) returns the
+    result and drops a cancel that arrives as the connection completes. The reporter's
+    ``close`` cancels it while it connects: it must still end, not wait forever (a task
+    whose reader closed early hung there under load, its failure never reported)."""
+    from client.consumer import _TaskMetricsReporter
+
+    d = start_daemon()
+    real = LocalConnection.connect.__func__  # type: ignore[attr-defined]
+    connecting = asyncio.Event()
+
+    async def connect_losing_a_cancel(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        attempt = asyncio.ensure_future(real(cls, *args, **kwargs))
+        connecting.set()
+        try:
+            return await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            return await attempt  # the result won the race: the cancel is dropped
+
+    monkeypatch.setattr(LocalConnection, "connect", classmethod(connect_losing_a_cancel))
+    reporter = _TaskMetricsReporter(d.local_socket, "lost-cancel", "g", dict, secret=None)
+
+    async def start_then_close() -> float:
+        reporter.start()
+        await connecting.wait()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        # close swallows its own cancel too: wait_for ends it only after its timeout
+        await asyncio.wait_for(reporter.close(), 30)
+        return loop.time() - start
+
+    took = get_runtime().run(start_then_close())
+    assert took < 15, f"close waited {took:.1f} s for a reporter that lost its cancel"
+    assert reporter._conn is None
+    d.wait_stats(lambda s: s["local"]["consumers"] == 0, 20)

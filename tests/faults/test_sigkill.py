@@ -11,7 +11,9 @@ What must hold whatever dies and whenever:
   order (checked in the task);
 * surviving pools are whole: every task process reports its NetworkBufferPools whole, a
   surviving daemon's pool is whole once the exchange is released (and it stops cleanly);
-* a blocking partition whose consumer died is read again, whole, by a new consumer.
+* a blocking partition whose consumer died is read again, whole, by a new consumer;
+* the kill landed mid-stream: the side reading (or writing a blocking partition) never
+  finished; a case whose kill came after the end proved nothing and fails.
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ class Task:
         self.proc.kill()
         self.proc.wait(10)
 
+    def finished(self, timeout: float = 10.0) -> bool:
+        """Whether it reported ``done`` (its whole stream); for a dead process, reads what
+        it printed before it died."""
+        if self.proc.poll() is not None:
+            while self.next_event(timeout) is not None:
+                pass
+        return any(e["event"] == "done" for e in self.events)
+
     @property
     def stderr(self) -> str:
         return "".join(self._err.all)[-3000:]
@@ -136,6 +146,7 @@ def test_sigkill(start_daemon: Callable[..., Daemon], victim: str, mode: str, se
         return time.monotonic()
 
     try:
+        phase = "stream"
         if mode == "pipelined":
             consumer = Task(*consume)
             producer = Task(*produce)
@@ -165,6 +176,12 @@ def test_sigkill(start_daemon: Callable[..., Daemon], victim: str, mode: str, se
             if role != victim:
                 left = FAIL_WITHIN - (time.monotonic() - killed_at)
                 check_survivor(task, left, victim, role)
+        # the kill cut the stream (else this case proved nothing): the side that was
+        # reading (the producer, while a blocking partition is written) never finished
+        reading = consumer if mode == "pipelined" or phase == "read" else producer
+        assert not reading.finished(), (
+            f"the {victim} was killed after the stream ended: {reading.events}"
+        )
 
         if victim == "daemon":
             return  # no daemon survived; its tasks ended typed and whole (checked above)

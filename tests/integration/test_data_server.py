@@ -54,7 +54,7 @@ async def read_until_closed(reader: asyncio.StreamReader, timeout: float) -> lis
 async def test_handshake_timeout_closes_silent_and_slow_clients(slowloris: bool, net: Any) -> None:
     manager = ResultPartitionManager()
     # close_timeout: how long the server waits for the client's EOF after its own
-    server = DataServer(manager, segment_size=32 * 1024, handshake_timeout=0.2, close_timeout=10)
+    server = DataServer(manager, segment_size=32 * 1024, handshake_timeout=0.2, close_timeout=60)
     host, port = await server.start("127.0.0.1", 0)
     reader, writer = await asyncio.open_connection(host, port)
     try:
@@ -68,16 +68,16 @@ async def test_handshake_timeout_closes_silent_and_slow_clients(slowloris: bool,
         # The server half-closes and keeps reading: a byte of the hello still on its way
         # when it closes no longer makes the kernel reset the connection (which dropped the
         # error frame with it), so the error always arrives, then EOF.
-        messages = await read_until_closed(reader, timeout=5)
-        assert loop.time() - start < 2
+        messages = await read_until_closed(reader, timeout=15)
+        assert loop.time() - start < 10  # the handshake timeout, with room for a loaded machine
         [err] = messages
         assert isinstance(err, ErrorResponse) and err.is_fatal
         assert err.code is ErrorCode.PROTOCOL_ERROR and "timed out" in err.message
         writer.close()  # the server's connection ends at our EOF, not at its close_timeout
-        async with asyncio.timeout(5):
+        async with asyncio.timeout(30):
             while server.connections:
                 await asyncio.sleep(0.01)
-        assert loop.time() - start < 5
+        assert loop.time() - start < 30  # at our EOF, not the close_timeout (60 s)
     finally:
         writer.close()
         with contextlib.suppress(OSError):

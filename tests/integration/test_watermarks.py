@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import pytest
 
+from exchange.errors import PartitionReleasedError
 from exchange.memory import NetworkBufferPool
 from exchange.partition import (
     ResultPartition,
@@ -246,7 +247,7 @@ async def test_close_with_a_stalled_client_releases_everything(
         await asyncio.wait_for(server.close(), 5)
         assert server.connections == set()
         assert proto.queue.num_readers == 0
-        with pytest.raises(Exception, match="released"):
+        with pytest.raises(PartitionReleasedError, match="released"):
             await asyncio.wait_for(producer, 5)  # its consumer is gone
         assert len(manager) == 0
         assert server_pool.num_in_use == 0, server_pool.stats()

@@ -140,11 +140,11 @@ def test_delay_is_latency_not_a_pause_per_chunk(echo_proxy: Any) -> None:
     echo_proxy.set_fault(UP, delay_ms=200)
     with connect(echo_proxy) as s:
         start = time.monotonic()
-        for _ in range(20):  # 20 writes: with a pause per chunk this would take 4 s
+        for _ in range(60):  # 60 writes: with a pause per chunk this would take 12 s
             s.sendall(b"y" * 1000)
-        assert recv_exactly(s, 20_000) == b"y" * 20_000
+        assert recv_exactly(s, 60_000) == b"y" * 60_000
         elapsed = time.monotonic() - start
-    assert 0.19 <= elapsed < 2.0, elapsed
+    assert 0.19 <= elapsed < 8.0, elapsed  # room for a loaded machine, under 12 s
 
 
 def test_throttle_bounds_the_rate_and_keeps_the_bytes(source_proxy: Any) -> None:

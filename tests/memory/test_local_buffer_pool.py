@@ -356,7 +356,7 @@ async def test_blocking_request_is_woken_by_a_release() -> None:
     await settle()
     assert not task.done()
     a.release()
-    got = await asyncio.wait_for(task, 1.0)
+    got = await asyncio.wait_for(task, 10)
     assert pool.num_in_use == 2
     assert pool.num_available == 0
     assert pool.num_requested == 2
@@ -376,7 +376,7 @@ async def test_available_future_completes_on_release() -> None:
     fut = pool.get_available_future()
     assert not fut.done()
     a.release()
-    await asyncio.wait_for(fut, 1.0)
+    await asyncio.wait_for(fut, 10)
     assert pool.get_available_future().done()
     pool.destroy()
     assert_whole(nbp)
@@ -393,7 +393,7 @@ async def test_destroy_wakes_a_blocked_writer_with_an_error() -> None:
     assert not task.done()
     pool.destroy()
     with pytest.raises(PoolDestroyedError):
-        await asyncio.wait_for(task, 1.0)
+        await asyncio.wait_for(task, 10)
     a.release()
     assert_whole(nbp)
     nbp.destroy()
@@ -414,7 +414,7 @@ async def test_a_pool_waiting_on_an_empty_global_pool_is_woken_by_another_pool()
     await settle()
     assert not task.done()
     held.pop().release()  # b is over its size: to the global pool, which wakes a
-    got = await asyncio.wait_for(task, 1.0)
+    got = await asyncio.wait_for(task, 10)
     assert a.num_requested == 1
     assert b.num_requested == 3
     assert nbp.num_available == 0
@@ -441,7 +441,7 @@ async def test_a_blocked_writer_is_woken_when_its_pool_grows() -> None:
     assert not task.done()
     b.destroy()
     assert a.current_pool_size == 4
-    got = await asyncio.wait_for(task, 1.0)
+    got = await asyncio.wait_for(task, 10)
     assert a.num_requested == 2
     got.release()
     x.release()

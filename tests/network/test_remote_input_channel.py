@@ -430,7 +430,7 @@ async def test_partition_not_found_retries_with_backoff_then_fails(nbp: NetworkB
     assert len(client.requests) == 4
     assert loop.time() - start >= 0.01 + 0.02 + 0.04
     with pytest.raises(PartitionNotFoundError):
-        await asyncio.wait_for(gate.get_next(), 1)
+        await asyncio.wait_for(gate.get_next(), 10)
     gate.close()
 
 
@@ -446,11 +446,11 @@ async def test_partition_found_on_retry(nbp: NetworkBufferPool) -> None:
     sender = Sender(ch, total=1)
     sender.send_data()
     sender.send_end_of_partition()
-    boe = await asyncio.wait_for(gate.get_next(), 1)
+    boe = await asyncio.wait_for(gate.get_next(), 10)
     assert boe is not None and boe.buffer is not None
     boe.buffer.release()
-    assert await asyncio.wait_for(gate.get_next(), 1) is not None  # EndOfPartition
-    assert await asyncio.wait_for(gate.get_next(), 1) is None
+    assert await asyncio.wait_for(gate.get_next(), 10) is not None  # EndOfPartition
+    assert await asyncio.wait_for(gate.get_next(), 10) is None
     gate.close()
 
 
@@ -527,7 +527,7 @@ async def test_retry_on_a_dead_connection_fails_the_channel(nbp: NetworkBufferPo
     try:
         assert ch.on_partition_not_found()
         with pytest.raises(TransportError):
-            await asyncio.wait_for(gate.get_next(), 1)
+            await asyncio.wait_for(gate.get_next(), 10)
     finally:
         loop.set_exception_handler(None)
         gate.close()

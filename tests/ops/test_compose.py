@@ -167,8 +167,11 @@ def test_every_file_the_compose_file_names_exists(resolved: dict[str, Any]) -> N
     for line in re.findall(r"^COPY (.+)$", dockerfile, re.M):
         for src in line.split()[:-1]:
             assert (ROOT / src).exists(), f"Dockerfile copies missing {src}"
-    # The image installs the project, so its console script (exchange-daemon) exists there.
+    # The image installs the project, so its console script (exchange-daemon) exists there;
+    # the install compiles the data plane: setup.py and a compiler must be in the image.
     assert re.search(r"pip install .*'\.\[spark\]'", dockerfile), dockerfile
+    assert re.search(r"^COPY .*\bsetup\.py\b", dockerfile, re.M), dockerfile
+    assert dockerfile.index("build-essential") < dockerfile.index("pip install"), dockerfile
 
 
 def test_workers_run_the_repository_script_and_find_their_daemon(

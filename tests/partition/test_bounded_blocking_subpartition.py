@@ -115,7 +115,7 @@ async def test_release_while_reading_fails_the_reader_and_deletes_files_after_it
     manager.release_partition(part.partition_id)
     assert len(list(spill.iterdir())) == 1  # the reader still has it open
     with pytest.raises(PartitionReleasedError):
-        await asyncio.wait_for(reader.read_all(), 2)
+        await asyncio.wait_for(reader.read_all(), 10)
     reader.close()
     assert list(spill.iterdir()) == []
     with pytest.raises(PartitionReleasedError):

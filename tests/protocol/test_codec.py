@@ -61,6 +61,7 @@ from exchange.protocol import (
     register_message,
     unregister_message,
 )
+from exchange.protocol.codec import InPlaceFrameDecoder
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -290,6 +291,69 @@ def test_frame_at_the_limit_passes_one_byte_more_fails() -> None:
     with pytest.raises(FrameTooLargeError) as info:
         FrameDecoder(limit).feed(frame_bytes(big)[:FRAME_HEADER_SIZE])
     assert (info.value.size, info.value.limit) == (limit + 1, limit)
+
+
+def _at_the_limit(limit: int, extra: int = 0) -> tuple[BufferResponse, bytes]:
+    fits = limit - BUFFER_RESPONSE_HEADER_SIZE + extra
+    msg = BufferResponse(
+        1, 0, 0, DataType.DATA_BUFFER, False, bytes(range(256)) * (fits // 256) + bytes(fits % 256)
+    )
+    return msg, frame_bytes(msg)
+
+
+@pytest.mark.parametrize("split", range(1, FRAME_HEADER_SIZE + 1))
+@pytest.mark.parametrize("after", [False, True], ids=["alone", "after-a-frame"])
+def test_a_frame_at_the_limit_decodes_when_its_header_arrives_split(
+    split: int, after: bool
+) -> None:
+    """The header checked across reads (``_complete_pending``) as in one read: a frame of
+    exactly the limit passes, one byte more fails, at every split of the header, alone or
+    behind a whole frame in the same read. Both decoders."""
+    limit = max_frame_size_for(8192)
+    msg, data = _at_the_limit(limit)
+    assert len(data) == limit
+    lead = frame_bytes(AddCredit(1, 1)) if after else b""
+    first, rest = lead + data[:split], data[split:]
+    expected = [AddCredit(1, 1), msg] if after else [msg]
+    assert feed_all(FrameDecoder(limit), [first, rest]) == expected
+    in_place = InPlaceFrameDecoder(limit)
+    assert [*in_place.feed(first), *in_place.feed(rest)] == expected
+    _, big = _at_the_limit(limit, 1)
+    first = lead + big[:split]
+    for decoder in (FrameDecoder(limit), InPlaceFrameDecoder(limit)):
+        with pytest.raises(FrameTooLargeError) as info:
+            decoder.feed(first)
+            decoder.feed(big[split:])
+        assert (info.value.size, info.value.limit) == (limit + 1, limit)
+
+
+@pytest.mark.parametrize(
+    "name", ["x" * 255, "\u20ac" * 85, "a" + "\u00e9" * 127], ids=["ascii", "3-byte", "2-byte"]
+)
+def test_a_dataset_id_of_exactly_255_bytes_is_decoded(name: str) -> None:
+    assert len(name.encode("utf-8")) == 255
+    msg = PartitionRequest(ResultPartitionID(name, 7, 9), 3, 2, 1)
+    data = frame_bytes(msg)
+    assert FrameDecoder().feed(data) == [msg]
+    assert InPlaceFrameDecoder().feed(data) == [msg]
+    assert feed_all(FrameDecoder(), [data[i : i + 1] for i in range(len(data))]) == [msg]
+
+
+def test_a_dataset_id_of_256_bytes_is_refused_both_ways() -> None:
+    with pytest.raises(UsageError):
+        ResultPartitionID("x" * 256, 7, 9)
+    # the frame of a 255-byte id, its name length patched to 256 and one byte more
+    data = frame_bytes(PartitionRequest(ResultPartitionID("x" * 255, 7, 9), 3, 2, 1))
+    (length,) = struct.unpack_from(">I", data)
+    body = bytearray(data[FRAME_HEADER_SIZE:])
+    (name_len,) = struct.unpack_from(">H", body)
+    assert name_len == 255
+    struct.pack_into(">H", body, 0, 256)
+    body[2:2] = b"x"
+    patched = struct.pack(">IIB", length + 1, MAGIC, MessageId.PARTITION_REQUEST) + bytes(body)
+    for decoder in (FrameDecoder(), InPlaceFrameDecoder()):
+        with pytest.raises(ProtocolError, match="dataset id of 256 bytes"):
+            decoder.feed(patched)
 
 
 def test_length_shorter_than_the_header() -> None:

@@ -48,6 +48,7 @@ from server.http_server import (
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer
 from tests.kit.partition_writer import ResultPartitionWriter
+from tests.kit.polling import wait_until
 
 SEGMENTS = 256
 SEGMENT_SIZE = 4096
@@ -425,7 +426,7 @@ async def test_slowloris_client_is_closed_after_the_read_timeout(
 
     async def dribble() -> None:
         writer.write(b"GET /healthz HTTP/1.1\r\n")
-        for i in range(100):
+        for i in range(400):  # 20 s of activity: far past the read timeout
             await asyncio.sleep(0.05)
             if writer.is_closing() or reader.at_eof():
                 return
@@ -439,7 +440,7 @@ async def test_slowloris_client_is_closed_after_the_read_timeout(
     try:
         # Others are served meanwhile.
         assert (await get(port, "/healthz")).status == 200
-        data = await asyncio.wait_for(reader.read(), 3)
+        data = await asyncio.wait_for(reader.read(), 15)
         elapsed = loop.time() - start
     finally:
         dribbling.cancel()
@@ -448,7 +449,9 @@ async def test_slowloris_client_is_closed_after_the_read_timeout(
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
     assert Reply(data).status == 408
-    assert 0.45 <= elapsed < 1.5
+    # after the read timeout, long before the dribble ends (a timeout reset by each byte
+    # would answer only then); room for a loaded machine
+    assert 0.45 <= elapsed < 10
     for _ in range(50):
         if server.num_connections == 0:
             break
@@ -541,7 +544,7 @@ async def test_connections_per_peer_are_capped(daemon: StandInDaemon) -> None:
 
 @pytest.mark.asyncio
 async def test_close_drops_open_connections(daemon: StandInDaemon) -> None:
-    server = HttpServer(daemon, read_timeout=5.0)
+    server = HttpServer(daemon, read_timeout=60.0)
     _, port = await server.start("127.0.0.1", 0)
     clients = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
     for _ in range(50):
@@ -552,11 +555,11 @@ async def test_close_drops_open_connections(daemon: StandInDaemon) -> None:
     loop = asyncio.get_running_loop()
     start = loop.time()
     await server.close()
-    assert loop.time() - start < 1.0
+    assert loop.time() - start < 20  # never waits for the clients' read timeout (60 s)
     assert server.num_connections == 0
     for reader, writer in clients:
         with contextlib.suppress(ConnectionError):
-            assert await asyncio.wait_for(reader.read(), 1) == b""
+            assert await asyncio.wait_for(reader.read(), 10) == b""
         writer.close()
         with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
@@ -670,7 +673,8 @@ async def test_dashboard_renders_live_values_in_chromium(
     stop = asyncio.Event()
     streaming = asyncio.create_task(traffic(daemon, stop))
     try:
-        await asyncio.sleep(0.3)
+        # the page must find figures: at least one stream moved through the daemon
+        await wait_until(lambda: daemon.totals()["bytes_out"] > 0, 30, "traffic")
         dom = (
             await run_chromium(
                 *common,

@@ -46,6 +46,7 @@ from server.metrics import (
 )
 from server.partition_request_server import DataServer
 from tests.kit.partition_writer import ResultPartitionWriter
+from tests.kit.polling import wait_until
 
 SEGMENTS = 256
 SEGMENT_SIZE = 4096
@@ -357,7 +358,8 @@ async def test_back_pressure_is_counted_in_seconds(daemon: StandInDaemon) -> Non
             await writer.emit_all(records)
 
     producing = asyncio.create_task(produce())
-    await asyncio.sleep(0.3)
+    await wait_until(lambda: part.buffer_pool.num_in_use == 2, 30, "the writer holding the pool")
+    await asyncio.sleep(0.3)  # the consumer holds back: 0.3 s of back pressure, at least
     assert not producing.done()
     samples = scrape(build_registry(daemon))
     assert value(samples, "exchange_out_pool_usage", **plabels(pid)) == 1.0

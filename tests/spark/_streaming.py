@@ -22,6 +22,7 @@ from typing import Any
 
 from client.streaming.connectors import FileSink, GeneratorSource
 from client.streaming.functions import Collector, OperatorContext
+from tests.kit.polling import wait_for as wait_for  # the tests call st.wait_for
 
 KEYS = 7
 #: Longest a held task waits for the test (it is normally killed or released at once).
@@ -280,16 +281,6 @@ def pids(probes: Path) -> dict[int, dict[str, int]]:
         if with_text:
             out[int(attempt)][rest] = int(with_text)
     return dict(out)
-
-
-def wait_for(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = predicate()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.02)
 
 
 @contextlib.contextmanager

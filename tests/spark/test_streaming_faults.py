@@ -214,7 +214,8 @@ def test_a_failed_sink_commit_restarts_and_commits_nothing_twice(
 ) -> None:
     """The sink's commit for a completed checkpoint raises (a typed SinkCommitError): the
     task fails, the job restarts from that checkpoint, whose restored sink commits the
-    files that failed; nothing is lost and nothing committed twice."""
+    files that failed; nothing is lost and nothing committed twice. The attempt's reported
+    cause is the commit's failure, whichever task's report reached the driver first."""
     probes, out, ckpt = _dirs(tmp_path)
     env = _env(spark, ckpt)
     n = 60_000
@@ -222,7 +223,12 @@ def test_a_failed_sink_commit_restarts_and_commits_nothing_twice(
     result = env.execute(restart_attempts=2, restart_backoff=0.2)
     assert (probes / "commit-failed").exists()
     assert result.restarts == 1, result
+    # the root cause, though another task's consequential failure (its partition released
+    # as the attempt is torn down) may reach the driver first: listed as a consequence
     assert "SinkCommitError" in result.failures[0] and "injected" in result.failures[0]
+    (first,) = result.failure_history
+    assert first.root_cause == result.failures[0]
+    assert not any("SinkCommitError" in c for c in first.consequences), first.consequences
     st.check_exactly_once(out, n)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from exchange.errors import ConfigError, UsageError
@@ -33,14 +35,34 @@ def test_keys_route_to_the_owner_of_their_key_group() -> None:
         assert kg in key_group_range_for_subtask(128, 3, i)
 
 
-def test_the_assignment_is_pinned() -> None:
-    # the deterministic hash fixes these for every process and run
-    assert [key_group_for_key(k, 128) for k in (0, 1, "a")] == [
-        key_group_for_key(0, 128),
-        key_group_for_key(1, 128),
-        key_group_for_key("a", 128),
-    ]
-    assert key_group_for_key(0, 128) == 0  # Fibonacci hashing of 0 is 0
+# Literal key groups recorded as released: a checkpoint's keyed state is stored by key
+# group, so a key must land in the same group in the version that restores it.
+PINNED_KEY_GROUPS: list[tuple[Any, int, int]] = [
+    # key, key group of 128, key group of 32768 (the largest max parallelism)
+    (0, 0, 0),
+    (1, 57, 31161),
+    (-1, 70, 1606),
+    (2**64 + 5, 76, 28748),
+    ("a", 55, 12727),
+    ("key-1", 25, 29209),
+    ("äöü€", 45, 2989),
+    (b"\x00\xff", 124, 19196),
+    ((1, "a"), 109, 23277),
+    (("nested", (1, 2.5, None)), 21, 149),
+    (1.5, 98, 32098),
+    (-0.0, 118, 18294),
+    (None, 55, 9783),
+    (True, 12, 5516),
+    (False, 74, 25162),
+]
+
+
+@pytest.mark.parametrize(
+    ("key", "of_128", "of_32768"), PINNED_KEY_GROUPS, ids=[repr(k) for k, *_ in PINNED_KEY_GROUPS]
+)
+def test_the_assignment_is_pinned(key: Any, of_128: int, of_32768: int) -> None:
+    assert key_group_for_key(key, 128) == of_128
+    assert key_group_for_key(key, 32768) == of_32768
 
 
 @pytest.mark.parametrize(("max_p", "p", "i"), [(0, 1, 0), (40000, 1, 0), (8, 9, 0), (8, 0, 0)])

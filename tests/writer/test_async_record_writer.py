@@ -25,6 +25,7 @@ from exchange.writer import (
     deterministic_hash,
 )
 from tests.kit.partition_writer import ResultPartitionWriter
+from tests.kit.polling import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -193,17 +194,26 @@ async def test_backpressure_blocks_writer_within_pool_and_resumes(
     producer = asyncio.create_task(produce())
     got: list[Any] = []
     while len(got) < 100:
-        batch = await asyncio.wait_for(reader.next_batch(), 2)
+        batch = await asyncio.wait_for(reader.next_batch(), 10)
         assert batch is not None
         got += batch
-    # the reader stops: the writer fills the pool and waits
-    await asyncio.sleep(0.3)
-    assert not producer.done()
-    assert part.buffer_pool.num_in_use == max_segments
+    # the reader stops: the writer fills the pool and waits for a buffer
+    pool = part.buffer_pool
+    seen = [-1]
+
+    def held() -> bool:
+        # a writer that can go on runs while the poll sleeps (one loop): no byte added to
+        # the partition with its pool full and unavailable is a writer waiting for a buffer
+        before, seen[0] = seen[0], part.stats().bytes_out
+        return pool.num_in_use == max_segments and not pool.is_available and before == seen[0]
+
+    await wait_until(held, 30, "the writer waiting for a buffer of its full pool")
     assert nbp.num_in_use <= max_segments
-    stalled_at = writer.records_out
-    await asyncio.sleep(0.1)
-    assert writer.records_out == stalled_at or not producer.done()
+    stalled_at = part.stats().bytes_out
+    await asyncio.sleep(0.3)  # time to move on, were it not held: it is not
+    assert part.stats().bytes_out == stalled_at
+    assert not producer.done()
+    assert pool.num_in_use == max_segments
     # the reader resumes: everything arrives
     got += await asyncio.wait_for(reader.read_all(), 10)
     await asyncio.wait_for(producer, 5)
@@ -213,7 +223,7 @@ async def test_backpressure_blocks_writer_within_pool_and_resumes(
     assert [tuple(r) for r in got] == records
     assert peak["global"] <= max_segments
     assert peak["local"] <= max_segments
-    assert part.stats().back_pressured_seconds >= 0.25
+    assert part.stats().back_pressured_seconds >= 0.3  # at least the time it was held above
 
 
 @pytest.mark.asyncio
@@ -226,11 +236,12 @@ async def test_writer_blocked_on_pool_wakes_with_error_when_partition_is_release
     await open_gate([(part.partition_id, 0)])  # a reader that never reads
     writer = ResultPartitionWriter(part, buffer_timeout=-1)
     producer = asyncio.create_task(writer.emit_all((i, f"{i:0500d}") for i in range(1_000)))
-    await asyncio.sleep(0.1)
+    pool = part.buffer_pool
+    await wait_until(lambda: pool.num_in_use == 2 and not pool.is_available, 30, "a full pool")
     assert not producer.done()
     manager.release_partition(part.partition_id)
     with pytest.raises(PartitionReleasedError):
-        await asyncio.wait_for(producer, 2)
+        await asyncio.wait_for(producer, 30)
     await writer.fail(None)
 
 
@@ -253,10 +264,10 @@ async def test_buffer_timeout_zero_makes_every_record_readable_at_once(
         assert boe.channel_index == i % 2
         boe.buffer.release()
     await writer.emit_all([(6, "a"), (7, "b")])
-    assert await asyncio.wait_for(reader.next_batch(), 0.5) == [(6, "a")]
-    assert await asyncio.wait_for(reader.next_batch(), 0.5) == [(7, "b")]
+    assert await asyncio.wait_for(reader.next_batch(), 10) == [(6, "a")]
+    assert await asyncio.wait_for(reader.next_batch(), 10) == [(7, "b")]
     await writer.close()
-    assert await asyncio.wait_for(reader.next_batch(), 0.5) is None
+    assert await asyncio.wait_for(reader.next_batch(), 10) is None
     reader.close()
 
 
@@ -272,8 +283,8 @@ async def test_buffer_timeout_50ms_moves_a_lone_record_in_bounded_time(
         start = time.monotonic()
         await writer.emit(("lone", i))
         assert gate.poll_next() is None  # not readable before the flusher ran
-        assert await asyncio.wait_for(reader.next_batch(), 1.0) == [("lone", i)]
-        assert time.monotonic() - start < 1.0
+        assert await asyncio.wait_for(reader.next_batch(), 10) == [("lone", i)]
+        assert time.monotonic() - start < 5  # bounded (without a flusher: never)
     await writer.close()
     assert await reader.read_all() == []
     reader.close()
@@ -292,20 +303,20 @@ async def test_buffer_timeout_minus_one_moves_only_full_buffers(
     await asyncio.sleep(0.3)
     assert not pending.done()
     await writer.flush()
-    assert await asyncio.wait_for(pending, 1.0) == [("lone", 0)]
+    assert await asyncio.wait_for(pending, 10) == [("lone", 0)]
     # enough records to fill a buffer: the full buffer moves without a flush
     big = [("r", i, f"{i:0100d}") for i in range(100)]  # ~10 KiB
     await writer.emit_all(big)
     got: list[Any] = []
     while len(got) < 30:
-        batch = await asyncio.wait_for(reader.next_batch(), 1.0)
+        batch = await asyncio.wait_for(reader.next_batch(), 10)
         assert batch is not None
         got += batch
     rest = asyncio.create_task(reader.read_all())
     await asyncio.sleep(0.05)
     assert not rest.done()  # the last, partly filled buffer waits for close
     await writer.close()
-    got += await asyncio.wait_for(rest, 1.0)
+    got += await asyncio.wait_for(rest, 10)
     assert [tuple(r) for r in got] == big
     reader.close()
 
@@ -378,7 +389,7 @@ async def test_emit_after_consumer_left_raises_partition_released(
     reader = RecordReader(gate)
     writer = ResultPartitionWriter(part, buffer_timeout=0.01)
     await writer.emit_all((i, "v") for i in range(50))
-    assert await asyncio.wait_for(reader.next_batch(), 1)
+    assert await asyncio.wait_for(reader.next_batch(), 10)
     reader.close()  # the consumer goes away before the end
     assert part.is_released
     with pytest.raises(PartitionReleasedError, match="consumer"):
@@ -405,7 +416,7 @@ async def test_flusher_keeps_flushing_other_subpartitions_when_one_consumer_left
     for i in range(3):
         await writer.emit_to(("kept", i), 0)
         # the output flusher still moves subpartition 0's records
-        assert await asyncio.wait_for(reader.next_batch(), 1.0) == [("kept", i)]
+        assert await asyncio.wait_for(reader.next_batch(), 10) == [("kept", i)]
     # the writer learns about subpartition 1 when it copies into it
     with pytest.raises(PartitionReleasedError, match="consumer"):
         await writer.flush()
