@@ -94,11 +94,9 @@ def _writer_partition_func(
 
     if partition_func is portable_hash:
         register_int_value_hash(portable_hash)
-    return (
-        None
-        if partition_func is exchange_hash or partition_func is deterministic_hash
-        else (partition_func)
-    )
+    if partition_func is exchange_hash or partition_func is deterministic_hash:
+        return None
+    return partition_func
 
 
 def _raise_typed(error: Exception) -> None:
