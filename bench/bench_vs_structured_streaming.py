@@ -25,11 +25,13 @@ Structured Streaming") explains what makes the comparison fair; in short:
 * **Triggers**: Spark's default trigger (the next micro-batch as soon as the last one
   ended: its lowest latency), its checkpoint (offsets, state) every micro-batch; ours
   checkpoints every second, exactly-once (aligned).
-* **Sustained rate**: the highest input rate each keeps up with: Spark's rate source at
-  ``--max-rate`` (default 200000: more than it can do, its micro-batches grow; the
-  max-rate runs note every 100th event at the sink) and our generator
-  without a limit (backpressure slows it); the figure is the rows reaching the sink per
-  second after the warm-up.
+* **Sustained rate**: the most rows per second each gets through, for ``--seconds`` after
+  its first output: Spark reads the ``rate-micro-batch`` source (``--max-batch`` rows per
+  micro-batch, default 200000: the next batch starts when the last one ended, so its rate
+  is Spark's own, not its input's) and ours the generator without a limit (backpressure
+  slows it), stopped cleanly (``env.cancel()``) ``--seconds`` after its first checkpoint
+  (``--max-count``, if given, ends it earlier); the max-rate runs note every 100th event at
+  the sink, and the figure is the rows reaching the sink per second after the warm-up.
 
 Latency p50/p99 over every event created after the warm-up; every run checks the sink
 saw each event exactly once (Spark: every event of the batches it ran) and that the
@@ -100,14 +102,20 @@ def summarize(
     every: int = 1,
 ) -> dict[str, Any]:
     """``arrivals``: (seen at, value, total, created ms) per row at the sink. Latency over
-    the events created from ``created_from`` on; the rate over the rows seen from
-    ``seen_from`` on (rows / seconds from then to the last row; ``arrivals`` has every
-    ``every``-th event)."""
-    steady = [seen for seen, _, _, _ in arrivals if seen >= seen_from]
-    span = max(steady) - seen_from if steady else 0.0
+    the events created from ``created_from`` on; the rate over the rows seen after the
+    first arrival from ``seen_from`` on, per second from that arrival to the last one
+    (``arrivals`` has every ``every``-th event). Counting from an arrival, not from
+    ``seen_from``, matters for micro-batches: the first batch after the warm-up was mostly
+    processed before it, and counting its rows over the time since the warm-up would
+    inflate the rate by up to a batch."""
+    steady = sorted(seen for seen, _, _, _ in arrivals if seen >= seen_from)
+    span = steady[-1] - steady[0] if steady else 0.0
     if span <= 0:
-        raise BenchError(f"{name}: no rows reached the sink after the warm-up: run longer")
-    out: dict[str, Any] = {"sink_rows_per_s": every * len(steady) / span}
+        raise BenchError(
+            f"{name}: fewer than two arrivals at the sink after the warm-up: run longer"
+        )
+    after = sum(1 for seen in steady if seen > steady[0])
+    out: dict[str, Any] = {"sink_rows_per_s": every * after / span}
     text = f"{out['sink_rows_per_s']:.0f} rows/s at the sink"
     if latency:
         lat = [
@@ -140,6 +148,8 @@ def wait_until(cond: Any, timeout: float, query: Any) -> None:
 def run_spark(
     spark: Any, rate: int, seconds: float, warmup: float, name: str, latency: bool
 ) -> dict[str, Any]:
+    """``latency``: the ``rate`` source at ``rate`` rows/s; otherwise the
+    ``rate-micro-batch`` source with ``rate`` rows per micro-batch (its most rows/s)."""
     import pandas as pd
     from pyspark.sql import functions as F
     from pyspark.sql.streaming.state import GroupStateTimeout
@@ -156,7 +166,7 @@ def run_spark(
 
     arrivals: list[tuple[float, int, int, int]] = []
     newest = [0]  # the latest creation time (ms) seen at the sink
-    last = [0.0]  # when the latest micro-batch reached the sink
+    batches: list[float] = []  # when each micro-batch reached the sink
     lock = threading.Lock()
 
     every = 1 if latency else MAX_RUN_SAMPLE
@@ -171,14 +181,17 @@ def run_spark(
         with lock:
             arrivals.extend((now, r.value, r.total, r.ts_ms) for r in rows)
             newest[0] = max([newest[0], *(r.ts_ms for r in rows)])
-            last[0] = now
+            batches.append(now)
 
     ckpt = tempfile.mkdtemp(prefix="xbench-ss-")
     try:
+        if latency:
+            source = spark.readStream.format("rate").option("rowsPerSecond", rate)
+        else:  # fixed micro-batches, each as soon as the last ended: no input bound, and
+            # no backlog that makes every batch larger than the last
+            source = spark.readStream.format("rate-micro-batch").option("rowsPerBatch", rate)
         events = (
-            spark.readStream.format("rate")
-            .option("rowsPerSecond", rate)
-            .option("numPartitions", 1)
+            source.option("numPartitions", 1)
             .load()
             .select(
                 (F.col("value") % KEYS).alias("key"),
@@ -206,9 +219,11 @@ def run_spark(
             t0 = time.time()
             if latency:  # until an event created ``seconds`` after that reached the sink
                 wait_until(lambda: newest[0] >= 1000 * (t0 + seconds), seconds + 120.0, query)
-            else:  # the backlog grows: what reached the sink by then (a batch at least)
+            else:  # fixed batches: until two at least reached the sink after the warm-up
                 wait_until(
-                    lambda: time.time() >= t0 + seconds and last[0] > t0 + warmup,
+                    lambda: (
+                        time.time() >= t0 + seconds and sum(b > t0 + warmup for b in batches) >= 2
+                    ),
                     seconds + 120.0,
                     query,
                 )
@@ -269,10 +284,37 @@ def latency_sink_factory(directory: str, every: int) -> Any:
     return LatencySink()
 
 
+def stop_after(env: Any, seconds: float, timeout: float) -> threading.Thread:
+    """Stop ``env``'s job cleanly ``seconds`` after its first completed checkpoint (its
+    tasks run and records flow by then)."""
+
+    def run() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = env.status
+            if status is not None and status.snapshot().checkpoints_completed >= 1:
+                time.sleep(seconds)
+                break
+            time.sleep(0.05)
+        env.cancel()  # a clean stop: a final checkpoint, the sink's end_input
+
+    thread = threading.Thread(target=run, name="bench-stop", daemon=True)
+    thread.start()
+    return thread
+
+
 def run_ours(
-    spark: Any, rate: int | None, count: int, warmup: float, name: str, latency: bool
+    spark: Any,
+    rate: int | None,
+    count: int | None,
+    warmup: float,
+    name: str,
+    latency: bool,
+    seconds: float | None = None,
 ) -> dict[str, Any]:
-    from client.streaming.environment import StreamEnvironment
+    """``count`` events (None: unbounded); ``seconds``: stop the job cleanly that long
+    after its first checkpoint."""
+    from client.streaming import StreamEnvironment
 
     work = tempfile.mkdtemp(prefix="xbench-ours-")
     try:
@@ -289,18 +331,26 @@ def run_ours(
             .process(RunningTotal(), parallelism=1)
             .sink_to(lambda: latency_sink_factory(work, every), parallelism=1)
         )
-        env.execute(restart_attempts=0)
+        stopper = None if seconds is None else stop_after(env, seconds, seconds + 300.0)
+        result = env.execute(restart_attempts=0)
+        if stopper is not None:
+            stopper.join()
         with open(os.path.join(work, "sink-0.json")) as f:
             got = json.load(f)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = [tuple(r) for r in got["rows"]]
-    if got["count"] != count:
-        raise BenchError(f"ours: the sink saw {got['count']} rows, {count} were generated")
+    generated = sum(n for task, n in result.records.items() if task.startswith("v0-"))
+    if got["count"] != generated or (
+        count is not None and not result.stopped and generated != count
+    ):
+        raise BenchError(f"ours: the sink saw {got['count']} rows, {generated} were generated")
     check_totals([(v, t, c) for _, v, t, c in rows], complete=every == 1)
     first_created = min(created for _, _, _, created in rows) / 1000
     first_seen = min(seen for seen, _, _, _ in rows)
-    return summarize(name, rows, first_created + warmup, first_seen + warmup, latency, every)  # type: ignore[arg-type]
+    out = summarize(name, rows, first_created + warmup, first_seen + warmup, latency, every)
+    out["events"] = generated
+    return out
 
 
 def session() -> Any:
@@ -319,6 +369,9 @@ def session() -> Any:
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.python.worker.reuse", "true")
         .config("spark.sql.shuffle.partitions", "2")
+        # stopping the max-rate query mid-batch overflowed the stream thread's stack in a
+        # regex (java.util.regex recursion) with the default thread stack
+        .config("spark.driver.extraJavaOptions", "-Xss64m")
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
@@ -330,9 +383,16 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=1000, help="events/s of the latency runs")
     ap.add_argument("--seconds", type=float, default=30.0, help="length of every run")
     ap.add_argument("--warmup", type=float, default=10.0)
-    ap.add_argument("--max-rate", type=int, default=200_000, help="Spark's rate source, max run")
-    ap.add_argument("--max-count", type=int, default=2_000_000, help="events of our max run")
+    ap.add_argument(
+        "--max-batch", type=int, default=200_000, help="rows per micro-batch, Spark's max run"
+    )
+    ap.add_argument(
+        "--max-count", type=int, default=None, help="at most these events in our max run"
+    )
     args = ap.parse_args()
+    if args.seconds <= args.warmup:
+        ap.error("--seconds must be longer than --warmup (the rates are after the warm-up)")
+    load_start = os.getloadavg()[0]
     spark = session()
     try:
         from client import spark as xs
@@ -340,8 +400,10 @@ def main() -> None:
         w = args.warmup
         ss = run_spark(spark, args.rate, args.seconds, w, "spark latency", True)
         ours = run_ours(spark, args.rate, int(args.rate * args.seconds), w, "ours  latency", True)
-        ss_max = run_spark(spark, args.max_rate, args.seconds, w, "spark max rate", False)
-        ours_max = run_ours(spark, None, args.max_count, w, "ours  max rate", False)
+        ss_max = run_spark(spark, args.max_batch, args.seconds, w, "spark max rate", False)
+        ours_max = run_ours(
+            spark, None, args.max_count, w, "ours  max rate", False, seconds=args.seconds
+        )
     finally:
         spark.stop()
         xs.stop_embedded_daemon()
@@ -368,6 +430,14 @@ def main() -> None:
                 "rate_ratio": rate_ratio,
                 "target_p99_met": p99_ratio >= TARGET_P99_RATIO,
                 "target_rate_met": rate_ratio >= TARGET_RATE_RATIO,
+                "seconds": args.seconds,
+                "warmup_s": w,
+                "spark_max_batch_rows": args.max_batch,
+                "ours_max_events": ours_max["events"],
+                "spark_latency_samples": ss["samples"],
+                "ours_latency_samples": ours["samples"],
+                "load_avg_start": load_start,
+                "load_avg_end": os.getloadavg()[0],
             }
         )
     )

@@ -58,6 +58,29 @@ def _log(t0: float, msg: str) -> None:
     print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
 
 
+class _Since(logging.Formatter):
+    """The driver's log lines in the job's own format: seconds since the start."""
+
+    def __init__(self, t0: float) -> None:
+        super().__init__()
+        self.wall0 = time.time() - (time.monotonic() - t0)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"[{record.created - self.wall0:6.1f}s] {record.getMessage()}"
+
+
+def _speak(t0: float) -> logging.Handler:
+    """Show the streaming runtime's log (attempts, restores, checkpoints, restarts) on
+    stdout, interleaved with the job's own lines."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_Since(t0))
+    logger = logging.getLogger("exchange.streaming")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return handler
+
+
 # -- the pipeline's functions (pickled into the Spark tasks) -----------------------------
 
 
@@ -414,6 +437,7 @@ def run_clickstream(args: argparse.Namespace) -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     t0 = time.monotonic()
+    speaking = _speak(t0)
     par = args.parallelism
     master = args.master or f"local[{2 * par}]"
     own_workdir = args.workdir is None
@@ -582,6 +606,7 @@ def run_clickstream(args: argparse.Namespace) -> int:
         _log(t0, f"daemon stopped; network buffer pool whole: {whole}")
         if own_workdir:
             shutil.rmtree(work, ignore_errors=True)
+        logging.getLogger("exchange.streaming").removeHandler(speaking)
     return 0 if ok else 1
 
 

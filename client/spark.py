@@ -28,6 +28,7 @@ import atexit
 import contextlib
 import itertools
 import json
+import logging
 import os
 import re
 import shutil
@@ -56,7 +57,9 @@ from exchange.errors import ExchangeError, NotAPairError, TransportError, UsageE
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.serialization.record_codec import RecordCodec, default_codec
 from exchange.writer.hashing import deterministic_hash
-from exchange.writer.record_writer import register_int_value_hash
+from exchange.writer.routing import register_int_value_hash
+
+log = logging.getLogger("exchange.client.spark")
 
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext
@@ -215,6 +218,14 @@ def stop_embedded_daemon() -> bool:
     return d.stop() if d is not None else True
 
 
+def embedded_dashboard_url(socket: str | None) -> str | None:
+    """The embedded daemon's dashboard URL, if it runs and listens on ``socket``."""
+    d = _embedded
+    if d is None or socket is None or d.proc.poll() is not None:
+        return None
+    return d.dashboard_url if os.path.realpath(socket) == os.path.realpath(d.socket) else None
+
+
 def _daemon_hint(sc: SparkContext) -> str | None:
     """The daemon address tasks should use, as decided on the driver (None: their env)."""
     conf = sc.getConf().get(CONF_DAEMON_ADDRESS, None)
@@ -261,10 +272,37 @@ def check_executor_python(sc: SparkContext) -> None:
     without the package there a task would die with a bare ``ModuleNotFoundError``. A
     one-task probe job (its function travels by value, so it runs even there) imports
     what tasks need and reports the interpreter. Checked once per application.
+
+    In local mode the executors run on this machine, so the driver's own interpreter
+    (which imports the package) can run them: the probe's failure then switches the
+    application's workers to ``sys.executable`` (``sc.pythonExec``, read for every job),
+    with a warning, and probes again. Elsewhere the failure is a ``UsageError``.
     """
     app = str(sc.applicationId)
     if app in _checked_apps:
         return
+    error = _probe_executor_python(sc)
+    master = str(sc.master or "")
+    if error is not None and master.startswith("local") and sc.pythonExec != sys.executable:
+        log.warning(
+            "the executors' Python %s; this local run uses the driver's interpreter %s "
+            "instead (set PYSPARK_PYTHON before the SparkSession is created to choose)",
+            error,
+            sys.executable,
+        )
+        sc.pythonExec = sys.executable
+        error = _probe_executor_python(sc)
+    if error is not None:
+        raise UsageError(
+            f"the executors' Python {error}. Install pyspark-exchange into that "
+            "interpreter, or point Spark at one that has it: set PYSPARK_PYTHON (for "
+            "example to sys.executable) before the SparkSession is created"
+        )
+    _checked_apps.add(app)
+
+
+def _probe_executor_python(sc: SparkContext) -> str | None:
+    """None if a task can import the client; else what failed, and where."""
 
     def probe(_: Iterable[Any]) -> Iterator[tuple[str, str | None]]:
         import sys as _sys
@@ -278,16 +316,11 @@ def check_executor_python(sc: SparkContext) -> None:
             return
         yield (_sys.executable, None)
 
-    results = sc.parallelize([0], 1).mapPartitions(probe).collect()
-    for exe, error in results:
+    for exe, error in sc.parallelize([0], 1).mapPartitions(probe).collect():
         if error is not None:
-            raise UsageError(
-                f"the executors' Python ({exe}, sc.pythonExec={sc.pythonExec!r}) cannot import "
-                f"the exchange client ({error}). Install pyspark-exchange into that "
-                "interpreter, or point Spark at one that has it: set PYSPARK_PYTHON (for "
-                "example to sys.executable) before the SparkSession is created"
-            )
-    _checked_apps.add(app)
+            where = f"{exe} (sc.pythonExec={sc.pythonExec!r})"
+            return f"{where} cannot import the exchange client ({error})"
+    return None
 
 
 # -- task-side helpers -----------------------------------------------------------------

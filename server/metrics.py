@@ -69,6 +69,7 @@ __all__ = [
     "MAX_LABELLED_PARTITIONS",
     "MAX_LABELLED_TASKS",
     "OTHER_LABEL",
+    "TASK_COUNTERS",
     "TASK_GAUGES",
     "DaemonView",
     "ExchangeCollector",
@@ -122,6 +123,12 @@ TASK_GAUGES: Final = (
         "exchange_checkpoint_aligned_bytes",
         "Bytes parked or processed during a gate's last checkpoint alignment.",
     ),
+)
+
+#: (TaskMetrics name, Prometheus counter, help) of each count a task's gate reports: it
+#: only grows while the task runs (a new task starts again at 0: a counter reset), so it is
+#: a counter (exported as ``<name>_total``), for ``rate()`` and ``increase()``.
+TASK_COUNTERS: Final = (
     (
         "num_triggered",
         "exchange_checkpoints_triggered",
@@ -379,15 +386,21 @@ class ExchangeCollector:
         state = GaugeMetricFamily(
             "exchange_job_info",
             "A streaming job whose driver publishes its status here (always 1).",
-            labels=["job", "state"],
+            labels=["job_id", "state"],
         )
-        job_gauges = {
-            name: GaugeMetricFamily(name, doc, labels=["job"])
+        # counts over the job's life (its driver's): counters, exported as <name>_total
+        job_counters = {
+            name: CounterMetricFamily(name, doc, labels=["job_id"])
             for name, doc in (
-                ("exchange_job_attempt", "The job's current attempt (its id)."),
                 ("exchange_job_restarts", "Times the job restarted from a checkpoint."),
                 ("exchange_job_checkpoints_completed", "Checkpoints the job completed."),
                 ("exchange_job_checkpoints_failed", "Checkpoints the job aborted or lost."),
+            )
+        }
+        job_gauges: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            name: GaugeMetricFamily(name, doc, labels=["job_id"])
+            for name, doc in (
+                ("exchange_job_attempt", "The job's current attempt (its id)."),
                 (
                     "exchange_job_last_checkpoint_duration_seconds",
                     "Trigger to completion of the job's last completed checkpoint.",
@@ -406,7 +419,9 @@ class ExchangeCollector:
                 ),
             )
         }
-        task_labels = ["job", "task"]
+        # ``job_id`` (Flink's label), not ``job``: Prometheus gives every scraped series its
+        # target's ``job`` and would rename ours to ``exported_job``
+        task_labels = ["job_id", "task"]
         level = GaugeMetricFamily(
             "exchange_task_back_pressure_status",
             "Flink's back-pressure status of a task (always 1): OK <= 10 %, LOW <= 50 %, "
@@ -442,6 +457,7 @@ class ExchangeCollector:
                 ("records_out", "exchange_task_records_out", "Records a task sent on (attempt)."),
             )
         }
+        job_gauges.update(job_counters)
         for view in jobs:
             s = view.status
             state.add_metric([s.job, s.state], 1.0)
@@ -488,8 +504,15 @@ class ExchangeCollector:
             value=len(reports),
         )
         shown = reports[:MAX_LABELLED_TASKS]
-        for key, name, doc in TASK_GAUGES:
-            family = GaugeMetricFamily(name, doc, labels=list(TASK_LABELS))
+        families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
+            (key, GaugeMetricFamily(name, doc, labels=list(TASK_LABELS)))
+            for key, name, doc in TASK_GAUGES
+        ]
+        families += [
+            (key, CounterMetricFamily(name, doc, labels=list(TASK_LABELS)))
+            for key, name, doc in TASK_COUNTERS
+        ]
+        for key, family in families:
             for r in shown:
                 value = r.metrics.get(key)
                 if value is not None:

@@ -39,8 +39,10 @@ __all__ = [
     "FileSink",
     "FileSource",
     "GeneratorSource",
+    "PrintSink",
     "SinkCommitError",
     "SourceFormatError",
+    "SourceNotFoundError",
 ]
 
 log = logging.getLogger("exchange.streaming.connectors")
@@ -58,6 +60,18 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 
 class ConnectorError(ExchangeError):
     """A source or sink could not do its job (its input or output is not as expected)."""
+
+
+class SourceNotFoundError(ConnectorError):
+    """A bounded file source's path names no file (at the job's first start)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(
+            f"file source: {path!r} names no file (nothing matches the glob, the directory "
+            "has no visible files, or the path does not exist); a bounded source would read "
+            "nothing and the job would finish with no output"
+        )
+        self.path = path
 
 
 class SourceFormatError(ConnectorError):
@@ -414,6 +428,8 @@ class FileSource(Source):
                     self._files[path] = table[path]
         else:
             listed = self._list()
+            if not listed and not self.watch:  # seen from this task's host
+                raise SourceNotFoundError(self.path)
             self._known = set(listed)
             for i, path in enumerate(listed):
                 if (self._owner(path) if self.watch else i % p) == k:
@@ -422,6 +438,15 @@ class FileSource(Source):
         self._queue = [path for path, (_, done) in self._files.items() if not done]
         self._next_scan = self.clock() + self.watch_interval
         self._write_state()
+
+    def check_input(self) -> None:
+        """Raise SourceNotFoundError if the path names no file and the source is bounded
+        (the driver calls it before a job's first start)."""
+        if self.watch:
+            return
+        self._fs, self._root = fsspec.core.url_to_fs(self.path, **self.storage_options)
+        if not self._list():
+            raise SourceNotFoundError(self.path)
 
     def _owner(self, path: str) -> int:
         return zlib.crc32(path.encode()) % self.ctx.parallelism
@@ -702,3 +727,42 @@ class CollectSink(Operator):
     def results(self) -> list[Any]:
         """The records of completed checkpoints, in arrival order."""
         return list(self._committed)
+
+
+# -- print sink -------------------------------------------------------------------------------
+
+
+class PrintSink(Operator):
+    """Prints every record to the task's standard output (or ``stream="stderr"``), one line
+    each: ``prefix:subtask> record`` (``subtask> record`` without a prefix, ``record``
+    alone at parallelism 1 without one), as Flink's ``PrintSink``. At-least-once: after a
+    restart the records since the last completed checkpoint are printed again. In a local
+    Spark run and with the local runner the tasks' output is the terminal's; on a cluster
+    it is in the executors' logs."""
+
+    def __init__(self, prefix: str | None = None, stream: str = "stdout") -> None:
+        if prefix is not None and not isinstance(prefix, str):
+            raise ConfigError("prefix", f"None or a str, got {prefix!r}")
+        if stream not in ("stdout", "stderr"):
+            raise ConfigError("stream", f"'stdout' or 'stderr', got {stream!r}")
+        self.prefix = prefix
+        self.stream = stream
+
+    def open(self, ctx: OperatorContext) -> None:
+        super().open(ctx)
+        import sys
+
+        self._file = sys.stdout if self.stream == "stdout" else sys.stderr
+        head = "" if self.prefix is None else self.prefix
+        if ctx.parallelism > 1:
+            head = f"{head}:{ctx.subtask_index + 1}" if head else str(ctx.subtask_index + 1)
+        self._head = f"{head}> " if head else ""
+
+    def process(self, record: Any, out: Collector) -> None:
+        print(f"{self._head}{record}", file=self._file)
+
+    def snapshot_state(self, checkpoint_id: int) -> None:
+        self._file.flush()
+
+    def end_input(self, out: Collector) -> None:
+        self._file.flush()

@@ -6,8 +6,9 @@ hand received messages to their own thread through a ``queue.Queue``.
 
 Task -> driver: ``register`` (token, attempt, task id, its local daemon) first, then
 ``ack`` (checkpoint id, state handle), ``decline``, ``exhausted`` (a bounded source ran
-out), ``finished``, ``failed`` (error text, when it failed (``time``, wall clock) and
-whether the error is a ``consequence`` of another failure), ``results`` (a collect sink's records).
+out), ``finished`` (with its collect sinks' records, pickled), ``failed`` (error text,
+when it failed (``time``, wall clock) and whether the error is a ``consequence`` of
+another failure).
 Driver -> task: ``start`` (every task's daemon, the checkpoint to restore), ``trigger``
 (sources), ``complete``, ``abort``, ``stop`` (sources, a clean stop: end the input now, as
 if exhausted), ``finish`` (after the final checkpoint: end the stream), ``cancel``.

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import operator
 import os
+import pickle
 import queue
 import re
 import secrets
@@ -37,7 +38,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from client.local_connection import mint_app_credential, release_dataset, resolve_secret
 from client.runtime import get_runtime
@@ -49,10 +50,11 @@ from client.streaming.checkpoint_storage import (
     operator_files,
 )
 from client.streaming.control import ControlServer
-from client.streaming.functions import Operator
+from client.streaming.functions import Operator, Source
 from client.streaming.graph import JobGraph, Node, Partitioning, check_operator_id
 from client.streaming.job_status import AttemptFailure, FailureCollector, JobStatusTracker
-from client.streaming.task import JobSpec, dataset_of, run_task
+from client.streaming.runners import Runner, runner_for
+from client.streaming.task import JobSpec, dataset_of
 from exchange.best_effort import best_effort
 from exchange.checkpointing import CheckpointFailureReason
 from exchange.checkpointing.coordinator import (
@@ -73,6 +75,7 @@ from exchange.state.key_groups import MAX_MAX_PARALLELISM
 
 __all__ = [
     "AttemptFailure",
+    "CheckpointInfo",
     "DataStream",
     "JobFailedError",
     "JobResult",
@@ -136,9 +139,19 @@ class JobResult:
     records: dict[str, int] = field(default_factory=dict)
     #: True when the job ended by ``cancel()`` / Ctrl-C (a clean stop), not end of input
     stopped: bool = False
+    #: sink name -> the records of a ``CollectSink`` (``DataStream.collect``), exactly
+    #: once: those of completed checkpoints, subtask by subtask, each in arrival order
+    collected: dict[str, list[Any]] = field(default_factory=dict)
+    #: True when nothing ran: the checkpoint directory holds the final checkpoint of a job
+    #: that already read all its input (a rerun; use a new ``checkpoint_dir`` to run again)
+    already_finished: bool = False
     #: each failed attempt's root cause with the failures that followed from it
     failure_history: list[AttemptFailure] = field(default_factory=list)
 
+
+#: ``CheckpointMetadata.extra["ended"]`` of a final checkpoint taken because every source
+#: read all its input (not a clean stop, after which a new driver resumes)
+_ENDED_INPUT: Final = "input"
 
 #: What a job id may be: it names the job's exchanges and its checkpoint directory.
 _JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -213,6 +226,9 @@ class StreamEnvironment:
         self._next_checkpoint_id = 1  # above every id an attempt of this driver used
         self._stop = threading.Event()  # clean stop: final checkpoint, then end
         self._cancel = threading.Event()  # hard cancel
+        #: checks run before a job's first start (not before a restore)
+        self._preflight: list[Callable[[], None]] = []
+        self._runner: Runner | None = None  # set by execute
         #: the running (or last) job's status, published to the driver's local daemon
         self.status: JobStatusTracker | None = None
         #: the Spark application's credential, minted at execute (None: no secret here)
@@ -252,7 +268,9 @@ class StreamEnvironment:
     def add_source(
         self, factory: Callable[[], Operator], *, parallelism: int = 1, name: str | None = None
     ) -> DataStream:
-        """A source built by ``factory()`` (a ``client.streaming.functions.Source``)."""
+        """A source built by ``factory()`` (a ``client.streaming.functions.Source``): every
+        subtask, and every attempt after a restart, calls it for a new instance."""
+        _check_factory(factory, "add_source", "factory", Source)
         node = self._add(factory, self._name(name, "source"), parallelism, [], is_source=True)
         return DataStream(self, node)
 
@@ -268,8 +286,7 @@ class StreamEnvironment:
         """Records ``fn(0), fn(1), ...`` (``count`` of them, or unbounded), replayable."""
         from client.streaming.connectors import GeneratorSource
 
-        GeneratorSource(fn, count=count, rate=rate)  # validate now, in the driver
-        return self.add_source(
+        return self.add_source(  # validates its arguments now, in the driver
             lambda: GeneratorSource(fn, count=count, rate=rate),
             parallelism=parallelism,
             name=name or self._name(None, "generator"),
@@ -288,7 +305,9 @@ class StreamEnvironment:
         Parquet), split by file across subtasks; ``watch`` keeps looking for new files."""
         from client.streaming.connectors import FileSource
 
-        FileSource(path, format=format, watch=watch)
+        # validated now; before a first start (nothing to restore) a bounded source must
+        # also find a file
+        self._preflight.append(FileSource(path, format=format, watch=watch).check_input)
         return self.add_source(
             lambda: FileSource(path, format=format, watch=watch),
             parallelism=parallelism,
@@ -309,30 +328,27 @@ class StreamEnvironment:
 
     # -- running ---------------------------------------------------------------------------
 
-    def _check_slots(self, needed: int) -> None:
-        from client.spark import _slots
-
-        slots = _slots(self.sc)
-        if needed > slots:
-            raise UsageError(
-                f"the job needs {needed} task slots at once (one per subtask: a barrier "
-                f"stage), the cluster has {slots}; lower the parallelism or add cores"
-            )
-
     def execute(
         self,
         *,
         restart_attempts: int = 3,
         restart_backoff: float = 1.0,
         allow_non_restored_state: bool = False,
+        runner: str | Runner = "spark",
     ) -> JobResult:
         """Run the job until its bounded input is exhausted (or it is cancelled).
+
+        ``runner``: ``"spark"`` (every task one task of a Spark barrier stage) or
+        ``"local"`` (every task a local Python process, no JVM: ``client.streaming.runners``);
+        a ``LocalRunner`` instance gives access to its task processes.
 
         The job resumes from the latest completed checkpoint in ``checkpoint_dir``; state
         there of an operator uid this job does not have raises NonRestoredStateError
         (naming it) unless ``allow_non_restored_state`` drops it (Flink's
         ``allowNonRestoredState``). Another live driver of the same checkpoint directory
-        raises CheckpointLeaseError naming it."""
+        raises CheckpointLeaseError naming it. Before a first start (nothing to restore) a
+        bounded file source must find a file (SourceNotFoundError); a checkpoint directory
+        whose job already read all its input runs nothing (``JobResult.already_finished``)."""
         if type(restart_attempts) is not int or restart_attempts < 0:
             raise UsageError(f"restart_attempts must be an int >= 0, got {restart_attempts!r}")
         if (
@@ -347,27 +363,38 @@ class StreamEnvironment:
             raise UsageError(
                 f"allow_non_restored_state must be a bool, got {allow_non_restored_state!r}"
             )
-        if self.sc is None:
-            raise UsageError("this environment has no Spark: give it a SparkSession to execute")
+        the_runner = runner_for(runner, self.sc)
         graph = JobGraph.build(self._nodes, self.max_parallelism)
         if not any(v.is_source for v in graph.vertices):
             raise UsageError("the job has no source")
-        self._check_slots(graph.num_tasks)
-        if self.daemon is None:
-            from client.spark import _daemon_hint
-
-            self.daemon = _daemon_hint(self.sc)  # local mode: the embedded daemon
+        self.daemon = the_runner.prepare(graph, self.daemon)
+        self._runner = the_runner
         secret = resolve_secret(self.secret_file)
         key = checkpoint_key(secret, self.job_id) if secret is not None else None
         # the application's credential, minted here: its tasks get it, never the secret
-        self.credential = mint_app_credential(str(self.sc.applicationId or ""), self.secret_file)
+        self.credential = mint_app_credential(the_runner.application_id(), self.secret_file)
         storage = CheckpointStorage(self.checkpoint_dir, retained=self.config.retained, key=key)
         lease = storage.acquire_lease(
-            f"driver of job {self.job_id} (Spark application {self.sc.applicationId})",
-            self.lease_timeout,
+            f"driver of job {self.job_id} ({the_runner.describe()})", self.lease_timeout
         )
         try:
-            _check_restorable(storage.latest_completed(), graph, allow_non_restored_state)
+            latest = storage.latest_completed()
+            _check_restorable(latest, graph, allow_non_restored_state)
+            if latest is None:
+                for check in self._preflight:
+                    check()
+            elif latest.is_final and latest.extra.get("ended") == _ENDED_INPUT:
+                log.warning(
+                    "job %s: checkpoint %d in %s is the final checkpoint of a job that read "
+                    "all its input; nothing to run (use a new checkpoint_dir to run the job "
+                    "again)",
+                    self.job_id,
+                    latest.checkpoint_id,
+                    self.checkpoint_dir,
+                )
+                return JobResult(
+                    self.job_id, 0, 0, latest.checkpoint_id, 0.0, already_finished=True
+                )
             lease.keep_alive()
             with self._ctrl_c_stops():
                 return self._run(graph, storage, lease, restart_attempts, restart_backoff)
@@ -400,6 +427,18 @@ class StreamEnvironment:
         restart_backoff: float,
     ) -> JobResult:
         self.status = status = JobStatusTracker(self.job_id, self.daemon, secret=self.credential)
+        assert self._runner is not None
+        log.info(
+            "job %s: %d tasks (%s) on %s, %s checkpoints every %g s in %s%s",
+            self.job_id,
+            graph.num_tasks,
+            ", ".join(f"{v.name} x{v.parallelism}" for v in graph.vertices),
+            self._runner.name,
+            self.config.mode,
+            self.config.interval,
+            self.checkpoint_dir,
+            "" if (url := _dashboard_url(self.daemon)) is None else f"; dashboard {url}",
+        )
         started = time.monotonic()
         failures: list[str] = []
         history: list[AttemptFailure] = []
@@ -417,7 +456,7 @@ class StreamEnvironment:
             if error is None:
                 status.job_ended("FINISHED")
                 latest = storage.latest_completed()
-                return JobResult(
+                result = JobResult(
                     self.job_id,
                     restart,
                     len(checkpoints),
@@ -428,8 +467,19 @@ class StreamEnvironment:
                     aborted,
                     run.records,
                     stopped=self._stop.is_set(),
+                    collected=run.collected(),
                     failure_history=history,
                 )
+                log.info(
+                    "job %s %s in %.1f s: %d restarts, %d checkpoints, last %s",
+                    self.job_id,
+                    "stopped" if result.stopped else "finished",
+                    result.duration,
+                    restart,
+                    len(checkpoints),
+                    result.last_checkpoint_id,
+                )
+                return result
             failures.append(error)
             if run.failure is not None:
                 history.append(run.failure)
@@ -448,10 +498,27 @@ class StreamEnvironment:
             if self._cancel.is_set():
                 break
             if restart < restart_attempts:
-                self._cancel.wait(restart_backoff * (2**restart))
+                backoff = restart_backoff * (2**restart)
+                log.warning(
+                    "job %s: attempt %d failed, restarting in %.1f s (restart %d of %d) from "
+                    "the latest completed checkpoint, because %s",
+                    self.job_id,
+                    attempt,
+                    backoff,
+                    restart + 1,
+                    restart_attempts,
+                    error.splitlines()[0] if error else error,
+                )
+                self._cancel.wait(backoff)
                 if self._cancel.is_set():
                     break
         status.job_ended("CANCELED" if self._cancel.is_set() else "FAILED")
+        log.error(
+            "job %s failed after %d attempt(s): %s",
+            self.job_id,
+            len(failures),
+            failures[-1].splitlines()[0] if failures[-1] else failures[-1],
+        )
         raise JobFailedError(
             f"job {self.job_id} failed after {len(failures)} attempt(s): {failures[-1]}",
             failures,
@@ -481,12 +548,23 @@ class _Attempt:
         self.aborted: list[tuple[int, str]] = []
         self.records: dict[str, int] = {}
         self._acks: dict[int, tuple[float, int]] = {}  # checkpoint -> (alignment, bytes)
+        #: collect sink name -> subtask -> its records (from the tasks' ``finished``)
+        self._collected: dict[str, dict[int, list[Any]]] = {}
+
+    def collected(self) -> dict[str, list[Any]]:
+        """Every collect sink's records, subtask by subtask."""
+        return {
+            name: [r for _, records in sorted(parts.items()) for r in records]
+            for name, parts in self._collected.items()
+        }
 
     def run(self) -> str | None:
         env, graph = self.env, self.graph
+        runner = env._runner
+        assert runner is not None
         latest = self.storage.latest_completed()
         token = secrets.token_hex(16)
-        server = ControlServer(token, self.attempt, set(self.task_ids), host=_driver_host(env))
+        server = ControlServer(token, self.attempt, set(self.task_ids), host=runner.driver_host())
         job = JobSpec(
             env.job_id,
             self.attempt,
@@ -511,6 +589,15 @@ class _Attempt:
             # allowed to be dropped) before the first attempt
             ops = {uid: list(f) for uid, f in latest.operators.items() if uid in uids}
             restore_msg = {"checkpoint_id": cid, "operators": ops}
+        log.info(
+            "job %s: attempt %d starting %d tasks, %s",
+            env.job_id,
+            self.attempt,
+            graph.num_tasks,
+            "no checkpoint to restore"
+            if latest is None
+            else f"restoring checkpoint {latest.checkpoint_id}",
+        )
         used = self.storage.checkpoint_ids()  # never reuse an id an earlier attempt used
         coord = CheckpointCoordinator(
             env.config,
@@ -521,21 +608,12 @@ class _Attempt:
             first_checkpoint_id=max([env._next_checkpoint_id, *(i + 1 for i in used)]),
         )
         group = f"{env.job_id}-{self.attempt}"
-        outcome: queue.Queue[BaseException | None] = queue.Queue()
-        sc = env.sc
         n = graph.num_tasks
-
-        def stage() -> None:
-            try:
-                sc.setJobGroup(group, f"streaming job {env.job_id}", interruptOnCancel=True)
-                rdd = sc.parallelize(range(n), n).barrier()
-                rdd.mapPartitions(lambda it: [run_task(job, i) for i in it]).collect()
-                outcome.put(None)
-            except BaseException as e:
-                outcome.put(e)
-
-        thread = threading.Thread(target=stage, name=f"stream-{group}", daemon=True)
-        thread.start()
+        try:
+            stage = runner.launch(job, group)
+        except BaseException:
+            server.close()
+            raise
         self._coord = coord
         self._server = server
         self._daemons: dict[str, dict[str, Any]] = {}
@@ -548,21 +626,21 @@ class _Attempt:
         self.failure: AttemptFailure | None = None
         try:
             while True:
-                with contextlib.suppress(queue.Empty):
-                    done = outcome.get_nowait()
+                if stage.done():
+                    done = stage.error
                     if done is not None:
-                        self._fail(f"the Spark stage failed: {type(done).__name__}: {done}")
+                        self._fail(f"{runner.stage_title} failed: {type(done).__name__}: {done}")
                     elif len(self._finished) < n:
-                        self._fail("the Spark stage ended before every task finished")
+                        self._fail(f"{runner.stage_title} ended before every task finished")
                     break
                 self._step()
                 if self.error is not None:
-                    sc.cancelJobGroup(group)
+                    stage.cancel()
         finally:
             env._next_checkpoint_id = max(env._next_checkpoint_id, coord.next_checkpoint_id)
             if self.error is not None:
-                sc.cancelJobGroup(group)
-            thread.join(60)
+                stage.cancel()
+            stage.join(60)
             if self.failures.failed:
                 self._collect_late_failures()
             server.close()
@@ -635,6 +713,12 @@ class _Attempt:
                 server.broadcast(
                     {"type": "start", "daemons": self._daemons, "restore": self._restore_msg}
                 )
+                log.info(
+                    "job %s: attempt %d running (%d tasks registered)",
+                    self.env.job_id,
+                    self.attempt,
+                    len(self._daemons),
+                )
                 coord.start()
                 self._started = True
         elif kind == "ack":
@@ -656,6 +740,9 @@ class _Attempt:
         elif kind == "finished":
             self._finished.add(task)
             self.records[task] = int(msg.get("records_in", 0))
+            for name, blob in (msg.get("results") or {}).items():
+                records = pickle.loads(blob)  # from a task of this attempt (token checked)
+                self._collected.setdefault(name, {})[_subtask_of(task)] = records
         elif kind in ("failed", "lost"):
             self.failures.on_message(task, msg)
 
@@ -685,6 +772,7 @@ class _Attempt:
                                 names,
                                 cmd.finished_tasks,
                                 cmd.is_final,
+                                extra=self._final_extra(cmd.is_final),
                                 operators=operator_files(names, self.graph.operator_tasks()),
                             )
                         )
@@ -704,6 +792,12 @@ class _Attempt:
                 case NotifyAborted():
                     self._acks.pop(cmd.checkpoint_id, None)
                     reason = cmd.reason.value + (f": {cmd.detail}" if cmd.detail else "")
+                    log.warning(
+                        "job %s: checkpoint %d aborted: %s",
+                        self.env.job_id,
+                        cmd.checkpoint_id,
+                        reason,
+                    )
                     self.aborted.append((cmd.checkpoint_id, reason))
                     server.broadcast({"type": "abort", "checkpoint": cmd.checkpoint_id})
                 case DiscardCheckpoint():
@@ -719,12 +813,28 @@ class _Attempt:
                 case FailJob():
                     raise _AttemptFailed(cmd.reason)
 
+    def _final_extra(self, is_final: bool) -> dict[str, Any]:
+        """What a final checkpoint's metadata says about why the job ended: all input read
+        (a rerun has nothing to do), or a clean stop (a rerun resumes)."""
+        if not is_final:
+            return {}
+        return {"ended": "stop" if self.env._stop.is_set() else _ENDED_INPUT}
+
     def _completed(self, coord: CheckpointCoordinator, checkpoint_id: int, final: bool) -> None:
         alignment, size = self._acks.pop(checkpoint_id, (0.0, 0))
         duration = next(
             (h.duration or 0.0 for h in coord.history if h.checkpoint_id == checkpoint_id), 0.0
         )
         self.checkpoints.append(CheckpointInfo(checkpoint_id, duration, alignment, size, final))
+        log.info(
+            "job %s: %scheckpoint %d done in %.0f ms (alignment %.0f ms, state %d bytes)",
+            self.env.job_id,
+            "final " if final else "",
+            checkpoint_id,
+            1000 * duration,
+            1000 * alignment,
+            size,
+        )
 
     def _release(self, daemons: dict[str, dict[str, Any]]) -> None:
         """Release this attempt's partitions on every daemon its tasks used: tasks killed
@@ -739,6 +849,37 @@ class _Attempt:
 
 class _AttemptFailed(Exception):
     pass
+
+
+def _subtask_of(task_id: str) -> int:
+    return int(task_id.rpartition("-")[2])
+
+
+def _dashboard_url(daemon: str | None) -> str | None:
+    """The dashboard of the embedded daemon when the job uses it."""
+    from client.spark import embedded_dashboard_url
+
+    return embedded_dashboard_url(daemon)
+
+
+def _check_factory(factory: object, method: str, argument: str, kind: type[Operator]) -> None:
+    """A factory must be a callable that returns a new ``kind`` (each subtask and each
+    attempt needs its own instance): checked once here, in the driver, so that an
+    instance given by mistake fails when the job is defined, not after every restart."""
+    if isinstance(factory, Operator) or not callable(factory):
+        what = type(factory).__name__
+        raise UsageError(
+            f"{method}: {argument} must be a callable that returns a new {kind.__name__} "
+            f"(the class, or e.g. lambda: {what}(...)), got a {what} instance"
+            if isinstance(factory, Operator)
+            else f"{method}: {argument} must be a callable that returns a new "
+            f"{kind.__name__}, got {factory!r}"
+        )
+    made = factory()
+    if not isinstance(made, kind):
+        raise UsageError(
+            f"{method}: {argument}() must return a {kind.__name__}, got {type(made).__name__}"
+        )
 
 
 def _check_restorable(
@@ -759,11 +900,6 @@ def _check_restorable(
         ", ".join(unknown),
         latest.checkpoint_id,
     )
-
-
-def _driver_host(env: StreamEnvironment) -> str:
-    host = env.sc.getConf().get("spark.driver.host", "127.0.0.1")
-    return str(host)
 
 
 class DataStream:
@@ -853,10 +989,33 @@ class DataStream:
         parallelism: int | None = None,
         uid: str | None = None,
     ) -> None:
-        """A sink built by ``factory()``; ``uid`` names its state (see ``uid``)."""
+        """A sink built by ``factory()`` (an ``Operator``; a class or a function that
+        returns a new instance): every subtask, and every attempt, gets its own; ``uid``
+        names its state (see ``uid``)."""
+        _check_factory(factory, "sink_to", "factory", Operator)
         sink = self._then(factory, "sink", name, parallelism)
         if uid is not None:
             sink.uid(uid)
+
+    def collect(self, *, name: str | None = None, parallelism: int | None = None) -> str:
+        """A ``CollectSink``: ``execute`` returns its records in ``JobResult.collected[
+        name]`` (exactly once: the records of completed checkpoints, subtask by subtask, each
+        in arrival order). Returns the sink's name. For tests and small results: the records
+        are operator state until the job ends."""
+        from client.streaming.connectors import CollectSink
+
+        sink_name = self.env._name(name, "collect")
+        self.sink_to(CollectSink, name=sink_name, parallelism=parallelism)
+        return sink_name
+
+    def print(self, prefix: str | None = None, *, parallelism: int | None = None) -> None:
+        """A ``PrintSink``: every record printed by its task (``prefix:subtask> record``),
+        at-least-once."""
+        from client.streaming.connectors import PrintSink
+
+        self.sink_to(
+            lambda: PrintSink(prefix), name=self.env._name(None, "print"), parallelism=parallelism
+        )
 
     def sink_to_files(
         self,
@@ -869,8 +1028,7 @@ class DataStream:
         """Exactly-once files (two-phase commit): visible once their checkpoint completes."""
         from client.streaming.connectors import FileSink
 
-        FileSink(directory, format=format)
-        self.sink_to(
+        self.sink_to(  # validates its arguments now
             lambda: FileSink(directory, format=format),
             name=self.env._name(None, "filesink"),
             parallelism=parallelism,

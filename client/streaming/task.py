@@ -54,6 +54,7 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import logging
+import pickle
 import queue
 import time
 import traceback
@@ -560,7 +561,9 @@ class StreamTask:
                 w.close()  # EndOfPartition downstream
             self.writers = []
             assert self.ctl is not None
-            self.ctl.send({"type": "finished", "records_in": self._records_in()})
+            self.ctl.send(
+                {"type": "finished", "records_in": self._records_in(), **self._collected()}
+            )
             self.ctl.flush()
             return {"task": self.task_id, "records_in": self._records_in()}
         except BaseException as e:
@@ -579,6 +582,18 @@ class StreamTask:
             raise
         finally:
             self.close()
+
+    def _collected(self) -> dict[str, Any]:
+        """The ``results`` of the task's collect sinks (pickled: exact types), for the
+        driver's JobResult: after the final checkpoint completed, all of them committed."""
+        from client.streaming.connectors import CollectSink
+
+        results = {
+            node.name: pickle.dumps(op.results(), protocol=pickle.HIGHEST_PROTOCOL)
+            for node, op in zip(self.vertex.nodes, self.ops, strict=True)
+            if isinstance(op, CollectSink)
+        }
+        return {"results": results} if results else {}
 
     def _run_source(self) -> None:
         source = self.ops[0]

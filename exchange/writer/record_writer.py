@@ -51,7 +51,8 @@ from exchange.events.events import (
 from exchange.partition.result_partition import ALL_SUBPARTITIONS
 from exchange.serialization.record_codec import RecordCodec, default_codec
 from exchange.writer.channel_selector import ChannelSelector
-from exchange.writer.hashing import FIBONACCI_64, deterministic_hash
+from exchange.writer.hashing import deterministic_hash
+from exchange.writer.routing import partition_of, route
 
 __all__ = [
     "ALL_SUBPARTITIONS",
@@ -59,7 +60,6 @@ __all__ = [
     "OutputBuffer",
     "RecordWriter",
     "WriterStats",
-    "register_int_value_hash",
 ]
 
 #: Flink's default buffer timeout (100 ms).
@@ -68,46 +68,6 @@ DEFAULT_BUFFER_TIMEOUT: Final = 0.1
 MIN_BUFFER_SIZE: Final = 256
 
 _NO_KEY: Final[Any] = object()
-_M32: Final = 0xFFFFFFFF
-_I63: Final = 2**63
-_MIN_I64: Final = -(2**63)
-#: Python's hash of an int in [0, 2**61 - 1) is the int itself (the modulus is 2**61 - 1).
-_HASH_IS_VALUE_BELOW: Final = 2**61 - 1
-#: Partition functions known to return ``key`` itself for an int ``key`` in
-#: [0, 2**61 - 1): ``emit_all`` routes such keys inline, with no call.
-_INT_VALUE_HASHES: set[Callable[[Any], int]] = {hash}
-
-
-def register_int_value_hash(func: Callable[[Any], int]) -> None:
-    """Declare that ``func(k) == k`` for every int ``k`` in [0, 2**61 - 1) (as Python's
-    ``hash`` and PySpark's ``portable_hash`` are), so ``emit_all`` routes those keys
-    inline. Other keys still go through ``func``."""
-    if not callable(func):
-        raise UsageError(f"expected a partition function, got {func!r}")
-    _INT_VALUE_HASHES.add(func)
-
-
-#: What ``emit_all``'s loop variable holds before its first record.
-_NO_RECORD: Final = object()
-
-
-def _check_pair(record: Any, error: BaseException) -> None:
-    """Raise ``NotAPairError`` (from ``error``) if ``error`` came from taking ``record``'s
-    key: ``record[0]`` fails. Otherwise return (the error was the input's or the partition
-    function's, to be raised as it is)."""
-    if record is _NO_RECORD:
-        return
-    try:
-        record[0]
-    except (TypeError, IndexError, KeyError):
-        raise NotAPairError.for_record(record) from error
-
-
-#: Keys (ints, and strs/bytes of at most ``_KEY_CACHE_LEN``) whose target a writer
-#: remembers across ``emit_all`` calls (cleared when full): a str key's hash costs more
-#: than a dict lookup, and PySpark producers call ``emit_all`` per chunk of records.
-_KEY_CACHE: Final = 1 << 17
-_KEY_CACHE_LEN: Final = 64
 #: Records per batch: the first batch of a subpartition, and the bounds of the adaptation.
 _FIRST_BATCH: Final = 4
 _MAX_BATCH: Final = 4096
@@ -352,66 +312,22 @@ class RecordWriter:
             finally:
                 self._account(count)
             return count
-        # Only keys of exactly these types are cached: keys Python finds equal but the
-        # hash tells apart (1, True, 1.0, or tuples of them) must not share an entry.
+        # the compiled loop (exchange/writer/routing.pyx) appends each record to its
+        # subpartition's list, hashing int keys inline and other keys through the cache
         cache = self._key_cache
         if partition_func is not self._key_cache_func:
             cache.clear()
             self._key_cache_func = partition_func
-        cache_get = cache.get
-        hash_key = deterministic_hash
-        hash_ints = partition_func is None
-        value_ints = partition_func in _INT_VALUE_HASHES
-        vhi = _HASH_IS_VALUE_BELOW
-        no_key_func = key_func is None
-        partition = self._partition
-        # deterministic_hash's int path, inlined (cheaper than any cache lookup), for keys
-        # of exactly type int in [-2**63, 2**63): Python's ``>>`` and ``&`` act on the two's
-        # complement, so ``k * F >> 32 & M32`` is ``((k mod 2**64) * F mod 2**64) >> 32``
-        # for negative keys too. Locals: no global lookup per record.
-        lo, hi, fib, m32 = _MIN_I64, _I63, FIBONACCI_64, _M32
         it = iter(records)
         try:
             while True:
-                # A slice at a time: records are appended to the per-subpartition lists with
-                # no other check, and full batches are encoded between slices. What a slice
+                # A slice at a time: full batches are encoded between slices. What a slice
                 # took is what the lists grew by (also when a record or the input failed:
                 # the records before it are pending, to be flushed, and counted).
                 lists = [s.records for s in streams]
-                appends = [pending.append for pending in lists]
                 before = sum(map(len, lists))
-                record = _NO_RECORD
                 try:
-                    for record in itertools.islice(it, _SLICE):
-                        key = record[0] if no_key_func else key_func(record)  # type: ignore[misc]
-                        t = type(key)
-                        if t is int:
-                            if hash_ints:
-                                if lo <= key < hi:
-                                    appends[(key * fib >> 32 & m32) % n](record)
-                                    continue
-                            elif value_ints and 0 <= key < vhi:
-                                appends[key % n](record)
-                                continue
-                        cacheable = t is int or (
-                            (t is str or t is bytes) and len(key) <= _KEY_CACHE_LEN
-                        )
-                        cached = cache_get(key) if cacheable else None
-                        if cached is None:
-                            if hash_ints:
-                                cached = hash_key(key) % n
-                            else:
-                                cached = partition(key, partition_func)
-                            if cacheable:
-                                if len(cache) >= _KEY_CACHE:
-                                    cache.clear()
-                                cache[key] = cached
-                        appends[cached](record)
-                except (TypeError, IndexError, KeyError) as e:
-                    # no cost per record: only a failure looks at the record it stopped on
-                    if no_key_func:
-                        _check_pair(record, e)
-                    raise
+                    route(it, lists, partition_func, key_func, cache, _SLICE)
                 finally:
                     taken = sum(map(len, lists)) - before
                     count += taken
@@ -438,17 +354,11 @@ class RecordWriter:
         try:
             key = record[0]
         except (TypeError, IndexError, KeyError) as e:
-            _check_pair(record, e)
-            raise
+            raise NotAPairError.for_record(record) from e
         return self._partition(key, partition_func)
 
     def _partition(self, key: Any, partition_func: Callable[[Any], int] | None) -> int:
-        if partition_func is None:
-            return deterministic_hash(key) % self.num_subpartitions
-        p = partition_func(key)
-        if not isinstance(p, int) or isinstance(p, bool):
-            raise UsageError(f"partition function returned {p!r}, not an int")
-        return p % self.num_subpartitions
+        return partition_of(key, partition_func, self.num_subpartitions)
 
     def _account(self, count: int) -> None:
         if count:

@@ -54,7 +54,7 @@ def test_vs_structured_streaming_bench_smoke() -> None:
         "--rate=200",
         "--seconds=3",
         "--warmup=0",  # the max-rate run can end within any warm-up at this size
-        "--max-rate=5000",
+        "--max-batch=5000",
         "--max-count=100000",
     )
     assert r["bench"] == "vs_structured_streaming"

@@ -108,8 +108,11 @@ def test_the_drivers_view_reaches_the_daemon(
     families = {
         f.name: f for f in text_string_to_metric_families(daemon.http_get("/metrics").decode())
     }
-    (restarts,) = families["exchange_job_restarts"].samples
-    assert restarts.labels == {"job": "job-x"} and restarts.value == 1
+    assert families["exchange_job_restarts"].type == "counter"  # exchange_job_restarts_total
+    restarts = next(
+        s for s in families["exchange_job_restarts"].samples if s.name.endswith("_total")
+    )
+    assert restarts.labels == {"job_id": "job-x"} and restarts.value == 1
     (size,) = families["exchange_job_last_checkpoint_size_bytes"].samples
     assert size.value == 3000
 

@@ -44,8 +44,8 @@ GAUGES = (
     "exchange_gate_estimated_time_to_consume_seconds",
     "exchange_checkpoint_alignment_seconds",
     "exchange_checkpoint_aligned_bytes",
-    "exchange_checkpoints_triggered",
-    "exchange_checkpoints_aborted",
+    "exchange_checkpoints_triggered_total",  # counters: the task's counts only grow
+    "exchange_checkpoints_aborted_total",
 )
 
 
@@ -192,8 +192,8 @@ def test_running_task_gauges_appear_follow_and_vanish_after_close(start_daemon: 
             assert math.isfinite(prom[name][key])
         assert prom["exchange_task_gates_reporting"][("", "")] == 1
         assert 0 < prom["exchange_gate_buffer_size_bytes"][key] <= SEG
-        assert prom["exchange_checkpoints_triggered"][key] >= 1
-        assert prom["exchange_checkpoints_aborted"][key] == 0
+        assert prom["exchange_checkpoints_triggered_total"][key] >= 1
+        assert prom["exchange_checkpoints_aborted_total"][key] == 0
         # The figures follow the task: a later report has more checkpoints, and the
         # count the daemon shows never exceeds what the task's listener saw.
         later = wait_for(

@@ -130,11 +130,15 @@ def test_every_dashboard_query_names_a_metric_the_daemon_exports(
         "exchange_network_memory_used_ratio",
         "exchange_partition_back_pressured_seconds_total",
         "exchange_bytes_sent_total",
-        "exchange_checkpoints_triggered",
+        "exchange_checkpoints_triggered_total",
+        "exchange_job_restarts_total",
+        "exchange_job_checkpoints_completed_total",
         "exchange_gate_buffer_size_bytes",
         "exchange_asyncio_tasks",
     } <= exported
     assert "exchange_bytes_sent" not in exported  # a counter is only seen with _total
+    assert "exchange_checkpoints_triggered" not in exported  # a count: a counter
+    assert "exchange_job_restarts" not in exported
 
     queries = list(dashboard_queries(dashboard))
     assert len(queries) >= 20, queries
@@ -157,6 +161,10 @@ def test_every_dashboard_query_names_a_metric_the_daemon_exports(
         "exchange_bytes_out_total",  # throughput
         "exchange_checkpoint_alignment_seconds",  # checkpoints
         "exchange_gate_buffer_size_bytes",  # debloated sizes
+        "exchange_job_restarts_total",  # streaming jobs: restarts,
+        "exchange_job_last_checkpoint_duration_seconds",  # checkpoint duration,
+        "exchange_job_last_checkpoint_alignment_seconds",  # alignment,
+        "exchange_task_back_pressure_status",  # OK / LOW / HIGH per task
     ):
         assert family in used, family
 

@@ -272,3 +272,93 @@ def test_prometheus_marks_a_stopped_daemon_down(
     with contextlib.suppress(urllib.error.URLError, OSError):
         b.stats()
         raise AssertionError("the stopped daemon still answers")
+
+
+def _restart_once_sink_factory(marks: str) -> Any:
+    """A sink that fails once, in the first attempt after its first completed checkpoint
+    (a restart for the Restarts panel), then sleeps a little per record (back pressure)."""
+    import os
+
+    from client.streaming import Operator
+
+    class FlakySlowSink(Operator):
+        def process(self, record: Any, out: Any) -> None:
+            time.sleep(0.0005)
+
+        def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+            mark = os.path.join(marks, "failed-once")
+            if not os.path.exists(mark):
+                open(mark, "w").close()
+                raise RuntimeError("injected: one failure, for a restart")
+
+    return FlakySlowSink()
+
+
+def test_the_streaming_job_panels_answer_for_a_running_job(
+    prometheus: Callable[[list[str]], Prometheus], tmp_path: Path
+) -> None:
+    """A real job (the local runner: its tasks write through the embedded daemon, which
+    measures their back pressure) restarts once and runs on, its driver publishing its
+    status there; a real Prometheus scrapes that daemon, and every query of the
+    dashboard's Streaming jobs row answers with the job's series."""
+    import threading
+
+    from client import spark as xs
+    from client.streaming import LocalRunner, StreamEnvironment
+
+    daemon = xs.get_embedded_daemon()
+    marks = str(tmp_path)
+    env = StreamEnvironment(
+        None, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=0.3, job_id="panels"
+    )
+    (
+        env.from_generator(lambda i: (i % 5, i), rate=4000.0)
+        .key_by(lambda e: e[0])
+        .process(lambda value, ctx, out: out.collect(value))
+        .sink_to(lambda: _restart_once_sink_factory(marks))
+    )
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = env.execute(runner=LocalRunner(), restart_backoff=0.1)
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    dashboard = json.loads(
+        (ROOT / "deploy" / "grafana" / "dashboards" / "exchange.json").read_text()
+    )
+    row = next(p for p in dashboard["panels"] if p.get("title") == "Streaming jobs")
+    panels = [p for p in dashboard["panels"] if p["gridPos"]["y"] > row["gridPos"]["y"]]
+    assert len(panels) >= 8
+    try:
+        prom = prometheus([daemon.http_address])
+        prom.wait_for(
+            'exchange_job_restarts_total{job_id="panels"}', {daemon.http_address: 1.0}, 90
+        )
+        deadline = time.monotonic() + 60
+        silent = ["not yet"]
+        while silent:
+            silent = [
+                p["title"]
+                for p in panels
+                if not any(prom.query(t["expr"].replace("$instance", ".*")) for t in p["targets"])
+            ]
+            assert time.monotonic() < deadline, f"panels without series: {silent}"
+            time.sleep(0.5)
+        levels = prom.query(panels_expr(panels, "Back pressure per task (OK / LOW / HIGH)"))
+        assert {r["metric"]["job_id"] for r in levels} == {"panels"}
+        assert {float(r["value"][1]) for r in levels} <= {0.0, 1.0, 2.0}
+    finally:
+        env.cancel()
+        thread.join(120)
+    assert not thread.is_alive() and "error" not in outcome, outcome
+    assert outcome["result"].restarts == 1
+    assert xs.stop_embedded_daemon() is True, "embedded daemon's pool not whole at exit"
+
+
+def panels_expr(panels: list[dict[str, Any]], title: str) -> str:
+    (panel,) = [p for p in panels if p["title"] == title]
+    return str(panel["targets"][0]["expr"]).replace("$instance", ".*")

@@ -286,9 +286,9 @@ async def test_metrics_are_prometheus_text_with_the_engines_numbers(
     assert samples[("exchange_gate_estimated_time_to_consume_seconds", busy)] == 0.0197
     assert samples[("exchange_checkpoint_alignment_seconds", busy)] == 0.0125
     assert samples[("exchange_checkpoint_aligned_bytes", busy)] == 81920
-    assert samples[("exchange_checkpoints_triggered", busy)] == 41
-    assert samples[("exchange_checkpoints_aborted", busy)] == 2
-    assert samples[("exchange_checkpoints_triggered", quiet)] == 7
+    assert samples[("exchange_checkpoints_triggered_total", busy)] == 41
+    assert samples[("exchange_checkpoints_aborted_total", busy)] == 2
+    assert samples[("exchange_checkpoints_triggered_total", quiet)] == 7
     assert samples[("exchange_checkpoint_alignment_seconds", quiet)] == 1.5
     assert ("exchange_gate_buffer_size_bytes", quiet) not in samples
     assert ("exchange_checkpoint_aligned_bytes", quiet) not in samples

@@ -169,10 +169,10 @@ def test_dashboard_shows_a_running_jobs_back_pressure_and_checkpoints(
         }
         status = families["exchange_task_back_pressure_status"].samples
         assert any(
-            s.labels == {"job": "throttled", "task": "v0-0", "level": "HIGH"} for s in status
+            s.labels == {"job_id": "throttled", "task": "v0-0", "level": "HIGH"} for s in status
         ), status
         completed = families["exchange_job_checkpoints_completed"].samples
-        assert completed[0].labels == {"job": "throttled"} and completed[0].value >= 1
+        assert completed[0].labels == {"job_id": "throttled"} and completed[0].value >= 1
     finally:
         env.cancel()  # a clean stop would drain the back pressure first:
         env.cancel()  # the second call cancels at once

@@ -249,14 +249,29 @@ def test_with_a_secret_a_forged_checkpoint_file_is_refused(spark: Any, tmp_path:
     pickle of the attacker's (who can write the directory, not read the secret; same size,
     so the metadata's sizes do not catch it) fails the task before it is unpickled, and a
     forged metadata file fails ``execute`` at once, never skipped for an older one."""
-    from client.streaming.checkpoint_storage import CheckpointStorage
-    from client.streaming.environment import JobFailedError
-    from exchange.state import SnapshotAuthenticationError
+    from client.spark import get_embedded_daemon, stop_embedded_daemon
 
     probes, out, ckpt = _dirs(tmp_path)
     secret = tmp_path / "secret"
     secret.write_bytes(os.urandom(32).hex().encode())
     secret.chmod(0o600)
+    # The secret is the daemons' (tasks authenticate with the application's credential
+    # minted from it) and keys the checkpoint files: the embedded daemon holds it too.
+    stop_embedded_daemon()
+    get_embedded_daemon(["--secret-file", str(secret)])
+    try:
+        _secret_runs(spark, tmp_path, probes, out, ckpt, secret)
+    finally:
+        stop_embedded_daemon()
+
+
+def _secret_runs(
+    spark: Any, tmp_path: Path, probes: Path, out: Path, ckpt: str, secret: Path
+) -> None:
+    from client.streaming.checkpoint_storage import CheckpointStorage
+    from client.streaming.environment import JobFailedError
+    from exchange.state import SnapshotAuthenticationError
+
     n = 5_000
     first = _env(spark, ckpt, secret_file=str(secret), retained_checkpoints=2)
     _pipeline(first, probes, out, n)

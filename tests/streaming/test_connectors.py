@@ -394,10 +394,18 @@ def test_file_source_bad_arguments(tmp_path: Path) -> None:
         FileSource(str(tmp_path), watch=True, watch_interval=0)
 
 
-def test_file_source_missing_directory_is_an_empty_input(tmp_path: Path) -> None:
-    src = FileSource(str(tmp_path / "nothing"))
-    src.open(op_ctx(0, 1))
-    assert src.poll(ListCollector(), 10) is False
+def test_file_source_missing_directory_is_a_typed_error_unless_watched(tmp_path: Path) -> None:
+    """A bounded source with no file would read nothing and its job "succeed" with no
+    output: its first start raises SourceNotFoundError; a watching source waits for files."""
+    from client.streaming.connectors import SourceNotFoundError
+
+    with pytest.raises(SourceNotFoundError, match="nothing"):
+        FileSource(str(tmp_path / "nothing")).open(op_ctx(0, 1))
+    with pytest.raises(SourceNotFoundError):
+        FileSource(str(tmp_path / "nothing")).check_input()
+    watching = FileSource(str(tmp_path / "nothing"), watch=True)
+    watching.open(op_ctx(0, 1))
+    assert watching.poll(ListCollector(), 10) is True
 
 
 def put_file(directory: Path, name: str, records: list[Any]) -> None:

@@ -121,3 +121,65 @@ def test_ints_outside_64_bits_hash(key: int) -> None:
     assert 0 <= h < 2**32
     assert h == deterministic_hash(key)
     assert h != deterministic_hash(key + 1)
+
+
+def _spec_hash(key: Any) -> int:
+    """The hash as the module docstring defines it, written out in Python: the oracle the
+    compiled ``deterministic_hash`` (exchange/writer/hashing.pyx) is checked against."""
+    import zlib
+
+    import msgpack
+
+    t = type(key)
+    if t is int and -(2**63) <= key < 2**63:
+        return int((key % 2**64) * 0x9E3779B97F4A7C15 % 2**64) >> 32
+    if t is str:
+        h = zlib.crc32(key.encode("utf-8", "surrogatepass"))
+    elif t in (bytes, bytearray, memoryview):
+        h = zlib.crc32(key)
+    elif t is int:
+        h = zlib.crc32(key.to_bytes(key.bit_length() // 8 + 1, "little", signed=True))
+    else:
+        h = zlib.crc32(msgpack.packb(key))
+    h ^= h >> 16
+    h = h * 0x85EBCA6B & 0xFFFFFFFF
+    h ^= h >> 13
+    h = h * 0xC2B2AE35 & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def _spec_keys() -> list[Any]:
+    import random
+
+    rng = random.Random(20)
+    keys: list[Any] = []
+    for bound in (2**63, 2**64):
+        keys += [bound - 2, bound - 1, bound, bound + 1, -bound - 1, -bound, -bound + 1]
+    keys += [rng.randrange(-(2**70), 2**70) for _ in range(2000)]
+    keys += [rng.randrange(-(2**31), 2**31) for _ in range(2000)]
+    # every length 0..100: the CRC's 4-byte steps and its tail
+    for n in range(101):
+        raw = rng.randbytes(n)
+        keys += [raw, bytearray(raw), memoryview(raw), raw.decode("latin-1")]
+        keys.append(
+            "".join(
+                chr(rng.choice([rng.randrange(32, 127), rng.randrange(0x80, 0x10FFFF)]))
+                for _ in range(n)
+            ).replace("\ud800", "x")
+        )
+    keys += ["\ud800", "a\udfffb", "é" * 70, "x" * 10_000, b"y" * 10_000]  # lone surrogates
+    keys += [True, False, None, 0.1, -0.0, (1, "a"), [b"z", 2**63], {"k": 1}, ()]
+    return keys
+
+
+def test_the_compiled_hash_gives_the_defined_values_for_every_key_form() -> None:
+    for key in _spec_keys():
+        assert deterministic_hash(key) == _spec_hash(key), key
+
+
+def test_bad_keys_raise_what_the_definition_raises() -> None:
+    # a key msgpack cannot pack: its TypeError, unchanged
+    with pytest.raises(TypeError, match="can not serialize 'object' object"):
+        deterministic_hash(object())
+    with pytest.raises(ZeroDivisionError):
+        partition_for_key("k", 0)

@@ -34,7 +34,8 @@ from exchange.writer import (
     RoundRobinSelector,
     deterministic_hash,
 )
-from exchange.writer.record_writer import MIN_BUFFER_SIZE, register_int_value_hash
+from exchange.writer.record_writer import MIN_BUFFER_SIZE
+from exchange.writer.routing import register_int_value_hash
 
 
 class Clock:
@@ -167,6 +168,168 @@ def test_bad_routing_is_a_usage_error_and_the_writer_goes_on() -> None:
             w.emit_to(("x",), bad)  # type: ignore[arg-type]
     w.emit_to(("ok",), 1)
     assert decode(w.close(), 2) == [[], [("ok",)]]
+
+
+# -- the compiled routing loop (exchange/writer/routing.pyx) ----------------------------------
+
+MIXED_KEYS: list[Any] = [
+    *range(-3, 40),
+    2**63 - 1,
+    -(2**63),
+    2**63,
+    -(2**63) - 1,
+    2**64 + 5,
+    -(2**90),  # inline / cached / big
+    True,
+    False,
+    1.0,
+    0.0,
+    None,
+    (1, "a"),
+    (),
+    [1],  # equal to ints in Python, not here
+    "",
+    "a",
+    "é€",
+    "k" * 64,
+    "k" * 65,
+    "\ud800",  # cached up to 64 characters
+    b"",
+    b"a",
+    b"b" * 64,
+    b"b" * 65,
+    bytearray(b"ab"),
+]
+
+
+def mixed_records(count: int) -> list[Any]:
+    return [(MIXED_KEYS[i % len(MIXED_KEYS)], i) for i in range(count)]
+
+
+@pytest.mark.parametrize("n", [2, 7])
+def test_emit_all_routes_every_key_form_as_the_hash_says_over_several_slices(n: int) -> None:
+    records = mixed_records(7000)  # > 3 slices of 2048, keys seen again (cache hits)
+    w = RecordWriter(n, buffer_size=1024, buffer_timeout=-1)
+    assert w.emit_all(records[:10]) == 10  # a first call fills the cache
+    assert w.emit_all(iter(records[10:])) == len(records) - 10
+    assert w.stats.records_out == len(records)
+    assert decode(w.close(), n) == by_hash(records, n)
+
+
+def test_emit_all_takes_any_record_with_an_item_0_and_any_key_func() -> None:
+    lists = [[k, "v"] for k in MIXED_KEYS]
+    dicts = [{"id": k} for k in MIXED_KEYS]
+    w = RecordWriter(5, buffer_size=1024, buffer_timeout=-1)
+    w.emit_all(lists)
+    w.emit_all(dicts, key_func=lambda r: r["id"])
+    got = decode(w.close(), 5)
+    for t in range(5):
+        assert got[t] == [r for r in lists if deterministic_hash(r[0]) % 5 == t] + [
+            r for r in dicts if deterministic_hash(r["id"]) % 5 == t
+        ]
+
+
+def test_a_partition_functions_result_is_taken_modulo_n_as_python_does() -> None:
+    values = [-1, -8, 7, 2**70, -(2**70) - 3]
+    records = [(k, i) for i, k in enumerate(MIXED_KEYS * 3)]
+    w = RecordWriter(3, buffer_size=1024, buffer_timeout=-1)
+    w.emit_all(records, partition_func=lambda k: values[MIXED_KEYS.index(k) % len(values)])
+    got = decode(w.close(), 3)
+    want: list[list[Any]] = [[], [], []]
+    for r in records:
+        want[values[MIXED_KEYS.index(r[0]) % len(values)] % 3].append(r)
+    assert got == want
+
+
+def test_the_key_cache_stays_bounded_and_routes_right_after_it_was_cleared() -> None:
+    from exchange.writer.routing import KEY_CACHE
+
+    calls = 0
+
+    def partition(k: int) -> int:
+        nonlocal calls
+        calls += 1
+        return k
+
+    w = RecordWriter(4, buffer_size=32 * 1024, buffer_timeout=-1)
+    keys = range(KEY_CACHE + 100)
+    w.emit_all(((k,) for k in keys), partition_func=partition)
+    assert calls == len(keys)
+    w.emit_all([(k,) for k in keys[-50:]], partition_func=partition)
+    assert calls == len(keys)  # remembered since the cache was cleared
+    got = decode(w.close(), 4)
+    assert [len(p) for p in got] == [
+        sum(1 for k in keys if k % 4 == t) + sum(1 for k in keys[-50:] if k % 4 == t)
+        for t in range(4)
+    ]
+
+
+def _raising_source(records: list[Any], at: int) -> Any:
+    yield from records[:at]
+    raise RuntimeError("the input failed")
+
+
+# A bad record at index 3000 (the second slice): (records, emit_all kwargs, error, message)
+BAD_ROUTING: dict[str, tuple[Any, dict[str, Any], type[BaseException], str]] = {
+    "no-item-0": ([42], {}, NotAPairError, str(NotAPairError.for_record(42))),
+    "empty-tuple": ([()], {}, NotAPairError, str(NotAPairError.for_record(()))),
+    "unhashable-key": ([(object(),)], {}, TypeError, "can not serialize 'object' object"),
+    "key-func-raises": (
+        [("boom",)],
+        {"key_func": lambda r: r[0] if r[0] != "boom" else int(r[0])},
+        ValueError,
+        "invalid literal for int() with base 10: 'boom'",
+    ),
+    "partition-str": (
+        [("x",)],
+        {"partition_func": lambda k: k if isinstance(k, int) else "zero"},
+        UsageError,
+        "partition function returned 'zero', not an int",
+    ),
+    "partition-bool": (
+        [("x",)],
+        {"partition_func": lambda k: k if isinstance(k, int) else True},
+        UsageError,
+        "partition function returned True, not an int",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", [*BAD_ROUTING, "input-raises"])
+def test_a_bad_record_fails_with_its_error_after_counting_and_flushing_the_ones_before(
+    case: str,
+) -> None:
+    clock = Clock()
+    w = RecordWriter(3, buffer_size=1024, buffer_timeout=0.05, clock=clock)
+    good = [(i, "v") for i in range(3000)]
+    w.emit_to((-1, "first"), 0)
+    clock.now += 1  # the flush is due: the failing call must still flush what it routed
+    source: Any
+    kwargs: dict[str, Any]
+    error: type[BaseException]
+    if case == "input-raises":
+        source = _raising_source(good, 3000)
+        kwargs, error, message = {}, RuntimeError, "the input failed"
+    else:
+        bad, kwargs, error, message = BAD_ROUTING[case]
+        source = [*good, *bad, (5000, "never")]
+    with pytest.raises(error) as info:
+        w.emit_all(source, **kwargs)
+    assert str(info.value) == message
+    assert w.stats.records_out == 1 + len(good)
+    assert not w.pending_records and w.next_flush_deadline is None  # flushed, by the timer
+    got = decode(w.take_output(), 3)
+    want = [[(-1, "first")], [], []]
+    for r in good:
+        target = (
+            kwargs["partition_func"](r[0]) % 3
+            if "partition_func" in kwargs
+            else (deterministic_hash(r[0]) % 3)
+        )
+        want[target].append(r)
+    assert got == want
+    w.emit_all([(7, "after")])  # the writer goes on
+    assert decode(w.close(), 3)[deterministic_hash(7) % 3] == [(7, "after")]
 
 
 def test_a_hash_that_is_the_int_itself_routes_ints_inline_to_the_same_place() -> None:
