@@ -2,7 +2,8 @@
 
 Measures records/s for:
 
-* ``rdd.partitionBy(n, exchange_hash).count()`` (Spark's RDD shuffle, the baseline)
+* ``rdd.partitionBy(n).count()`` (Spark's RDD shuffle, the baseline; both place keys by
+  PySpark's ``portable_hash``)
 * ``exchange_shuffle(rdd, n, mode="blocking").count()``
 * ``df.repartition(n, "k").count()`` (Spark SQL's shuffle on a cached DataFrame)
 * with 2 output partitions (all tasks at once in local[2]): ``partitionBy`` again and
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pyspark.sql import SparkSession
 
-    from client.spark import exchange_hash, exchange_shuffle, release_exchange, stop_embedded_daemon
+    from client.spark import exchange_shuffle, release_exchange, stop_embedded_daemon
 
     spark = (
         SparkSession.builder.master("local[2]")
@@ -132,13 +133,13 @@ def main(argv: list[str] | None = None) -> int:
             release_exchange(out)
 
     cases: list[tuple[str, Callable[[], int]]] = [
-        ("rdd_partitionBy", lambda: rdd.partitionBy(parts, exchange_hash).count()),
+        ("rdd_partitionBy", lambda: rdd.partitionBy(parts).count()),
         ("exchange_blocking", lambda: exchange(rdd, parts, "blocking")),
         ("df_repartition", lambda: df.repartition(parts, "k").count()),
-        ("rdd_partitionBy_2", lambda: rdd2.partitionBy(2, exchange_hash).count()),
+        ("rdd_partitionBy_2", lambda: rdd2.partitionBy(2).count()),
         ("exchange_pipelined_2", lambda: exchange(rdd2, 2, "pipelined")),
         ("exchange_blocking_2", lambda: exchange(rdd2, 2, "blocking")),
-        ("rdd_partitionBy_mixed", lambda: rdd_mixed.partitionBy(parts, exchange_hash).count()),
+        ("rdd_partitionBy_mixed", lambda: rdd_mixed.partitionBy(parts).count()),
         ("exchange_blocking_mixed", lambda: exchange(rdd_mixed, parts, "blocking")),
     ]
     expected = {name: total_mixed if name.endswith("_mixed") else total for name, _ in cases}

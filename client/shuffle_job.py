@@ -121,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     t0 = time.monotonic()
     _log(t0, f"starting Spark ({args.master}) and the embedded exchange daemon")
+    from pyspark.rdd import portable_hash
     from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
     from client.spark import (
-        exchange_hash,
         exchange_shuffle,
         get_embedded_daemon,
         release_exchange,
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def agg_checked(index: int, recs: Iterable[Any]) -> Iterator[Row]:
             for row in aggregate(recs):
-                if exchange_hash(row[0]) % nparts != index:
+                if portable_hash(row[0]) % nparts != index:
                     raise AssertionError(f"user {row[0]} landed in the wrong partition {index}")
                 yield row
 

@@ -53,10 +53,11 @@ from client.options import ReaderOptions, WriterOptions
 from client.producer import PartitionWriter
 from client.rendezvous import RendezvousServer, rendezvous, report_abort
 from client.runtime import get_runtime
-from exchange.errors import ExchangeError, TransportError, UsageError
+from exchange.errors import ExchangeError, NotAPairError, TransportError, UsageError
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.serialization.record_codec import RecordCodec, default_codec
 from exchange.writer.hashing import deterministic_hash
+from exchange.writer.routing import register_int_value_hash
 
 log = logging.getLogger("exchange.client.spark")
 
@@ -77,11 +78,36 @@ MODES: Final = ("blocking", "pipelined")
 
 
 def exchange_hash(key: Any) -> int:
-    """The partitioner ``exchange_shuffle`` uses by default (stable across processes).
+    """The exchange's own key hash (stable across processes without ``PYTHONHASHSEED``).
 
-    Pass it to ``rdd.partitionBy(n, exchange_hash)`` to get the same placement.
+    ``exchange_shuffle(rdd, n, exchange_hash)`` places every key where
+    ``rdd.partitionBy(n, exchange_hash)`` does, and hashes integer keys inline (the
+    fastest choice); the default of both is PySpark's ``portable_hash``.
     """
     return deterministic_hash(key)
+
+
+def _writer_partition_func(
+    partition_func: Callable[[Any], int],
+) -> Callable[[Any], int] | None:
+    """What the task's writer is given: None for the exchange's own hash (its default,
+    hashed inline), else the function itself. Called in the task, it tells the writer
+    that ``portable_hash`` of an int is the int (Python's hash: routed inline)."""
+    from pyspark.rdd import portable_hash
+
+    if partition_func is portable_hash:
+        register_int_value_hash(portable_hash)
+    if partition_func is exchange_hash or partition_func is deterministic_hash:
+        return None
+    return partition_func
+
+
+def _raise_typed(error: Exception) -> None:
+    """Raise the ``NotAPairError`` a task raised, on the driver, if ``error`` (what a Spark
+    action raised) carries one; else return."""
+    found = re.search(r"exchange\.errors\.NotAPairError: (.*)", str(error))
+    if found is not None:
+        raise NotAPairError(found.group(1)) from None
 
 
 # -- the embedded daemon -------------------------------------------------------------------
@@ -362,7 +388,7 @@ def _write_partition(
     attempt: int,
     records: Iterable[Any],
     num_partitions: int,
-    partition_func: Callable[[Any], int] | None,
+    partition_func: Callable[[Any], int],
     spec: _DaemonSpec,
     codec: RecordCodec,
     blocking: bool,
@@ -378,7 +404,7 @@ def _write_partition(
     with PartitionWriter(pid, num_partitions, options) as writer:
         if opened is not None:
             opened(writer)
-        n = writer.emit_all(records, partition_func)
+        n = writer.emit_all(records, _writer_partition_func(partition_func))
     return _Produced(index, attempt, info.daemon_id, info.data_address, sock, info.segment_size, n)
 
 
@@ -446,10 +472,18 @@ def exchange_shuffle(
     """Repartition an RDD of ``(key, value)`` pairs through the exchange daemons.
 
     Output partition ``i`` holds the pairs whose ``partition_func(key) % num_partitions``
-    is ``i`` (default: ``exchange_hash``). Records come back exactly as ``partitionBy``
-    gives them (equal and of the same types: the default codec pickles batches of
-    records); ``codec=MsgpackCodec()`` is the explicit choice for cross-language data.
-    The returned RDD has an ``exchange_id`` attribute for ``release_exchange``.
+    is ``i`` (default: PySpark's ``portable_hash``, ``partitionBy``'s default): the
+    partitions ``rdd.partitionBy(num_partitions, partition_func)`` gives. Records come
+    back exactly as ``partitionBy`` gives them (equal and of the same types: the default
+    codec pickles batches of records); ``codec=MsgpackCodec()`` is the explicit choice for
+    cross-language data. Like ``partitionBy``'s, the returned RDD carries its
+    ``partitioner`` (``Partitioner(num_partitions, partition_func)``), so a
+    ``reduceByKey``, ``groupByKey`` or ``partitionBy`` with the same partitioning does
+    not shuffle again. It has an ``exchange_id`` attribute for ``release_exchange``.
+
+    A record that is not a pair (``record[0]`` fails) is a ``NotAPairError`` naming it
+    (in blocking mode raised here, on the driver; in pipelined mode by the job that reads
+    the result). A DataFrame is refused at once: pass ``df.rdd`` mapped to pairs.
 
     ``secret_file``: where the daemons' shared secret lies on the driver (default:
     ``$EXCHANGE_SECRET_FILE``); the driver mints the application's credential from it
@@ -470,9 +504,13 @@ def exchange_shuffle(
     ):
         raise UsageError(f"codec must be a RecordCodec, got {codec!r}")
     _check_secret_file(secret_file)
+    _check_not_dataframe(rdd)
     sc = getattr(rdd, "context", None)
     if sc is None or not callable(getattr(rdd, "mapPartitionsWithIndex", None)):
         raise UsageError(f"rdd must be a PySpark RDD of (key, value) pairs, got {rdd!r}")
+    from pyspark.rdd import Partitioner, portable_hash
+
+    func: Callable[[Any], int] = portable_hash if partition_func is None else partition_func
     the_codec: RecordCodec = codec if codec is not None else default_codec()
     app_id = str(getattr(sc, "applicationId", "") or "")
     spec = _DaemonSpec(_daemon_hint(sc), mint_app_credential(app_id, secret_file), app_id)
@@ -481,11 +519,25 @@ def exchange_shuffle(
     _known_exchanges.add(exchange_id)
     _exchange_apps[exchange_id] = app_id
     if mode == "blocking":
-        out = _blocking(rdd, num_partitions, partition_func, spec, exchange_id, the_codec)
+        out = _blocking(rdd, num_partitions, func, spec, exchange_id, the_codec)
     else:
-        out = _pipelined(rdd, num_partitions, partition_func, spec, exchange_id, the_codec)
+        out = _pipelined(rdd, num_partitions, func, spec, exchange_id, the_codec)
+    # what partitionBy sets: a later reduceByKey/groupByKey/partitionBy(n, func) sees its
+    # partitioning already done (PipelinedRDD keeps it through preservesPartitioning)
+    out.partitioner = Partitioner(num_partitions, func)
     out.exchange_id = exchange_id  # type: ignore[attr-defined]
     return out
+
+
+def _check_not_dataframe(data: object) -> None:
+    """A DataFrame (classic or Spark Connect) is refused with the way to an RDD of pairs."""
+    cls = type(data)
+    if cls.__name__ == "DataFrame" and cls.__module__.startswith("pyspark.sql"):
+        raise UsageError(
+            "exchange_shuffle takes an RDD of (key, value) pairs, got a DataFrame: pass "
+            "its rows keyed, for example df.rdd.map(lambda row: (row['key'], row)) "
+            "(df.rdd is an RDD of Rows), or use df.repartition(n, 'key') to stay in SQL"
+        )
 
 
 _exchanges: dict[str, set[str]] = {}
@@ -504,7 +556,7 @@ def _check_secret_file(secret_file: object) -> None:
 def _blocking(
     rdd: RDD[Any],
     n: int,
-    partition_func: Callable[[Any], int] | None,
+    partition_func: Callable[[Any], int],
     spec: _DaemonSpec,
     exchange_id: str,
     codec: RecordCodec,
@@ -520,14 +572,24 @@ def _blocking(
 
     sc = rdd.context
     sc.setJobDescription(f"exchange {exchange_id}: write {rdd.getNumPartitions()} partitions")
-    produced = sorted(rdd.mapPartitionsWithIndex(write).collect(), key=lambda p: p.index)
-    sc.setJobDescription(None)  # type: ignore[arg-type]
+    try:
+        written = rdd.mapPartitionsWithIndex(write).collect()
+    except Exception as e:  # Spark's wrapper of whatever a task raised
+        _raise_typed(e)
+        raise
+    finally:
+        sc.setJobDescription(None)  # type: ignore[arg-type]
+    produced = sorted(written, key=lambda p: p.index)
     _exchanges[exchange_id] = {p.data_address for p in produced}
 
     def read(index: int, _: Iterable[Any]) -> Iterator[Any]:
         return _read_subpartition(exchange_id, produced, index, spec, codec)
 
-    return sc.parallelize(range(n), n).mapPartitionsWithIndex(read)
+    # preservesPartitioning: the Partitioner set on the result passes on to what is
+    # pipelined after it (the JVM parent, a parallelize, has no partitioner to pass on).
+    # A list, not a range: parallelize(range) is itself a map that preserves nothing.
+    indexes = sc.parallelize(list(range(n)), n)
+    return indexes.mapPartitionsWithIndex(read, preservesPartitioning=True)
 
 
 class _CancellableWriter:
@@ -555,7 +617,7 @@ class _CancellableWriter:
 def _pipelined(
     rdd: RDD[Any],
     n: int,
-    partition_func: Callable[[Any], int] | None,
+    partition_func: Callable[[Any], int],
     spec: _DaemonSpec,
     exchange_id: str,
     codec: RecordCodec,
@@ -652,7 +714,15 @@ def _pipelined(
 
         return itertools.chain.from_iterable(chunks())
 
-    return rdd.barrier().mapPartitions(run)
+    out = rdd.barrier().mapPartitions(run)
+    # Preserving partitioning passes the Partitioner set on the result on to what is
+    # pipelined after it, and makes the stage's JVM RDD claim its JVM parent's
+    # partitioner: right only when that parent (the input's first JVM RDD) has none.
+    # Otherwise the Partitioner stays on the result alone.
+    piped: Any = out  # a PipelinedRDD: its JVM parent and flag are not in RDD's stubs
+    if piped._prev_jrdd.rdd().partitioner().isEmpty():
+        piped.preservesPartitioning = True
+    return out
 
 
 def release_exchange(rdd_or_id: Any, *, secret_file: str | None = None) -> int:

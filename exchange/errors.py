@@ -11,6 +11,7 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     │   │   ├── SegmentFreedError         use of a memory segment after it was freed
     │   │   ├── IllegalReferenceCountError  release of an already released buffer
     │   │   └── WriterClosedError         write after close
+    │   ├── NotAPairError          a record routed by key has no key (no item 0): names it
     │   └── (ValueError-flavoured argument errors are raised as UsageError subclasses too)
     ├── InsufficientBuffersError   not enough network buffers: says required, available, setting
     ├── BufferRequestTimeoutError  a batch request for segments timed out
@@ -76,6 +77,7 @@ __all__ = [
     "IntegrityError",
     "LimitExceededError",
     "LocalProtocolError",
+    "NotAPairError",
     "PartitionDataLostError",
     "PartitionError",
     "PartitionNotFoundError",
@@ -165,6 +167,24 @@ class IllegalReferenceCountError(IllegalStateError):
 
 class WriterClosedError(IllegalStateError):
     """The writer (or partition) was closed; nothing more may be written."""
+
+
+class NotAPairError(UsageError, TypeError):
+    """A record emitted by key is not a ``(key, value)`` pair: ``record[0]`` fails on it.
+
+    Also a ``TypeError``, what unpacking such a record raises. The message names the
+    record (its repr, cut short) and the fix."""
+
+    @classmethod
+    def for_record(cls, record: object) -> NotAPairError:
+        text = repr(record)
+        if len(text) > 200:
+            text = text[:200] + "..."
+        return cls(
+            f"record {text} of type {type(record).__name__} is not a (key, value) pair: "
+            "records are routed by their item 0. Map them to pairs first, for example "
+            "rdd.map(lambda r: (key_of(r), r)) or rdd.keyBy(key_of)"
+        )
 
 
 class InsufficientBuffersError(ExchangeError):

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from exchange.buffers.buffer import DataType
-from exchange.errors import RecordTooLargeError, UsageError, WriterClosedError
+from exchange.errors import NotAPairError, RecordTooLargeError, UsageError, WriterClosedError
 from exchange.events.events import (
     AbstractEvent,
     CancelCheckpointMarker,
@@ -226,9 +226,10 @@ class RecordWriter:
                 self.broadcast(record)
                 return
             target = self.selector.select_channel(record)
+        elif key is _NO_KEY:
+            target = self._route(record, None, None)
         else:
-            k = record[0] if key is _NO_KEY else key
-            target = deterministic_hash(k) % self.num_subpartitions
+            target = deterministic_hash(key) % self.num_subpartitions
         self.emit_to(record, target)
 
     def emit_to(self, record: Any, target: int) -> None:
@@ -348,7 +349,12 @@ class RecordWriter:
     ) -> int:
         if self.selector is not None and partition_func is None and key_func is None:
             return self.selector.select_channel(record)
-        key = record[0] if key_func is None else key_func(record)
+        if key_func is not None:
+            return self._partition(key_func(record), partition_func)
+        try:
+            key = record[0]
+        except (TypeError, IndexError, KeyError) as e:
+            raise NotAPairError.for_record(record) from e
         return self._partition(key, partition_func)
 
     def _partition(self, key: Any, partition_func: Callable[[Any], int] | None) -> int:

@@ -5,6 +5,7 @@ from typing import Any, Final
 KEY_CACHE: Final[int]
 KEY_CACHE_LEN: Final[int]
 
+def register_int_value_hash(func: Callable[[Any], int]) -> None: ...
 def partition_of(key: Any, partition_func: Callable[[Any], int] | None, n: int) -> int: ...
 def route(
     it: Iterator[Any],

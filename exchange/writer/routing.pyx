@@ -8,15 +8,19 @@ Per record: the key (``record[0]``, or ``key_func(record)``), then
 
 * with the deterministic hash (no ``partition_func``), an ``int`` key in [-2**63, 2**63)
   is hashed inline (one multiplication, ``hashing.pxd``'s ``fib_hash``);
+* with a partition function registered by ``register_int_value_hash`` (Python's ``hash``,
+  PySpark's ``portable_hash``: the int itself), an ``int`` key in [0, 2**61 - 1) goes
+  to ``key % n`` inline, with no call;
 * any other key of exactly type ``int``, or ``str``/``bytes`` of at most ``KEY_CACHE_LEN``
   items, is looked up in the writer's key -> target cache (a dict, cleared when it holds
   ``KEY_CACHE`` keys), filled from ``hashing.c_hash(key) % n`` or
   ``partition_func(key) % n``; other keys (floats, tuples, bools, ...) are not cached:
   keys Python finds equal but the hash tells apart (1, True, 1.0) must not share an entry.
 
-Errors are the interpreter's (a record without ``[0]``, a raising ``key_func``, a key the
-hash cannot pack) or the project's ``UsageError`` for a partition function returning
-something else than an int; the records routed before the failing one stay in the lists
+Errors are the project's ``NotAPairError`` for a record without ``[0]`` (naming it: a
+tuple's item is taken directly, so only other records pay for the check), its
+``UsageError`` for a partition function returning something else than an int, or the
+interpreter's (a raising ``key_func`` or ``partition_func``, a key the hash cannot pack); the records routed before the failing one stay in the lists
 (the writer counts them by the lists' growth). There is no Python version of this module.
 """
 
@@ -28,9 +32,9 @@ from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
 from exchange.writer.hashing cimport c_hash, fib_hash
 
-from exchange.errors import UsageError
+from exchange.errors import NotAPairError, UsageError
 
-__all__ = ["KEY_CACHE", "KEY_CACHE_LEN", "partition_of", "route"]
+__all__ = ["KEY_CACHE", "KEY_CACHE_LEN", "partition_of", "register_int_value_hash", "route"]
 
 cdef extern from "Python.h":
     PyObject* PyDict_GetItemWithError(object d, object k) except? NULL
@@ -46,6 +50,27 @@ KEY_CACHE_LEN = 64
 cdef Py_ssize_t _KEY_CACHE = KEY_CACHE
 cdef Py_ssize_t _KEY_CACHE_LEN = KEY_CACHE_LEN
 cdef object _ZERO = 0
+#: Python's hash of an int in [0, 2**61 - 1) is the int itself (the modulus is 2**61 - 1).
+cdef long long _VALUE_BELOW = (1LL << 61) - 1
+#: Partition functions known to return ``key`` itself for an int ``key`` in [0, 2**61 - 1).
+cdef set _INT_VALUE_HASHES = {hash}
+
+
+def register_int_value_hash(func):
+    """Declare that ``func(k) == k`` for every int ``k`` in [0, 2**61 - 1) (as Python's
+    ``hash`` and PySpark's ``portable_hash`` are), so ``route`` sends those keys to
+    ``k % n`` inline. Other keys still go through ``func``."""
+    if not callable(func):
+        raise UsageError(f"expected a partition function, got {func!r}")
+    _INT_VALUE_HASHES.add(func)
+
+
+cdef object key_of(object record):
+    """``record[0]``; a record without it is a ``NotAPairError`` naming it."""
+    try:
+        return PyObject_GetItem(record, _ZERO)
+    except (TypeError, IndexError, KeyError) as e:
+        raise NotAPairError.for_record(record) from e
 
 
 cdef Py_ssize_t c_partition(object key, object partition_func, Py_ssize_t n) except -1:
@@ -71,6 +96,7 @@ def route(it, list lists, object partition_func, object key_func, dict cache, Py
     cdef Py_ssize_t taken = 0
     cdef Py_ssize_t target
     cdef bint hash_ints = partition_func is None
+    cdef bint value_ints = not hash_ints and partition_func in _INT_VALUE_HASHES
     cdef bint cacheable
     cdef int overflow
     cdef long long v
@@ -86,7 +112,7 @@ def route(it, list lists, object partition_func, object key_func, dict cache, Py
             if type(record) is tuple and PyTuple_GET_SIZE(record) > 0:
                 key = <object>PyTuple_GET_ITEM(record, 0)
             else:
-                key = PyObject_GetItem(record, _ZERO)
+                key = key_of(record)
         else:
             key = key_func(record)
         t = type(key)
@@ -96,6 +122,15 @@ def route(it, list lists, object partition_func, object key_func, dict cache, Py
             if not overflow:
                 target = <Py_ssize_t>(fib_hash(<unsigned long long>v) % <unsigned long long>n)
                 PyList_Append(<object>PyList_GET_ITEM(lists, target), record)
+                taken += 1
+                if taken >= limit:
+                    break
+                continue
+        elif t is int and value_ints:
+            overflow = 0
+            v = PyLong_AsLongLongAndOverflow(key, &overflow)
+            if not overflow and 0 <= v < _VALUE_BELOW:
+                PyList_Append(<object>PyList_GET_ITEM(lists, <Py_ssize_t>(v % n)), record)
                 taken += 1
                 if taken >= limit:
                     break

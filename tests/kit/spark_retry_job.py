@@ -68,7 +68,6 @@ def main(failure: str, mark_dir: str) -> int:
     from pyspark.sql import SparkSession
 
     from client.spark import (
-        exchange_hash,
         exchange_shuffle,
         get_embedded_daemon,
         release_exchange,
@@ -107,7 +106,7 @@ def main(failure: str, mark_dir: str) -> int:
     if failure == "sigkill":
         read = out.mapPartitionsWithIndex(failing("consumer", 1, 1000))
     got = read.glom().collect()
-    want = src.partitionBy(4, exchange_hash).glom().collect()
+    want = src.partitionBy(4).glom().collect()
     equal = [Counter(map(repr, g)) == Counter(map(repr, w)) for g, w in zip(got, want, strict=True)]
     result = {
         "equal": equal,

@@ -25,7 +25,6 @@ from client.local_connection import release_dataset  # noqa: E402
 from client.runtime import get_runtime  # noqa: E402
 from client.spark import (  # noqa: E402
     CONF_DAEMON_ADDRESS,
-    exchange_hash,
     exchange_shuffle,
     release_exchange,
 )
@@ -65,7 +64,7 @@ def main(socket_path: str, secret_file: str, http: str) -> None:
         out = exchange_shuffle(rdd, 4, secret_file=driver_copy)
         shutil.rmtree(scratch)
         got = out.glom().collect()
-        cluster.assert_exact_partitions(got, rdd.partitionBy(4, exchange_hash).glom().collect())
+        cluster.assert_exact_partitions(got, rdd.partitionBy(4).glom().collect())
         run = get_runtime().run
         xid = out.exchange_id
         # neither a client of no application nor one of another application may release

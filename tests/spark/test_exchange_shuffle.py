@@ -1,4 +1,4 @@
-"""``exchange_shuffle`` in PySpark local mode equals ``rdd.partitionBy(n, exchange_hash)``.
+"""``exchange_shuffle`` in PySpark local mode equals ``rdd.partitionBy(n)``.
 
 One ``local[2]`` session for the module (the ``spark`` fixture, with the embedded daemon).
 Every dataset goes through both modes and is compared with ``partitionBy`` partition by
@@ -15,6 +15,7 @@ import datetime
 import decimal
 import fractions
 import json
+import operator
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +37,7 @@ from client.spark import (
     get_embedded_daemon,
     release_exchange,
 )
-from exchange.errors import UsageError
+from exchange.errors import NotAPairError, UsageError
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
@@ -138,7 +139,7 @@ DATASETS: dict[str, tuple[Callable[[], list[Any]], int, int]] = {
     ),
     "value-sizes-0-to-3MiB": (_sizes, 2, 3),
     "unicode-and-binary-keys": (_odd_keys, 2, 5),
-    # equal in Python (1 == True == 1.0), yet hashed apart by exchange_hash
+    # equal in Python (1 == True == 1.0): portable_hash puts them together
     "equal-keys-of-different-types": (
         lambda: (
             [(k, i) for i in range(4) for k in (1, True, 1.0, 0, False, 0.0, (1, 2), (True, 2))]
@@ -166,7 +167,7 @@ def reference(spark: Any, name: str, slices: int, n: int) -> list[list[Any]]:
     key = (name, slices, n)
     if key not in _reference_cache:
         rdd = spark.sparkContext.parallelize(records_of(name), slices)
-        _reference_cache[key] = rdd.partitionBy(n, exchange_hash).glom().collect()
+        _reference_cache[key] = rdd.partitionBy(n).glom().collect()
     return _reference_cache[key]
 
 
@@ -347,3 +348,121 @@ def test_pipelined_consumer_stopping_early_ends_the_stage_and_frees_the_daemon(
     else:  # every writer had finished before its readers stopped
         assert firsts == ["bytes", "bytes"]
     wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def _stages_run(sc: Any, action: Callable[[], Any]) -> int:
+    """How many Spark stages ``action``'s jobs ran (a shuffle adds its map stage)."""
+    group = f"count-stages-{time.monotonic_ns()}"
+    sc.setJobGroup(group, group)
+    try:
+        action()
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    tracker = sc.statusTracker()
+    jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup(group)]
+    assert jobs and all(j is not None for j in jobs), jobs
+    return sum(len(j.stageIds) for j in jobs)
+
+
+@pytest.mark.parametrize("mode", ["blocking", "pipelined"])
+def test_the_next_by_key_operation_does_not_shuffle_again(spark: Any, mode: str) -> None:
+    """The result carries ``partitionBy``'s ``Partitioner``: reduceByKey, groupByKey and
+    partitionBy with the same partitioning run in the reading stage, with no shuffle.
+    (A fresh exchange per action: a pipelined exchange runs again with each.)"""
+    from pyspark.rdd import Partitioner, portable_hash
+
+    sc = spark.sparkContext
+    records = [(f"k{i % 97}", i) for i in range(20_000)]
+    # a map in front: pipelined mode's barrier stage takes it in
+    rdd = sc.parallelize(records, 2).map(lambda r: r)
+    sums: dict[str, int] = collections.Counter()
+    for k, v in records:
+        sums[k] += v
+    exchanged: list[Any] = []
+
+    def fresh() -> Any:
+        exchanged.append(exchange_shuffle(rdd, 2, mode=mode))
+        return exchanged[-1]
+
+    assert fresh().partitioner == Partitioner(2, portable_hash) == rdd.partitionBy(2).partitioner
+    add = operator.add
+    # reading alone is one stage; a shuffle would add its map stage (the exchange's own
+    # write job, in blocking mode, ran before: fresh() is outside the counted action)
+    got: list[Any] = []
+    out = fresh()
+    assert _stages_run(sc, lambda: got.extend(out.reduceByKey(add).collect())) == 1
+    assert dict(got) == sums
+    grouped: list[Any] = []
+    out = fresh()
+    assert _stages_run(sc, lambda: grouped.extend(out.groupByKey().mapValues(sum).collect())) == 1
+    assert dict(grouped) == sums
+    out = fresh()
+    assert _stages_run(sc, lambda: out.partitionBy(2).count()) == 1
+    assert "ShuffledRDD" not in fresh().reduceByKey(add).toDebugString().decode()
+    # another partitioning still shuffles, as after partitionBy
+    out = fresh()
+    assert _stages_run(sc, lambda: out.reduceByKey(add, 3).count()) == 2
+    for out in exchanged:
+        release_exchange(out)
+        wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_exchange_hash_stays_a_choice(spark: Any, sx: ModuleType) -> None:
+    from pyspark.rdd import Partitioner
+
+    sc = spark.sparkContext
+    records = [(k, i) for i, k in enumerate(_zipf_keys(5000, 300, 1.2, seed=3))] + [
+        (f"s{i}", i) for i in range(500)
+    ]
+    rdd = sc.parallelize(records, 2)
+    out = exchange_shuffle(rdd, 3, exchange_hash)
+    assert out.partitioner == Partitioner(3, exchange_hash)
+    sx.assert_exact_partitions(
+        out.glom().collect(), rdd.partitionBy(3, exchange_hash).glom().collect()
+    )
+    release_exchange(out)
+
+
+@pytest.mark.parametrize("bad", [7, None, (), "", {"no": "item 0"}])
+def test_a_record_that_is_not_a_pair_is_named_on_the_driver(spark: Any, bad: Any) -> None:
+    sc = spark.sparkContext
+    rdd = sc.parallelize([(i, i) for i in range(1000)] + [bad] + [(1, 1)], 2)
+    with pytest.raises(NotAPairError) as excinfo:
+        exchange_shuffle(rdd, 3)
+    msg = str(excinfo.value)
+    assert f"record {bad!r} of type {type(bad).__name__} is not a (key, value) pair" in msg, msg
+    assert "rdd.map(lambda r: (key_of(r), r))" in msg, msg  # the fix
+    assert len(msg) < 400, msg  # the message itself, not Spark's traceback
+    assert isinstance(excinfo.value, TypeError)  # what unpacking a non-pair raises
+    # the partition the good task wrote is freed with the daemon's segments
+    net = daemon_stats()["network"]
+    deadline = time.monotonic() + 60
+    while net["available_segments"] != net["total_segments"]:
+        assert time.monotonic() < deadline, net
+        time.sleep(0.1)
+        net = daemon_stats()["network"]
+
+
+def test_a_non_pair_in_a_pipelined_exchange_fails_its_job_naming_the_record(spark: Any) -> None:
+    sc = spark.sparkContext
+    rdd = sc.parallelize([(i, i) for i in range(1000)] + [42], 2)
+    out = exchange_shuffle(rdd, 2, mode="pipelined")
+    with pytest.raises(Exception) as excinfo:
+        out.count()
+    text = str(excinfo.value)
+    # Spark reports whichever task failed first: the producer's own (NotAPairError) or a
+    # reader of its partition (ProducerFailedError quoting it); both name the record
+    assert "record 42 of type int is not a (key, value) pair" in text, text[-3000:]
+    assert "NotAPairError" in text or "ProducerFailedError" in text, text[-3000:]
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_a_dataframe_is_refused_at_once_with_the_way_to_an_rdd(spark: Any) -> None:
+    df = spark.createDataFrame([(1, "a"), (2, "b")], "key long, v string")
+    with pytest.raises(UsageError) as excinfo:
+        exchange_shuffle(df, 2)
+    msg = str(excinfo.value)
+    assert "got a DataFrame" in msg and "df.rdd.map(" in msg, msg
+    out = exchange_shuffle(df.rdd.map(lambda row: (row["key"], row)), 2)
+    assert sorted(k for k, _ in out.collect()) == [1, 2]
+    release_exchange(out)

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from client.spark import exchange_hash, exchange_shuffle, release_exchange
+from client.spark import exchange_shuffle, release_exchange
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
@@ -59,7 +59,7 @@ def test_blocking_exchange_across_two_workers_and_daemons(sx: ModuleType) -> Non
 
         records = [(i % 1009, (i, f"v{i}")) for i in range(50_000)]
         src = sc.parallelize(records, 8)
-        want = src.partitionBy(4, exchange_hash).glom().collect()
+        want = src.partitionBy(4).glom().collect()
 
         out = exchange_shuffle(src.mapPartitions(_slow), 4, mode="blocking")
         got = out.mapPartitions(_slow).glom().collect()

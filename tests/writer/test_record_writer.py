@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from exchange.errors import RecordTooLargeError, UsageError, WriterClosedError
+from exchange.errors import NotAPairError, RecordTooLargeError, UsageError, WriterClosedError
 from exchange.events.events import (
     AbstractEvent,
     CancelCheckpointMarker,
@@ -35,6 +35,7 @@ from exchange.writer import (
     deterministic_hash,
 )
 from exchange.writer.record_writer import MIN_BUFFER_SIZE
+from exchange.writer.routing import register_int_value_hash
 
 
 class Clock:
@@ -270,8 +271,8 @@ def _raising_source(records: list[Any], at: int) -> Any:
 
 # A bad record at index 3000 (the second slice): (records, emit_all kwargs, error, message)
 BAD_ROUTING: dict[str, tuple[Any, dict[str, Any], type[BaseException], str]] = {
-    "no-item-0": ([42], {}, TypeError, "'int' object is not subscriptable"),
-    "empty-tuple": ([()], {}, IndexError, "tuple index out of range"),
+    "no-item-0": ([42], {}, NotAPairError, str(NotAPairError.for_record(42))),
+    "empty-tuple": ([()], {}, NotAPairError, str(NotAPairError.for_record(()))),
     "unhashable-key": ([(object(),)], {}, TypeError, "can not serialize 'object' object"),
     "key-func-raises": (
         [("boom",)],
@@ -329,6 +330,64 @@ def test_a_bad_record_fails_with_its_error_after_counting_and_flushing_the_ones_
     assert got == want
     w.emit_all([(7, "after")])  # the writer goes on
     assert decode(w.close(), 3)[deterministic_hash(7) % 3] == [(7, "after")]
+
+
+def test_a_hash_that_is_the_int_itself_routes_ints_inline_to_the_same_place() -> None:
+    # Python's hash is registered: ints in [0, 2**61 - 1) go inline to key % n, the rest
+    # through the function; each lands where hash(key) % n says (negative: -1 hashes to -2)
+    edges = [0, 1, 6, -1, -2, -7, 2**61 - 2, 2**61 - 1, 2**61, 2**64 + 3, -(2**61), 10**15]
+    records: list[Any] = [(k, i) for i in range(3) for k in [*edges, *range(200)]] + [("s", 0)]
+    w = RecordWriter(7, buffer_size=1024, buffer_timeout=-1)
+    w.emit_all(records, partition_func=hash)
+    want: list[list[Any]] = [[] for _ in range(7)]
+    for r in records:
+        want[hash(r[0]) % 7].append(r)
+    assert decode(w.close(), 7) == want
+
+    calls: list[Any] = []
+
+    def doubling(k: Any) -> int:
+        calls.append(k)
+        return 2 * k if isinstance(k, int) else 0
+
+    w = RecordWriter(3, buffer_size=1024, buffer_timeout=-1)
+    w.emit_all([(1, "a")], partition_func=doubling)  # not registered: called
+    assert calls == [1] and decode(w.close(), 3) == [[], [], [(1, "a")]]
+    with pytest.raises(UsageError):
+        register_int_value_hash(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("timeout", [-1, 0])
+@pytest.mark.parametrize("bad", [7, None, (), "", {"a": 1}])
+def test_a_record_without_a_key_is_a_not_a_pair_error_naming_it(timeout: int, bad: Any) -> None:
+    w = RecordWriter(3, buffer_size=1024, buffer_timeout=timeout)
+    good = [(i, i) for i in range(100)]
+    with pytest.raises(NotAPairError) as excinfo:
+        w.emit_all([*good, bad, (1, 1)])
+    assert f"record {bad!r} of type {type(bad).__name__} is not a (key, value) pair" in str(
+        excinfo.value
+    )
+    assert isinstance(excinfo.value, TypeError)  # what unpacking it would raise
+    with pytest.raises(NotAPairError):
+        w.emit(bad)
+    # the records before it were taken; the writer goes on
+    w.emit_all([(5, 5)])
+    assert sorted(r for p in decode(w.close(), 3) for r in p) == sorted([*good, (5, 5)])
+
+
+def test_a_type_error_of_the_input_or_the_partition_function_stays_what_it_was() -> None:
+    def failing_input() -> Any:
+        yield (1, 1)
+        raise TypeError("the input's own")
+
+    w = RecordWriter(3, buffer_size=1024, buffer_timeout=-1)
+    with pytest.raises(TypeError, match="the input's own") as excinfo:
+        w.emit_all(failing_input())
+    assert not isinstance(excinfo.value, NotAPairError)
+    with pytest.raises(TypeError, match="unhashable") as excinfo:
+        w.emit_all([([1], 1)], partition_func=hash)
+    assert not isinstance(excinfo.value, NotAPairError)
+    w.close()
 
 
 @pytest.mark.parametrize(
