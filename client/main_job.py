@@ -139,11 +139,11 @@ class _Counting:
 
 
 class HeldFileSource(FileSource):
-    """The main job's input: a FileSource whose subtask k, in the job's first attempt,
-    holds (idles like a source with nothing to read, still taking checkpoints) once it
-    has emitted ``holds[k]`` records, until the driver's kill restarts the job. So the
-    demo's SIGKILL always lands mid-stream; without a kill (``holds`` None) it is a plain
-    FileSource."""
+    """The main job's input: a FileSource whose subtask k, in the job's first attempt (the
+    one that restored no checkpoint), holds (idles like a source with nothing to read,
+    still taking checkpoints) once it has emitted ``holds[k]`` records, until the driver's
+    kill restarts the job. So the demo's SIGKILL always lands mid-stream; without a kill
+    (``holds`` None) it is a plain FileSource."""
 
     def __init__(self, path: str, holds: Sequence[int] | None) -> None:
         super().__init__(path)
@@ -151,8 +151,8 @@ class HeldFileSource(FileSource):
         self._emitted = 0
 
     def _room(self) -> int | None:
-        if self.holds is None or self.ctx.attempt != 0:
-            return None
+        if self.holds is None or self.ctx.restored_checkpoint_id is not None:
+            return None  # no kill asked for, or a restarted attempt: read on
         return max(0, self.holds[self.ctx.subtask_index] - self._emitted)
 
     def poll(self, out: Any, max_records: int) -> bool:

@@ -58,9 +58,11 @@ class OperatorContext:
     operator_id: str
     subtask_index: int
     parallelism: int
-    #: the job's restart attempt (0 first): part of every name a task creates outside
-    #: the checkpoint (files, partitions), so nothing of a dead attempt is mistaken for
-    #: this one's
+    #: the attempt's id, unique across restarts and drivers of the job (the driver's clock
+    #: in milliseconds at the attempt's start, increasing; not a count: use
+    #: ``restored_checkpoint_id`` to tell a fresh start): part of every name a task creates
+    #: outside the checkpoint (files, partitions), so nothing of a dead attempt is mistaken
+    #: for this one's
     attempt: int
     operator_state: OperatorStateBackend
     #: None for operators not after a key_by
