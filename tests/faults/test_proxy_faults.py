@@ -275,6 +275,10 @@ def _stalled_reader(
         except BaseException as e:
             errors.append(e)
 
+    # Throttled until the stall, so the stall lands mid-stream however fast the data path
+    # is (unthrottled, a quiet machine moved the whole partition before the poll saw
+    # 100 kB, and the reader ended cleanly).
+    proxy.set_fault(fp.DOWNSTREAM, throttle_bps=2_000_000)
     thread = threading.Thread(target=run, name="stalled-reader", daemon=True)
     thread.start()
     proxy.wait_for(lambda s: s.bytes_down > 100_000)
