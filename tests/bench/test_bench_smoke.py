@@ -70,3 +70,11 @@ def test_frame_parser_bench_smoke() -> None:
     assert r["bench"] == "frame_parser" and r["frames_per_run"] == 2048
     for read_ahead in ("1k", "64k", "256k"):
         assert r[f"receive_cpu_us_per_32k_read_ahead_{read_ahead}"] > 0
+
+
+def test_record_writer_bench_smoke() -> None:
+    """The routed records are checked against their keys' hash in the first round."""
+    r = run_bench("bench_record_writer.py", "--quick")
+    assert r["bench"] == "record_writer" and r["records"] == 250_000
+    for mix in ("int", "mixed"):
+        assert r[f"writer_{mix}_ns_per_rec"] > 0 and r[f"spark_partition_{mix}_ns_per_rec"] > 0
