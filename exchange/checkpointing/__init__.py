@@ -29,6 +29,7 @@ Everything delivered before ``task.trigger_checkpoint(n, ...)`` runs is before b
 from __future__ import annotations
 
 import os
+from typing import Final, cast
 
 from exchange.checkpointing.aligner import AlignedBarrierHandler, AlignmentState, AlignmentStrategy
 from exchange.checkpointing.barrier_handler import (
@@ -69,6 +70,11 @@ from exchange.checkpointing.coordinator import (
     PendingCheckpoint,
     TriggerCheckpoint,
 )
+from exchange.checkpointing.unaligned import (
+    UnalignedBarrierHandler,
+    UnalignedCheckpointListener,
+    UnalignedState,
+)
 from exchange.errors import UsageError
 
 __all__ = [
@@ -105,8 +111,14 @@ __all__ = [
     "PendingCheckpoint",
     "ResumeConsumption",
     "TriggerCheckpoint",
+    "UnalignedBarrierHandler",
+    "UnalignedCheckpointListener",
+    "UnalignedState",
     "create_barrier_handler",
 ]
+
+
+_CHANNEL_STATE_METHODS: Final = ("persist_input", "input_state_complete")
 
 
 def create_barrier_handler(
@@ -120,14 +132,34 @@ def create_barrier_handler(
     spill_dir: str | os.PathLike[str] | None = None,
     page_size: int | None = None,
     max_aligned_bytes: int | None = None,
+    aligned_checkpoint_timeout: float | None = None,
 ) -> CheckpointBarrierHandler:
     """The handler for ``mode`` (Flink's ``InputProcessorUtil.createCheckpointBarrierHandler``).
 
     Exactly once blocks upstream unless a ``blocker`` is given, or ``spill_dir`` and
-    ``page_size`` (a BufferSpiller), which select parking.
+    ``page_size`` (a BufferSpiller), which select parking. Unaligned needs a listener that
+    takes channel state (``UnalignedCheckpointListener``); ``aligned_checkpoint_timeout``
+    (seconds, unaligned only) starts each checkpoint aligned.
     """
+    if aligned_checkpoint_timeout is not None and mode is not CheckpointingMode.UNALIGNED:
+        raise UsageError(f"aligned_checkpoint_timeout applies to unaligned mode, not {mode.value}")
     if mode is CheckpointingMode.AT_LEAST_ONCE:
         return CheckpointBarrierTracker(num_channels, listener, clock, resume)
+    if mode is CheckpointingMode.UNALIGNED:
+        if blocker is not None or spill_dir is not None:
+            raise UsageError("unaligned checkpoints never park input: no blocker or spill_dir")
+        if not all(callable(getattr(listener, m, None)) for m in _CHANNEL_STATE_METHODS):
+            raise UsageError(
+                "unaligned checkpoints need a listener with persist_input and "
+                "input_state_complete (UnalignedCheckpointListener)"
+            )
+        return UnalignedBarrierHandler(
+            num_channels,
+            cast(UnalignedCheckpointListener, listener),
+            clock,
+            resume,
+            aligned_checkpoint_timeout=aligned_checkpoint_timeout,
+        )
     if blocker is None and spill_dir is not None:
         if page_size is None:
             raise UsageError("spilling alignment needs the page size")

@@ -60,6 +60,8 @@ class CheckpointingMode(Enum):
 
     EXACTLY_ONCE = "exactly_once"
     AT_LEAST_ONCE = "at_least_once"
+    #: exactly once without waiting for alignment (FLIP-76): in-flight input is persisted
+    UNALIGNED = "unaligned"
 
 
 class CheckpointFailureReason(Enum):

@@ -1,0 +1,242 @@
+"""UnalignedBarrierHandler: one test per rule (Flink's UnalignedCheckpointsTest and the
+AlternatingWaitingFor* cases of SingleCheckpointBarrierHandler)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from exchange.buffers.buffer import Buffer
+from exchange.checkpointing import (
+    ChannelBlockedError,
+    CheckpointFailureReason,
+    CheckpointingMode,
+    UnalignedBarrierHandler,
+    UnalignedState,
+    create_barrier_handler,
+)
+from exchange.errors import ConfigError, UsageError
+from exchange.memory import NetworkBufferPool
+from tests.checkpointing.conftest import (
+    FakeClock,
+    Task,
+    barrier,
+    cancel,
+    data,
+    eop,
+    feed,
+)
+
+
+class UTask(Task):
+    """A Task that also takes channel state: ("persist", id, channel, payload), ("done", id)."""
+
+    def persist_input(self, checkpoint_id: int, channel_index: int, buffer: Buffer) -> None:
+        self.log.append(("persist", checkpoint_id, channel_index, buffer.to_bytes()))
+
+    def input_state_complete(self, checkpoint_id: int) -> None:
+        self.log.append(("done", checkpoint_id))
+
+    def callbacks(self) -> list[tuple[Any, ...]]:
+        return [e for e in self.log if e[0] in ("trigger", "abort", "persist", "done")]
+
+
+@pytest.fixture
+def utask() -> UTask:
+    return UTask()
+
+
+def make(
+    n: int, t: UTask, clock: FakeClock, timeout: float | None = None
+) -> UnalignedBarrierHandler:
+    h = create_barrier_handler(
+        CheckpointingMode.UNALIGNED, n, t, clock, t.resume, aligned_checkpoint_timeout=timeout
+    )
+    assert isinstance(h, UnalignedBarrierHandler)
+    return h
+
+
+def test_first_barrier_triggers_at_once_and_later_input_is_channel_state(
+    utask: UTask, clock: FakeClock, pool: NetworkBufferPool
+) -> None:
+    h = make(3, utask, clock)
+    feed(h, utask, [data(0, b"a", pool), barrier(1, 1)])
+    assert utask.log == [("rec", 0, b"a"), ("resume", 1), ("trigger", 1)]
+    utask.clear()
+    feed(
+        h,
+        utask,
+        [data(0, b"b", pool), data(1, b"post", pool), data(2, b"c", pool), barrier(0, 1)],
+    )
+    # before their barrier: processed AND persisted; after it (channel 1): processed only
+    assert utask.log == [
+        ("persist", 1, 0, b"b"),
+        ("rec", 0, b"b"),
+        ("rec", 1, b"post"),
+        ("persist", 1, 2, b"c"),
+        ("rec", 2, b"c"),
+        ("resume", 0),
+    ]
+    utask.clear()
+    feed(h, utask, [barrier(2, 1), data(2, b"d", pool)])
+    assert utask.log == [("resume", 2), ("done", 1), ("rec", 2, b"d")]
+    assert h.state is UnalignedState.IDLE
+    assert h.last_persisted_bytes == 2 and h.last_unaligned and h.num_unaligned == 1
+    h.close()
+
+
+def test_single_channel_completes_with_its_barrier(utask: UTask, clock: FakeClock) -> None:
+    h = make(1, utask, clock)
+    feed(h, utask, [barrier(0, 5, aligned=False)])
+    assert utask.callbacks() == [("trigger", 5), ("done", 5)]
+    assert ("resume", 0) not in utask.log  # an at-least-once-type barrier blocks nothing
+
+
+def test_newer_barrier_subsumes_pending(
+    utask: UTask, clock: FakeClock, pool: NetworkBufferPool
+) -> None:
+    h = make(2, utask, clock)
+    feed(h, utask, [barrier(0, 1), data(1, b"x", pool), barrier(0, 2), data(1, b"y", pool)])
+    feed(h, utask, [barrier(1, 1), barrier(1, 2)])  # the late barrier 1 is obsolete
+    assert utask.callbacks() == [
+        ("trigger", 1),
+        ("persist", 1, 1, b"x"),
+        ("abort", 1, CheckpointFailureReason.SUBSUMED),
+        ("trigger", 2),
+        ("persist", 2, 1, b"y"),
+        ("done", 2),
+    ]
+    assert utask.log.count(("resume", 1)) == 2 and utask.log.count(("resume", 0)) == 2
+
+
+def test_cancel_marker_aborts_and_stops_persisting(
+    utask: UTask, clock: FakeClock, pool: NetworkBufferPool
+) -> None:
+    h = make(2, utask, clock)
+    feed(h, utask, [barrier(0, 1), cancel(1, 1), data(1, b"x", pool), barrier(1, 1)])
+    assert utask.callbacks() == [("trigger", 1), ("abort", 1, CheckpointFailureReason.CANCELLED)]
+    assert ("rec", 1, b"x") in utask.log
+
+
+def test_newer_cancel_marker_subsumes_then_cancels(utask: UTask, clock: FakeClock) -> None:
+    h = make(2, utask, clock)
+    feed(h, utask, [barrier(0, 1), cancel(1, 3), barrier(1, 3), cancel(0, 2)])
+    assert utask.callbacks() == [
+        ("trigger", 1),
+        ("abort", 1, CheckpointFailureReason.SUBSUMED),
+        ("abort", 3, CheckpointFailureReason.CANCELLED),
+    ]
+
+
+def test_end_of_partition_counts_as_barrier(
+    utask: UTask, clock: FakeClock, pool: NetworkBufferPool
+) -> None:
+    h = make(3, utask, clock)
+    feed(h, utask, [barrier(0, 1), data(1, b"x", pool), eop(1)])
+    assert utask.callbacks() == [("trigger", 1), ("persist", 1, 1, b"x")]
+    feed(h, utask, [eop(2)])
+    assert utask.callbacks()[-1] == ("done", 1)
+    # ended channels no longer count for the next checkpoint
+    feed(h, utask, [barrier(0, 2)])
+    assert utask.callbacks()[-2:] == [("trigger", 2), ("done", 2)]
+    assert h.num_open_channels == 1
+
+
+def test_failing_snapshot_leaves_checkpoint_untaken(
+    utask: UTask, clock: FakeClock, pool: NetworkBufferPool
+) -> None:
+    h = make(2, utask, clock)
+
+    def boom(*_: Any) -> None:
+        raise RuntimeError("snapshot failed")
+
+    utask.trigger_checkpoint = boom  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="snapshot failed"):
+        feed(h, utask, [barrier(0, 1)])
+    assert utask.log == [("resume", 0)]
+    feed(h, utask, [data(1, b"x", pool), barrier(1, 1)])  # not persisted, barrier obsolete
+    assert utask.log[1:] == [("rec", 1, b"x"), ("resume", 1)]
+    assert h.state is UnalignedState.IDLE
+
+
+def test_aligned_first_completes_aligned_within_timeout(
+    utask: UTask, clock: FakeClock, pool: NetworkBufferPool
+) -> None:
+    h = make(2, utask, clock, timeout=1.0)
+    feed(h, utask, [barrier(0, 1), data(1, b"x", pool)])
+    assert h.state is UnalignedState.COLLECTING_ALIGNED and h.next_deadline() == clock.now + 1.0
+    with pytest.raises(ChannelBlockedError):
+        h.process(data(0, b"blocked", pool))
+    clock.advance(0.5)
+    feed(h, utask, [barrier(1, 1)])
+    assert utask.log == [
+        ("rec", 1, b"x"),
+        ("trigger", 1),
+        ("resume", 0),
+        ("resume", 1),
+        ("done", 1),
+    ]
+    assert not h.last_unaligned and h.num_aligned == 1 and h.last_alignment_duration == 0.5
+
+
+def test_aligned_first_turns_unaligned_after_timeout(
+    utask: UTask, clock: FakeClock, pool: NetworkBufferPool
+) -> None:
+    h = make(3, utask, clock, timeout=1.0)
+    feed(h, utask, [barrier(0, 1), data(1, b"pre", pool), barrier(1, 1)])
+    assert ("trigger", 1) not in utask.log
+    clock.advance(0.99)
+    assert h.poll_next() is None and h.state is UnalignedState.COLLECTING_ALIGNED
+    clock.advance(0.01)
+    assert h.poll_next() is None  # the deadline, checked on poll
+    assert h.state is UnalignedState.COLLECTING_UNALIGNED and h.next_deadline() is None
+    assert utask.log[-3:] == [("trigger", 1), ("resume", 0), ("resume", 1)]
+    utask.clear()
+    feed(h, utask, [data(0, b"post", pool), data(2, b"c", pool), barrier(2, 1)])
+    assert utask.log == [
+        ("rec", 0, b"post"),
+        ("persist", 1, 2, b"c"),
+        ("rec", 2, b"c"),
+        ("resume", 2),
+        ("done", 1),
+    ]
+    assert h.last_unaligned and h.persisting_channels() == frozenset()
+
+
+def test_timeout_is_checked_on_process(
+    utask: UTask, clock: FakeClock, pool: NetworkBufferPool
+) -> None:
+    h = make(2, utask, clock, timeout=0.2)
+    feed(h, utask, [barrier(0, 1)])
+    clock.advance(0.3)
+    out = h.process(data(1, b"x", pool))  # turns unaligned first: x is channel state
+    assert out is not None
+    utask.deliver(out)
+    assert utask.callbacks() == [("trigger", 1), ("persist", 1, 1, b"x")]
+
+
+def test_aligned_first_cancel_resumes_held(utask: UTask, clock: FakeClock) -> None:
+    h = make(2, utask, clock, timeout=1.0)
+    feed(h, utask, [barrier(0, 1), cancel(1, 1)])
+    assert utask.log == [("abort", 1, CheckpointFailureReason.CANCELLED), ("resume", 0)]
+    clock.advance(5)
+    assert h.poll_next() is None and h.num_triggered == 0
+
+
+def test_settings_validated(utask: UTask, clock: FakeClock) -> None:
+    with pytest.raises(ConfigError):
+        make(2, utask, clock, timeout=-1.0)
+    with pytest.raises(ConfigError):
+        make(2, utask, clock, timeout=float("nan"))
+    with pytest.raises(UsageError, match="persist_input"):
+        create_barrier_handler(CheckpointingMode.UNALIGNED, 2, Task(), clock, utask.resume)
+    with pytest.raises(UsageError, match="aligned_checkpoint_timeout"):
+        create_barrier_handler(
+            CheckpointingMode.EXACTLY_ONCE,
+            2,
+            utask,
+            clock,
+            utask.resume,
+            aligned_checkpoint_timeout=1.0,
+        )
