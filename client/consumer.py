@@ -48,6 +48,7 @@ from exchange.checkpointing import (
     CheckpointBarrierHandler,
     CheckpointingMode,
     CheckpointListener,
+    UnalignedBarrierHandler,
     create_barrier_handler,
 )
 from exchange.checkpointing.barrier_handler import CheckpointFailureReason
@@ -57,7 +58,7 @@ from exchange.consumer.single_input_gate import BufferOrEvent, SingleInputGate
 from exchange.debloat.buffer_debloater import BufferDebloaterStats
 from exchange.debloat.config import DebloatConfig
 from exchange.debloat.gate_debloater import GateDebloater
-from exchange.errors import IllegalStateError, UsageError
+from exchange.errors import ConfigError, IllegalStateError, UsageError
 from exchange.events.events import CheckpointOptions
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.partition.result_partition_id import ResultPartitionID
@@ -111,6 +112,7 @@ def _barrier_handler(
         time.monotonic,
         resume,
         max_aligned_bytes=options.checkpoint_alignment_limit or None,
+        aligned_checkpoint_timeout=options.aligned_checkpoint_timeout,
     )
 
 
@@ -438,6 +440,10 @@ _END: Final = 2
 _ERROR: Final = 3
 _TRIGGER: Final = 4  # the task's trigger_checkpoint(*args), in order with the records
 _ABORT: Final = 5  # the task's abort_checkpoint(*args)
+_PERSIST: Final = 6  # the task's persist_records(checkpoint, channel, records, nbytes)
+_STATE_COMPLETE: Final = 7  # the task's input_state_complete(checkpoint)
+#: what a PartitionReader's listener needs in unaligned mode
+_UNALIGNED_METHODS: Final = ("persist_records", "input_state_complete")
 
 _Item = tuple[int, int, Any]  # (kind, channel, Buffer | event | error)
 
@@ -558,10 +564,12 @@ class _CallsInOrder:
     batch is decoded, before the batch's records reach the task, so its callbacks are
     queued in the batch's output and made in ``records()`` at their place."""
 
-    __slots__ = ("out",)
+    __slots__ = ("out", "persisting")
 
     def __init__(self) -> None:
         self.out: list[_Item] = []
+        #: (checkpoint, bytes) when the buffer being processed is input channel state
+        self.persisting: tuple[int, int] | None = None
 
     def trigger_checkpoint(
         self, checkpoint_id: int, timestamp: int, options: CheckpointOptions
@@ -570,6 +578,13 @@ class _CallsInOrder:
 
     def abort_checkpoint(self, checkpoint_id: int, reason: CheckpointFailureReason) -> None:
         self.out.append((_ABORT, 0, (checkpoint_id, reason)))
+
+    def persist_input(self, checkpoint_id: int, channel_index: int, buffer: Buffer) -> None:
+        # the records decoded from this buffer are what gets persisted (see _decode)
+        self.persisting = (checkpoint_id, buffer.size)
+
+    def input_state_complete(self, checkpoint_id: int) -> None:
+        self.out.append((_STATE_COMPLETE, 0, checkpoint_id))
 
 
 class PartitionReader:
@@ -600,6 +615,14 @@ class PartitionReader:
         self._listener = opts.checkpoint_listener
         self._calls = _CallsInOrder()
         self._handler: CheckpointBarrierHandler | None = None
+        if opts.checkpointing_mode is CheckpointingMode.UNALIGNED and opts.checkpoint_listener:
+            for method in _UNALIGNED_METHODS:
+                if not callable(getattr(opts.checkpoint_listener, method, None)):
+                    raise ConfigError(
+                        "checkpoint_listener",
+                        f"unaligned checkpoints need a {method}() method, "
+                        f"got {opts.checkpoint_listener!r}",
+                    )
         if opts.checkpoint_listener is not None:  # the handler itself calls the queue
             self._handler = _barrier_handler(
                 self._calls, opts, len(locations), self.resume_consumption
@@ -763,6 +786,31 @@ class PartitionReader:
         the next empty list arms it again."""
         return self._record_lists(on_available)
 
+    def barrier_deadline(self) -> float | None:
+        """``time.monotonic()`` at which an aligned-first checkpoint turns unaligned
+        (``aligned_checkpoint_timeout``): a task thread waiting for input waits no longer,
+        then calls ``check_barrier_timeout``. None: no deadline."""
+        h = self._handler
+        return h.next_deadline() if isinstance(h, UnalignedBarrierHandler) else None
+
+    def check_barrier_timeout(self) -> None:
+        """Turn the pending checkpoint unaligned if its deadline passed (the iterating
+        thread, between two record lists): its callbacks run now."""
+        h = self._handler
+        if not isinstance(h, UnalignedBarrierHandler) or h.next_deadline() is None:
+            return
+        out: list[_Item] = []
+        self._calls.out = out
+        h.poll_next()
+        assert self._listener is not None
+        for kind, _, item in out:
+            if kind == _TRIGGER:
+                self._listener.trigger_checkpoint(*item)
+            elif kind == _STATE_COMPLETE:
+                self._listener.input_state_complete(item)  # type: ignore[attr-defined]
+            elif kind == _ABORT:
+                self._listener.abort_checkpoint(*item)
+
     @property
     def end_of_data(self) -> bool:
         """True once every input channel delivered EndOfData (in the iterating thread:
@@ -795,6 +843,10 @@ class PartitionReader:
                     elif kind == _ABORT:
                         assert self._listener is not None
                         self._listener.abort_checkpoint(*item)
+                    elif kind == _PERSIST:
+                        self._listener.persist_records(*item)  # type: ignore[union-attr]
+                    elif kind == _STATE_COMPLETE:
+                        self._listener.input_state_complete(item)  # type: ignore[union-attr]
                     elif kind == _END:
                         self._done = True
                     else:
@@ -817,13 +869,21 @@ class PartitionReader:
             for kind, ch, item in batch:
                 if kind == _DATA:
                     if handler is not None:
-                        # blocking upstream or tracking: the handler never parks a buffer
+                        # blocking upstream, tracking or unaligned: never parks a buffer
                         handler.process(BufferOrEvent(item, None, ch, False))
                     view = item.memoryview()
                     try:
                         records = feed(ch, view)
                     finally:
                         view.release()
+                    persisting = self._calls.persisting
+                    if persisting is not None:
+                        # input channel state (unaligned): the records this buffer
+                        # completes, a record begun before the trigger included (it is
+                        # processed after it), so the deserializer's partial record
+                        # never needs persisting; the bytes are the buffer's
+                        self._calls.persisting = None
+                        out.append((_PERSIST, ch, (persisting[0], ch, records, persisting[1])))
                     if records:
                         out.append((_DATA, ch, records))
                 elif kind == _EVENT and handler is not None:

@@ -97,7 +97,11 @@ class ReaderOptions(_Options):
     ``auto_resume_barriers``: see ``exchange.consumer.record_reader``.
     ``checkpoint_listener``: its ``trigger_checkpoint`` / ``abort_checkpoint`` run at the
     exact point in the records (``checkpointing_mode`` exactly_once aligns, at_least_once
-    tracks; ``checkpoint_alignment_limit`` bytes, 0 or None unlimited).
+    tracks; ``checkpoint_alignment_limit`` bytes, 0 or None unlimited; ``unaligned``
+    triggers at the first barrier and hands the listener the input that overtook the cut:
+    ``persist_records`` / ``input_state_complete`` in PartitionReader, ``persist_input`` /
+    ``input_state_complete`` in the async reader; ``aligned_checkpoint_timeout`` seconds,
+    unaligned only, starts each checkpoint aligned).
     ``debloat``: buffer debloating of the reader's gate (off when None or disabled).
     ``metrics_socket`` and ``task_name``: report the gate's debloating and checkpoint
     figures, if it has any, to the daemon at that local socket as task ``task_name``.
@@ -118,6 +122,7 @@ class ReaderOptions(_Options):
     #: a string as a user writes it (``"at_least_once"``) is stored as the enum
     checkpointing_mode: CheckpointingMode | str = CheckpointingMode.EXACTLY_ONCE
     checkpoint_alignment_limit: int | None = None
+    aligned_checkpoint_timeout: float | None = None
     debloat: DebloatConfig | None = None
     metrics_socket: str | None = None
     task_name: str | None = None
@@ -164,6 +169,13 @@ class ReaderOptions(_Options):
                 f"got {self.checkpointing_mode!r}",
             ) from None
         object.__setattr__(self, "checkpointing_mode", mode)
+        if self.aligned_checkpoint_timeout is not None:
+            check_seconds("aligned_checkpoint_timeout", self.aligned_checkpoint_timeout)
+            if mode is not CheckpointingMode.UNALIGNED:
+                raise ConfigError(
+                    "aligned_checkpoint_timeout",
+                    f"applies to checkpointing_mode unaligned only, not {mode.value}",
+                )
         limit = self.checkpoint_alignment_limit
         if limit is not None and (
             not isinstance(limit, int) or isinstance(limit, bool) or limit < 0

@@ -216,5 +216,10 @@ class CheckpointBarrierHandler(abc.ABC):
 
 
 def is_aligned_barrier(event: AbstractEvent | None) -> bool:
-    """True for a barrier that blocks its subpartition upstream until resumed."""
-    return isinstance(event, CheckpointBarrier) and event.options.exactly_once
+    """True for a barrier that blocks its subpartition upstream until resumed (an
+    exactly-once barrier, unless it is a priority barrier: ``options.unaligned``)."""
+    return (
+        isinstance(event, CheckpointBarrier)
+        and event.options.exactly_once
+        and not getattr(event.options, "unaligned", False)
+    )

@@ -116,7 +116,13 @@ class CheckpointConfig:
     max_concurrent: int = 1
     tolerable_failed_checkpoints: int = 0
     retained: int = 1
+    #: exactly_once (aligned), unaligned (exactly once, in-flight input persisted) or
+    #: at_least_once
     mode: str = "exactly_once"
+    #: unaligned only: each checkpoint starts aligned and turns unaligned once its
+    #: alignment took this long (Flink's ``aligned-checkpoint-timeout``); None or 0:
+    #: unaligned from the first barrier
+    aligned_checkpoint_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if not _positive(self.interval):
@@ -142,10 +148,27 @@ class CheckpointConfig:
             raise ConfigError("retained", f"must be an int >= 1, got {self.retained!r}")
         if self.mode not in _MODES:
             raise ConfigError("mode", f"must be one of {', '.join(_MODES)}, got {self.mode!r}")
+        t = self.aligned_checkpoint_timeout
+        if t is not None:
+            if self.mode != "unaligned":
+                raise ConfigError(
+                    "aligned_checkpoint_timeout",
+                    f"applies to mode unaligned only (a checkpoint that starts aligned and "
+                    f"turns unaligned), not to {self.mode}",
+                )
+            if not _number(t) or not 0 <= t < float("inf"):
+                raise ConfigError(
+                    "aligned_checkpoint_timeout", f"must be a number >= 0 seconds, got {t!r}"
+                )
 
     @property
     def exactly_once(self) -> bool:
-        return self.mode == "exactly_once"
+        """Exactly once: aligned, or unaligned (barriers still block upstream at first)."""
+        return self.mode in ("exactly_once", "unaligned")
+
+    @property
+    def unaligned(self) -> bool:
+        return self.mode == "unaligned"
 
 
 def _number(value: object) -> bool:

@@ -29,6 +29,16 @@ input should call ``poll_next`` at the latest. Held channels send nothing (they 
 blocked upstream), so a handler never parks: channel state is what flows in after the
 trigger on channels still before their barrier.
 
+**Forced aligned** (Flink's ``FORCED_ALIGNED``): a checkpoint whose first barrier comes
+on a channel that already delivered EndOfData, or a savepoint, is collected aligned with
+no timeout. The final checkpoint of FLIP-147 is such a checkpoint (its barriers follow
+EndOfData on every channel), so it triggers after the task's input ended and what
+``end_input`` emits precedes its barrier, as in the aligned handler.
+
+**Priority barriers.** A barrier that overtook buffers upstream (``options.unaligned``)
+does not block its channel; the buffers it overtook arrive after it, flagged with
+``overtaken_by``: they are before the cut, so they are channel state too.
+
 The other rules are the aligned handler's: a newer barrier or cancellation marker
 subsumes the pending checkpoint (``abort_checkpoint(SUBSUMED)``), a marker of the pending
 one aborts it (CANCELLED), older barriers and markers are ignored, EndOfPartition closes
@@ -65,10 +75,17 @@ from exchange.checkpointing.barrier_handler import (
     CheckpointListener,
     Clock,
     ResumeConsumption,
+    is_aligned_barrier,
 )
 from exchange.consumer.single_input_gate import BufferOrEvent
 from exchange.errors import ConfigError, IllegalStateError, UsageError
-from exchange.events.events import CancelCheckpointMarker, CheckpointBarrier, EndOfPartitionEvent
+from exchange.events.events import (
+    CancelCheckpointMarker,
+    CheckpointBarrier,
+    CheckpointType,
+    EndOfDataEvent,
+    EndOfPartitionEvent,
+)
 
 __all__ = ["UnalignedBarrierHandler", "UnalignedCheckpointListener", "UnalignedState"]
 
@@ -81,6 +98,12 @@ class UnalignedCheckpointListener(CheckpointListener, Protocol):
 
     def input_state_complete(self, checkpoint_id: int) -> None:
         """Every channel's barrier came: the channel state of ``checkpoint_id`` is final."""
+
+
+def _overtaken_by(boe: BufferOrEvent) -> tuple[int, ...]:
+    """The unaligned checkpoints whose priority barrier overtook this buffer upstream
+    (the gate's ``overtaken_by``; none where the gate has no priority barriers)."""
+    return tuple(getattr(boe, "overtaken_by", ()))
 
 
 class UnalignedState(Enum):
@@ -112,6 +135,7 @@ class _Pending:
     started_at: float
     arrived: set[int] = field(default_factory=set)  # delivered the barrier, or ended
     held: set[int] = field(default_factory=set)  # blocked upstream (aligned phase)
+    forced_aligned: bool = False
     persisted_bytes: int = 0
     processed_bytes: int = 0  # during the aligned phase
 
@@ -148,6 +172,7 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
         self._pending: _Pending | None = None
         self._current_id = -1  # newest checkpoint seen (barrier or marker)
         self._open: set[int] = set(range(num_channels))
+        self._ended_data: set[int] = set()  # channels that delivered EndOfData
         self.num_unaligned = 0
         self.num_aligned = 0
         #: True when the last triggered checkpoint triggered unaligned
@@ -178,7 +203,7 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
     def next_deadline(self) -> float | None:
         """Clock time at which an aligned checkpoint turns unaligned; None: no deadline."""
         p = self._pending
-        if p is None or self._state is not UnalignedState.COLLECTING_ALIGNED:
+        if p is None or p.forced_aligned or self._state is not UnalignedState.COLLECTING_ALIGNED:
             return None
         return p.started_at + self.aligned_checkpoint_timeout
 
@@ -201,7 +226,7 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
                     buf.release()
                     raise ChannelBlockedError(ch, p.checkpoint_id)
                 if self._state is UnalignedState.COLLECTING_UNALIGNED:
-                    if ch not in p.arrived:
+                    if ch not in p.arrived or p.checkpoint_id in _overtaken_by(boe):
                         p.persisted_bytes += buf.size
                         self.total_persisted_bytes += buf.size
                         try:
@@ -220,6 +245,8 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
             case CancelCheckpointMarker():
                 self._on_cancel(event.checkpoint_id)
                 return None
+            case EndOfDataEvent():
+                self._ended_data.add(ch)
             case EndOfPartitionEvent():
                 self._open.discard(ch)
                 if p is not None:
@@ -242,7 +269,7 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
 
     def _on_barrier(self, barrier: CheckpointBarrier, ch: int) -> None:
         cid = barrier.checkpoint_id
-        blocks = barrier.options.exactly_once
+        blocks = is_aligned_barrier(barrier)
         p = self._pending
         if p is not None and cid == p.checkpoint_id and ch not in p.arrived:
             pass  # the pending checkpoint's barrier on one more channel
@@ -255,7 +282,7 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
                     if blocks:
                         self._resume_channel(ch)
                     raise
-            p = self._start(barrier)
+            p = self._start(barrier, forced_aligned=ch in self._ended_data)
             p.arrived.add(ch)
             if self._state is UnalignedState.COLLECTING_UNALIGNED:
                 if blocks:
@@ -301,11 +328,12 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
             raise IllegalStateError(f"barrier handler cannot go from {self._state} to {new}")
         self._state = new
 
-    def _start(self, barrier: CheckpointBarrier) -> _Pending:
+    def _start(self, barrier: CheckpointBarrier, *, forced_aligned: bool) -> _Pending:
         self._current_id = barrier.checkpoint_id
-        aligned_first = self.aligned_checkpoint_timeout > 0
+        forced = forced_aligned or barrier.options.checkpoint_type is CheckpointType.SAVEPOINT
+        aligned_first = forced or self.aligned_checkpoint_timeout > 0
         self._transition(_A if aligned_first else _U)
-        p = self._pending = _Pending(barrier, self.clock())
+        p = self._pending = _Pending(barrier, self.clock(), forced_aligned=forced)
         return p
 
     def _trigger_pending(self, *, unaligned: bool) -> None:

@@ -3,7 +3,7 @@ AlternatingWaitingFor* cases of SingleCheckpointBarrierHandler)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -17,6 +17,7 @@ from exchange.checkpointing import (
     create_barrier_handler,
 )
 from exchange.errors import ConfigError, UsageError
+from exchange.events.events import EndOfDataEvent
 from exchange.memory import NetworkBufferPool
 from tests.checkpointing.conftest import (
     FakeClock,
@@ -25,6 +26,7 @@ from tests.checkpointing.conftest import (
     cancel,
     data,
     eop,
+    event,
     feed,
 )
 
@@ -240,3 +242,42 @@ def test_settings_validated(utask: UTask, clock: FakeClock) -> None:
             utask.resume,
             aligned_checkpoint_timeout=1.0,
         )
+
+
+def test_barrier_after_end_of_data_forces_aligned(
+    utask: UTask, clock: FakeClock, pool: NetworkBufferPool
+) -> None:
+    """FLIP-147's final checkpoint: its barriers follow EndOfData on every channel, so it
+    triggers aligned (after the input ended), never at the first barrier, whatever time."""
+    h = make(2, utask, clock)  # unaligned from the first barrier otherwise
+    feed(h, utask, [event(0, EndOfDataEvent.INSTANCE), barrier(0, 7), data(1, b"last", pool)])
+    clock.advance(1e6)
+    assert h.poll_next() is None and h.next_deadline() is None
+    assert ("trigger", 7) not in utask.log and h.state is UnalignedState.COLLECTING_ALIGNED
+    feed(h, utask, [event(1, EndOfDataEvent.INSTANCE), barrier(1, 7)])
+    assert utask.callbacks() == [("trigger", 7), ("done", 7)]
+    assert not h.last_unaligned
+
+
+class _Overtaken(NamedTuple):
+    """A BufferOrEvent from a gate with priority barriers (``overtaken_by``)."""
+
+    buffer: Buffer | None
+    event: Any
+    channel_index: int
+    more_available: bool
+    overtaken_by: tuple[int, ...]
+
+
+def test_buffers_a_priority_barrier_overtook_are_channel_state(
+    utask: UTask, clock: FakeClock, pool: NetworkBufferPool
+) -> None:
+    h = make(2, utask, clock)
+    feed(h, utask, [barrier(0, 1)])
+    over = data(0, b"overtaken", pool)
+    out = h.process(_Overtaken(over.buffer, None, 0, False, (1,)))  # type: ignore[arg-type]
+    assert out is not None
+    utask.deliver(out)  # type: ignore[arg-type]
+    feed(h, utask, [data(0, b"after", pool), barrier(1, 1)])
+    assert utask.callbacks() == [("trigger", 1), ("persist", 1, 0, b"overtaken"), ("done", 1)]
+    assert ("rec", 0, b"after") in utask.log
