@@ -786,6 +786,12 @@ class PartitionReader:
         the next empty list arms it again."""
         return self._record_lists(on_available)
 
+    @property
+    def last_unaligned(self) -> bool:
+        """True when the last checkpoint triggered here triggered unaligned."""
+        h = self._handler
+        return isinstance(h, UnalignedBarrierHandler) and h.last_unaligned
+
     def barrier_deadline(self) -> float | None:
         """``time.monotonic()`` at which an aligned-first checkpoint turns unaligned
         (``aligned_checkpoint_timeout``): a task thread waiting for input waits no longer,

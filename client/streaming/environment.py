@@ -118,6 +118,11 @@ class CheckpointInfo:
     #: bytes of state written by all tasks
     bytes: int
     is_final: bool = False
+    #: some task triggered it unaligned (mode unaligned; at its first barrier, or when its
+    #: alignment outlasted ``aligned_checkpoint_timeout``)
+    unaligned: bool = False
+    #: per task, the bytes of in-flight input it persisted as channel state (unaligned)
+    persisted_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -177,6 +182,7 @@ class StreamEnvironment:
         buffer_timeout: float | str = 0.01,
         secret_file: str | None = None,
         lease_timeout: float | str = 30.0,
+        aligned_checkpoint_timeout: float | str | None = None,
     ) -> None:
         # the arguments first, Spark last: a bad argument is named before Spark is touched
         #: how long a record may wait in a task's partly filled output buffer (Flink's
@@ -211,6 +217,11 @@ class StreamEnvironment:
             tolerable_failed_checkpoints=tolerable_failed_checkpoints,
             retained=retained_checkpoints,
             mode=mode,
+            aligned_checkpoint_timeout=(
+                None
+                if aligned_checkpoint_timeout is None
+                else parse_duration(aligned_checkpoint_timeout, "aligned_checkpoint_timeout")
+            ),
         )
         if not isinstance(checkpoint_dir, str) or not checkpoint_dir:
             raise UsageError(f"checkpoint_dir must be a path or URL, got {checkpoint_dir!r}")
@@ -548,6 +559,8 @@ class _Attempt:
         self.aborted: list[tuple[int, str]] = []
         self.records: dict[str, int] = {}
         self._acks: dict[int, tuple[float, int]] = {}  # checkpoint -> (alignment, bytes)
+        #: checkpoint -> task -> in-flight bytes it persisted (an unaligned trigger there)
+        self._unaligned: dict[int, dict[str, int]] = {}
         #: collect sink name -> subtask -> its records (from the tasks' ``finished``)
         self._collected: dict[str, dict[int, list[Any]]] = {}
 
@@ -577,6 +590,7 @@ class _Attempt:
             env.buffer_timeout,
             self.storage.key,
             env.credential,
+            env.config.aligned_checkpoint_timeout,
         )
         restored = None
         restore_msg = None
@@ -729,6 +743,9 @@ class _Attempt:
                 max(alignment, float(figures.get("alignment", 0.0))),
                 size + int(figures.get("state_bytes", 0)),
             )
+            if figures.get("unaligned") or figures.get("persisted_bytes"):
+                persisted = int(figures.get("persisted_bytes", 0))
+                self._unaligned.setdefault(cid, {})[task] = persisted
             coord.acknowledge(task, cid, msg["handle"])
         elif kind == "decline":
             reason = CheckpointFailureReason[msg.get("reason", "DECLINED")]
@@ -772,7 +789,7 @@ class _Attempt:
                                 names,
                                 cmd.finished_tasks,
                                 cmd.is_final,
-                                extra=self._final_extra(cmd.is_final),
+                                extra=self._extra(cmd.checkpoint_id, cmd.is_final),
                                 operators=operator_files(names, self.graph.operator_tasks()),
                             )
                         )
@@ -791,6 +808,7 @@ class _Attempt:
                         server.broadcast({"type": "finish"})
                 case NotifyAborted():
                     self._acks.pop(cmd.checkpoint_id, None)
+                    self._unaligned.pop(cmd.checkpoint_id, None)
                     reason = cmd.reason.value + (f": {cmd.detail}" if cmd.detail else "")
                     log.warning(
                         "job %s: checkpoint %d aborted: %s",
@@ -813,19 +831,31 @@ class _Attempt:
                 case FailJob():
                     raise _AttemptFailed(cmd.reason)
 
-    def _final_extra(self, is_final: bool) -> dict[str, Any]:
-        """What a final checkpoint's metadata says about why the job ended: all input read
-        (a rerun has nothing to do), or a clean stop (a rerun resumes)."""
-        if not is_final:
-            return {}
-        return {"ended": "stop" if self.env._stop.is_set() else _ENDED_INPUT}
+    def _extra(self, checkpoint_id: int, is_final: bool) -> dict[str, Any]:
+        """What the metadata says beside the files: whether the checkpoint was aligned or
+        unaligned and the in-flight bytes each task persisted (mode unaligned); for a
+        final checkpoint why the job ended: all input read (a rerun has nothing to do), or
+        a clean stop (a rerun resumes)."""
+        extra: dict[str, Any] = {}
+        if self.env.config.unaligned:
+            persisted = self._unaligned.get(checkpoint_id, {})
+            extra["alignment"] = "unaligned" if persisted else "aligned"
+            extra["persisted_bytes"] = dict(persisted)
+        if is_final:
+            extra["ended"] = "stop" if self.env._stop.is_set() else _ENDED_INPUT
+        return extra
 
     def _completed(self, coord: CheckpointCoordinator, checkpoint_id: int, final: bool) -> None:
         alignment, size = self._acks.pop(checkpoint_id, (0.0, 0))
+        persisted = self._unaligned.pop(checkpoint_id, {})
         duration = next(
             (h.duration or 0.0 for h in coord.history if h.checkpoint_id == checkpoint_id), 0.0
         )
-        self.checkpoints.append(CheckpointInfo(checkpoint_id, duration, alignment, size, final))
+        self.checkpoints.append(
+            CheckpointInfo(
+                checkpoint_id, duration, alignment, size, final, bool(persisted), persisted
+            )
+        )
         log.info(
             "job %s: %scheckpoint %d done in %.0f ms (alignment %.0f ms, state %d bytes)",
             self.env.job_id,

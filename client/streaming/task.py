@@ -79,6 +79,7 @@ from exchange.errors import (
     PartitionDataLostError,
     PartitionReleasedError,
     ProducerFailedError,
+    UsageError,
 )
 from exchange.events.events import AbstractEvent, CheckpointOptions, EndOfDataEvent
 from exchange.partition.result_partition_id import ResultPartitionID
@@ -145,6 +146,19 @@ class JobSpec:
     checkpoint_key: bytes | None = None
     #: the application's credential, minted by the driver (None: the task's environment)
     credential: bytes | None = None
+    #: mode unaligned: seconds each checkpoint stays aligned first (None: unaligned at once)
+    aligned_checkpoint_timeout: float | None = None
+
+
+@dataclass
+class _PendingSnapshot:
+    """Unaligned mode: a checkpoint triggered in a reading task whose input channel state
+    is still being collected (until every channel's barrier came)."""
+
+    state: dict[str, Any]
+    #: channel key (``e<edge>-<upstream subtask>``) -> pickled record lists, in order
+    channels: dict[str, list[bytes]]
+    persisted_bytes: int = 0
 
 
 def dataset_of(job_id: str, attempt: int, edge: Edge) -> str:
@@ -237,6 +251,13 @@ class StreamTask:
         #: restored from a checkpoint taken after this task had ended its input
         self._finished_on_restore = False
         self._out: _Out | None = None
+        #: unaligned mode: checkpoints triggered here whose channel state is incomplete
+        self._pending_snapshots: dict[int, _PendingSnapshot] = {}
+        #: the reader's channels, by index: ``e<edge>-<upstream subtask>``
+        self._channel_keys: list[str] = []
+        #: restored input channel state: record lists replayed before any new input
+        self._replay: list[list[Any]] = []
+        self.replayed_records = 0
         #: what each operator of the chain emits into (the next operator, or the outputs)
         self._outs: list[Collector] = []
         self._source_out: _Counting | None = None
@@ -317,6 +338,8 @@ class StreamTask:
             )
             self.writers.append((edge, w))
         self._finished_on_restore = bool(finished) and all(finished)
+        if restore is not None and not self.vertex.is_source:
+            self._replay = self._restored_channel_state(restore, files)
         for op, ctx in zip(self.ops, self.contexts, strict=True):
             op.open(ctx)
         self._out = tail = _Out(self)
@@ -366,6 +389,52 @@ class StreamTask:
                 ) from None
         return old
 
+    def _restored_channel_state(
+        self, restore: dict[str, Any], files: dict[str, dict[str, Any]]
+    ) -> list[list[Any]]:
+        """The record lists of the restored checkpoint's input channel state this subtask
+        replays, channel by channel, each in its order. Same parallelism: its own old
+        file's. Rescaled: a hash exchange's records go where their key goes now, a
+        rebalanced one's whole channels to old subtask mod parallelism; a broadcast or
+        forward exchange with channel state cannot be rescaled (UsageError)."""
+        uid = self.vertex.nodes[0].state_id
+        cid = restore["checkpoint_id"]
+        names = list(restore["operators"].get(uid, ()))
+        p, me = self.vertex.parallelism, self.spec.subtask
+        maxp = self.graph.max_parallelism
+        edges = {e.edge_id: e for e in self.vertex.inputs}
+        out: list[list[Any]] = []
+        for old, name in enumerate(names):
+            if name is None or (len(names) == p and old != me):
+                continue
+            snap = files.get(name)
+            if snap is None:
+                snap = files[name] = self.storage.read_task_state(cid, name)
+            for key, blobs in sorted((snap.get("channel_state") or {}).items()):
+                edge = edges.get(int(key.split("-", 1)[0][1:]))
+                if edge is None:
+                    raise CorruptSnapshotError(name, f"channel state of unknown input {key!r}")
+                lists = [pickle.loads(b) for b in blobs]  # MAC-checked file (see storage)
+                if len(names) == p:
+                    out.extend(lists)
+                elif edge.partitioning is Partitioning.HASH:
+                    key_fn = edge.key_fn
+                    assert key_fn is not None
+                    out.extend(
+                        [r for r in records if subtask_for_key(key_fn(r), maxp, p) == me]
+                        for records in lists
+                    )
+                elif edge.partitioning is Partitioning.REBALANCE:
+                    if old % p == me:
+                        out.extend(lists)
+                elif lists:
+                    raise UsageError(
+                        f"{self.task_id}: checkpoint {cid} holds in-flight records of a "
+                        f"{edge.partitioning.value} input from {len(names)} subtasks; they "
+                        f"cannot be spread over {p} (restore it with the same parallelism)"
+                    )
+        return out
+
     def _open_reader(self, start: dict[str, Any]) -> PartitionReader:
         daemons = start["daemons"]
         locations = []
@@ -373,6 +442,7 @@ class StreamTask:
             dataset = dataset_of(self.job.job_id, self.job.attempt, edge)
             src = self.graph.vertex(edge.source)
             for u in range(src.parallelism):
+                self._channel_keys.append(f"e{edge.edge_id}-{u}")
                 d = daemons[f"v{src.vertex_id}-{u}"]
                 locations.append(
                     PartitionLocation(
@@ -389,6 +459,7 @@ class StreamTask:
             event_handler=self._on_event,
             checkpoint_listener=self,
             checkpointing_mode=self.job.mode,
+            aligned_checkpoint_timeout=self.job.aligned_checkpoint_timeout,
             metrics_socket=self.daemon_socket,  # TaskMetrics: debloating, alignment
             task_name=f"{self.job.job_id}/{self.task_id}",
             secret=self.job.credential,
@@ -416,16 +487,56 @@ class StreamTask:
                 "keyed": ctx.keyed_state.snapshot() if ctx.keyed_state is not None else None,
                 "ended_input": self._ended_input,
             }
-        handle = self.storage.write_task_state(
-            checkpoint_id, self.task_id, {"task": self.task_id, "operators": state}
+        if self.job.mode == "unaligned" and self.reader is not None:
+            # acknowledged once every channel's barrier came (input_state_complete)
+            self._pending_snapshots[checkpoint_id] = _PendingSnapshot(state, {})
+            return
+        self._write_and_ack(checkpoint_id, {"task": self.task_id, "operators": state})
+
+    def persist_records(
+        self, checkpoint_id: int, channel: int, records: list[Any], nbytes: int
+    ) -> None:
+        """Unaligned: ``records`` (decoded from ``nbytes`` of input that arrived after the
+        trigger, before the channel's barrier) are input channel state of the checkpoint;
+        pickled now, so what operators do to them later changes nothing."""
+        pending = self._pending_snapshots.get(checkpoint_id)
+        if pending is None:
+            return
+        pending.persisted_bytes += nbytes
+        if records:
+            key = self._channel_keys[channel]
+            blob = pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL)
+            pending.channels.setdefault(key, []).append(blob)
+
+    def input_state_complete(self, checkpoint_id: int) -> None:
+        """Every channel's barrier came: the state file holds operator state and channel
+        state of the checkpoint, written and acknowledged now."""
+        pending = self._pending_snapshots.pop(checkpoint_id, None)
+        if pending is None:
+            return
+        self._write_and_ack(
+            checkpoint_id,
+            {"task": self.task_id, "operators": pending.state, "channel_state": pending.channels},
+            {
+                "unaligned": bool(self.reader is not None and self.reader.last_unaligned),
+                "persisted_bytes": pending.persisted_bytes,
+            },
         )
+
+    def _write_and_ack(
+        self, checkpoint_id: int, snapshot: dict[str, Any], extra: dict[str, Any] | None = None
+    ) -> None:
+        handle = self.storage.write_task_state(checkpoint_id, self.task_id, snapshot)
         assert self.ctl is not None
+        metrics = self._ack_metrics(handle.size)
+        if extra:
+            metrics.update(extra)
         self.ctl.send(
             {
                 "type": "ack",
                 "checkpoint": checkpoint_id,
                 "handle": handle.path,
-                "metrics": self._ack_metrics(handle.size),
+                "metrics": metrics,
             }
         )
         self.checkpoints += 1
@@ -447,6 +558,7 @@ class StreamTask:
         return metrics
 
     def abort_checkpoint(self, checkpoint_id: int, reason: CheckpointFailureReason) -> None:
+        self._pending_snapshots.pop(checkpoint_id, None)
         for op in self.ops:
             op.notify_checkpoint_aborted(checkpoint_id)
         for _, w in self.writers:  # downstream aligners must not wait for it
@@ -526,6 +638,7 @@ class StreamTask:
                     op.notify_checkpoint_complete(msg["checkpoint"])
             case "abort":
                 cid = msg["checkpoint"]
+                self._pending_snapshots.pop(cid, None)
                 for op in self.ops:
                     op.notify_checkpoint_aborted(cid)
                 if self.vertex.is_source:
@@ -648,9 +761,16 @@ class StreamTask:
         inbox = self.ctl.inbox
         wake = {"type": _INPUT_AVAILABLE}
         process = self._process
+        for records in self._replay:  # restored channel state, before any new input
+            for record in records:
+                process(record)
+            self.records_in += len(records)
+            self.replayed_records += len(records)
+        self._replay = []
         for records in reader.record_lists(on_available=lambda: inbox.put(wake)):
             if not records:  # nothing handed over: wait for input or control, in one place
-                self._wait_for_mail()
+                self._wait_for_mail(self._barrier_wait(reader))
+                reader.check_barrier_timeout()  # an aligned-first checkpoint may turn
                 continue
             for at in range(0, len(records), _MAIL_EVERY):  # a look at the mailbox per 64
                 for record in records[at : at + _MAIL_EVERY]:
@@ -668,6 +788,13 @@ class StreamTask:
             )
         while not self._finish:  # the final checkpoint's completion, then finish
             self._wait_for_mail()
+
+    @staticmethod
+    def _barrier_wait(reader: PartitionReader) -> float | None:
+        """How long a reading task may wait for mail: until an aligned-first checkpoint
+        turns unaligned (``aligned_checkpoint_timeout``), else until mail comes."""
+        deadline = reader.barrier_deadline()
+        return None if deadline is None else max(deadline - time.monotonic(), 0.001)
 
     def close(self) -> None:
         for op in self.ops:

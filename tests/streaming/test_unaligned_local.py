@@ -1,0 +1,181 @@
+"""Unaligned checkpoints end to end through the local runner (real task processes, the
+embedded daemon, real checkpoint files): a keyed running sum behind two source subtasks
+that outrun it (back pressure), checkpoints triggered at a task's first barrier with the
+input that overtook the cut persisted in its state file, a task SIGKILLed and the job
+restored (the persisted input replayed first), output exact; and the settings' errors."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client.streaming import LocalRunner, StreamEnvironment
+from client.streaming.checkpoint_storage import CheckpointStorage
+from exchange.errors import ConfigError
+from tests.streaming.test_local_runner import KEYS, event, expected_totals, totals_by_key
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _daemon_pool_whole() -> Iterator[None]:
+    from client import spark as xs
+
+    yield
+    assert xs.stop_embedded_daemon() is True, "embedded daemon's pool not whole at exit"
+
+
+class SlowSum:
+    """A keyed running sum slower than its sources (back pressure); leaves its pid in
+    ``pids/<attempt>-<subtask>``."""
+
+    def __init__(self, pids: str, delay: float) -> None:
+        self.pids, self.delay = pids, delay
+
+    def open(self, rc: Any) -> None:
+        self.total = rc.value_state("total", 0)
+        ctx = rc.operator_context
+        tmp = os.path.join(self.pids, f".{ctx.attempt}-{ctx.subtask_index}")
+        with open(tmp, "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(tmp, os.path.join(self.pids, f"{ctx.attempt}-{ctx.subtask_index}"))
+
+    def process_element(self, value: tuple[int, int], ctx: Any, out: Any) -> None:
+        time.sleep(self.delay)
+        total = self.total.value() + value[1]
+        self.total.update(total)
+        out.collect((ctx.current_key, (value[0], total)))
+
+
+def check_exact(got: list[Any], n: int) -> None:
+    """Two sources interleave a key's values: per key one running sum per value, never
+    falling, ending at the key's total (a record lost or seen twice breaks one of them)."""
+    want = expected_totals(n)
+    have = totals_by_key(got)
+    assert set(have) == set(range(KEYS))
+    for key, totals in have.items():
+        assert len(totals) == len(want[key]), (key, len(totals), len(want[key]))
+        assert sorted(totals) == totals and totals[-1] == want[key][-1]
+
+
+def job(
+    tmp_path: Path, n: int, delay: float, rate: float, **settings: Any
+) -> tuple[StreamEnvironment, Path]:
+    pids = tmp_path / "pids"
+    pids.mkdir(exist_ok=True)
+    env = StreamEnvironment(
+        None,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_interval=0.1,
+        mode="unaligned",
+        **settings,
+    )
+    (
+        env.from_generator(event, count=n, rate=rate, parallelism=2)
+        .key_by(lambda e: e[0])
+        .process(SlowSum(str(pids), delay), parallelism=1)
+        .collect(name="totals")
+    )
+    return env, pids
+
+
+def test_unaligned_checkpoints_under_back_pressure_persist_in_flight_input(
+    tmp_path: Path,
+) -> None:
+    n = 9000
+    env, _ = job(tmp_path, n, 0.0005, 1500.0)
+    result = env.execute(runner=LocalRunner())
+    check_exact(result.collected["totals"], n)
+    assert result.restarts == 0 and result.checkpoints[-1].is_final
+    unaligned = [c for c in result.checkpoints if c.unaligned]
+    assert unaligned, result.checkpoints
+    assert all(set(c.persisted_bytes) <= {"v1-0"} for c in unaligned)
+    assert any(c.persisted_bytes.get("v1-0", 0) > 0 for c in unaligned), unaligned
+    # the final checkpoint is forced aligned (its barriers follow EndOfData)
+    assert not result.checkpoints[-1].unaligned
+    storage = CheckpointStorage(str(tmp_path / "ckpt"))
+    # channel state lives in the task's state file: subsumed checkpoints left nothing
+    assert storage.checkpoint_ids() == [result.last_checkpoint_id]
+    meta = storage.load(result.last_checkpoint_id)  # type: ignore[arg-type]
+    assert meta.extra["alignment"] == "aligned" and meta.extra["persisted_bytes"] == {}
+
+
+def test_a_killed_task_restores_its_persisted_input_exactly_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="exchange.streaming.driver")
+    n = 9000
+    env, pids = job(tmp_path, n, 0.0005, 1500.0, retained_checkpoints=1000)
+    storage = CheckpointStorage(str(tmp_path / "ckpt"))
+    runner = LocalRunner()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = env.execute(runner=runner, restart_backoff=0.1)
+        except BaseException as e:
+            outcome["error"] = e
+
+    def persisted_restorable() -> bool:
+        """The newest committed checkpoint holds in-flight input of the keyed task."""
+        ids = storage.completed_ids()
+        if not ids:
+            return False
+        try:
+            meta = storage.load(ids[-1])
+        except Exception:
+            return False
+        return bool(meta.extra.get("persisted_bytes", {}).get("v1-0"))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (persisted_restorable() and len(list(pids.iterdir())) == 1):
+            assert time.monotonic() < deadline, "no unaligned checkpoint with input in 120 s"
+            assert thread.is_alive(), outcome
+            time.sleep(0.005)
+        (first,) = pids.iterdir()
+        os.kill(int(first.read_text()), signal.SIGKILL)
+    finally:
+        thread.join(240)
+    assert not thread.is_alive()
+    result = outcome["result"]
+    assert result.restarts == 1, result.failures
+    check_exact(result.collected["totals"], n)
+    # the restored checkpoint held in-flight input of the keyed task: it was replayed
+    restored = [
+        int(m.group(1))
+        for r in caplog.records
+        if (m := re.search(r"restoring checkpoint (\d+)", r.getMessage()))
+    ]
+    assert len(restored) == 1, restored
+    assert storage.load(restored[0]).extra["persisted_bytes"]["v1-0"] > 0
+
+
+def test_settings_are_validated(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="aligned_checkpoint_timeout"):
+        StreamEnvironment(
+            None, checkpoint_dir=str(tmp_path), mode="at_least_once", aligned_checkpoint_timeout=1
+        )
+    with pytest.raises(ConfigError, match="aligned_checkpoint_timeout"):
+        StreamEnvironment(
+            None, checkpoint_dir=str(tmp_path), mode="exactly_once", aligned_checkpoint_timeout=1
+        )
+    with pytest.raises((ConfigError, ValueError)):
+        StreamEnvironment(
+            None, checkpoint_dir=str(tmp_path), mode="unaligned", aligned_checkpoint_timeout=-1
+        )
+    env = StreamEnvironment(
+        None, checkpoint_dir=str(tmp_path), mode="unaligned", aligned_checkpoint_timeout="50ms"
+    )
+    assert env.config.aligned_checkpoint_timeout == 0.05 and env.config.exactly_once
