@@ -407,6 +407,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parallelism", type=int, default=2, help="subtasks per operator")
     p.add_argument("--master", default=None, help="Spark master (default local[2 x parallelism])")
     p.add_argument("--checkpoint-interval", type=float, default=1.0, help="seconds")
+    p.add_argument(
+        "--checkpointing",
+        choices=("exactly_once", "unaligned"),
+        default="exactly_once",
+        help="exactly_once: aligned barriers; unaligned: barriers do not wait for the "
+        "input ahead of them, which is persisted with the checkpoint (both exactly once)",
+    )
+    p.add_argument(
+        "--aligned-checkpoint-timeout",
+        type=float,
+        default=None,
+        help="with --checkpointing unaligned: seconds a checkpoint stays aligned first",
+    )
     p.add_argument("--kill-at", type=float, default=0.4, help="kill after this share of events")
     p.add_argument("--no-kill", action="store_true", help="do not kill a task midway")
     p.add_argument("--linger", action="store_true", help="keep the dashboard up until Ctrl-C")
@@ -418,6 +431,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{name} must be positive")
     if args.skew <= 0 or args.checkpoint_interval <= 0 or not 0 < args.kill_at < 1:
         p.error("--skew and --checkpoint-interval must be positive, --kill-at in (0, 1)")
+    t = args.aligned_checkpoint_timeout
+    if t is not None and (args.checkpointing != "unaligned" or not 0 <= t < float("inf")):
+        p.error("--aligned-checkpoint-timeout takes seconds >= 0 with --checkpointing unaligned")
     return args
 
 
@@ -431,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return shuffle_job.main(rest)
     return run_clickstream(parse_args(rest))
+
+
+def _mode_name(mode: str) -> str:
+    return "exactly-once unaligned" if mode == "unaligned" else "exactly-once"
 
 
 def run_clickstream(args: argparse.Namespace) -> int:
@@ -480,7 +500,8 @@ def run_clickstream(args: argparse.Namespace) -> int:
             spark,
             checkpoint_dir=os.path.join(work, "checkpoints"),
             checkpoint_interval=args.checkpoint_interval,
-            mode="exactly_once",
+            mode=args.checkpointing,
+            aligned_checkpoint_timeout=args.aligned_checkpoint_timeout,
             job_id=f"clickstream-{os.getpid()}",
         )
         if not args.no_kill and daemon is None:
@@ -501,7 +522,7 @@ def run_clickstream(args: argparse.Namespace) -> int:
         _log(
             t0,
             f"streaming: files -> parse -> key_by(user) -> running totals -> two-phase-commit "
-            f"files, parallelism {par}, exactly-once checkpoints every "
+            f"files, parallelism {par}, {_mode_name(args.checkpointing)} checkpoints every "
             f"{args.checkpoint_interval:g} s",
         )
         t_job = time.monotonic()
@@ -539,9 +560,18 @@ def run_clickstream(args: argparse.Namespace) -> int:
         rate = args.events / job_s if job_s > 0 else 0.0
         print(
             f"job              {job_s:.1f} s ({rate:,.0f} events/s incl. the restart), "
-            f"{result.checkpoints_completed} checkpoints completed (exactly once, every "
-            f"{args.checkpoint_interval:g} s)"
+            f"{result.checkpoints_completed} checkpoints completed "
+            f"({_mode_name(args.checkpointing)}, every {args.checkpoint_interval:g} s)"
         )
+        if args.checkpointing == "unaligned":
+            unaligned = [c for c in result.checkpoints if c.unaligned]
+            persisted = [sum(c.persisted_bytes.values()) for c in unaligned]
+            print(
+                f"unaligned        {len(unaligned)} of {len(result.checkpoints)} checkpoints "
+                f"triggered unaligned; in-flight input persisted: "
+                f"{sum(persisted) / 1024:.0f} KiB in all, max "
+                f"{max(persisted, default=0) / 1024:.0f} KiB per checkpoint"
+            )
         if result.checkpoints:
             took = sorted(c.duration for c in result.checkpoints)
             print(

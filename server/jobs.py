@@ -144,6 +144,8 @@ class JobView:
                     "alignment": c.alignment,
                     "aligned_bytes": c.aligned_bytes,
                     "state_bytes": c.state_bytes,
+                    "unaligned": c.unaligned,
+                    "persisted_bytes": dict(c.persisted_bytes),
                 }
                 for c in s.checkpoints
             ],

@@ -417,8 +417,19 @@ class ExchangeCollector:
                     "exchange_job_last_checkpoint_aligned_bytes",
                     "Bytes processed or parked while aligning the last completed checkpoint.",
                 ),
+                (
+                    "exchange_job_last_checkpoint_unaligned",
+                    "1 when some task triggered the job's last completed checkpoint "
+                    "unaligned, else 0.",
+                ),
             )
         }
+        persisted = GaugeMetricFamily(
+            "exchange_job_last_checkpoint_persisted_bytes",
+            "In-flight input a task persisted as channel state of the job's last completed "
+            "checkpoint (unaligned).",
+            labels=["job_id", "task"],
+        )
         # ``job_id`` (Flink's label), not ``job``: Prometheus gives every scraped series its
         # target's ``job`` and would rename ours to ``exported_job``
         task_labels = ["job_id", "task"]
@@ -479,7 +490,13 @@ class ExchangeCollector:
                 "exchange_job_last_checkpoint_aligned_bytes": None
                 if last is None
                 else last.aligned_bytes,
+                "exchange_job_last_checkpoint_unaligned": None
+                if last is None
+                else float(last.unaligned),
             }
+            if last is not None:
+                for task, nbytes in last.persisted_bytes:
+                    persisted.add_metric([s.job, task], float(nbytes))
             for name, value in values.items():
                 if value is not None:
                     job_gauges[name].add_metric([s.job], float(value))
@@ -494,6 +511,7 @@ class ExchangeCollector:
                         family.add_metric(labels, float(v))
         yield state
         yield from job_gauges.values()
+        yield persisted
         yield level
         yield from task_gauges.values()
 

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from client.local_connection import LocalConnection, resolve_daemon_socket
@@ -88,6 +88,9 @@ class CheckpointEntry:
     aligned_bytes: int = 0
     state_bytes: int = 0
     acks: int = 0
+    unaligned: bool = False
+    #: task -> in-flight input bytes it persisted (tasks that triggered it unaligned)
+    persisted: dict[str, int] = field(default_factory=dict)
 
     def record(self) -> CheckpointRecord:
         return CheckpointRecord(
@@ -98,6 +101,8 @@ class CheckpointEntry:
             self.alignment,
             self.aligned_bytes,
             self.state_bytes,
+            self.unaligned,
+            tuple(sorted(self.persisted.items())),
         )
 
 
@@ -268,6 +273,9 @@ class JobStatusTracker:
                     entry.acks += 1
                     entry.state_bytes += _uint(metrics.get("state_bytes"))
                     entry.aligned_bytes += _uint(metrics.get("aligned_bytes"))
+                    if metrics.get("unaligned") is True:
+                        entry.unaligned = True
+                        entry.persisted[task] = _uint(metrics.get("persisted_bytes"))
                     alignment = metrics.get("alignment")
                     if isinstance(alignment, int | float) and alignment >= 0:
                         entry.alignment = max(entry.alignment or 0.0, float(alignment))

@@ -320,7 +320,9 @@ class CheckpointRecord:
     ``trigger_time`` is Unix seconds; ``duration`` trigger to completion (None while in
     progress); ``alignment`` the longest alignment of any task, ``aligned_bytes`` the bytes
     processed or parked while aligning (all tasks), ``state_bytes`` the size of the state
-    written (all tasks), from the tasks' acknowledgements.
+    written (all tasks), from the tasks' acknowledgements. ``unaligned``: some task
+    triggered it unaligned; ``persisted_bytes``: (task, bytes of in-flight input it
+    persisted as channel state), for the tasks that did.
     """
 
     checkpoint_id: int
@@ -330,6 +332,8 @@ class CheckpointRecord:
     alignment: float | None
     aligned_bytes: int
     state_bytes: int
+    unaligned: bool = False
+    persisted_bytes: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         _check_uint(self.checkpoint_id, "checkpoint id")
@@ -343,6 +347,17 @@ class CheckpointRecord:
         _check_seconds(self.alignment, "checkpoint alignment", optional=True)
         _check_uint(self.aligned_bytes, "checkpoint aligned_bytes")
         _check_uint(self.state_bytes, "checkpoint state_bytes")
+        if not isinstance(self.unaligned, bool):
+            raise ProtocolError(f"checkpoint unaligned must be a bool, got {self.unaligned!r:.80}")
+        if not isinstance(self.persisted_bytes, tuple) or len(self.persisted_bytes) > (
+            MAX_JOB_TASKS
+        ):
+            raise ProtocolError(
+                f"checkpoint persisted_bytes must hold at most {MAX_JOB_TASKS} tasks"
+            )
+        for task, nbytes in self.persisted_bytes:
+            _check_name(task, "checkpoint persisted_bytes task")
+            _check_uint(nbytes, "checkpoint persisted_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -558,7 +573,17 @@ def _register() -> None:
 
 
 _TASK_KEYS: Final = ("task", "name", "subtask", "outputs", "channels", "in", "out")
-_CHECKPOINT_KEYS: Final = ("id", "status", "trigger", "duration", "alignment", "aligned", "size")
+_CHECKPOINT_KEYS: Final = (
+    "id",
+    "status",
+    "trigger",
+    "duration",
+    "alignment",
+    "aligned",
+    "size",
+    "unaligned",
+    "persisted",
+)
 _JOB_KEYS: Final = (
     "job",
     "state",
@@ -577,6 +602,12 @@ def _exact_map(v: Any, keys: tuple[str, ...], what: str) -> dict[str, Any]:
     if not isinstance(v, dict) or set(v) != set(keys):
         raise ProtocolError(f"{what} must be a map with keys {sorted(keys)}")
     return v
+
+
+def _exact_dict(v: Any, what: str) -> list[tuple[Any, Any]]:
+    if not isinstance(v, dict) or len(v) > MAX_JOB_TASKS:
+        raise ProtocolError(f"{what} must be a map of at most {MAX_JOB_TASKS} entries")
+    return list(v.items())
 
 
 def _list(v: Any, what: str, limit: int) -> list[Any]:
@@ -614,6 +645,11 @@ def _dec_job_status(body: memoryview) -> JobStatus:
                 c["alignment"],
                 c["aligned"],
                 c["size"],
+                c["unaligned"],
+                tuple(
+                    (task, nbytes)
+                    for task, nbytes in _exact_dict(c["persisted"], "a checkpoint's persisted")
+                ),
             )
         )
     failures = _list(m["failures"], "failures", MAX_JOB_FAILURES)
@@ -664,6 +700,8 @@ def _enc_job_status(m: JobStatus) -> list[bytes]:
                     "alignment": c.alignment,
                     "aligned": c.aligned_bytes,
                     "size": c.state_bytes,
+                    "unaligned": c.unaligned,
+                    "persisted": dict(c.persisted_bytes),
                 }
                 for c in m.checkpoints
             ],

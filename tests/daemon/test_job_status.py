@@ -74,8 +74,10 @@ def test_the_drivers_view_reaches_the_daemon(
     tracker.on_command(TriggerCheckpoint(1, 1_764_000_000_000, ("v0-0", "v0-1")))
     for task, alignment in (("v0-0", None), ("v0-1", None), ("v1-0", 0.02)):
         metrics: dict[str, Any] = {"state_bytes": 1000, "records_in": 50, "records_out": 40}
-        if alignment is not None:
-            metrics.update(alignment=alignment, aligned_bytes=4096)
+        if alignment is not None:  # the reading task triggered it unaligned
+            metrics.update(
+                alignment=alignment, aligned_bytes=4096, unaligned=True, persisted_bytes=2048
+            )
         tracker.on_message(
             task, {"type": "ack", "checkpoint": 1, "handle": "h", "metrics": metrics}
         )
@@ -102,6 +104,8 @@ def test_the_drivers_view_reaches_the_daemon(
     assert one["duration"] is not None and one["duration"] >= 0
     assert one["alignment"] == 0.02 and one["aligned_bytes"] == 4096
     assert one["state_bytes"] == 3000
+    assert one["unaligned"] is True and one["persisted_bytes"] == {"v1-0": 2048}
+    assert job["checkpoints"][1]["unaligned"] is False
     assert job["failures"] == ["task v1-0 lost: killed"]
     assert all(t["records_in"] == 0 for t in job["tasks"])  # the new attempt's counts
 
@@ -115,6 +119,10 @@ def test_the_drivers_view_reaches_the_daemon(
     assert restarts.labels == {"job_id": "job-x"} and restarts.value == 1
     (size,) = families["exchange_job_last_checkpoint_size_bytes"].samples
     assert size.value == 3000
+    (unaligned,) = families["exchange_job_last_checkpoint_unaligned"].samples
+    assert unaligned.value == 1
+    (persisted,) = families["exchange_job_last_checkpoint_persisted_bytes"].samples
+    assert persisted.labels == {"job_id": "job-x", "task": "v1-0"} and persisted.value == 2048
 
     tracker.job_ended("FINISHED")  # the last status, then the connection closes
     done = _job(daemon, "job-x", lambda j: j["state"] == "FINISHED")

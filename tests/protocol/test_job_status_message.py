@@ -24,6 +24,9 @@ TASKS = (
 )
 CHECKPOINTS = (
     CheckpointRecord(6, "COMPLETED", 1_764_000_000.25, 0.21, 0.0125, 81_920, 3_500_000),
+    CheckpointRecord(
+        9, "COMPLETED", 1_764_000_003.25, 0.01, 0.0, 0, 4_000, True, (("v1-0", 65_536),)
+    ),
     CheckpointRecord(7, "FAILED", 1_764_000_001.25, 0.05, None, 0, 0),
     CheckpointRecord(8, "IN_PROGRESS", 1_764_000_002.25, None, None, 0, 0),
 )
@@ -73,7 +76,8 @@ def test_the_wire_keys_are_the_documented_ones() -> None:
     }  # fmt: skip
     assert set(body["tasks"][0]) == {"task", "name", "subtask", "outputs", "channels", "in", "out"}
     assert set(body["checkpoints"][0]) == {
-        "id", "status", "trigger", "duration", "alignment", "aligned", "size",
+        "id", "status", "trigger", "duration", "alignment", "aligned", "size", "unaligned",
+        "persisted",
     }  # fmt: skip
 
 
@@ -111,6 +115,12 @@ def _mutated(path: tuple[Any, ...], value: Any) -> dict[str, Any]:
         (("checkpoints", 0, "duration"), math.inf),
         (("checkpoints", 0, "alignment"), "fast"),
         (("checkpoints", 0, "size"), -1),
+        (("checkpoints", 1, "unaligned"), 1),
+        (("checkpoints", 1, "persisted"), [["v1-0", 5]]),
+        (("checkpoints", 1, "persisted"), {"v1-0": -5}),
+        (("checkpoints", 1, "persisted"), {"": 5}),
+        (("checkpoints", 1, "persisted"), {f"t{i}": 1 for i in range(65)}),
+        (("checkpoints", 1, "persisted"), KeyError),
         (("failures",), ["x" * 513]),
         (("failures",), [1]),
         (("failures",), ["a"] * 5),

@@ -136,6 +136,8 @@ def test_ended_jobs_keep_their_status_without_live_figures(pool: NetworkBufferPo
         "alignment": 0.01,
         "aligned_bytes": 100,
         "state_bytes": 2000,
+        "unaligned": False,
+        "persisted_bytes": {},
     }
     for i in range(MAX_JOBS_PER_APP):  # one application keeps its most recent jobs
         board.update(status(f"job-{i}", "CANCELED"))

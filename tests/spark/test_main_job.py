@@ -59,3 +59,47 @@ def test_main_job_restarts_after_a_sigkill_and_its_output_equals_spark(tmp_path:
     # the output is where --workdir said, and nothing uncommitted survived the end
     assert list((tmp_path / "out").glob("part-*"))
     assert not list((tmp_path / "out" / ".inprogress").iterdir())
+
+
+def test_main_job_unaligned_restarts_after_a_sigkill_and_its_output_equals_spark(
+    tmp_path: Path,
+) -> None:
+    """``--checkpointing unaligned`` with two subtasks per operator (the running totals
+    read two channels, so a checkpoint triggers at its first barrier and persists what
+    the other channel delivers before its own): SIGKILL, restart, output exact."""
+    pytest.importorskip("pyspark")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "client.main_job",
+            "--events",
+            "80000",
+            "--users",
+            "3000",
+            "--files",
+            "4",
+            "--parallelism",
+            "2",
+            "--checkpoint-interval",
+            "0.25",
+            "--checkpointing",
+            "unaligned",
+            "--workdir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    assert re.search(r"^verdict +PASSED: ", out, re.M), out[-4000:]
+    assert re.search(r"exactly-once unaligned checkpoints every", out), out[-4000:]
+    unaligned = re.search(r"^unaligned +(\d+) of (\d+) checkpoints triggered unaligned", out, re.M)
+    assert unaligned is not None, out[-4000:]
+    restarts = re.search(r"^restarts +(\d+), from checkpoint (\d+)", out, re.M)
+    assert restarts is not None and int(restarts.group(1)) >= 1, out[-4000:]
+    assert re.search(r"^committed +80,000 running-total records", out, re.M), out[-4000:]
+    assert "network buffer pool whole: True" in out
