@@ -15,9 +15,10 @@ pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_main_job_restarts_after_a_sigkill_and_its_output_equals_spark(tmp_path: Path) -> None:
+def run_main_job(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The main job at a small size (80k events, 3,000 users, 4 files) with ``args``."""
     pytest.importorskip("pyspark")
-    proc = subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -28,18 +29,21 @@ def test_main_job_restarts_after_a_sigkill_and_its_output_equals_spark(tmp_path:
             "3000",
             "--files",
             "4",
-            "--parallelism",
-            "1",
             "--checkpoint-interval",
             "0.25",
             "--workdir",
             str(tmp_path),
+            *args,
         ],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=540,
     )
+
+
+def test_main_job_restarts_after_a_sigkill_and_its_output_equals_spark(tmp_path: Path) -> None:
+    proc = run_main_job(tmp_path, "--parallelism", "1")
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
     verdict = re.search(
@@ -67,32 +71,7 @@ def test_main_job_unaligned_restarts_after_a_sigkill_and_its_output_equals_spark
     """``--checkpointing unaligned`` with two subtasks per operator (the running totals
     read two channels, so a checkpoint triggers at its first barrier and persists what
     the other channel delivers before its own): SIGKILL, restart, output exact."""
-    pytest.importorskip("pyspark")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "client.main_job",
-            "--events",
-            "80000",
-            "--users",
-            "3000",
-            "--files",
-            "4",
-            "--parallelism",
-            "2",
-            "--checkpoint-interval",
-            "0.25",
-            "--checkpointing",
-            "unaligned",
-            "--workdir",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    proc = run_main_job(tmp_path, "--parallelism", "2", "--checkpointing", "unaligned")
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
     assert re.search(r"^verdict +PASSED: ", out, re.M), out[-4000:]

@@ -418,3 +418,59 @@ def test_backpressure_slows_the_sources_to_the_sinks_rate(
     daemon.wait_pool_whole()
     daemon.stop_clean()
     daemon.cleanup()
+
+
+# (seed, kills): one kill at a random point, or a second one while the restarted attempt
+# recovers (its tasks just opened: restoring state, replaying persisted input)
+UNALIGNED_KILLS = [(11, 1), (12, 1), (13, 2)]
+
+
+@pytest.mark.parametrize(
+    ("seed", "kills"), UNALIGNED_KILLS, ids=[f"seed{s}-kills{k}" for s, k in UNALIGNED_KILLS]
+)
+def test_unaligned_under_back_pressure_killed_at_random_points_is_exact(
+    spark: Any, tmp_path: Path, seed: int, kills: int
+) -> None:
+    """Mode unaligned, the sink spending 0.1 ms a record behind unthrottled sources (full
+    back pressure): the keyed task triggers at its first barrier and persists what its
+    other channel delivers before its own barrier. A random task's worker is SIGKILLed
+    after a random completed checkpoint (and, with two kills, again as the next attempt
+    starts): the committed output holds every event exactly once, and only the final
+    checkpoint's directory is left (channel state lives in the task's state file, removed
+    with its subsumed checkpoint)."""
+    rng = random.Random(seed)
+    n = 60_000
+    probes, out, ckpt = _dirs(tmp_path)
+    env = _env(spark, ckpt, mode="unaligned")
+    st.build(env, probes, out, n, throttle=0.0001)
+    run = _Run(env, restart_attempts=3, restart_backoff=0.2)
+    try:
+        tasks = _first_attempt_pids(probes, 3)
+        after = rng.randint(1, 3)
+        st.wait_for(lambda: _completed(ckpt, after), 90, f"checkpoint {after} completed")
+        time.sleep(rng.uniform(0.0, 0.3))
+        victim = rng.choice(sorted(tasks))
+        os.kill(tasks[victim], signal.SIGKILL)
+        if kills == 2:
+            second = st.wait_for(
+                lambda: next(
+                    (a for a in sorted(st.pids(probes))[1:] if len(st.pids(probes)[a]) == 3),
+                    None,
+                ),
+                90,
+                "the restarted attempt's tasks opened",
+            )
+            os.kill(st.pids(probes)[second]["sink-0"], signal.SIGKILL)
+        result = run.join()
+    finally:
+        env.cancel()
+        env.cancel()
+        run.thread.join(120)
+    assert result.restarts == kills, result
+    assert result.checkpoints and result.checkpoints[-1].is_final
+    st.check_exactly_once(out, n)
+    seen = [(c.checkpoint_id, c.unaligned, c.persisted_bytes) for c in result.checkpoints]
+    print(
+        f"seed {seed}: killed {victim} after checkpoint {after}; (id, unaligned, persisted): {seen}"
+    )
+    assert [d.name for d in Path(ckpt).glob("chk-*")] == [f"chk-{result.last_checkpoint_id}"]

@@ -21,7 +21,13 @@ import pytest
 from client.streaming import LocalRunner, StreamEnvironment
 from client.streaming.checkpoint_storage import CheckpointStorage
 from exchange.errors import ConfigError
-from tests.streaming.test_local_runner import KEYS, event, expected_totals, totals_by_key
+from tests.streaming.test_local_runner import (
+    KEYS,
+    PidMark,
+    event,
+    expected_totals,
+    totals_by_key,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,26 +40,16 @@ def _daemon_pool_whole() -> Iterator[None]:
     assert xs.stop_embedded_daemon() is True, "embedded daemon's pool not whole at exit"
 
 
-class SlowSum:
-    """A keyed running sum slower than its sources (back pressure); leaves its pid in
-    ``pids/<attempt>-<subtask>``."""
+class SlowSum(PidMark):
+    """PidMark's keyed running sum, slower than its sources (back pressure)."""
 
     def __init__(self, pids: str, delay: float) -> None:
-        self.pids, self.delay = pids, delay
-
-    def open(self, rc: Any) -> None:
-        self.total = rc.value_state("total", 0)
-        ctx = rc.operator_context
-        tmp = os.path.join(self.pids, f".{ctx.attempt}-{ctx.subtask_index}")
-        with open(tmp, "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(tmp, os.path.join(self.pids, f"{ctx.attempt}-{ctx.subtask_index}"))
+        super().__init__(pids)
+        self.delay = delay
 
     def process_element(self, value: tuple[int, int], ctx: Any, out: Any) -> None:
         time.sleep(self.delay)
-        total = self.total.value() + value[1]
-        self.total.update(total)
-        out.collect((ctx.current_key, (value[0], total)))
+        super().process_element(value, ctx, out)
 
 
 def check_exact(got: list[Any], n: int) -> None:
