@@ -175,3 +175,22 @@ def test_settings_are_validated(tmp_path: Path) -> None:
         None, checkpoint_dir=str(tmp_path), mode="unaligned", aligned_checkpoint_timeout="50ms"
     )
     assert env.config.aligned_checkpoint_timeout == 0.05 and env.config.exactly_once
+
+
+@pytest.mark.parametrize(("timeout", "some_unaligned"), [("1ms", True), ("1h", False)])
+def test_aligned_checkpoint_timeout_turns_slow_alignments_unaligned(
+    tmp_path: Path, timeout: str, some_unaligned: bool
+) -> None:
+    """Aligned first: alignments under back pressure outlast 1 ms, so checkpoints turn
+    unaligned (with persisted input); none outlasts an hour, so every one stays aligned
+    (the keyed task blocks the channel that delivered its barrier, persists nothing)."""
+    n = 6000
+    env, _ = job(tmp_path, n, 0.0005, 1500.0, aligned_checkpoint_timeout=timeout)
+    result = env.execute(runner=LocalRunner())
+    check_exact(result.collected["totals"], n)
+    assert len(result.checkpoints) >= 2, result.checkpoints
+    unaligned = [c for c in result.checkpoints if c.unaligned]
+    if some_unaligned:
+        assert unaligned, result.checkpoints
+    else:
+        assert not unaligned and all(not c.persisted_bytes for c in result.checkpoints)
