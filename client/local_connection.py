@@ -35,6 +35,8 @@ from exchange.protocol.local_messages import (
     AddProducerCredit,
     DaemonInfo,
     DaemonInfoRequest,
+    OutputChannelState,
+    OutputChannelStateComplete,
     PartitionCreated,
     PartitionFinished,
     ProducerBufferSize,
@@ -154,6 +156,11 @@ class LocalConnection(HandshakingClientProtocol):
         self._credit_waiter: asyncio.Future[None] | None = None
         #: ``(subpartition, size)`` for each ProducerBufferSize (debloating); loop thread.
         self.buffer_size_listener: Callable[[int, int], None] | None = None
+        #: OutputChannelState(Complete) of unaligned checkpoints (loop thread); without
+        #: one they are a protocol error (the task never sent an unaligned barrier).
+        self.channel_state_listener: (
+            Callable[[OutputChannelState | OutputChannelStateComplete], None] | None
+        ) = None
 
     @classmethod
     async def connect(
@@ -220,6 +227,10 @@ class LocalConnection(HandshakingClientProtocol):
         elif type(msg) is ProducerBufferSize:
             if self.buffer_size_listener is not None:
                 self.buffer_size_listener(msg.subpartition, msg.buffer_size)
+        elif isinstance(msg, OutputChannelState | OutputChannelStateComplete):
+            if self.channel_state_listener is None:
+                raise ProtocolError(f"unexpected {type(msg).__name__} from {self.address}")
+            self.channel_state_listener(msg)
         elif isinstance(msg, _REPLIES):
             if not self._replies:
                 raise ProtocolError(f"unsolicited {type(msg).__name__} from {self.address}")
