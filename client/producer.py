@@ -271,7 +271,9 @@ class PartitionWriter:
         # collector is fed on the loop thread, futures are made on the task thread)
         self._state_lock = threading.Lock()
         self._state = OutputChannelStateCollector(num_subpartitions, created.segment_size)
+        # futures not taken yet by output_channel_state / not resolved yet
         self._state_futures: dict[int, concurrent.futures.Future[CheckpointOutputState]] = {}
+        self._state_arriving: dict[int, concurrent.futures.Future[CheckpointOutputState]] = {}
         conn.channel_state_listener = self._on_channel_state
         conn.closed.add_done_callback(self._on_connection_closed)
         # The flush timer, a task of the loop: it ends with the daemon connection (nothing
@@ -605,7 +607,8 @@ class PartitionWriter:
         """Task thread: register the future before the barrier can leave."""
         with self._state_lock:
             self._state.expect(checkpoint_id)
-            self._state_futures[checkpoint_id] = concurrent.futures.Future()
+            fut: concurrent.futures.Future[CheckpointOutputState] = concurrent.futures.Future()
+            self._state_futures[checkpoint_id] = self._state_arriving[checkpoint_id] = fut
 
     def _on_channel_state(self, msg: OutputChannelState | OutputChannelStateComplete) -> None:
         """Loop thread: a message of the daemon's output channel state."""
@@ -614,8 +617,10 @@ class PartitionWriter:
                 self._state.on_buffer(msg)
                 return
             state = self._state.on_complete(msg)
-            fut = self._state_futures.get(msg.checkpoint_id) if state is not None else None
-        if state is not None and fut is not None and not fut.done():
+            if state is None:
+                return
+            fut = self._state_arriving.pop(msg.checkpoint_id)
+        if not fut.done():
             fut.set_result(state)
 
     def _on_connection_closed(self, _: object) -> None:
@@ -626,8 +631,8 @@ class PartitionWriter:
         except ExchangeError as e:
             err = e
         with self._state_lock:
-            pending = set(self._state.pending)
-            futs = [f for cid, f in self._state_futures.items() if cid in pending]
+            futs = list(self._state_arriving.values())
+            self._state_arriving.clear()
         for fut in futs:
             if not fut.done():
                 fut.set_exception(fresh_error(err))

@@ -126,12 +126,16 @@ class ProducerSession:
         on_abort: Callable[[ErrorResponse], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         schedule: Callable[[Callable[[], None]], object] | None = None,
+        on_output_state: Callable[[int, int], None] | None = None,
     ) -> None:
+        """``on_output_state(buffers, bytes)``: output channel state was handed back to
+        the task (for the daemon's metrics)."""
         if max_credit < 1:
             raise IllegalStateError(f"max_credit must be >= 1, got {max_credit}")
         self.partition = partition
         self._send = send
         self._on_abort = on_abort
+        self._on_output_state = on_output_state
         self.max_credit = max_credit
         self._batch = max(1, max_credit // 4)
         self._reserved: deque[Buffer] = deque()
@@ -382,6 +386,8 @@ class ProducerSession:
         self.output_state_bytes += size
         self.output_state_buffers += len(buffers)
         self.output_state_reports += 1
+        if self._on_output_state is not None:
+            self._on_output_state(len(buffers), size)
 
     def _on_buffer_size(self, subpartition: int, size: int) -> None:
         if self.is_open:
