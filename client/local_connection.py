@@ -154,6 +154,9 @@ class LocalConnection(HandshakingClientProtocol):
         self.credit = 0
         self.bytes_pushed = 0
         self._credit_waiter: asyncio.Future[None] | None = None
+        # the push waiting for credit, and where it stands (unaligned barriers overtake it)
+        self._pushing: list[OutputBuffer] = []
+        self._push_index = 0
         #: ``(subpartition, size)`` for each ProducerBufferSize (debloating); loop thread.
         self.buffer_size_listener: Callable[[int, int], None] | None = None
         #: OutputChannelState(Complete) of unaligned checkpoints (loop thread); without
@@ -259,6 +262,29 @@ class LocalConnection(HandshakingClientProtocol):
         self.send(msg)
         return await fut
 
+    def unsent_buffers(self) -> list[OutputBuffer]:
+        """The buffers of the push now waiting for credit that are not written yet."""
+        return self._pushing[self._push_index :]
+
+    def push_event_now(self, out: OutputBuffer) -> None:
+        """Write an event frame at once, ahead of any push waiting for credit (an
+        unaligned barrier: events need no credit)."""
+        if not out.is_event:
+            raise UsageError("only events may overtake waiting pushes")
+        self.check()
+        t = self._transport
+        if t is None or t.is_closing():
+            raise TransportError(f"connection to daemon {self.address} is closing")
+        header = _PUSH_FRAME.pack(
+            FRAME_HEADER_SIZE + _PUSH_BODY_HEADER + out.size,
+            MAGIC,
+            PushBuffer.MESSAGE_ID,
+            ALL_SUBPARTITIONS,
+            out.data_type,
+        )
+        t.writelines([header, *out.pieces])
+        self.bytes_pushed += out.size
+
     async def push_buffer(self, out: OutputBuffer) -> None:
         """Push one buffer the RecordWriter cut (see ``push_buffers``)."""
         await self.push_buffers([out])
@@ -271,7 +297,11 @@ class LocalConnection(HandshakingClientProtocol):
             while self.credit <= 0 and not outs[i].is_event:
                 self.check()
                 self._credit_waiter = self._loop.create_future()
-                await self._credit_waiter
+                self._pushing, self._push_index = outs, i
+                try:
+                    await self._credit_waiter
+                finally:
+                    self._pushing = []
                 self._credit_waiter = None
             self.check()
             t = self._transport

@@ -58,6 +58,7 @@ from exchange.errors import (
 from exchange.events.events import AbstractEvent, CheckpointBarrier, CheckpointOptions
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.local_messages import (
+    ALL_SUBPARTITIONS,
     CreatePartition,
     FailPartition,
     FinishPartition,
@@ -536,13 +537,55 @@ class PartitionWriter:
 
     def broadcast_event(self, event: AbstractEvent) -> None:
         """Send ``event`` to every subpartition after every record emitted so far (an
-        unaligned barrier overtakes them on the daemon: see ``broadcast_barrier``)."""
+        unaligned barrier overtakes them: see ``broadcast_barrier``)."""
         self._check_open()
+        if isinstance(event, CheckpointBarrier) and event.options.unaligned:
+            self._broadcast_unaligned(event)
+            return
         with self._lock:
-            if isinstance(event, CheckpointBarrier) and event.options.unaligned:
-                self._expect_output_state(event.checkpoint_id)
             self._writer.broadcast_event(event)
         self._after_event()
+
+    def _broadcast_unaligned(self, barrier: CheckpointBarrier) -> None:
+        """Task thread: the buffers cut so far go out as usual; the barrier is written on
+        the loop at once, ahead of those still waiting for credit, which become state."""
+        with self._lock:
+            self._expect_output_state(barrier.checkpoint_id)
+            self._writer.broadcast_event(barrier)
+            outs = self._writer.take_output()
+            event = outs.pop()
+            if outs:
+                self._inflight.append(self._enqueue(outs))
+            self._rt.call_soon(self._push_priority, barrier.checkpoint_id, event)
+        self._settle(len(self._inflight))
+
+    def _push_priority(self, checkpoint_id: int, event: OutputBuffer) -> None:
+        """Loop thread: what is cut and not written yet is overtaken (copied to the state,
+        still sent after the barrier); then the barrier goes out."""
+        conn = self._sink.conn
+        unsent = list(conn.unsent_buffers())
+        for outs, fut in self._queue:
+            if not fut.cancelled():
+                unsent.extend(outs)
+        local: dict[int, list[bytes]] = {}
+        for out in unsent:
+            if out.is_event:
+                continue
+            data = out.to_bytes()
+            targets = (
+                range(self.num_subpartitions) if out.target == ALL_SUBPARTITIONS else (out.target,)
+            )
+            for t in targets:
+                local.setdefault(t, []).append(data)
+        try:
+            with self._state_lock:
+                self._state.add_local(checkpoint_id, local)
+            conn.push_event_now(event)
+        except ExchangeError as e:
+            with self._state_lock:
+                failed = self._state_arriving.pop(checkpoint_id, None)
+            if failed is not None and not failed.done():
+                failed.set_exception(e)
 
     def broadcast_barrier(
         self,

@@ -14,9 +14,11 @@ checkpoint; if the task dies, it never acknowledges. On restore the task re-emit
 persisted buffers, per subpartition and in order, before any new record (the writer's
 ``restore_output_state``).
 
-Every buffer the task wrote before the barrier reaches the daemon before it (the local
-connection is ordered), so the overtaken buffers end where the barrier was broadcast: at
-a record boundary (the writer flushes before an event).
+The barrier also overtakes the buffers the task cut but has not pushed yet (waiting for
+producer credit): it is written on the local connection at once, and those buffers, sent
+after it, are added to the state after the daemon's (``add_local``). So the state of a
+subpartition ends where the barrier was broadcast: at a record boundary (the writer
+flushes before an event).
 
 Sans I/O: the connection feeds the messages in, the writer resolves its futures.
 """
@@ -53,6 +55,7 @@ class _Pending:
     buffers: dict[int, list[bytes]] = field(default_factory=dict)
     sizes: dict[int, int] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
+    local: dict[int, list[bytes]] = field(default_factory=dict)
 
 
 class OutputChannelStateCollector:
@@ -107,6 +110,17 @@ class OutputChannelStateCollector:
             )
         return p
 
+    def add_local(self, checkpoint_id: int, buffers: dict[int, list[bytes]]) -> None:
+        """Buffers the barrier overtook in the task itself (cut, not pushed yet): they
+        follow the daemon's, per subpartition, in the state."""
+        p = self._pending.get(checkpoint_id)
+        if p is None:
+            raise UsageError(f"checkpoint {checkpoint_id} is not expected")
+        for index, bufs in buffers.items():
+            if not 0 <= index < self.num_subpartitions:
+                raise UsageError(f"subpartition {index} of {self.num_subpartitions}")
+            p.local.setdefault(index, []).extend(bufs)
+
     def on_buffer(self, msg: OutputChannelState) -> None:
         p = self._get(msg.checkpoint_id, msg.subpartition)
         n = len(msg.payload)
@@ -133,6 +147,8 @@ class OutputChannelStateCollector:
         if len(p.done) < self.num_subpartitions:
             return None
         del self._pending[msg.checkpoint_id]
+        for index, bufs in p.local.items():
+            p.buffers.setdefault(index, []).extend(bufs)
         return CheckpointOutputState(
-            msg.checkpoint_id, {i: tuple(b) for i, b in sorted(p.buffers.items())}
+            msg.checkpoint_id, {i: tuple(b) for i, b in sorted(p.buffers.items()) if b}
         )

@@ -12,6 +12,7 @@ re-emits that state before its new records, and a reader gets them in order.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,7 @@ pytestmark = pytest.mark.timeout(120)
 SEGMENT = 4096
 RECORD = b"r" * 3000  # one record per 4 KiB buffer (flushed after each)
 N = 6
+POOL_MAX = 16  # the daemon's pool of a one-subpartition partition (max(2 n + 8, 16))
 
 
 class RawConsumer:
@@ -222,4 +224,67 @@ def test_restore_refuses_state_that_does_not_fit(start_daemon: Callable[..., Any
         assert w.output_channel_state(2).result(timeout=60).num_buffers == 0
     finally:
         w.fail("nobody reads this partition")
+    d.wait_pool_whole()
+
+
+def test_under_full_backpressure_the_barrier_also_overtakes_what_the_task_holds(
+    start_daemon: Callable[..., Any],
+) -> None:
+    """The partition's pool on the daemon is full and the writer holds buffers it cannot
+    push (no producer credit): the barrier still reaches the consumer next, and the state
+    is every buffer the consumer receives after it: the daemon's queue, then the task's."""
+    d = start_daemon("--segment-size", "4kb")
+    pid = ResultPartitionID("unaligned-full", 0, 0)
+    w = PartitionWriter(pid, 1, blocking=False, daemon_socket=d.local_socket, buffer_timeout=0)
+
+    async def consume() -> tuple[int, BufferResponse, list[BufferResponse]]:
+        loop = asyncio.get_running_loop()
+        c = await RawConsumer.connect(d.data_address)
+        try:
+            c.send(PartitionRequest(pid, 0, 1, 1))
+
+            def fill() -> int:
+                """The task's mailbox loop: emit while the output has room. Up to one
+                buffer sent plus a full pool on the daemon (17) the writer must get room
+                again; after that a second without room is the back pressure."""
+                n = 0
+                while True:
+                    room = w.available()
+                    if room is not None:
+                        try:
+                            room.result(timeout=None if n <= 1 + POOL_MAX else 1.0)
+                        except concurrent.futures.TimeoutError:
+                            return n
+                    assert n < 2000, "the writer never felt the back pressure"
+                    w.emit((n, RECORD))
+                    n += 1
+
+            emitted = await loop.run_in_executor(None, fill)
+            first = await c.next_buffer()
+            assert first.data_type is DataType.DATA_BUFFER
+            await loop.run_in_executor(None, lambda: w.broadcast_barrier(9, 1, unaligned=True))
+            barrier = await c.next_buffer()  # no credit was given after the first buffer
+            c.send(AddCredit(1, 10_000))
+            closing = loop.run_in_executor(None, w.close)
+            after = []
+            while (b := await c.next_buffer()).data_type is DataType.DATA_BUFFER:
+                after.append(b)
+            assert EventSerializer.from_bytes(b.payload) == EndOfPartitionEvent.INSTANCE
+            await closing
+            assert 1 + len(after) == emitted  # one record per buffer, nothing lost
+            return emitted, barrier, after
+        finally:
+            await c.close()
+
+    try:
+        _, barrier, after = asyncio.run(consume())
+        state = w.output_channel_state(9).result(timeout=60)
+    finally:
+        w.fail("test over")
+    assert barrier.data_type is DataType.PRIORITIZED_EVENT_BUFFER and barrier.sequence_number == 1
+    # more than the daemon's queue could hold: the task's own unsent buffers are in it
+    assert len(after) > POOL_MAX
+    assert list(state.buffers[0]) == [b.payload for b in after]
+    daemon_part = _metric(d, "exchange_output_channel_state_buffers_total")
+    assert 0 < daemon_part < len(after)
     d.wait_pool_whole()
