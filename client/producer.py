@@ -564,7 +564,9 @@ class PartitionWriter:
         still sent after the barrier); then the barrier goes out."""
         conn = self._sink.conn
         unsent = list(conn.unsent_buffers())
-        for outs, fut in self._queue:
+        with self._lock:  # the task thread appends batches under it
+            queued = list(self._queue)
+        for outs, fut in queued:
             if not fut.cancelled():
                 unsent.extend(outs)
         local: dict[int, list[bytes]] = {}
