@@ -34,7 +34,14 @@ from exchange.events.events import (
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.codec import FrameDecoder, encode
 from exchange.protocol.handshake import ClientHandshake
-from exchange.protocol.messages import AddCredit, BufferResponse, Message, PartitionRequest
+from exchange.protocol.messages import (
+    AddCredit,
+    BufferResponse,
+    Message,
+    PartitionRequest,
+    Ping,
+    Pong,
+)
 from tests.kit.polling import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -79,10 +86,15 @@ class RawConsumer:
         self.writer.write(b"".join(encode(m)))
 
     async def next_buffer(self, timeout: float = 30) -> BufferResponse:
+        """The next BufferResponse (a keepalive Ping on the way is answered)."""
         async with asyncio.timeout(timeout):
-            while not self.pending:
-                self.pending.extend(await self._read())
-        m = self.pending.pop(0)
+            while True:
+                while not self.pending:
+                    self.pending.extend(await self._read())
+                m = self.pending.pop(0)
+                if not isinstance(m, Ping):
+                    break
+                self.send(Pong())
         assert isinstance(m, BufferResponse), m
         # the decoder's payload views the read chunk: keep a copy
         return BufferResponse(
