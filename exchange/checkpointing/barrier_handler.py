@@ -221,5 +221,5 @@ def is_aligned_barrier(event: AbstractEvent | None) -> bool:
     return (
         isinstance(event, CheckpointBarrier)
         and event.options.exactly_once
-        and not getattr(event.options, "unaligned", False)
+        and not event.options.unaligned
     )

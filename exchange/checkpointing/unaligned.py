@@ -37,7 +37,12 @@ EndOfData on every channel), so it triggers after the task's input ended and wha
 
 **Priority barriers.** A barrier that overtook buffers upstream (``options.unaligned``)
 does not block its channel; the buffers it overtook arrive after it, flagged with
-``overtaken_by``: they are before the cut, so they are channel state too.
+``overtaken_by``: they are before the cut, so they are channel state too. Such a barrier
+makes its checkpoint unaligned at once, aligned first or not (unless forced aligned). The
+handler does not know how many buffers a priority barrier overtook: its channel's part of
+the cut ends with the channel's next data buffer that is not flagged for that checkpoint
+(or its EndOfData or EndOfPartition), so a channel that goes quiet right after such a
+barrier delays ``input_state_complete`` until it sends again.
 
 The other rules are the aligned handler's: a newer barrier or cancellation marker
 subsumes the pending checkpoint (``abort_checkpoint(SUBSUMED)``), a marker of the pending
@@ -100,12 +105,6 @@ class UnalignedCheckpointListener(CheckpointListener, Protocol):
         """Every channel's barrier came: the channel state of ``checkpoint_id`` is final."""
 
 
-def _overtaken_by(boe: BufferOrEvent) -> tuple[int, ...]:
-    """The unaligned checkpoints whose priority barrier overtook this buffer upstream
-    (the gate's ``overtaken_by``; none where the gate has no priority barriers)."""
-    return tuple(getattr(boe, "overtaken_by", ()))
-
-
 class UnalignedState(Enum):
     IDLE = "idle"
     COLLECTING_ALIGNED = "collecting_aligned"
@@ -135,6 +134,9 @@ class _Pending:
     started_at: float
     arrived: set[int] = field(default_factory=set)  # delivered the barrier, or ended
     held: set[int] = field(default_factory=set)  # blocked upstream (aligned phase)
+    #: channels whose priority barrier came, until their next item that is not a buffer
+    #: it overtook (those come right after it, flagged ``overtaken_by``)
+    overtaking: set[int] = field(default_factory=set)
     forced_aligned: bool = False
     persisted_bytes: int = 0
     processed_bytes: int = 0  # during the aligned phase
@@ -220,13 +222,28 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
         ch = boe.channel_index
         p = self._pending
         buf = boe.buffer
+        if (
+            p is not None
+            and ch in p.overtaking
+            and (
+                (buf is not None and p.checkpoint_id not in boe.overtaken_by)
+                or isinstance(boe.event, EndOfDataEvent)
+            )
+        ):
+            # the buffers its priority barrier overtook are all in (events it overtook
+            # come unflagged among them, later priority barriers ahead of them: neither
+            # ends the run; nothing follows EndOfData): the channel's part of the cut is
+            # complete, and this item is after it
+            p.overtaking.discard(ch)
+            self._complete_if_done()
+            p = self._pending
         if buf is not None:
             if p is not None:
                 if ch in p.held:
                     buf.release()
                     raise ChannelBlockedError(ch, p.checkpoint_id)
                 if self._state is UnalignedState.COLLECTING_UNALIGNED:
-                    if ch not in p.arrived or p.checkpoint_id in _overtaken_by(boe):
+                    if ch not in p.arrived or p.checkpoint_id in boe.overtaken_by:
                         p.persisted_bytes += buf.size
                         self.total_persisted_bytes += buf.size
                         try:
@@ -251,6 +268,7 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
                 self._open.discard(ch)
                 if p is not None:
                     p.arrived.add(ch)
+                    p.overtaking.discard(ch)
                     self._complete_if_done()
         return boe
 
@@ -284,6 +302,8 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
                     raise
             p = self._start(barrier, forced_aligned=ch in self._ended_data)
             p.arrived.add(ch)
+            if barrier.options.unaligned:
+                p.overtaking.add(ch)
             if self._state is UnalignedState.COLLECTING_UNALIGNED:
                 if blocks:
                     self._resume_channel(ch)
@@ -300,9 +320,16 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
             return
         assert p is not None
         p.arrived.add(ch)
+        if barrier.options.unaligned:
+            p.overtaking.add(ch)
         if self._state is UnalignedState.COLLECTING_ALIGNED:
             if blocks:
                 p.held.add(ch)
+            elif barrier.options.unaligned and not p.forced_aligned:
+                # a priority barrier holds nothing back upstream: what follows it on
+                # this channel is after the cut, so the checkpoint cannot stay aligned
+                self._turn_unaligned()
+                return
         elif blocks:
             self._resume_channel(ch)
         self._complete_if_done()
@@ -331,7 +358,10 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
     def _start(self, barrier: CheckpointBarrier, *, forced_aligned: bool) -> _Pending:
         self._current_id = barrier.checkpoint_id
         forced = forced_aligned or barrier.options.checkpoint_type is CheckpointType.SAVEPOINT
-        aligned_first = forced or self.aligned_checkpoint_timeout > 0
+        # a priority barrier already overtook its channel's data upstream: no alignment
+        aligned_first = forced or (
+            self.aligned_checkpoint_timeout > 0 and not barrier.options.unaligned
+        )
         self._transition(_A if aligned_first else _U)
         p = self._pending = _Pending(barrier, self.clock(), forced_aligned=forced)
         return p
@@ -371,7 +401,7 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
         """Every open channel delivered the barrier (or ended): an aligned checkpoint
         triggers now; either way its channel state is final."""
         p = self._pending
-        if p is None or not self._open <= p.arrived:
+        if p is None or not self._open <= p.arrived or p.overtaking:
             return
         if self._state is UnalignedState.COLLECTING_ALIGNED:
             self._trigger_pending(unaligned=False)  # aligned: its channel state is empty

@@ -3,7 +3,7 @@ AlternatingWaitingFor* cases of SingleCheckpointBarrierHandler)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 
@@ -17,7 +17,7 @@ from exchange.checkpointing import (
     create_barrier_handler,
 )
 from exchange.errors import ConfigError, UsageError
-from exchange.events.events import EndOfDataEvent
+from exchange.events.events import CheckpointBarrier, CheckpointOptions, EndOfDataEvent
 from exchange.memory import NetworkBufferPool
 from tests.checkpointing.conftest import (
     FakeClock,
@@ -259,25 +259,17 @@ def test_barrier_after_end_of_data_forces_aligned(
     assert not h.last_unaligned
 
 
-class _Overtaken(NamedTuple):
-    """A BufferOrEvent from a gate with priority barriers (``overtaken_by``)."""
-
-    buffer: Buffer | None
-    event: Any
-    channel_index: int
-    more_available: bool
-    overtaken_by: tuple[int, ...]
-
-
 def test_buffers_a_priority_barrier_overtook_are_channel_state(
     utask: UTask, clock: FakeClock, pool: NetworkBufferPool
 ) -> None:
+    """The gate returns a priority (unaligned) barrier before the buffers it overtook in
+    its channel, flagged ``overtaken_by``: those are before the cut, so channel state; the
+    barrier blocks nothing upstream, so it is never resumed."""
     h = make(2, utask, clock)
-    feed(h, utask, [barrier(0, 1)])
+    prio = CheckpointOptions(exactly_once=True, unaligned=True)
+    feed(h, utask, [event(0, CheckpointBarrier(1, 1001, prio))])
     over = data(0, b"overtaken", pool)
-    out = h.process(_Overtaken(over.buffer, None, 0, False, (1,)))  # type: ignore[arg-type]
-    assert out is not None
-    utask.deliver(out)  # type: ignore[arg-type]
-    feed(h, utask, [data(0, b"after", pool), barrier(1, 1)])
+    feed(h, utask, [over._replace(overtaken_by=(1,)), data(0, b"after", pool), barrier(1, 1)])
     assert utask.callbacks() == [("trigger", 1), ("persist", 1, 0, b"overtaken"), ("done", 1)]
-    assert ("rec", 0, b"after") in utask.log
+    assert ("rec", 0, b"after") in utask.log and ("rec", 0, b"overtaken") in utask.log
+    assert ("resume", 0) not in utask.log and ("resume", 1) in utask.log

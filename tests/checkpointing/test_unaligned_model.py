@@ -24,8 +24,9 @@ from exchange.checkpointing import (
     UnalignedBarrierHandler,
     create_barrier_handler,
 )
+from exchange.events.events import CheckpointBarrier, CheckpointOptions
 from exchange.memory import NetworkBufferPool
-from tests.checkpointing.conftest import REC, FakeClock, barrier, cancel, data, eop
+from tests.checkpointing.conftest import REC, FakeClock, barrier, cancel, data, eop, event
 from tests.checkpointing.test_barrier_properties import Bar, Cancel, Eop, Rec, Scenario, scenarios
 from tests.checkpointing.test_unaligned import UTask
 
@@ -36,7 +37,31 @@ class Run:
     aligned_sent: int
 
 
-def drive(sc: Scenario, timeout: float | None, jumps: list[int]) -> Run:
+def delivery(sc: Scenario, prio: list[int]) -> list[list[tuple[Any, tuple[int, ...], bool]]]:
+    """Each channel's items as its gate returns them: (item, overtaken_by, priority).
+
+    ``prio`` decides barrier by barrier (in channel order): 0 an ordinary barrier, k > 0 a
+    priority (unaligned) barrier that overtook the k - 1 records queued right before it
+    (as the producer's subpartition and the consumer's channel reorder them: the barrier
+    first, then those records, flagged with its checkpoint)."""
+    choices = iter(prio)
+    out = []
+    for script in sc.scripts:
+        q: list[tuple[Any, tuple[int, ...], bool]] = []
+        for item in script:
+            if isinstance(item, Bar) and item.aligned and (k := next(choices, 0)) > 0:
+                at = len(q)
+                while at > 0 and len(q) - at < k - 1 and isinstance(q[at - 1][0], Rec):
+                    at -= 1
+                overtaken = [(r, (*flags, item.cid), False) for r, flags, _ in q[at:]]
+                q[at:] = [(item, (), True), *overtaken]
+            else:
+                q.append((item, (), False))
+        out.append(q)
+    return out
+
+
+def drive(sc: Scenario, timeout: float | None, jumps: list[int], prio: list[int] = ()) -> Run:  # type: ignore[assignment]
     pool = NetworkBufferPool(128, 4096)
     task, clock = UTask(), FakeClock()
     blocked: set[int] = set()
@@ -56,7 +81,7 @@ def drive(sc: Scenario, timeout: float | None, jumps: list[int]) -> Run:
             aligned_checkpoint_timeout=timeout,
         )
         assert isinstance(h, UnalignedBarrierHandler)
-        queues = [deque(s) for s in sc.scripts]
+        queues = [deque(s) for s in delivery(sc, list(prio))]
         aligned_sent = step = 0
         while True:
             jump = jumps[step % len(jumps)] if jumps else 0
@@ -74,10 +99,13 @@ def drive(sc: Scenario, timeout: float | None, jumps: list[int]) -> Run:
             pick = sc.choices[step] if step < len(sc.choices) else 0
             step += 1
             c = eligible[pick % len(eligible)]
-            item = queues[c].popleft()
+            item, flags, priority = queues[c].popleft()
             match item:
                 case Rec(rid=rid, size=size):
-                    boe = data(c, REC.pack(rid) + bytes(size), pool)
+                    boe = data(c, REC.pack(rid) + bytes(size), pool)._replace(overtaken_by=flags)
+                case Bar(cid=cid, aligned=aligned) if priority:
+                    opts = CheckpointOptions(exactly_once=True, unaligned=True)
+                    boe = event(c, CheckpointBarrier(cid, 1000 + cid, opts))
                 case Bar(cid=cid, aligned=aligned):
                     boe = barrier(c, cid, aligned)
                     if aligned:
@@ -173,3 +201,19 @@ def test_pure_unaligned_with_exactly_once_barriers(sc: Scenario, jumps: list[int
     channel, and each barrier is resumed as soon as it is processed (nothing waits for
     another channel's barrier: ``drive`` would find stalled channels otherwise)."""
     check(sc, drive(sc, None, jumps), aligned_first=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    scenarios(unaligned=False, with_limit=False),
+    TIMEOUTS,
+    st.lists(st.integers(0, 12), max_size=40),
+    st.lists(st.integers(0, 4), max_size=30),
+)
+def test_priority_barriers_and_overtaken_buffers_match_the_cut_model(
+    sc: Scenario, timeout: float | None, jumps: list[int], prio: list[int]
+) -> None:
+    """Priority barriers (the producer side's): a barrier arrives ahead of up to three
+    records queued before it, which follow it flagged ``overtaken_by``; the cut is still
+    the barrier's place in what the producer sent."""
+    check(sc, drive(sc, timeout, jumps, prio), aligned_first=bool(timeout))
