@@ -51,7 +51,13 @@ class Task:
 
 
 def _run(
-    start_daemon: Any, dm: Any, *, mode: str, aligned: bool, cancel: tuple[int, ...] = ()
+    start_daemon: Any,
+    dm: Any,
+    *,
+    mode: str,
+    aligned: bool,
+    cancel: tuple[int, ...] = (),
+    task: type[Task] = Task,
 ) -> tuple[Task, list[list[dict[str, Any]]], PartitionReader]:
     d = start_daemon()
     n_producers, n_barriers = 2, 12
@@ -71,8 +77,8 @@ def _run(
     try:
         for p in producers:
             p.wait_writing()  # the partitions exist: a slow start never exhausts the backoff
-        task = Task(n_producers)
-        task.thread = threading.current_thread()
+        consumer = task(n_producers)
+        consumer.thread = threading.current_thread()
         locations = [
             PartitionLocation(
                 ResultPartitionID(dataset, i, 0), 0, d.data_address, d.daemon_id, d.local_socket
@@ -81,20 +87,20 @@ def _run(
         ]
         reader = PartitionReader(
             locations,
-            checkpoint_listener=task,
+            checkpoint_listener=consumer,
             checkpointing_mode=mode,
             backoff_initial=0.01,
             backoff_max=0.1,
         )
         with reader:
             for record in reader.records():
-                task.on_record(record)
+                consumer.on_record(record)
         logs = [p.lines() for p in producers]
     finally:
         for p in producers:
             p.cleanup()
     d.wait_pool_whole()
-    return task, logs, reader
+    return consumer, logs, reader
 
 
 def test_exactly_once_trigger_sees_exactly_the_records_before_each_barrier(
@@ -118,6 +124,59 @@ def test_exactly_once_trigger_sees_exactly_the_records_before_each_barrier(
     # every aligned barrier got exactly one ResumeConsumption: 2 per triggered checkpoint,
     # 1 per cancelled one (producer 0's barrier arrived before or after the marker)
     assert stats.num_resumed == 2 * len(expected_triggered) + len(cancelled)
+
+
+class UnalignedTask(Task):
+    """Also takes the channel state of unaligned checkpoints, and when it is complete."""
+
+    def __init__(self, producers: int) -> None:
+        super().__init__(producers)
+        self.persisted: dict[int, dict[int, list[int]]] = {}
+        self.complete: list[int] = []
+
+    def persist_records(
+        self, checkpoint_id: int, channel: int, records: list[Any], nbytes: int
+    ) -> None:
+        assert threading.current_thread() is self.thread, "callback outside the task thread"
+        assert checkpoint_id in self.snapshots and checkpoint_id not in self.complete
+        assert nbytes > 0 and all(r[0] == channel for r in records)
+        self.persisted.setdefault(checkpoint_id, {}).setdefault(channel, []).extend(
+            r[1] for r in records
+        )
+
+    def input_state_complete(self, checkpoint_id: int) -> None:
+        assert threading.current_thread() is self.thread, "callback outside the task thread"
+        self.complete.append(checkpoint_id)
+
+
+def test_unaligned_snapshot_plus_channel_state_is_exactly_the_records_before_each_barrier(
+    start_daemon: Any, dm: Any
+) -> None:
+    """Mode unaligned through a real daemon: each checkpoint triggers at its first barrier;
+    per producer, the records seen before the trigger plus those persisted as channel
+    state are exactly the ones it emitted before its barrier (contiguous, none after)."""
+    cancelled = (4, 9)
+    task, logs, reader = _run(
+        start_daemon, dm, mode="unaligned", aligned=True, cancel=cancelled, task=UnalignedTask
+    )
+    assert isinstance(task, UnalignedTask)
+    assert task.seen == [log[-1]["done"] for log in logs]  # nothing lost or duplicated
+    barriers = [{e["barrier"]: e["emitted"] for e in log if "barrier" in e} for log in logs]
+    expected = [c for c in range(1, 13) if c not in cancelled]
+    assert task.complete == expected
+    for cid in expected:
+        for p in range(2):
+            before = task.snapshots[cid][p]
+            persisted = task.persisted.get(cid, {}).get(p, [])
+            assert persisted == list(range(before, barriers[p][cid])), (cid, p)
+    # a cancelled checkpoint may have triggered at producer 0's barrier: aborted then
+    assert set(task.aborted) == set(cancelled)
+    assert all(r is CheckpointFailureReason.CANCELLED for r in task.aborted.values())
+    assert reader.barrier_stats is not None
+    print(
+        "persisted per checkpoint:",
+        {c: sum(len(x) for x in v.values()) for c, v in task.persisted.items()},
+    )
 
 
 def test_at_least_once_trigger_sees_at_least_the_records_before_each_barrier(
