@@ -63,6 +63,7 @@ log = logging.getLogger("exchange.client.spark")
 
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext
+    from pyspark.accumulators import Accumulator
 
 __all__ = [
     "CONF_DAEMON_ADDRESS",
@@ -100,14 +101,6 @@ def _writer_partition_func(
     if partition_func is exchange_hash or partition_func is deterministic_hash:
         return None
     return partition_func
-
-
-def _raise_typed(error: Exception) -> None:
-    """Raise the ``NotAPairError`` a task raised, on the driver, if ``error`` (what a Spark
-    action raised) carries one; else return."""
-    found = re.search(r"exchange\.errors\.NotAPairError: (.*)", str(error))
-    if found is not None:
-        raise NotAPairError(found.group(1)) from None
 
 
 # -- the embedded daemon -------------------------------------------------------------------
@@ -540,7 +533,8 @@ def _check_not_dataframe(data: object) -> None:
         )
 
 
-_exchanges: dict[str, set[str]] = {}
+#: exchange id -> the accumulator of the data addresses its blocking partitions went to
+_exchange_addresses: dict[str, Accumulator[set[str]]] = {}
 #: Every exchange id this driver made (a release of another id is a mistake).
 _known_exchanges: set[str] = set()
 #: exchange id -> the Spark application that made it (its partitions are that app's)
@@ -553,6 +547,23 @@ def _check_secret_file(secret_file: object) -> None:
         raise UsageError(f"secret_file must be a path, got {secret_file!r}")
 
 
+class _AddressSet:
+    """The ``AccumulatorParam`` of an accumulator of the data addresses of the daemons an exchange wrote to (Spark
+    merges the updates of successful tasks only)."""
+
+    def zero(self, value: set[str]) -> set[str]:
+        return set()
+
+    def addInPlace(self, value1: set[str], value2: set[str]) -> set[str]:
+        value1 |= value2
+        return value1
+
+
+def _route_by_reader(reader: int) -> int:
+    """The partition function of the location shuffle: a marker's key is its reader."""
+    return reader
+
+
 def _blocking(
     rdd: RDD[Any],
     n: int,
@@ -561,35 +572,38 @@ def _blocking(
     exchange_id: str,
     codec: RecordCodec,
 ) -> RDD[Any]:
+    """One Spark job per action, two stages: the map stage writes each input partition to
+    its daemon and hands Spark, for every reader, a marker naming the partition written
+    (``_Produced``); Spark's own shuffle carries the ``n_in * n`` markers to the readers.
+
+    Spark registers the map output of one attempt per task (the one it committed), so a
+    reader sees exactly one attempt per input partition, never a retried task's failed or
+    duplicate attempt; Spark keeps the markers as it keeps any shuffle output, so a second
+    action reads the daemons again without writing (its map stage is skipped)."""
     from pyspark import TaskContext
 
-    def write(index: int, records: Iterable[Any]) -> Iterator[_Produced]:
+    sc = rdd.context
+    addresses = sc.accumulator(set(), _AddressSet())
+    _exchange_addresses[exchange_id] = addresses
+
+    def write(index: int, records: Iterable[Any]) -> Iterator[tuple[int, _Produced]]:
         ctx = TaskContext.get()
         attempt = ctx.taskAttemptId() if ctx is not None else 0
-        yield _write_partition(
+        produced = _write_partition(
             exchange_id, index, attempt, records, n, partition_func, spec, codec, True
         )
+        addresses.add({produced.data_address})
+        return ((reader, produced) for reader in range(n))
 
-    sc = rdd.context
-    sc.setJobDescription(f"exchange {exchange_id}: write {rdd.getNumPartitions()} partitions")
-    try:
-        written = rdd.mapPartitionsWithIndex(write).collect()
-    except Exception as e:  # Spark's wrapper of whatever a task raised
-        _raise_typed(e)
-        raise
-    finally:
-        sc.setJobDescription(None)  # type: ignore[arg-type]
-    produced = sorted(written, key=lambda p: p.index)
-    _exchanges[exchange_id] = {p.data_address for p in produced}
-
-    def read(index: int, _: Iterable[Any]) -> Iterator[Any]:
+    def read(index: int, markers: Iterable[tuple[int, _Produced]]) -> Iterator[Any]:
+        produced = sorted((p for _, p in markers), key=lambda p: p.index)
         return _read_subpartition(exchange_id, produced, index, spec, codec)
 
+    located = rdd.mapPartitionsWithIndex(write).partitionBy(n, _route_by_reader)
     # preservesPartitioning: the Partitioner set on the result passes on to what is
-    # pipelined after it (the JVM parent, a parallelize, has no partitioner to pass on).
-    # A list, not a range: parallelize(range) is itself a map that preserves nothing.
-    indexes = sc.parallelize(list(range(n)), n)
-    return indexes.mapPartitionsWithIndex(read, preservesPartitioning=True)
+    # pipelined after it (the JVM side claims the location shuffle's partitioner: the same
+    # count of partitions, each holding one output partition)
+    return located.mapPartitionsWithIndex(read, preservesPartitioning=True)
 
 
 class _CancellableWriter:
@@ -733,7 +747,8 @@ def release_exchange(rdd_or_id: Any, *, secret_file: str | None = None) -> int:
     _check_secret_file(secret_file)
     if exchange_id not in _known_exchanges:
         raise UsageError(f"unknown exchange {exchange_id!r}: no exchange_shuffle of this driver")
-    addresses = _exchanges.pop(exchange_id, set())  # empty: released before, or pipelined
+    acc = _exchange_addresses.get(exchange_id)  # None: pipelined
+    addresses = set(acc.value) if acc is not None else set()  # empty: never read
     rt = get_runtime()
     released = 0
     secret = mint_app_credential(_exchange_apps.get(exchange_id, ""), secret_file)
