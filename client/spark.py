@@ -606,6 +606,11 @@ def _blocking(
     return located.mapPartitionsWithIndex(read, preservesPartitioning=True)
 
 
+def _run_dataset(exchange_id: str, stage: int) -> str:
+    """The dataset of one run (Spark stage) of a pipelined exchange's barrier stage."""
+    return f"{exchange_id}.s{stage}"
+
+
 class _CancellableWriter:
     """A pipelined task's handle on its writer thread's PartitionWriter: ``cancel`` fails
     it, also when it comes before the writer opened (it is then failed on opening)."""
@@ -658,12 +663,12 @@ def _pipelined(
         )
     secret = spec.secret
 
-    async def release_everywhere(locations: list[Any]) -> None:
-        """A task of the stage failed: release the exchange's pipelined partitions on
-        every daemon, so nothing a killed task left behind keeps its segments."""
+    async def release_everywhere(stage: int, locations: list[Any]) -> None:
+        """A task of the stage failed: release that run's pipelined partitions on every
+        daemon, so nothing a killed task left behind keeps its segments."""
         for address in {loc[3] for loc in locations if loc}:
             with contextlib.suppress(ExchangeError):
-                await release_dataset(address, exchange_id, secret=secret)
+                await release_dataset(address, _run_dataset(exchange_id, stage), secret=secret)
 
     ticket = _rendezvous_server(sc).open_group(exchange_id, n, release_everywhere)
 
@@ -671,9 +676,13 @@ def _pipelined(
         ctx = BarrierTaskContext.get()
         t = ctx.partitionId()
         attempt = ctx.taskAttemptId()
+        # Each action on the result runs the barrier stage again, as a new stage: its
+        # tasks meet only each other, and write partitions of their own dataset
+        stage = ctx.stageId()
+        dataset = _run_dataset(exchange_id, stage)
         sock, info = _local_daemon(spec)
         me = [t, attempt, info.daemon_id, info.data_address, sock, info.segment_size]
-        everyone = rendezvous(ticket, t, attempt, me)
+        everyone = rendezvous(ticket, t, attempt, me, round_id=stage)
         producers = [_Produced(p[0], p[1], p[2], p[3], p[4], p[5], 0) for p in everyone]
         failure: list[BaseException] = []
         writer_handle = _CancellableWriter()
@@ -681,7 +690,7 @@ def _pipelined(
         def produce() -> None:
             try:
                 _write_partition(
-                    exchange_id,
+                    dataset,
                     t,
                     attempt,
                     records,
@@ -705,7 +714,7 @@ def _pipelined(
             read_all = False
             try:
                 try:
-                    reader = _open_reader(exchange_id, producers, t, spec, codec)
+                    reader = _open_reader(dataset, producers, t, spec, codec)
                     if reader is not None:
                         yield from reader.record_lists()
                     read_all = True
@@ -718,12 +727,12 @@ def _pipelined(
                         # read failed): the exchange cannot complete, and our writer may
                         # wait forever for a consumer that gave up before it ever asked
                         # for our partition. Fail it rather than wait.
-                        writer_handle.cancel(f"task {t} of exchange {exchange_id} left early")
+                        writer_handle.cancel(f"task {t} of exchange {dataset} left early")
                     writer.join()
                 if failure:
                     raise failure[0]
             except Exception:
-                report_abort(ticket, t, attempt)
+                report_abort(ticket, t, attempt, round_id=stage)
                 raise
 
         return itertools.chain.from_iterable(chunks())

@@ -68,7 +68,7 @@ def test_a_failing_task_runs_the_abort_hook_once_with_every_location(
 ) -> None:
     calls: list[list[Any]] = []
 
-    async def hook(locations: list[Any]) -> None:
+    async def hook(round_id: int, locations: list[Any]) -> None:
         calls.append(sorted(locations))
 
     ticket = server.open_group("x5", 2, hook)
