@@ -539,15 +539,16 @@ def test_a_finished_partition_of_another_attempt_is_never_read(
 def test_a_pipelined_exchange_runs_again_with_every_action(spark: Any, sx: ModuleType) -> None:
     """Regression: each action runs the barrier stage anew; its tasks met the previous
     run's registrations at the rendezvous and read its partitions, already released
-    (PartitionReleasedError or ProducerFailedError from the second or third action)."""
+    (PartitionReleasedError or ProducerFailedError, in about one action of three)."""
     sc = spark.sparkContext
     records = [(f"k{i % 71}", i) for i in range(30_000)]
     rdd = sc.parallelize(records, 2)
     out = exchange_shuffle(rdd, 2, mode="pipelined")
     want = rdd.partitionBy(2).glom().collect()
-    for _ in range(4):
-        sx.assert_exact_partitions(out.glom().collect(), want)
-    assert out.count() == len(records)
+    # back to back: the runs' attempt ids are adjacent, as in the failures seen
+    runs = [out.glom().collect() for _ in range(8)]
+    for got in runs:
+        sx.assert_exact_partitions(got, want)
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
