@@ -552,6 +552,25 @@ def test_a_pipelined_exchange_runs_again_with_every_action(spark: Any, sx: Modul
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
+def test_a_join_of_two_blocking_exchanges_with_one_partitioning_does_not_shuffle(
+    spark: Any,
+) -> None:
+    """Both results' JVM RDDs carry the partitioner of the location shuffle under them, so
+    PySpark's join unions them partition by partition (``PartitionerAwareUnionRDD``) and
+    groups in place: the job runs the two exchanges' map stages and one reading stage."""
+    sc = spark.sparkContext
+    left = sc.parallelize([(i % 13, i) for i in range(1000)], 2)
+    right = sc.parallelize([(i % 13, -i) for i in range(1000)], 3)
+    a, b = exchange_shuffle(left, 2), exchange_shuffle(right, 2)
+    got: list[Any] = []
+    assert _stages_run(sc, lambda: got.extend(a.join(b).collect())) == 3
+    assert sorted(got) == sorted(left.join(right).collect())
+    assert "PartitionerAwareUnionRDD" in a.join(b).toDebugString().decode()
+    for out in (a, b):
+        release_exchange(out)
+        wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
 def test_a_lost_daemon_fails_the_read_typed_naming_it(spark: Any) -> None:
     """The daemon holding an exchange's partitions dies between two actions: the next
     read fails with the exchange's TransportError naming that daemon. (Last in the
