@@ -9,15 +9,18 @@ own daemon); else the embedded daemon of a ``local[*]`` run; else the default so
 through the daemons so that output partition *i* holds exactly the pairs
 ``rdd.partitionBy(n, partition_func)`` puts there:
 
-* ``mode="blocking"``: a producer job writes one BLOCKING partition per input partition
-  (identified by its ``taskAttemptId()``, so a retried task never mixes with its failed
-  attempt: only the attempts whose results Spark collected are read); the returned RDD's
-  tasks read them, any number of times. ``release_exchange`` frees them (a time to live
-  frees forgotten ones).
+* ``mode="blocking"``: lazy, one Spark job per action, as ``partitionBy``. Its map stage
+  writes one BLOCKING partition per input partition (identified by its
+  ``taskAttemptId()``) and hands Spark's shuffle a marker per reader naming it; readers
+  read the partitions their markers name, so only the attempts whose map output Spark
+  committed are read, never a retried task's other attempt. Later actions skip the map
+  stage and read again. ``release_exchange`` frees them (a time to live frees forgotten
+  ones).
 * ``mode="pipelined"``: one barrier stage; task *i* writes input partition *i* (from a
   background thread) while it reads output partition *i*, so data streams between running
   tasks with bounded memory. The tasks find each other through a rendezvous service on
-  the driver (``client.rendezvous``; ``allGather`` costs about a second). The input
+  the driver (``client.rendezvous``; ``allGather`` costs about a second), in a round per
+  run of the stage (each action runs it anew, as a new stage). The input
   must have ``n`` partitions (barrier stages cannot change the partition count) and the
   cluster ``n`` free task slots.
 """
@@ -40,7 +43,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from client.consumer import PartitionLocation, PartitionReader
 from client.local_connection import (
@@ -53,7 +56,7 @@ from client.options import ReaderOptions, WriterOptions
 from client.producer import PartitionWriter
 from client.rendezvous import RendezvousServer, rendezvous, report_abort
 from client.runtime import get_runtime
-from exchange.errors import ExchangeError, NotAPairError, TransportError, UsageError
+from exchange.errors import ExchangeError, TransportError, UsageError
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.serialization.record_codec import RecordCodec, default_codec
 from exchange.writer.hashing import deterministic_hash
@@ -63,7 +66,7 @@ log = logging.getLogger("exchange.client.spark")
 
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext
-    from pyspark.accumulators import Accumulator
+    from pyspark.accumulators import Accumulator, AccumulatorParam
 
 __all__ = [
     "CONF_DAEMON_ADDRESS",
@@ -474,9 +477,9 @@ def exchange_shuffle(
     ``reduceByKey``, ``groupByKey`` or ``partitionBy`` with the same partitioning does
     not shuffle again. It has an ``exchange_id`` attribute for ``release_exchange``.
 
-    A record that is not a pair (``record[0]`` fails) is a ``NotAPairError`` naming it
-    (in blocking mode raised here, on the driver; in pipelined mode by the job that reads
-    the result). A DataFrame is refused at once: pass ``df.rdd`` mapped to pairs.
+    A record that is not a pair (``record[0]`` fails) is a ``NotAPairError`` naming it,
+    raised by the task that meets it: the action on the result fails with it. A
+    DataFrame is refused at once: pass ``df.rdd`` mapped to pairs.
 
     ``secret_file``: where the daemons' shared secret lies on the driver (default:
     ``$EXCHANGE_SECRET_FILE``); the driver mints the application's credential from it
@@ -548,8 +551,8 @@ def _check_secret_file(secret_file: object) -> None:
 
 
 class _AddressSet:
-    """The ``AccumulatorParam`` of an accumulator of the data addresses of the daemons an exchange wrote to (Spark
-    merges the updates of successful tasks only)."""
+    """The ``AccumulatorParam`` of the data addresses of the daemons an exchange wrote to
+    (Spark merges the updates of successful tasks only)."""
 
     def zero(self, value: set[str]) -> set[str]:
         return set()
@@ -583,7 +586,8 @@ def _blocking(
     from pyspark import TaskContext
 
     sc = rdd.context
-    addresses = sc.accumulator(set(), _AddressSet())
+    param = cast("AccumulatorParam[set[str]]", _AddressSet())
+    addresses: Accumulator[set[str]] = sc.accumulator(set(), param)
     _exchange_addresses[exchange_id] = addresses
 
     def write(index: int, records: Iterable[Any]) -> Iterator[tuple[int, _Produced]]:

@@ -403,9 +403,7 @@ def test_the_next_by_key_operation_does_not_shuffle_again(spark: Any, mode: str)
     assert dict(got) == sums
     grouped: list[Any] = []
     out = fresh()
-    assert (
-        _stages_run(sc, lambda: grouped.extend(out.groupByKey().mapValues(sum).collect())) == own
-    )
+    assert _stages_run(sc, lambda: grouped.extend(out.groupByKey().mapValues(sum).collect())) == own
     assert dict(grouped) == sums
     out = fresh()
     assert _stages_run(sc, lambda: out.partitionBy(2).count()) == own
@@ -505,9 +503,7 @@ def test_a_blocking_exchange_is_one_spark_job_per_action(spark: Any, sx: ModuleT
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
-def test_a_finished_partition_of_another_attempt_is_never_read(
-    spark: Any, sx: ModuleType
-) -> None:
+def test_a_finished_partition_of_another_attempt_is_never_read(spark: Any, sx: ModuleType) -> None:
     """Readers take the attempts whose map output Spark committed, never whatever the
     daemon holds under the exchange: a finished partition of input partition 0 written
     by another attempt (as a retried or speculative task leaves) changes nothing."""
