@@ -442,10 +442,21 @@ _TRIGGER: Final = 4  # the task's trigger_checkpoint(*args), in order with the r
 _ABORT: Final = 5  # the task's abort_checkpoint(*args)
 _PERSIST: Final = 6  # the task's persist_records(checkpoint, channel, records, nbytes)
 _STATE_COMPLETE: Final = 7  # the task's input_state_complete(checkpoint)
+#: a data buffer a priority barrier overtook: (Buffer, overtaken_by) (loop -> task thread)
+_OVERTAKEN: Final = 8
+#: the task's persist_partial_record(checkpoint, channel, bytes) (unaligned)
+_PARTIAL: Final = 9
 #: what a PartitionReader's listener needs in unaligned mode
-_UNALIGNED_METHODS: Final = ("persist_records", "input_state_complete")
+_UNALIGNED_METHODS: Final = ("persist_records", "persist_partial_record", "input_state_complete")
 
-_Item = tuple[int, int, Any]  # (kind, channel, Buffer | event | error)
+_Item = tuple[int, int, Any]  # (kind, channel, Buffer | (Buffer, ids) | event | error)
+
+
+def _buffers_of(batch: list[_Item]) -> list[Buffer]:
+    """The data buffers of a hand-off batch (plain and overtaken ones)."""
+    return [
+        item if kind == _DATA else item[0] for kind, _, item in batch if kind in (_DATA, _OVERTAKEN)
+    ]
 
 
 class _Handoff:
@@ -556,7 +567,7 @@ class _Handoff:
     def drain(self) -> list[Buffer]:
         with self._cond:
             batches, self._items = list(self._items), deque()
-        return [item for batch in batches for kind, _, item in batch if kind == _DATA]
+        return [buf for batch in batches for buf in _buffers_of(batch)]
 
 
 class _CallsInOrder:
@@ -564,10 +575,12 @@ class _CallsInOrder:
     batch is decoded, before the batch's records reach the task, so its callbacks are
     queued in the batch's output and made in ``records()`` at their place."""
 
-    __slots__ = ("out", "persisting")
+    __slots__ = ("out", "persisting", "stream")
 
     def __init__(self) -> None:
         self.out: list[_Item] = []
+        #: the reader's decoders (set once built): a channel's cut takes its partial record
+        self.stream: RecordStream | None = None
         #: (checkpoint, bytes) when the buffer being processed is input channel state
         self.persisting: tuple[int, int] | None = None
 
@@ -585,6 +598,14 @@ class _CallsInOrder:
 
     def input_state_complete(self, checkpoint_id: int) -> None:
         self.out.append((_STATE_COMPLETE, 0, checkpoint_id))
+
+    def input_channel_cut(self, checkpoint_id: int, channel_index: int) -> None:
+        # the channel's decoder has consumed exactly the bytes before the cut (the buffer
+        # that ends it is not fed yet): its incomplete record's head is channel state
+        assert self.stream is not None
+        partial = self.stream.unconsumed_bytes(channel_index)
+        if partial:
+            self.out.append((_PARTIAL, channel_index, (checkpoint_id, channel_index, partial)))
 
 
 class PartitionReader:
@@ -638,6 +659,7 @@ class PartitionReader:
             opts.event_handler,
             auto_resume_barriers=opts.auto_resume_barriers,
         )
+        self._calls.stream = self._stream
         # The core reads the gate; events, barriers and reports are this facade's (they
         # run in the task thread, or report what it saw).
         core_options = opts.replace(
@@ -717,7 +739,10 @@ class PartitionReader:
                         batch.append((_END, 0, None))
                         last = True
                 while boe is not None:
-                    if boe.buffer is not None:
+                    if boe.buffer is not None and boe.overtaken_by:
+                        item = (boe.buffer, boe.overtaken_by)
+                        batch.append((_OVERTAKEN, boe.channel_index, item))
+                    elif boe.buffer is not None:
                         batch.append((_DATA, boe.channel_index, boe.buffer))
                     else:
                         batch.append((_EVENT, boe.channel_index, boe.event))
@@ -729,7 +754,7 @@ class PartitionReader:
             except BaseException as e:  # a channel failed, maybe after others' buffers
                 batch.append((_ERROR, 0, e))
                 last = True
-            buffers = [item for kind, _, item in batch if kind == _DATA]
+            buffers = _buffers_of(batch)
             self._in_flight += len(buffers)
             try:
                 handed = await put(batch)
@@ -785,6 +810,12 @@ class PartitionReader:
         then ask again. A wake-up may find nothing new (a batch that only held a barrier):
         the next empty list arms it again."""
         return self._record_lists(on_available)
+
+    def restore_unconsumed(self, channel_index: int, data: bytes) -> None:
+        """Before reading: the restored head of channel ``channel_index``'s incomplete
+        record at an unaligned checkpoint's cut, fed ahead of the channel's first buffer
+        (whose producer replays the record's tail from its output channel state)."""
+        self._stream.restore_unconsumed(channel_index, data)
 
     @property
     def last_unaligned(self) -> bool:
@@ -853,6 +884,8 @@ class PartitionReader:
                         self._listener.persist_records(*item)  # type: ignore[union-attr]
                     elif kind == _STATE_COMPLETE:
                         self._listener.input_state_complete(item)  # type: ignore[union-attr]
+                    elif kind == _PARTIAL:
+                        self._listener.persist_partial_record(*item)  # type: ignore[union-attr]
                     elif kind == _END:
                         self._done = True
                     else:
@@ -873,10 +906,13 @@ class PartitionReader:
         self._calls.out = out
         try:
             for kind, ch, item in batch:
-                if kind == _DATA:
+                if kind in (_DATA, _OVERTAKEN):
+                    overtaken_by: tuple[int, ...] = ()
+                    if kind == _OVERTAKEN:
+                        item, overtaken_by = item
                     if handler is not None:
                         # blocking upstream, tracking or unaligned: never parks a buffer
-                        handler.process(BufferOrEvent(item, None, ch, False))
+                        handler.process(BufferOrEvent(item, None, ch, False, overtaken_by))
                     view = item.memoryview()
                     try:
                         records = feed(ch, view)
@@ -900,7 +936,7 @@ class PartitionReader:
             if handler is not None and self._barrier_snapshot is not None:
                 self._barrier_snapshot = handler.stats()
         finally:
-            buffers = [item for kind, _, item in batch if kind == _DATA]
+            buffers = _buffers_of(batch)
             self._rt.loop.call_soon_threadsafe(self._batch_done, buffers)
         return out
 

@@ -59,7 +59,7 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from client.consumer import PartitionLocation, PartitionReader
@@ -73,6 +73,7 @@ from client.streaming.functions import Collector, Operator, OperatorContext, Sou
 from client.streaming.graph import Edge, JobGraph, Partitioning, TaskSpec
 from exchange.best_effort import best_effort
 from exchange.checkpointing import CheckpointFailureReason
+from exchange.checkpointing.output_channel_state import CheckpointOutputState
 from exchange.errors import (
     ExchangeError,
     IllegalStateError,
@@ -81,7 +82,12 @@ from exchange.errors import (
     ProducerFailedError,
     UsageError,
 )
-from exchange.events.events import AbstractEvent, CheckpointOptions, EndOfDataEvent
+from exchange.events.events import (
+    AbstractEvent,
+    CheckpointOptions,
+    CheckpointType,
+    EndOfDataEvent,
+)
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.state import (
     CorruptSnapshotError,
@@ -158,6 +164,12 @@ class _PendingSnapshot:
     state: dict[str, Any]
     #: channel key (``e<edge>-<upstream subtask>``) -> pickled record lists, in order
     channels: dict[str, list[bytes]]
+    #: the writers' output channel state (priority barriers), by output edge id
+    outputs: dict[int, concurrent.futures.Future[CheckpointOutputState]] = field(
+        default_factory=dict
+    )
+    #: channel key -> the head of the record its decoder held at the channel's cut
+    partials: dict[str, bytes] = field(default_factory=dict)
     persisted_bytes: int = 0
 
 
@@ -257,6 +269,8 @@ class StreamTask:
         self._channel_keys: list[str] = []
         #: restored input channel state: record lists replayed before any new input
         self._replay: list[list[Any]] = []
+        #: restored heads of records cut by a priority barrier, by channel key
+        self._replay_partials: dict[str, bytes] = {}
         self.replayed_records = 0
         #: what each operator of the chain emits into (the next operator, or the outputs)
         self._outs: list[Collector] = []
@@ -338,8 +352,10 @@ class StreamTask:
             )
             self.writers.append((edge, w))
         self._finished_on_restore = bool(finished) and all(finished)
-        if restore is not None and not self.vertex.is_source:
-            self._replay = self._restored_channel_state(restore, files)
+        if restore is not None:
+            self._restore_unaligned_cut(restore, files)
+            if not self.vertex.is_source:
+                self._replay = self._restored_channel_state(restore, files)
         for op, ctx in zip(self.ops, self.contexts, strict=True):
             op.open(ctx)
         self._out = tail = _Out(self)
@@ -388,6 +404,66 @@ class StreamTask:
                     name, f"holds no state of operator {uid!r}: {exc!r}"
                 ) from None
         return old
+
+    def _old_file(
+        self, restore: dict[str, Any], name: str, files: dict[str, dict[str, Any]]
+    ) -> dict[str, Any]:
+        snap = files.get(name)
+        if snap is None:
+            snap = files[name] = self.storage.read_task_state(restore["checkpoint_id"], name)
+        return snap
+
+    def _old_names(self, restore: dict[str, Any], vertex_id: int) -> list[str | None]:
+        """The state file each old subtask of vertex ``vertex_id`` wrote (None: finished)."""
+        uid = self.graph.vertex(vertex_id).nodes[0].state_id
+        return list(restore["operators"].get(uid, ()))
+
+    def _restore_unaligned_cut(
+        self, restore: dict[str, Any], files: dict[str, dict[str, Any]]
+    ) -> None:
+        """What priority barriers cut, from the restored checkpoint: each writer re-emits
+        its output channel state before any record, and each input channel gets back the
+        head of the record its decoder held at the cut (the tail is in the producer's
+        output state). The bytes are per subpartition and cut anywhere in a record, so
+        only with the same parallelism at both ends of the exchange (else UsageError, if
+        the checkpoint holds any)."""
+        names = self._old_names(restore, self.vertex.vertex_id)
+        p, me = self.vertex.parallelism, self.spec.subtask
+        cid = restore["checkpoint_id"]
+        same = len(names) == p
+        mine = names[me] if same else None
+        own = self._old_file(restore, mine, files) if mine is not None else {}
+        for edge, w in self.writers:
+            if same and len(self._old_names(restore, edge.target)) == w.num_subpartitions:
+                buffers = (own.get("output_state") or {}).get(edge.edge_id)
+                if buffers:
+                    w.restore_output_state(CheckpointOutputState(cid, dict(buffers)))
+                continue
+            for name in names:
+                if name and (self._old_file(restore, name, files).get("output_state") or {}).get(
+                    edge.edge_id
+                ):
+                    raise UsageError(
+                        f"{self.task_id}: checkpoint {cid} holds in-flight output of edge "
+                        f"{edge.edge_id} (unaligned); restore it with the same parallelism "
+                        "at both ends"
+                    )
+        if self.vertex.is_source:
+            return
+        for edge in self.vertex.inputs:
+            if (
+                same
+                and len(self._old_names(restore, edge.source))
+                == self.graph.vertex(edge.source).parallelism
+            ):
+                continue
+            for name in names:
+                if name and self._old_file(restore, name, files).get("partial_records"):
+                    raise UsageError(
+                        f"{self.task_id}: checkpoint {cid} holds records cut by unaligned "
+                        "barriers; restore it with the same parallelism at both ends"
+                    )
+        self._replay_partials = dict(own.get("partial_records") or {})
 
     def _restored_channel_state(
         self, restore: dict[str, Any], files: dict[str, dict[str, Any]]
@@ -476,9 +552,17 @@ class StreamTask:
         # what operators flush now precedes the barrier (Flink's prepareSnapshotPreBarrier)
         for op, out in zip(self.ops, self._outs, strict=True):
             op.prepare_snapshot_pre_barrier(checkpoint_id, out)
-        # then the barrier (it travels while this task snapshots), as Flink does
-        for _, w in self.writers:
-            w.broadcast_barrier(checkpoint_id, timestamp, aligned=options.exactly_once)
+        # then the barrier (it travels while this task snapshots), as Flink does; in mode
+        # unaligned a priority barrier that overtakes the output queued on the daemon and
+        # in the writer, whose copies come back as the output channel state
+        priority = self._priority_barriers(options)
+        outputs: dict[int, concurrent.futures.Future[CheckpointOutputState]] = {}
+        for edge, w in self.writers:
+            w.broadcast_barrier(
+                checkpoint_id, timestamp, aligned=options.exactly_once, unaligned=priority
+            )
+            if priority:
+                outputs[edge.edge_id] = w.output_channel_state(checkpoint_id)
         state: dict[str, Any] = {}
         for node, op, ctx in zip(self.vertex.nodes, self.ops, self.contexts, strict=True):
             op.snapshot_state(checkpoint_id)
@@ -489,9 +573,42 @@ class StreamTask:
             }
         if self.job.mode == "unaligned" and self.reader is not None:
             # acknowledged once every channel's barrier came (input_state_complete)
-            self._pending_snapshots[checkpoint_id] = _PendingSnapshot(state, {})
+            self._pending_snapshots[checkpoint_id] = _PendingSnapshot(state, {}, outputs)
             return
-        self._write_and_ack(checkpoint_id, {"task": self.task_id, "operators": state})
+        snapshot: dict[str, Any] = {"task": self.task_id, "operators": state}
+        extra: dict[str, Any] | None = None
+        if outputs:
+            nbytes = self._take_output_state(snapshot, outputs)
+            extra = {"unaligned": True, "persisted_bytes": nbytes}
+        self._write_and_ack(checkpoint_id, snapshot, extra)
+
+    def _priority_barriers(self, options: CheckpointOptions) -> bool:
+        """Whether this task's barrier of a checkpoint with ``options`` is a priority one:
+        mode unaligned without an aligned-first timeout (a barrier that overtook the
+        output cannot be aligned any more; the timeout is the consumer's), never after
+        the input ended (FLIP-147's final checkpoint is collected aligned: its barrier
+        follows EndOfData) nor for a savepoint."""
+        return (
+            self.job.mode == "unaligned"
+            and not self.job.aligned_checkpoint_timeout
+            and options.exactly_once
+            and options.checkpoint_type is not CheckpointType.SAVEPOINT
+            and not self._ended_input
+        )
+
+    @staticmethod
+    def _take_output_state(
+        snapshot: dict[str, Any],
+        outputs: dict[int, concurrent.futures.Future[CheckpointOutputState]],
+    ) -> int:
+        """Wait for the writers' output channel state (the daemon answers at once; a lost
+        daemon fails the future: the checkpoint is not acknowledged) and put it in
+        ``snapshot`` (edge id -> {subpartition: buffers}); its bytes."""
+        states = {edge_id: fut.result() for edge_id, fut in outputs.items()}
+        snapshot["output_state"] = {
+            edge_id: dict(st.buffers) for edge_id, st in states.items() if st.buffers
+        }
+        return sum(st.num_bytes for st in states.values())
 
     def persist_records(
         self, checkpoint_id: int, channel: int, records: list[Any], nbytes: int
@@ -508,18 +625,39 @@ class StreamTask:
             blob = pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL)
             pending.channels.setdefault(key, []).append(blob)
 
+    def persist_partial_record(self, checkpoint_id: int, channel: int, data: bytes) -> None:
+        """Unaligned, after a priority barrier: ``data`` is the head of the record the
+        channel's decoder held at the channel's cut (the tail is the producer's output
+        channel state); fed back to the decoder on restore, before the tail."""
+        pending = self._pending_snapshots.get(checkpoint_id)
+        if pending is None:
+            return
+        pending.persisted_bytes += len(data)
+        pending.partials[self._channel_keys[channel]] = data
+
     def input_state_complete(self, checkpoint_id: int) -> None:
         """Every channel's barrier came: the state file holds operator state and channel
-        state of the checkpoint, written and acknowledged now."""
+        state of the checkpoint (input records, heads of cut records, output buffers),
+        written and acknowledged now."""
         pending = self._pending_snapshots.pop(checkpoint_id, None)
         if pending is None:
             return
+        snapshot: dict[str, Any] = {
+            "task": self.task_id,
+            "operators": pending.state,
+            "channel_state": pending.channels,
+        }
+        if pending.partials:
+            snapshot["partial_records"] = pending.partials
+        nbytes = pending.persisted_bytes
+        if pending.outputs:
+            nbytes += self._take_output_state(snapshot, pending.outputs)
         self._write_and_ack(
             checkpoint_id,
-            {"task": self.task_id, "operators": pending.state, "channel_state": pending.channels},
+            snapshot,
             {
                 "unaligned": bool(self.reader is not None and self.reader.last_unaligned),
-                "persisted_bytes": pending.persisted_bytes,
+                "persisted_bytes": nbytes,
             },
         )
 
@@ -761,6 +899,9 @@ class StreamTask:
         inbox = self.ctl.inbox
         wake = {"type": _INPUT_AVAILABLE}
         process = self._process
+        for key, data in self._replay_partials.items():  # heads of records cut at the cut
+            reader.restore_unconsumed(self._channel_keys.index(key), data)
+        self._replay_partials = {}
         for records in self._replay:  # restored channel state, before any new input
             for record in records:
                 process(record)

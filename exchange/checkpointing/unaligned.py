@@ -67,6 +67,7 @@ States (``_TRANSITIONS``)::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final, Protocol
@@ -92,7 +93,12 @@ from exchange.events.events import (
     EndOfPartitionEvent,
 )
 
-__all__ = ["UnalignedBarrierHandler", "UnalignedCheckpointListener", "UnalignedState"]
+__all__ = [
+    "ChannelCutListener",
+    "UnalignedBarrierHandler",
+    "UnalignedCheckpointListener",
+    "UnalignedState",
+]
 
 
 class UnalignedCheckpointListener(CheckpointListener, Protocol):
@@ -103,6 +109,17 @@ class UnalignedCheckpointListener(CheckpointListener, Protocol):
 
     def input_state_complete(self, checkpoint_id: int) -> None:
         """Every channel's barrier came: the channel state of ``checkpoint_id`` is final."""
+
+
+class ChannelCutListener(Protocol):
+    """Optional on an unaligned listener: ``input_channel_cut(N, channel)`` is called when
+    a channel's part of the cut of N ends after a *priority* barrier, at the first item
+    of the channel that is not input channel state of N (called before that item is
+    processed). What the channel's decoder holds of an incomplete record then is the head
+    of a record whose tail is the producer's output channel state: the listener persists
+    it (Flink's ``getUnconsumedBuffer``)."""
+
+    def input_channel_cut(self, checkpoint_id: int, channel_index: int) -> None: ...
 
 
 class UnalignedState(Enum):
@@ -169,6 +186,8 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
             raise ConfigError("aligned_checkpoint_timeout", f"must be >= 0 seconds, got {t!r}")
         super().__init__(num_channels, listener, clock, resume)
         self.channel_state_listener = listener
+        cut = getattr(listener, "input_channel_cut", None)
+        self._on_cut: Callable[[int, int], None] | None = cut if callable(cut) else None
         self.aligned_checkpoint_timeout = t or 0.0
         self._state = UnalignedState.IDLE
         self._pending: _Pending | None = None
@@ -235,6 +254,8 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
             # ends the run; nothing follows EndOfData): the channel's part of the cut is
             # complete, and this item is after it
             p.overtaking.discard(ch)
+            if self._on_cut is not None:
+                self._on_cut(p.checkpoint_id, ch)
             self._complete_if_done()
             p = self._pending
         if buf is not None:

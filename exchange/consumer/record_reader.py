@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from exchange.consumer.single_input_gate import BufferOrEvent, SingleInputGate
-from exchange.errors import CorruptRecordError, ProtocolError
+from exchange.errors import CorruptRecordError, IllegalStateError, ProtocolError
 from exchange.events.events import (
     AbstractEvent,
     CheckpointBarrier,
@@ -91,6 +91,23 @@ class RecordStream:
         records = dec.take()
         self.records_in += len(records)
         return records
+
+    def unconsumed_bytes(self, channel: int) -> bytes:
+        """The bytes of ``channel``'s incomplete record, as fed (b"" at a boundary)."""
+        return self._decoders[channel].unconsumed_bytes()
+
+    def restore_unconsumed(self, channel: int, data: bytes) -> None:
+        """Feed ``channel``'s persisted incomplete record to its decoder, before any
+        buffer of it (unaligned restore): it must complete no record."""
+        if self._decoders[channel].has_partial_record:
+            raise IllegalStateError(f"channel {channel} already holds part of a record")
+        if data:
+            records = self.feed(channel, memoryview(data))
+            if records:
+                raise CorruptRecordError(
+                    f"the persisted incomplete record of channel {channel} holds "
+                    f"{len(records)} whole records"
+                )
 
     def on_event(self, event: AbstractEvent, channel: int) -> None:
         """Check the channel's stream at its end, run the handler, resume if due."""

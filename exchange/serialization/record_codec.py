@@ -130,6 +130,13 @@ class RecordDecoder(Protocol):
         """Bytes of the incomplete record held by the decoder."""
         ...
 
+    def unconsumed_bytes(self) -> bytes:
+        """The bytes of the incomplete record, exactly as fed (b"" at a record boundary):
+        fed to a new decoder, they put it where this one is (Flink's
+        ``getUnconsumedBuffer``; unaligned checkpoints persist them with the input channel
+        state). UsageError if the decoder cannot tell them."""
+        ...
+
     def clear(self) -> None:
         """Forget everything: partial record, undelivered records, error."""
         ...
@@ -343,6 +350,19 @@ class MsgpackDecoder(_DecoderBase):
     def buffered_bytes(self) -> int:
         """Bytes of the incomplete record (a lower bound)."""
         return self._fed - self._start_hi
+
+    def unconsumed_bytes(self) -> bytes:
+        """b"" at a record boundary; inside a record a UsageError: the Unpacker keeps its
+        buffer to itself and the decoder knows the record's start only within bounds."""
+        if self._error is not None:
+            raise fresh_error(self._error)
+        if self._start_hi < self._fed:
+            raise UsageError(
+                "the msgpack decoder cannot hand out the bytes of its incomplete record "
+                f"({self.buffered_bytes}+ bytes): unaligned checkpoints need a framed codec "
+                "(the default PickleBatchCodec, PickleCodec, BytesCodec)"
+            )
+        return b""
 
     def feed(self, data: BytesLike) -> None:
         if self._error is not None:
@@ -595,6 +615,14 @@ class LengthPrefixedDecoder(_DecoderBase):
     def buffered_bytes(self) -> int:
         """Bytes of the cut frame received so far (header included)."""
         return len(self._head) + (0 if self._frame is None else 4 + self._have)
+
+    def unconsumed_bytes(self) -> bytes:
+        """The cut frame's bytes as fed: its header bytes, then the payload bytes so far."""
+        if self._error is not None:
+            raise fresh_error(self._error)
+        if self._frame is None:
+            return bytes(self._head)
+        return _LEN.pack(self._need) + bytes(memoryview(self._frame)[: self._have])
 
     def feed(self, data: BytesLike) -> None:
         if self._error is not None:
