@@ -20,6 +20,7 @@ import pytest
 
 from client.streaming import LocalRunner, StreamEnvironment
 from client.streaming.checkpoint_storage import CheckpointStorage
+from client.streaming.connectors import CollectSink
 from exchange.errors import ConfigError
 from tests.streaming.test_local_runner import (
     KEYS,
@@ -94,8 +95,10 @@ def test_unaligned_checkpoints_under_back_pressure_persist_in_flight_input(
     assert result.restarts == 0 and result.checkpoints[-1].is_final
     unaligned = [c for c in result.checkpoints if c.unaligned]
     assert unaligned, result.checkpoints
-    assert all(set(c.persisted_bytes) <= {"v1-0"} for c in unaligned)
-    assert any(c.persisted_bytes.get("v1-0", 0) > 0 for c in unaligned), unaligned
+    assert all(set(c.persisted_bytes) <= {"v0-0", "v0-1", "v1-0"} for c in unaligned)
+    # the sources' priority barriers overtook their backlog (their output state) and
+    # buffers the keyed task had received (its input state)
+    assert any(sum(c.persisted_bytes.values()) > 0 for c in unaligned), unaligned
     # the final checkpoint is forced aligned (its barriers follow EndOfData)
     assert not result.checkpoints[-1].unaligned
     storage = CheckpointStorage(str(tmp_path / "ckpt"))
@@ -122,7 +125,8 @@ def test_a_killed_task_restores_its_persisted_input_exactly_once(
             outcome["error"] = e
 
     def persisted_restorable() -> bool:
-        """The newest committed checkpoint holds in-flight input of the keyed task."""
+        """The newest committed checkpoint holds in-flight data (a source's output, the
+        keyed task's input)."""
         ids = storage.completed_ids()
         if not ids:
             return False
@@ -130,7 +134,7 @@ def test_a_killed_task_restores_its_persisted_input_exactly_once(
             meta = storage.load(ids[-1])
         except Exception:
             return False
-        return bool(meta.extra.get("persisted_bytes", {}).get("v1-0"))
+        return any(meta.extra.get("persisted_bytes", {}).values())
 
     thread = threading.Thread(target=run)
     thread.start()
@@ -155,7 +159,7 @@ def test_a_killed_task_restores_its_persisted_input_exactly_once(
         if (m := re.search(r"restoring checkpoint (\d+)", r.getMessage()))
     ]
     assert len(restored) == 1, restored
-    assert storage.load(restored[0]).extra["persisted_bytes"]["v1-0"] > 0
+    assert any(storage.load(restored[0]).extra["persisted_bytes"].values())
 
 
 def test_settings_are_validated(tmp_path: Path) -> None:
@@ -194,3 +198,85 @@ def test_aligned_checkpoint_timeout_turns_slow_alignments_unaligned(
         assert unaligned, result.checkpoints
     else:
         assert not unaligned and all(not c.persisted_bytes for c in result.checkpoints)
+
+
+#: bytes of padding per record: every record spans several buffers, so a priority
+#: barrier's cut falls inside one nearly always
+PAD = 40_000
+
+
+def big_event(i: int) -> tuple[int, int, bytes]:
+    return (i % KEYS, i, bytes([i % 251]) * PAD)
+
+
+class SlowBigSum(SlowSum):
+    """SlowSum of big records, each checked whole (a torn one has the wrong padding)."""
+
+    def process_element(self, value: Any, ctx: Any, out: Any) -> None:
+        key, i, pad = value
+        assert pad == bytes([i % 251]) * PAD, f"record {i} torn"
+        super().process_element((key, i), ctx, out)
+
+
+class KillAtACutRecord(CollectSink):
+    """A collect sink, chained into the keyed task, that SIGKILLs its own process (first
+    attempt only) when checkpoint N completed with a record cut by a priority barrier:
+    the keyed task persisted the head of a record (``partial_records``) and a source the
+    rest (``output_state``). N is then the newest completed checkpoint, and stays so (the
+    task that would acknowledge the next one is this thread), so the job restores N."""
+
+    def __init__(self, ckpt: str, mark: str) -> None:
+        super().__init__()
+        self.ckpt, self.mark = ckpt, mark
+
+    def notify_checkpoint_complete(self, checkpoint_id: int) -> None:
+        super().notify_checkpoint_complete(checkpoint_id)
+        if self.ctx.restored_checkpoint_id is not None or os.path.exists(self.mark):
+            return
+        storage = CheckpointStorage(self.ckpt)
+        if storage.completed_ids()[-1] != checkpoint_id:
+            return
+        meta = storage.load(checkpoint_id)
+        files = {t: storage.read_task_state(checkpoint_id, f) for t, f in meta.task_files.items()}
+        if files["v1-0"].get("partial_records") and any(
+            files[t].get("output_state") for t in ("v0-0", "v0-1")
+        ):
+            with open(self.mark, "w") as f:
+                f.write(str(checkpoint_id))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_priority_barriers_cut_records_spanning_buffers_and_a_restore_joins_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Sources far ahead of a slow keyed sum, records of 40 kB (several buffers each):
+    every checkpoint's priority barriers overtake the sources' backlog, which becomes
+    their output state, and cut a record whose head the keyed task's decoder holds. The
+    keyed task is SIGKILLed right after such a checkpoint completed: the restore feeds the
+    persisted head back to the decoder, the sources re-send their output state, the
+    records join again (none torn) and the output is exact."""
+    caplog.set_level(logging.INFO, logger="exchange.streaming.driver")
+    n = 1200
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    ckpt, mark = str(tmp_path / "ckpt"), str(tmp_path / "killed-at")
+    env = StreamEnvironment(
+        None, checkpoint_dir=ckpt, checkpoint_interval=0.2, mode="unaligned"
+    )
+    (
+        env.from_generator(big_event, count=n, rate=400.0, parallelism=2)
+        .key_by(lambda e: e[0])
+        .process(SlowBigSum(str(pids), 0.004), parallelism=1)
+        .sink_to(lambda: KillAtACutRecord(ckpt, mark), name="totals")
+    )
+    result = env.execute(runner=LocalRunner(), restart_backoff=0.1)
+    assert os.path.exists(mark), "no checkpoint cut a record (nothing was killed)"
+    killed_at = int(Path(mark).read_text())
+    assert result.restarts == 1, result.failures
+    check_exact(result.collected["totals"], n)
+    restored = [
+        int(m.group(1))
+        for r in caplog.records
+        if (m := re.search(r"restoring checkpoint (\d+)", r.getMessage()))
+    ]
+    assert restored == [killed_at], (restored, killed_at)
