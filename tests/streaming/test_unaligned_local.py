@@ -260,9 +260,7 @@ def test_priority_barriers_cut_records_spanning_buffers_and_a_restore_joins_them
     pids = tmp_path / "pids"
     pids.mkdir()
     ckpt, mark = str(tmp_path / "ckpt"), str(tmp_path / "killed-at")
-    env = StreamEnvironment(
-        None, checkpoint_dir=ckpt, checkpoint_interval=0.2, mode="unaligned"
-    )
+    env = StreamEnvironment(None, checkpoint_dir=ckpt, checkpoint_interval=0.2, mode="unaligned")
     (
         env.from_generator(big_event, count=n, rate=400.0, parallelism=2)
         .key_by(lambda e: e[0])
