@@ -50,6 +50,7 @@ from exchange.protocol.local_messages import (
     PushBuffer,
     Released,
     ReleaseDataset,
+    RequestOverdraft,
     TaskMetrics,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_response_for
@@ -188,6 +189,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         PushBuffer,
         FinishPartition,
         FailPartition,
+        RequestOverdraft,
         DaemonInfoRequest,
         TaskMetrics,
         JobStatus,
@@ -279,6 +281,10 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                     f"producer task failed: {reason}"
                 ):
                     self._count_failure()
+            case RequestOverdraft(count=count):
+                if self.session is None:
+                    raise ProtocolError("RequestOverdraft without an open partition")
+                self.session.request_overdraft(count)
             case ReleaseDataset(dataset_id=ds):
                 self.send(Released(self.daemon.release_dataset(ds, self._conn().app_id)))
             case DaemonInfoRequest():

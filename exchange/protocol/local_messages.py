@@ -47,6 +47,7 @@ __all__ = [
     "MAX_JOB_CHECKPOINTS",
     "MAX_JOB_FAILURES",
     "MAX_JOB_TASKS",
+    "MAX_OVERDRAFT_REQUEST",
     "MAX_TASK_METRICS",
     "MAX_TASK_NAME_LENGTH",
     "TASK_METRIC_NAMES",
@@ -65,6 +66,7 @@ __all__ = [
     "PushBuffer",
     "ReleaseDataset",
     "Released",
+    "RequestOverdraft",
     "TaskMetrics",
 ]
 
@@ -100,6 +102,28 @@ class PushBuffer(Message):
 class AddProducerCredit(Message):
     MESSAGE_ID: ClassVar[int] = 67
     credit: int
+
+
+#: Overdraft segments a producer may ask for in one RequestOverdraft at most.
+MAX_OVERDRAFT_REQUEST: Final = 255
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOverdraft(Message):
+    """Producer task -> daemon: the task has no credit and the buffer it waits to push
+    continues a record it began; grant up to ``count`` overdraft segments (Flink's
+    overdraft buffers) beyond the pool, if the daemon's pool has them free. The grant
+    comes as an ordinary AddProducerCredit; nothing comes when none is free."""
+
+    MESSAGE_ID: ClassVar[int] = 88
+    count: int
+
+    def __post_init__(self) -> None:
+        c = self.count
+        if not isinstance(c, int) or isinstance(c, bool) or not 1 <= c <= MAX_OVERDRAFT_REQUEST:
+            raise ProtocolError(
+                f"RequestOverdraft count must be an int in [1, {MAX_OVERDRAFT_REQUEST}], got {c!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -555,6 +579,12 @@ def _register() -> None:
         lambda m: _pack({"task": m.task, "gate": m.gate, "metrics": m.metrics}),
     )
     register_message(77, JobStatus, _dec_job_status, _enc_job_status)
+    register_message(
+        88,
+        RequestOverdraft,
+        lambda b: RequestOverdraft(_uint(_unpack_map(b, ("count",))["count"], "count")),
+        lambda m: _pack({"count": m.count}),
+    )
 
 
 _TASK_KEYS: Final = ("task", "name", "subtask", "outputs", "channels", "in", "out")
