@@ -81,6 +81,7 @@ class LocalEndpoint(DataServer):
         self.producers = 0
         self.bytes_received = 0
         self.buffers_received = 0
+        self.overdraft_granted = 0
         self.partitions_created = 0
         self.producer_failures = 0
         self.jobs = JobBoard(
@@ -138,6 +139,7 @@ class LocalEndpoint(DataServer):
             buffers_received=self.buffers_received,
             partitions_created=self.partitions_created,
             producer_failures=self.producer_failures,
+            overdraft_granted=self.overdraft_granted,
         )
         return base
 
@@ -284,7 +286,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             case RequestOverdraft(count=count):
                 if self.session is None:
                     raise ProtocolError("RequestOverdraft without an open partition")
-                self.session.request_overdraft(count)
+                self.endpoint.overdraft_granted += self.session.request_overdraft(count)
             case ReleaseDataset(dataset_id=ds):
                 self.send(Released(self.daemon.release_dataset(ds, self._conn().app_id)))
             case DaemonInfoRequest():
