@@ -44,6 +44,7 @@ from client.runtime import ClientRuntime, get_runtime
 from exchange.best_effort import cancel_and_wait, wait_quietly
 from exchange.buffers.buffer import Buffer
 from exchange.checkpointing import (
+    AlignmentMode,
     BarrierHandlerStats,
     CheckpointBarrierHandler,
     CheckpointingMode,
@@ -111,6 +112,9 @@ def _barrier_handler(
         time.monotonic,
         resume,
         max_aligned_bytes=options.checkpoint_alignment_limit or None,
+        alignment=AlignmentMode.parse(options.alignment),
+        spill_dir=options.alignment_spill_dir,
+        page_size=options.segment_size,
     )
 
 

@@ -145,6 +145,11 @@ class JobSpec:
     checkpoint_key: bytes | None = None
     #: the application's credential, minted by the driver (None: the task's environment)
     credential: bytes | None = None
+    #: exactly-once alignment: ``AlignmentMode`` value, limit in bytes (None: the
+    #: daemon's), parent of the task's private spill directory (None: its temp dir)
+    alignment: str = "block_upstream"
+    alignment_limit: int | None = None
+    alignment_spill_dir: str | None = None
 
 
 def dataset_of(job_id: str, attempt: int, edge: Edge) -> str:
@@ -389,6 +394,13 @@ class StreamTask:
             event_handler=self._on_event,
             checkpoint_listener=self,
             checkpointing_mode=self.job.mode,
+            alignment=self.job.alignment,
+            alignment_spill_dir=self.job.alignment_spill_dir,
+            **(
+                {}
+                if self.job.alignment_limit is None
+                else {"checkpoint_alignment_limit": self.job.alignment_limit}
+            ),
             metrics_socket=self.daemon_socket,  # TaskMetrics: debloating, alignment
             task_name=f"{self.job.job_id}/{self.task_id}",
             secret=self.job.credential,

@@ -30,7 +30,12 @@ from __future__ import annotations
 
 import os
 
-from exchange.checkpointing.aligner import AlignedBarrierHandler, AlignmentState, AlignmentStrategy
+from exchange.checkpointing.aligner import (
+    AlignedBarrierHandler,
+    AlignmentMode,
+    AlignmentState,
+    AlignmentStrategy,
+)
 from exchange.checkpointing.barrier_handler import (
     BarrierHandlerStats,
     ChannelBlockedError,
@@ -75,6 +80,7 @@ __all__ = [
     "MAX_CHECKPOINTS_TO_TRACK",
     "AbortReason",
     "AlignedBarrierHandler",
+    "AlignmentMode",
     "AlignmentState",
     "AlignmentStrategy",
     "BarrierHandlerStats",
@@ -120,25 +126,43 @@ def create_barrier_handler(
     spill_dir: str | os.PathLike[str] | None = None,
     page_size: int | None = None,
     max_aligned_bytes: int | None = None,
+    alignment: AlignmentMode | None = None,
 ) -> CheckpointBarrierHandler:
     """The handler for ``mode`` (Flink's ``InputProcessorUtil.createCheckpointBarrierHandler``).
 
     Exactly once blocks upstream unless a ``blocker`` is given, or ``spill_dir`` and
-    ``page_size`` (a BufferSpiller), which select parking.
+    ``page_size`` (a BufferSpiller), which select parking. ``alignment`` (a job's
+    setting) decides instead when given: ``buffer`` parks in memory, ``spill`` in a
+    private directory under ``spill_dir`` (None: the temporary directory) removed when
+    the handler closes.
     """
     if mode is CheckpointingMode.AT_LEAST_ONCE:
         return CheckpointBarrierTracker(num_channels, listener, clock, resume)
+    if alignment is AlignmentMode.BUFFER:
+        blocker = CachedBufferBlocker()
+    elif alignment is AlignmentMode.SPILL:
+        if page_size is None:
+            raise UsageError("spilling alignment needs the page size")
+        blocker = BufferSpiller.private(spill_dir, page_size)
+    elif alignment is AlignmentMode.BLOCK_UPSTREAM:
+        blocker = None
+        spill_dir = None
     if blocker is None and spill_dir is not None:
         if page_size is None:
             raise UsageError("spilling alignment needs the page size")
         blocker = BufferSpiller(spill_dir, page_size)
     strategy = AlignmentStrategy.BLOCKING_UPSTREAM if blocker is None else AlignmentStrategy.PARKING
-    return AlignedBarrierHandler(
-        num_channels,
-        listener,
-        clock,
-        resume,
-        strategy=strategy,
-        blocker=blocker,
-        max_aligned_bytes=max_aligned_bytes,
-    )
+    try:
+        return AlignedBarrierHandler(
+            num_channels,
+            listener,
+            clock,
+            resume,
+            strategy=strategy,
+            blocker=blocker,
+            max_aligned_bytes=max_aligned_bytes,
+        )
+    except BaseException:
+        if blocker is not None:
+            blocker.close()  # a private spill directory goes with it
+        raise
