@@ -262,5 +262,5 @@ def test_alignment_mode_selects_the_handler_strategy(tmp_path: Path) -> None:
         h.close()
         assert list(tmp_path.iterdir()) == []  # the private spill directory went with it
     for bad in ("blocking", "SPILL", None, 1):
-        with pytest.raises(ConfigError, match="alignment.*block_upstream"):
+        with pytest.raises(ConfigError, match=r"alignment.*block_upstream"):
             AlignmentMode.parse(bad)

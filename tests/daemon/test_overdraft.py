@@ -79,8 +79,9 @@ def test_a_writer_with_an_exhausted_pool_finishes_its_record_via_overdraft(
             assert st["local"]["overdraft_granted"] == over
             assert _metric(d, "exchange_network_segments_overdraft") == over
             assert _metric(d, "exchange_overdraft_buffers_total") == over
-            assert st["network"]["used_segments"] + st["network"]["available_segments"] == (
-                st["network"]["total_segments"]
+            assert (
+                st["network"]["used_segments"] + st["network"]["available_segments"]
+                == (st["network"]["total_segments"])
             )
         else:
             # the pool is full of the record's first buffers and the producer waits,

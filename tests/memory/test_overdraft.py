@@ -31,7 +31,12 @@ def test_overdraft_beyond_an_exhausted_pool_up_to_the_limit() -> None:
     assert all(b is not None for b in extra)
     assert pool.request_overdraft_buffer() is None  # the limit
     st = pool.stats()
-    assert (st.num_requested, st.num_overdraft, st.max_overdraft, st.overdraft_taken) == (4, 2, 2, 2)
+    assert (st.num_requested, st.num_overdraft, st.max_overdraft, st.overdraft_taken) == (
+        4,
+        2,
+        2,
+        2,
+    )
     # the global pool's invariant holds; overdraft is in use there and counted apart
     nbp.check_consistency()
     g = nbp.stats()
