@@ -58,6 +58,18 @@ class LocalBufferPoolStats(NamedTuple):
         return in_use / self.current_pool_size if self.current_pool_size else 0.0
 
 
+def check_overdraft_limit(max_overdraft_buffers: object) -> None:
+    """UsageError unless ``max_overdraft_buffers`` is an int >= 0."""
+    if (
+        not isinstance(max_overdraft_buffers, int)
+        or isinstance(max_overdraft_buffers, bool)
+        or max_overdraft_buffers < 0
+    ):
+        raise UsageError(
+            f"max_overdraft_buffers must be an int >= 0, got {max_overdraft_buffers!r}"
+        )
+
+
 class LocalBufferPool:
     """A resizable pool of segments borrowed from a NetworkBufferPool."""
 
@@ -68,14 +80,7 @@ class LocalBufferPool:
         max_segments: int,
         max_overdraft_buffers: int = 0,
     ):
-        if (
-            not isinstance(max_overdraft_buffers, int)
-            or isinstance(max_overdraft_buffers, bool)
-            or max_overdraft_buffers < 0
-        ):
-            raise UsageError(
-                f"max_overdraft_buffers must be an int >= 0, got {max_overdraft_buffers!r}"
-            )
+        check_overdraft_limit(max_overdraft_buffers)
         self._network_pool = network_pool
         self.max_overdraft_buffers = max_overdraft_buffers
         self._num_overdraft = 0

@@ -285,7 +285,7 @@ class NetworkBufferPool:
     ) -> LocalBufferPool:
         """A LocalBufferPool guaranteed ``num_required`` segments, growing up to ``max``
         (and ``max_overdraft_buffers`` beyond, to finish a record)."""
-        from exchange.memory.local_buffer_pool import LocalBufferPool
+        from exchange.memory.local_buffer_pool import LocalBufferPool, check_overdraft_limit
 
         self._check_alive()
         if not isinstance(num_required, int) or num_required < 0:
@@ -294,14 +294,7 @@ class NetworkBufferPool:
             raise UsageError(
                 f"max_segments must be an int >= max(num_required, 1), got {max_segments!r}"
             )
-        if (
-            not isinstance(max_overdraft_buffers, int)
-            or isinstance(max_overdraft_buffers, bool)
-            or max_overdraft_buffers < 0
-        ):
-            raise UsageError(
-                f"max_overdraft_buffers must be an int >= 0, got {max_overdraft_buffers!r}"
-            )
+        check_overdraft_limit(max_overdraft_buffers)  # before anything is reserved
         if self._num_required + num_required > self.total_segments:
             raise InsufficientBuffersError(
                 num_required,
