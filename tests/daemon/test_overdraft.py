@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
@@ -25,14 +24,6 @@ SEGMENT = 4096
 POOL = 16
 #: one record of 20 segments and a bit: it spans 21 buffers, 5 beyond the pool
 RECORD = b"r" * (20 * SEGMENT)
-
-
-def _metric(d: Any, name: str) -> float:
-    for family in text_string_to_metric_families(d.http_get("/metrics").decode()):
-        for s in family.samples:
-            if s.name == name and not s.labels:
-                return float(s.value)
-    raise AssertionError(f"{name} not in /metrics")
 
 
 def _mine(st: dict[str, Any], dataset: str) -> dict[str, Any] | None:
@@ -77,8 +68,8 @@ def test_a_writer_with_an_exhausted_pool_finishes_its_record_via_overdraft(
             assert 0 < over <= overdraft
             assert item["buffers_out"] == POOL + over  # the pool's own and the overdraft
             assert st["local"]["overdraft_granted"] == over
-            assert _metric(d, "exchange_network_segments_overdraft") == over
-            assert _metric(d, "exchange_overdraft_buffers_total") == over
+            assert d.metric("exchange_network_segments_overdraft") == over
+            assert d.metric("exchange_overdraft_buffers_total") == over
             assert (
                 st["network"]["used_segments"] + st["network"]["available_segments"]
                 == (st["network"]["total_segments"])
