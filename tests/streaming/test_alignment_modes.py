@@ -79,18 +79,9 @@ def check_exactly_once(records: list[tuple[int, int]]) -> None:
         assert sorted(steps) == [i for i in range(N) if i % KEYS == key], f"key {key}"
 
 
-@pytest.mark.parametrize("alignment", ["block_upstream", "buffer", "spill"])
-def test_each_alignment_mode_under_backpressure_is_exactly_once(
-    tmp_path: Path, alignment: str
-) -> None:
-    spill = tmp_path / "spill"
-    spill.mkdir()
+def skewed_job(tmp_path: Path, **settings: Any) -> StreamEnvironment:
     env = StreamEnvironment(
-        None,
-        checkpoint_dir=str(tmp_path / "ckpt"),
-        checkpoint_interval=0.1,
-        alignment=alignment,
-        alignment_spill_dir=str(spill),
+        None, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_interval=0.1, **settings
     )
     (
         env.from_generator(event, count=N, parallelism=2)
@@ -98,8 +89,17 @@ def test_each_alignment_mode_under_backpressure_is_exactly_once(
         .process(SlowSum(), parallelism=2)
         .collect(name="sums")
     )
-    runner = LocalRunner()
-    result = env.execute(runner=runner, restart_attempts=0)
+    return env
+
+
+@pytest.mark.parametrize("alignment", ["block_upstream", "buffer", "spill"])
+def test_each_alignment_mode_under_backpressure_is_exactly_once(
+    tmp_path: Path, alignment: str
+) -> None:
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    env = skewed_job(tmp_path, alignment=alignment, alignment_spill_dir=str(spill))
+    result = env.execute(runner=LocalRunner(), restart_attempts=0)
     assert result.restarts == 0 and result.checkpoints[-1].is_final
     check_exactly_once(result.collected["sums"])
     # the keyed subtasks aligned two channels under backpressure: some checkpoint saw
@@ -109,4 +109,32 @@ def test_each_alignment_mode_under_backpressure_is_exactly_once(
     assert any(c.aligned_bytes > 0 for c in result.checkpoints), result.checkpoints
     assert all(c.alignment >= 0 for c in result.checkpoints)
     # every task's private spill directory (``spill`` mode) went when its reader closed
+    assert list(spill.iterdir()) == []
+
+
+def test_the_alignment_limit_aborts_spilling_alignments_and_the_job_goes_on(
+    tmp_path: Path,
+) -> None:
+    """``alignment_limit``: an alignment that parked more than 16 KiB (one record is
+    about 2 KB) is aborted with ALIGNMENT_LIMIT, its parked input replayed, and the job
+    goes on (the failures are tolerated here) with its output exact and no spill file
+    left."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    env = skewed_job(
+        tmp_path,
+        alignment="spill",
+        alignment_limit="16kb",
+        alignment_spill_dir=str(spill),
+        tolerable_failed_checkpoints=1000,
+    )
+    result = env.execute(runner=LocalRunner(), restart_attempts=0)
+    assert result.restarts == 0 and result.checkpoints[-1].is_final
+    check_exactly_once(result.collected["sums"])
+    # the task declined with ALIGNMENT_LIMIT (the driver's reason says so in words)
+    assert any(
+        "alignment exceeded the maximum aligned bytes" in reason
+        for _, reason in result.aborted_checkpoints
+    ), result.aborted_checkpoints
+    assert all(c.aligned_bytes <= 16 * 1024 for c in result.checkpoints)
     assert list(spill.iterdir()) == []
