@@ -8,6 +8,7 @@ a lost connection into a typed error raised by whatever call is waiting.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import struct
 from collections import deque
@@ -32,6 +33,7 @@ from exchange.protocol.handshake import (
 )
 from exchange.protocol.local_messages import (
     ALL_SUBPARTITIONS,
+    MAX_OVERDRAFT_REQUEST,
     AddProducerCredit,
     DaemonInfo,
     DaemonInfoRequest,
@@ -43,6 +45,7 @@ from exchange.protocol.local_messages import (
     PushBuffer,
     Released,
     ReleaseDataset,
+    RequestOverdraft,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_for_response
 from exchange.writer.record_writer import OutputBuffer
@@ -154,6 +157,10 @@ class LocalConnection(HandshakingClientProtocol):
         self.credit = 0
         self.bytes_pushed = 0
         self._credit_waiter: asyncio.Future[None] | None = None
+        #: subpartitions whose last pushed buffer ended inside a record (its rest follows)
+        self._mid_record: set[int] = set()
+        #: overdraft segments asked for (RequestOverdraft), whether granted or not
+        self.overdraft_requested = 0
         # the push waiting for credit, and where it stands (unaligned barriers overtake it)
         self._pushing: list[OutputBuffer] = []
         self._push_index = 0
@@ -294,8 +301,12 @@ class LocalConnection(HandshakingClientProtocol):
         several buffers, their pieces gathered: no copy here)."""
         i, n = 0, len(outs)
         while i < n:
+            asked = False
             while self.credit <= 0 and not outs[i].is_event:
                 self.check()
+                if not asked:
+                    asked = True
+                    self._ask_overdraft(outs, i)
                 self._credit_waiter = self._loop.create_future()
                 self._pushing, self._push_index = outs, i
                 try:
@@ -317,6 +328,10 @@ class LocalConnection(HandshakingClientProtocol):
                         break
                     self.credit -= 1
                     target = out.target
+                    if out.ends_mid_record:
+                        self._mid_record.add(target)
+                    else:
+                        self._mid_record.discard(target)
                 else:
                     target = ALL_SUBPARTITIONS
                 frames.append(
@@ -333,6 +348,23 @@ class LocalConnection(HandshakingClientProtocol):
                 i += 1
             t.writelines(frames)
             self.bytes_pushed += pushed
+
+    def _ask_overdraft(self, outs: list[OutputBuffer], i: int) -> None:
+        """Out of credit with ``outs[i]`` continuing a record already partly pushed: ask
+        the daemon for overdraft segments for the buffers up to that record's end (Flink's
+        overdraft: the record ends without waiting for a consumer to free a segment)."""
+        if outs[i].target not in self._mid_record:
+            return
+        target, count = outs[i].target, 0
+        for out in itertools.islice(outs, i, None):
+            if out.is_event:
+                break
+            count += 1
+            if out.target == target and not out.ends_mid_record:
+                break
+        count = min(count, MAX_OVERDRAFT_REQUEST)
+        self.overdraft_requested += count
+        self.send(RequestOverdraft(count))
 
 
 async def fetch_daemon_info(socket_path: str, *, secret: bytes | None = None) -> DaemonInfo:

@@ -109,6 +109,7 @@ class DaemonConfig:
     exclusive_buffers_per_channel: int = 2
     floating_buffers_per_gate: int = 8
     producer_credit: int = 8
+    max_overdraft_buffers_per_partition: int = 5
     high_watermark: int | None = None
     low_watermark: int | None = None
     partition_request_backoff_initial: float = 0.1
@@ -637,6 +638,13 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         _INT,
         "N",
         "segments a producer task may have in flight to this daemon (its credit window)",
+    ),
+    "max_overdraft_buffers_per_partition": _Setting(
+        _int(0, 1024),
+        _INT,
+        "N",
+        "segments a backpressured producer may take beyond its partition's pool to finish "
+        "a record that spans buffers (Flink's overdraft buffers; 0: none)",
     ),
     "high_watermark": _Setting(
         _optional_size(1), _SIZE, "SIZE", "write high watermark; default 2 x segment_size"

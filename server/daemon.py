@@ -317,7 +317,9 @@ class ExchangeDaemon:
         if num_subpartitions <= nbp.total_segments - nbp.num_required:
             self._check_app_limits(pid, app_id, max_segments)
         # else the pool cannot be had at all: InsufficientBuffersError names network_memory
-        pool = nbp.create_buffer_pool(num_subpartitions, max_segments)
+        pool = nbp.create_buffer_pool(
+            num_subpartitions, max_segments, self.config.max_overdraft_buffers_per_partition
+        )
         try:
             part = ResultPartition(
                 pid,

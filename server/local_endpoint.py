@@ -50,6 +50,7 @@ from exchange.protocol.local_messages import (
     PushBuffer,
     Released,
     ReleaseDataset,
+    RequestOverdraft,
     TaskMetrics,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_response_for
@@ -80,6 +81,7 @@ class LocalEndpoint(DataServer):
         self.producers = 0
         self.bytes_received = 0
         self.buffers_received = 0
+        self.overdraft_granted = 0
         self.partitions_created = 0
         self.producer_failures = 0
         # unaligned checkpoints: overtaken buffers handed back to producer tasks
@@ -140,6 +142,7 @@ class LocalEndpoint(DataServer):
             buffers_received=self.buffers_received,
             partitions_created=self.partitions_created,
             producer_failures=self.producer_failures,
+            overdraft_granted=self.overdraft_granted,
             output_state_bytes=self.output_state_bytes,
             output_state_buffers=self.output_state_buffers,
         )
@@ -193,6 +196,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         PushBuffer,
         FinishPartition,
         FailPartition,
+        RequestOverdraft,
         DaemonInfoRequest,
         TaskMetrics,
         JobStatus,
@@ -284,6 +288,10 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                     f"producer task failed: {reason}"
                 ):
                     self._count_failure()
+            case RequestOverdraft(count=count):
+                if self.session is None:
+                    raise ProtocolError("RequestOverdraft without an open partition")
+                self.endpoint.overdraft_granted += self.session.request_overdraft(count)
             case ReleaseDataset(dataset_id=ds):
                 self.send(Released(self.daemon.release_dataset(ds, self._conn().app_id)))
             case DaemonInfoRequest():

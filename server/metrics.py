@@ -592,6 +592,12 @@ class ExchangeCollector:
             value=s.in_use_segments,
         )
         yield GaugeMetricFamily(
+            "exchange_network_segments_overdraft",
+            "Of the segments handed out, those producers hold as overdraft: beyond their "
+            "partition's pool, to finish a record (max_overdraft_buffers_per_partition).",
+            value=s.overdraft_segments,
+        )
+        yield GaugeMetricFamily(
             "exchange_network_segments_required",
             "Segments guaranteed to local pools and exclusive requests.",
             value=s.required_segments,
@@ -709,6 +715,12 @@ class ExchangeCollector:
             "exchange_buffers_received_total",
             "Buffers received from producer tasks on this host.",
             _num(local, "buffers_received"),
+        )
+        yield counter(
+            "exchange_overdraft_buffers_total",
+            "Overdraft segments granted to producer tasks that ran out of credit in the middle "
+            "of a record (Flink's overdraft buffers).",
+            _num(local, "overdraft_granted"),
         )
         yield counter(
             "exchange_output_channel_state_bytes_total",
@@ -904,6 +916,7 @@ def stats_snapshot(
             "available_segments": s.available_segments,
             "used_segments": s.in_use_segments,
             "required_segments": s.required_segments,
+            "overdraft_segments": s.overdraft_segments,
             "segment_size": s.segment_size,
             "local_pools": s.num_local_pools,
             "memory_bytes": s.total_segments * s.segment_size,

@@ -8,6 +8,10 @@ When the pool is exhausted (consumers are slow) the session registers as the poo
 BufferListener and is handed each segment a consumer frees; credit goes back to the task
 in batches (``AddProducerCredit``), not one message per buffer: a grant is sent when a
 quarter of the window has accumulated, or at once when the task has no credit left.
+A task whose next buffer continues a record it began, and that has no credit, asks for
+overdraft (``RequestOverdraft``): the session takes what the pool's overdraft allows
+(``LocalBufferPool.request_overdraft_buffer``: beyond the pool's size, only from free
+global segments) and grants it at once, so the record ends without waiting for a consumer.
 A NewBufferSize a consumer announces for a pipelined subpartition (buffer debloating)
 goes on to the task as ``ProducerBufferSize``: the task's writer cuts the buffers.
 The buffers an unaligned barrier of the task overtakes in a pipelined subpartition go back
@@ -155,6 +159,7 @@ class ProducerSession:
         self.bytes_received = 0
         self.buffers_received = 0
         self.credit_messages = 0
+        self.overdraft_granted = 0
         # unaligned checkpoints: output channel state handed back to the task
         self.output_state_bytes = 0
         self.output_state_buffers = 0
@@ -223,6 +228,27 @@ class ProducerSession:
             self._granted += n
             self.credit_messages += 1
             self._send(AddProducerCredit(n))
+
+    def request_overdraft(self, count: int) -> int:
+        """The task waits to push the rest of a record and has no credit: reserve up to
+        ``count`` overdraft segments and grant them now. Returns how many (0: the pool's
+        overdraft is used up or the global pool has none free; the task waits for credit
+        as usual)."""
+        if self.state is not _OPEN:
+            return 0
+        pool = self.partition.buffer_pool
+        got = 0
+        while got < count and not pool.is_destroyed:
+            buf = pool.request_overdraft_buffer()
+            if buf is None:
+                break
+            self._reserved.append(buf)
+            got += 1
+        if got:
+            self.overdraft_granted += got
+            self._unannounced += got
+            self._announce_now()
+        return got
 
     # BufferListener: a consumer freed a segment of the partition's pool.
     def notify_buffer_available(self, buffer: Buffer) -> NotificationResult:

@@ -53,6 +53,8 @@ class NetworkBufferPoolStats(NamedTuple):
     segment_size: int
     num_local_pools: int
     required_segments: int
+    #: of ``in_use_segments``, those local pools hold as overdraft (beyond their sizes)
+    overdraft_segments: int = 0
 
 
 class NetworkBufferPool:
@@ -129,7 +131,13 @@ class NetworkBufferPool:
             self.segment_size,
             len(self._pools),
             self._num_required,
+            self.num_overdraft,
         )
+
+    @property
+    def num_overdraft(self) -> int:
+        """Segments in use as local pools' overdraft (counted in ``num_in_use`` too)."""
+        return sum(p.num_overdraft for p in self._pools.values())
 
     def check_consistency(self) -> None:
         """Raise IllegalStateError unless available + in use == total, all distinct."""
@@ -272,9 +280,12 @@ class NetworkBufferPool:
 
     # -- local buffer pools --------------------------------------------------------------
 
-    def create_buffer_pool(self, num_required: int, max_segments: int) -> LocalBufferPool:
-        """A LocalBufferPool guaranteed ``num_required`` segments, growing up to ``max``."""
-        from exchange.memory.local_buffer_pool import LocalBufferPool
+    def create_buffer_pool(
+        self, num_required: int, max_segments: int, max_overdraft_buffers: int = 0
+    ) -> LocalBufferPool:
+        """A LocalBufferPool guaranteed ``num_required`` segments, growing up to ``max``
+        (and ``max_overdraft_buffers`` beyond, to finish a record)."""
+        from exchange.memory.local_buffer_pool import LocalBufferPool, check_overdraft_limit
 
         self._check_alive()
         if not isinstance(num_required, int) or num_required < 0:
@@ -283,6 +294,7 @@ class NetworkBufferPool:
             raise UsageError(
                 f"max_segments must be an int >= max(num_required, 1), got {max_segments!r}"
             )
+        check_overdraft_limit(max_overdraft_buffers)  # before anything is reserved
         if self._num_required + num_required > self.total_segments:
             raise InsufficientBuffersError(
                 num_required,
@@ -291,7 +303,7 @@ class NetworkBufferPool:
                 NETWORK_MEMORY_SETTING,
             )
         self._num_required += num_required
-        pool = LocalBufferPool(self, num_required, max_segments)
+        pool = LocalBufferPool(self, num_required, max_segments, max_overdraft_buffers)
         self._pools[id(pool)] = pool
         self._redistribute()
         return pool

@@ -54,6 +54,7 @@ __all__ = [
     "MAX_JOB_CHECKPOINTS",
     "MAX_JOB_FAILURES",
     "MAX_JOB_TASKS",
+    "MAX_OVERDRAFT_REQUEST",
     "MAX_TASK_METRICS",
     "MAX_TASK_NAME_LENGTH",
     "TASK_METRIC_NAMES",
@@ -74,6 +75,7 @@ __all__ = [
     "PushBuffer",
     "ReleaseDataset",
     "Released",
+    "RequestOverdraft",
     "TaskMetrics",
 ]
 
@@ -111,6 +113,28 @@ class PushBuffer(Message):
 class AddProducerCredit(Message):
     MESSAGE_ID: ClassVar[int] = 67
     credit: int
+
+
+#: Overdraft segments a producer may ask for in one RequestOverdraft at most.
+MAX_OVERDRAFT_REQUEST: Final = 255
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOverdraft(Message):
+    """Producer task -> daemon: the task has no credit and the buffer it waits to push
+    continues a record it began; grant up to ``count`` overdraft segments (Flink's
+    overdraft buffers) beyond the pool, if the daemon's pool has them free. The grant
+    comes as an ordinary AddProducerCredit; nothing comes when none is free."""
+
+    MESSAGE_ID: ClassVar[int] = 88
+    count: int
+
+    def __post_init__(self) -> None:
+        c = self.count
+        if not isinstance(c, int) or isinstance(c, bool) or not 1 <= c <= MAX_OVERDRAFT_REQUEST:
+            raise ProtocolError(
+                f"RequestOverdraft count must be an int in [1, {MAX_OVERDRAFT_REQUEST}], got {c!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -654,6 +678,12 @@ def _register() -> None:
     register_message(78, OutputChannelState, _dec_output_state, _enc_output_state)
     register_message(
         79, OutputChannelStateComplete, _dec_output_state_complete, _enc_output_state_complete
+    )
+    register_message(
+        88,
+        RequestOverdraft,
+        lambda b: RequestOverdraft(_uint(_unpack_map(b, ("count",))["count"], "count")),
+        lambda m: _pack({"count": m.count}),
     )
 
 

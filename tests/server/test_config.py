@@ -505,6 +505,7 @@ def test_all_flags() -> None:
         "--log-level=debug",
         "--blocking-partition-ttl=2m",
         "--producer-credit=12",
+        "--max-overdraft-buffers-per-partition=3",
         "--debloat",
         "--debloat-target=500ms",
         "--debloat-period=100ms",
@@ -536,6 +537,7 @@ def test_all_flags() -> None:
         "exclusive_buffers_per_channel": 4,
         "floating_buffers_per_gate": 16,
         "producer_credit": 12,
+        "max_overdraft_buffers_per_partition": 3,
         "high_watermark": 256 * KIB,
         "low_watermark": 128 * KIB,
         "partition_request_backoff_initial": 0.05,
@@ -984,3 +986,17 @@ def test_unknown_variables_are_logged_with_the_closest_setting(
     [record] = caplog.records
     assert "EXCHANGE_SEGMENT_SIZ" in record.getMessage()
     assert "did you mean EXCHANGE_SEGMENT_SIZE?" in record.getMessage()
+
+
+def test_overdraft_buffers_from_flag_env_and_file_validated(tmp_path: Path) -> None:
+    """``max_overdraft_buffers_per_partition``: Flink's default 5; 0 turns it off; a
+    negative or huge count or a word is refused naming the setting."""
+    assert load_config([], env={}).max_overdraft_buffers_per_partition == 5
+    env = {"EXCHANGE_MAX_OVERDRAFT_BUFFERS_PER_PARTITION": "0"}
+    assert load_config([], env=env).max_overdraft_buffers_per_partition == 0
+    path = tmp_path / "c.toml"
+    path.write_text("max_overdraft_buffers_per_partition = 2\n")
+    assert load_config(["--config", str(path)], env={}).max_overdraft_buffers_per_partition == 2
+    for bad in ("-1", "1025", "many"):
+        with pytest.raises(ConfigError, match="max_overdraft_buffers_per_partition"):
+            load_config([f"--max-overdraft-buffers-per-partition={bad}"], env={})
