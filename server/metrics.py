@@ -162,7 +162,8 @@ class DaemonView(Protocol):
     """What metrics and the HTTP port read from a daemon (``server.daemon.Daemon``).
 
     ``local_endpoint_stats()`` has the keys producers, consumers, bytes_received,
-    buffers_received, partitions_created, producer_failures. ``totals()`` holds cumulative
+    buffers_received, partitions_created, producer_failures, bytes_shared_memory,
+    bytes_socket, shared_arenas. ``totals()`` holds cumulative
     counters that survive partition release: bytes_in, bytes_out, buffers_out,
     partitions_created, partitions_released, partitions_failed, back_pressured_seconds
     (optionally bytes_sent / buffers_sent of the data port, preferred when present).
@@ -690,6 +691,22 @@ class ExchangeCollector:
             "exchange_buffers_received_total",
             "Buffers received from producer tasks on this host.",
             _num(local, "buffers_received"),
+        )
+        by_path = CounterMetricFamily(
+            "exchange_producer_bytes_total",
+            "Bytes local producer tasks handed over, by path: written into their "
+            "application's shared arena and committed by index (shared_memory), or pushed "
+            "over the Unix socket (socket).",
+            labels=["path"],
+        )
+        by_path.add_metric(["shared_memory"], _num(local, "bytes_shared_memory"))
+        by_path.add_metric(["socket"], _num(local, "bytes_socket"))
+        yield by_path
+        yield gauge(
+            "exchange_shared_arenas",
+            "Applications with a shared arena on this daemon now (0 when shared memory is "
+            "off or unavailable; the log says why).",
+            _num(local, "shared_arenas"),
         )
         yield counter(
             "exchange_bytes_sent_total",
