@@ -182,6 +182,8 @@ class LocalConnection(HandshakingClientProtocol):
         self._arena_view: memoryview | None = None
         self._segment_size = 0
         self.bytes_shared = 0
+        #: the inode of the shared arena mapped (None without one): which arena it is
+        self.arena_inode: int | None = None
 
     @classmethod
     async def connect(
@@ -307,6 +309,7 @@ class LocalConnection(HandshakingClientProtocol):
             fd = await _fetch_arena_fd(self.socket_path + ARENA_SOCKET_SUFFIX, offer.token, timeout)
             try:
                 self._arena = map_arena(fd, offer.arena_size)
+                self.arena_inode = os.fstat(fd).st_ino
             finally:
                 os.close(fd)
             self._arena_view = memoryview(self._arena)
