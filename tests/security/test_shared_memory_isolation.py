@@ -56,7 +56,9 @@ def test_each_application_maps_only_its_own_arena(start_daemon: Any, secret_file
             # a second partition of app A: its token, spent once, is good for nothing after
             conn_a2 = await LocalConnection.connect(d.local_socket, secret=cred_a)
             try:
-                await conn_a2.request(CreatePartition(ResultPartitionID("iso", 1, 0), False, 1, True))
+                await conn_a2.request(
+                    CreatePartition(ResultPartitionID("iso", 1, 0), False, 1, True)
+                )
                 offer = conn_a2._offer
                 assert offer is not None
                 fd = await _fetch_arena_fd(hand_out, offer.token, 10.0)
