@@ -302,6 +302,24 @@ def summarize_partitions(
     return PartitionSummary(rows[:limit], _fold(rest), len(rest), by_type, finished)
 
 
+def network_stats(d: DaemonView) -> NetworkBufferPoolStats:
+    """The daemon's network memory: its own pool plus its applications' shared arenas
+    (``server.shared_arenas``), summed segment by segment."""
+    s = d.network_pool.stats()
+    arenas = getattr(d, "shared_arenas", None)
+    for pool in arenas.pools() if arenas is not None else ():
+        a = pool.stats()
+        s = NetworkBufferPoolStats(
+            s.total_segments + a.total_segments,
+            s.available_segments + a.available_segments,
+            s.in_use_segments + a.in_use_segments,
+            s.segment_size,
+            s.num_local_pools + a.num_local_pools,
+            s.required_segments + a.required_segments,
+        )
+    return s
+
+
 def _num(mapping: Mapping[str, float], key: str) -> float:
     value = mapping.get(key, 0)
     return float(value) if isinstance(value, int | float) else 0.0
@@ -377,7 +395,7 @@ class ExchangeCollector:
     def collect(self) -> Iterator[Metric]:
         d = self.daemon
         yield from self._info(d)
-        yield from self._network(d.network_pool.stats())
+        yield from self._network(network_stats(d))
         yield from self._partitions(d)
         yield from self._traffic_metrics(d)
         yield from self._tasks(_task_reports(d))
@@ -864,7 +882,7 @@ def stats_snapshot(
     """
     d = daemon
     now = float(clock())
-    s = d.network_pool.stats()
+    s = network_stats(d)
     summary = summarize_partitions(d.manager.partitions, max_partitions)
     totals = {k: float(v) for k, v in d.totals().items()}
     port: dict[str, Any] = dict(d.data_server.stats())
