@@ -471,11 +471,6 @@ class ExchangeDaemon:
         self._released_back_pressure += st.back_pressured_seconds
         self.partitions_released += 1
         self._finished_at.pop((part.app_id, part.partition_id), None)
-        # its pool goes once the release is done: an arena nothing uses then goes too
-        try:
-            asyncio.get_running_loop().call_soon(self.shared_arenas.release_idle)
-        except RuntimeError:  # released outside the loop (tests): nothing is in flight
-            self.shared_arenas.release_idle()
 
     def release_dataset(self, dataset_id: str, app_id: str | None = None) -> int:
         """Release the partitions of ``dataset_id`` that application ``app_id`` created

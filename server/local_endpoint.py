@@ -458,6 +458,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                     msg.partition_id, ptype, msg.num_subpartitions, app_id=conn.app_id
                 )
         except ExchangeError as e:
+            self.daemon.shared_arenas.release_idle()  # an arena made for it goes again
             self._close_with(error_response_for(e))
             return
         self.endpoint.producers += 1
@@ -490,4 +491,3 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         super().connection_lost(exc)  # stops the input: nothing lands any more
         if session is not None:
             session.drop_landing()  # and the shared segments the task was granted
-            self.daemon.shared_arenas.release_idle()

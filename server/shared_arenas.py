@@ -12,6 +12,7 @@ says why.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -35,6 +36,7 @@ class SharedArenas:
         self.shm_dir = shm_dir
         self._pools: dict[str, NetworkBufferPool] = {}
         self._refused: set[str] = set()  # applications told (in the log) they get none
+        self._release_pending = False
         #: why producers push over the socket instead (None: shared memory is used)
         self.unavailable: str | None = None
         if not config.shared_memory:
@@ -85,6 +87,7 @@ class SharedArenas:
             self._refuse(app_id, f"{e} (arena for {who}); its producers push over the socket")
             return None
         self._refused.discard(app_id)
+        pool.on_whole = self._on_whole
         self._pools[app_id] = pool
         log.info("shared arena of %d bytes for %s", self.arena_size, who)
         return pool
@@ -93,6 +96,22 @@ class SharedArenas:
         if app_id not in self._refused:
             self._refused.add(app_id)
             log.warning(message)
+
+    def _on_whole(self) -> None:
+        """An arena got every segment back: drop it once the current callback is done
+        (not inside the pool's own call; a new partition may take it first)."""
+        if self._release_pending:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (tests driving it directly): release_idle is called by hand
+        self._release_pending = True
+        loop.call_soon(self._release_scheduled)
+
+    def _release_scheduled(self) -> None:
+        self._release_pending = False
+        self.release_idle()
 
     def release_idle(self) -> None:
         """Drop the arenas no partition uses any more (their segments all back)."""

@@ -18,7 +18,7 @@ import asyncio
 import mmap
 import os
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from exchange.errors import (
@@ -111,6 +111,9 @@ class NetworkBufferPool:
         self._waiting_pools: dict[int, LocalBufferPool] = {}
         self._availability = AvailabilityHelper(available=True)
         self._destroyed = False
+        #: called when the pool becomes whole again (every segment back, no local pool):
+        #: the owner of an application's arena drops it then
+        self.on_whole: Callable[[], None] | None = None
         self._redistributing = False
         self._wakeup_deferred = False
 
@@ -184,6 +187,8 @@ class NetworkBufferPool:
         """Return one segment to the pool."""
         self._take_back(segment)
         self._after_return()
+        if self.on_whole is not None and self.is_whole():
+            self.on_whole()
 
     # -- batches of exclusive segments ---------------------------------------------------
 
@@ -323,6 +328,8 @@ class NetworkBufferPool:
         self._num_required -= pool.num_required
         if not self._destroyed:
             self._redistribute()
+            if self.on_whole is not None and self.is_whole():
+                self.on_whole()
 
     def _redistribute(self) -> None:
         """Flink's redistributeBuffers: spare segments in proportion to excess capacity."""
