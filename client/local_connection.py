@@ -171,8 +171,10 @@ class LocalConnection(HandshakingClientProtocol):
         self.credit = 0
         self.bytes_pushed = 0
         self._credit_waiter: asyncio.Future[None] | None = None
-        #: ``(subpartition, size)`` for each ProducerBufferSize (debloating); loop thread.
-        self.buffer_size_listener: Callable[[int, int], None] | None = None
+        self._buffer_size_listener: Callable[[int, int], None] | None = None
+        #: sizes announced before a listener was set (while the partition was being
+        #: created, e.g. during the arena's hand-out): the latest per subpartition
+        self._early_sizes: dict[int, int] = {}
         #: the local socket's path (None on TCP: no shared memory there)
         self.socket_path: str | None = None
         self._offer: SharedArena | None = None
@@ -184,6 +186,20 @@ class LocalConnection(HandshakingClientProtocol):
         self.bytes_shared = 0
         #: the inode of the shared arena mapped (None without one): which arena it is
         self.arena_inode: int | None = None
+
+    @property
+    def buffer_size_listener(self) -> Callable[[int, int], None] | None:
+        """``(subpartition, size)`` for each ProducerBufferSize (debloating); loop thread.
+        Sizes that came before it was set are handed to it when it is set."""
+        return self._buffer_size_listener
+
+    @buffer_size_listener.setter
+    def buffer_size_listener(self, listener: Callable[[int, int], None] | None) -> None:
+        self._buffer_size_listener = listener
+        if listener is not None:
+            early, self._early_sizes = self._early_sizes, {}
+            for sub, size in early.items():
+                listener(sub, size)
 
     @classmethod
     async def connect(
@@ -259,8 +275,10 @@ class LocalConnection(HandshakingClientProtocol):
             self._offer = msg
             self.segments.extend(msg.segments)
         elif type(msg) is ProducerBufferSize:
-            if self.buffer_size_listener is not None:
-                self.buffer_size_listener(msg.subpartition, msg.buffer_size)
+            if self._buffer_size_listener is not None:
+                self._buffer_size_listener(msg.subpartition, msg.buffer_size)
+            else:
+                self._early_sizes[msg.subpartition] = msg.buffer_size
         elif isinstance(msg, _REPLIES):
             if not self._replies:
                 raise ProtocolError(f"unsolicited {type(msg).__name__} from {self.address}")
