@@ -105,6 +105,9 @@ class LocalEndpoint(DataServer):
         self.arena_path: str | None = None
         self._handout: asyncio.Task[None] | None = None
         self._handouts: set[asyncio.Task[None]] = set()
+        # unaligned checkpoints: overtaken buffers handed back to producer tasks
+        self.output_state_bytes = 0
+        self.output_state_buffers = 0
         self.jobs = JobBoard(
             lambda: daemon.manager.partitions,
             self.task_reports,
@@ -240,6 +243,8 @@ class LocalEndpoint(DataServer):
             bytes_socket=self.bytes_socket,
             shared_arenas=len(self.daemon.shared_arenas),
             shared_segments_in_use=sum(p.num_in_use for p in self.daemon.shared_arenas.pools()),
+            output_state_bytes=self.output_state_bytes,
+            output_state_buffers=self.output_state_buffers,
         )
         return base
 
@@ -429,6 +434,10 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             msg.task, msg.gate, dict(msg.metrics), time.time(), self._conn().app_id
         )
 
+    def _count_output_state(self, buffers: int, size: int) -> None:
+        self.endpoint.output_state_buffers += buffers
+        self.endpoint.output_state_bytes += size
+
     def _count_failure(self) -> None:
         self.endpoint.producer_failures += 1
         self.daemon.partitions_failed += 1
@@ -470,6 +479,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             on_abort=self.fail_producer,
             schedule=self._loop.call_soon,
             shared=arena is not None,
+            on_output_state=self._count_output_state,
         )
         credit = self.session.start()
         if arena is not None:

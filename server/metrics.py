@@ -164,6 +164,8 @@ class DaemonView(Protocol):
     ``local_endpoint_stats()`` has the keys producers, consumers, bytes_received,
     buffers_received, partitions_created, producer_failures, bytes_shared_memory,
     bytes_socket, shared_arenas. ``totals()`` holds cumulative
+    buffers_received, partitions_created, producer_failures, output_state_bytes,
+    output_state_buffers. ``totals()`` holds cumulative
     counters that survive partition release: bytes_in, bytes_out, buffers_out,
     partitions_created, partitions_released, partitions_failed, back_pressured_seconds
     (optionally bytes_sent / buffers_sent of the data port, preferred when present).
@@ -725,6 +727,18 @@ class ExchangeCollector:
             "Applications with a shared arena on this daemon now (0 when shared memory is "
             "off or unavailable; the log says why).",
             _num(local, "shared_arenas"),
+        )
+        yield counter(
+            "exchange_output_channel_state_bytes_total",
+            "Bytes of in-flight data that unaligned checkpoint barriers overtook in this "
+            "daemon's subpartitions and handed back to their producer tasks to persist "
+            "(output channel state, Flink's persisted in-flight data).",
+            _num(local, "output_state_bytes"),
+        )
+        yield counter(
+            "exchange_output_channel_state_buffers_total",
+            "Buffers of output channel state handed back to producer tasks.",
+            _num(local, "output_state_buffers"),
         )
         yield counter(
             "exchange_bytes_sent_total",
