@@ -1,6 +1,9 @@
 """NetworkBufferPool: the fixed set of network memory segments of one daemon or process.
 
-One anonymous mmap arena carved into ``total_segments`` segments of ``segment_size``.
+One mmap arena carved into ``total_segments`` segments of ``segment_size``: anonymous
+memory, or with ``shared=True`` a shared arena (``exchange.memory.shared_arena``) whose
+descriptor (``arena_fd``) the daemon hands to one application's local tasks, so they
+write into its segments by index (segment ``i`` is bytes ``[i*size, (i+1)*size)``).
 Segments go out two ways, as in Flink: to LocalBufferPools (whose sizes the pool
 redistributes whenever one is created or destroyed) and as batches of exclusive segments
 (a RemoteInputChannel's exclusive buffers), which count as required segments.
@@ -13,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import mmap
+import os
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from exchange.errors import (
@@ -26,6 +30,7 @@ from exchange.errors import (
 )
 from exchange.memory.availability import AvailabilityHelper
 from exchange.memory.memory_segment import MemorySegment
+from exchange.memory.shared_arena import SHM_DIR, create_arena
 
 if TYPE_CHECKING:
     from exchange.memory.local_buffer_pool import LocalBufferPool
@@ -66,6 +71,8 @@ class NetworkBufferPool:
         segment_size: int = DEFAULT_SEGMENT_SIZE,
         *,
         request_timeout: float = 30.0,
+        shared: bool = False,
+        shm_dir: str = SHM_DIR,
     ) -> None:
         if not isinstance(total_segments, int) or isinstance(total_segments, bool):
             raise UsageError(f"total_segments must be an int, got {total_segments!r}")
@@ -84,7 +91,15 @@ class NetworkBufferPool:
         self.total_segments = total_segments
         self.segment_size = segment_size
         self.request_timeout = request_timeout
-        self._arena: mmap.mmap | None = mmap.mmap(-1, total_segments * segment_size)
+        #: the shared arena's descriptor (``shared=True``), else None; closed by destroy
+        self.arena_fd: int | None = None
+        if shared:
+            self.arena_fd, arena = create_arena(
+                total_segments * segment_size, "exchange-network-memory", shm_dir=shm_dir
+            )
+        else:
+            arena = mmap.mmap(-1, total_segments * segment_size)
+        self._arena: mmap.mmap | None = arena
         arena_view = memoryview(self._arena)
         self._arena_view: memoryview | None = arena_view
         self._segments = [
@@ -98,6 +113,9 @@ class NetworkBufferPool:
         self._waiting_pools: dict[int, LocalBufferPool] = {}
         self._availability = AvailabilityHelper(available=True)
         self._destroyed = False
+        #: called when the pool becomes whole again (every segment back, no local pool):
+        #: the owner of an application's arena drops it then
+        self.on_whole: Callable[[], None] | None = None
         self._redistributing = False
         self._wakeup_deferred = False
 
@@ -114,6 +132,10 @@ class NetworkBufferPool:
     @property
     def num_required(self) -> int:
         return self._num_required
+
+    @property
+    def arena_size(self) -> int:
+        return self.total_segments * self.segment_size
 
     @property
     def is_destroyed(self) -> bool:
@@ -173,6 +195,8 @@ class NetworkBufferPool:
         """Return one segment to the pool."""
         self._take_back(segment)
         self._after_return()
+        if self.on_whole is not None and self.is_whole():
+            self.on_whole()
 
     # -- batches of exclusive segments ---------------------------------------------------
 
@@ -316,6 +340,8 @@ class NetworkBufferPool:
         self._num_required -= pool.num_required
         if not self._destroyed:
             self._redistribute()
+            if self.on_whole is not None and self.is_whole():
+                self.on_whole()
 
     def _redistribute(self) -> None:
         """Flink's redistributeBuffers: spare segments in proportion to excess capacity."""
@@ -401,6 +427,9 @@ class NetworkBufferPool:
             pass
         self._arena_view = None
         self._arena = None
+        if self.arena_fd is not None:
+            os.close(self.arena_fd)
+            self.arena_fd = None
 
     # -- internals -----------------------------------------------------------------------
 

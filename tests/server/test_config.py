@@ -284,6 +284,8 @@ def test_explicit_watermarks_and_num_segments() -> None:
          "partition_request_backoff_initial"),
         ({"debloat_min_buffer_size": 64 * KIB}, "debloat_min_buffer_size"),
         ({"data_port": 7000, "http_port": 7000}, "http_port"),
+        ({"shared_memory_per_app": 32 * KIB - 1}, "shared_memory_per_app"),
+        ({"shared_memory": "sometimes"}, "shared_memory"),
     ],
 )  # fmt: skip
 def test_relations_between_settings_are_checked(kwargs: dict[str, object], setting: str) -> None:
@@ -522,6 +524,8 @@ def test_all_flags() -> None:
         "--max-unauthenticated-connections=4",
         "--max-unauthenticated-per-peer=2",
         "--require-tls-remote",
+        "--no-shared-memory",
+        "--shared-memory-per-app=8mb",
     ]
     assert load_config(argv, env={}).to_dict() == {
         "host": "0.0.0.0",
@@ -573,6 +577,8 @@ def test_all_flags() -> None:
         "tls_ca_file": "/etc/exchange/ca.pem",
         "tls_client_auth": True,
         "require_tls_remote": True,
+        "shared_memory": False,
+        "shared_memory_per_app": 8 * MIB,
     }
 
 
