@@ -21,6 +21,16 @@ checkpoints after the first ``WARMUP`` ones (backpressure building up, the deblo
 converging), the final checkpoint left out (the input is bounded: ``count`` records).
 
 Targets (issue 10): debloating on <= 1.5x the design time, and >= 5x shorter than off.
+
+Then the exactly-once alignment modes (issue 22, ``StreamEnvironment(alignment=)``), in
+the same run and pipeline, debloating on (without it a checkpoint takes 7-9 s here and a
+run of 20 s completes two), at ``--alignment-parallelism`` (default 2: a
+gate must have two channels for alignment to hold anything back) for
+``--alignment-seconds`` each: ``block_upstream`` (the baseline), ``buffer`` (parked in the
+task's memory) and ``spill`` (parked in private spill files). Per mode: the median
+checkpoint duration, the median alignment (first to last barrier, the longest task) and
+the median bytes processed (block_upstream) or parked (buffer, spill) while aligning, per
+checkpoint, all tasks. ``--alignments=`` (empty) skips them.
 The last line printed is one JSON object.
 """
 
@@ -50,6 +60,8 @@ WARMUP = 2  # checkpoints left out at the start
 BUFFER_TIMEOUT = "10ms"
 TARGET_VS_DESIGN = 1.5
 TARGET_RATIO = 5.0
+#: the exactly-once alignment modes measured after the debloating pair
+ALIGNMENTS = ("block_upstream", "buffer", "spill")
 
 
 def make_record(size: int, i: int) -> bytes:
@@ -72,8 +84,17 @@ def slow_sink_factory() -> Any:
     return SlowSink()
 
 
-def run_job(spark: Any, daemon: Daemon, count: int, args: argparse.Namespace) -> dict[str, Any]:
-    parallelism, warmup = args.parallelism, args.warmup_checkpoints
+def run_job(
+    spark: Any,
+    daemon: Daemon,
+    count: int,
+    args: argparse.Namespace,
+    *,
+    parallelism: int | None = None,
+    alignment: str = "block_upstream",
+) -> dict[str, Any]:
+    parallelism = args.parallelism if parallelism is None else parallelism
+    warmup = args.warmup_checkpoints
     from client.streaming.environment import StreamEnvironment
 
     ckpt = tempfile.mkdtemp(prefix="xbench-ckpt-")
@@ -86,6 +107,7 @@ def run_job(spark: Any, daemon: Daemon, count: int, args: argparse.Namespace) ->
             mode="exactly_once",
             daemon=daemon.socket_path,
             buffer_timeout=args.buffer_timeout,
+            alignment=alignment,
         )
         (
             env.from_generator(
@@ -109,6 +131,8 @@ def run_job(spark: Any, daemon: Daemon, count: int, args: argparse.Namespace) ->
         )
     durations = [1000 * c.duration for c in done[warmup:]]
     return {
+        "alignment_ms": median([1000 * c.alignment for c in done[warmup:]]),
+        "aligned_bytes": median([float(c.aligned_bytes) for c in done[warmup:]]),
         "durations_ms": durations,
         "median_ms": median(durations),
         "checkpoints": len(durations),
@@ -149,11 +173,26 @@ def main() -> None:
     )
     ap.add_argument("--warmup-checkpoints", type=int, default=WARMUP, help="left out at the start")
     ap.add_argument("--only", choices=("off", "on"), help="run one configuration (no ratio)")
+    ap.add_argument(
+        "--alignments",
+        default=",".join(ALIGNMENTS),
+        help="alignment modes to measure after the debloating pair (comma separated; empty: none)",
+    )
+    ap.add_argument("--alignment-parallelism", type=int, default=2)
+    ap.add_argument("--alignment-seconds", type=float, default=25.0)
     args = ap.parse_args()
     p = args.parallelism
+    alignments = [a for a in args.alignments.split(",") if a]
+    for a in alignments:
+        if a not in ALIGNMENTS:
+            ap.error(f"--alignments: {a!r} is not one of {', '.join(ALIGNMENTS)}")
+    if alignments and "block_upstream" not in alignments:
+        alignments.insert(0, "block_upstream")  # the baseline of the same run
+    ap_ = args.alignment_parallelism
     # the sink's rate bounds the job: p sinks at ~1 record per SINK_DELAY
     count = int(args.seconds * p / SINK_DELAY)
-    spark = session(p)
+    spark = session(max(p, ap_ if alignments and not args.only else 1))
+    aligned: dict[str, dict[str, Any]] = {}
     results: dict[str, dict[str, Any]] = {}
     try:
         for name, flags in (
@@ -172,6 +211,27 @@ def main() -> None:
                 f"{r['checkpoints']} checkpoints ({r['aborted']} aborted), "
                 f"{r['records_per_s']:.0f} records/s, all (ms): "
                 + " ".join(f"{d:.0f}" for d in r["durations_ms"]),
+                flush=True,
+            )
+        for mode in [] if args.only else alignments:
+            with Daemon("--debloat", f"--debloat-target={TARGET_MS}ms") as daemon:
+                aligned[mode] = run_job(
+                    spark,
+                    daemon,
+                    int(args.alignment_seconds * ap_ / SINK_DELAY),
+                    args,
+                    parallelism=ap_,
+                    alignment=mode,
+                )
+                if not daemon.stop():
+                    raise BenchError(f"alignment {mode}: the daemon's pool was not whole at stop")
+            r = aligned[mode]
+            print(
+                f"alignment {mode:14}: median checkpoint {r['median_ms']:7.0f} ms, alignment "
+                f"{r['alignment_ms']:6.0f} ms, {r['aligned_bytes']:9.0f} bytes "
+                f"{'processed' if mode == 'block_upstream' else 'parked'} while aligning, "
+                f"over {r['checkpoints']} checkpoints ({r['aborted']} aborted), "
+                f"{r['records_per_s']:.0f} records/s",
                 flush=True,
             )
     finally:
@@ -203,9 +263,26 @@ def main() -> None:
                 "on_vs_design": vs_design,
                 "target_ratio_met": ratio >= TARGET_RATIO,
                 "target_design_met": vs_design <= TARGET_VS_DESIGN,
+                **_alignment_keys(aligned, ap_),
             }
         )
     )
+
+
+def _alignment_keys(aligned: dict[str, dict[str, Any]], parallelism: int) -> dict[str, Any]:
+    """The JSON keys of the alignment modes measured (none when skipped)."""
+    if not aligned:
+        return {}
+    base = aligned["block_upstream"]["median_ms"]
+    out: dict[str, Any] = {"alignment_parallelism": parallelism}
+    for mode, r in aligned.items():
+        out[f"median_ms_align_{mode}"] = r["median_ms"]
+        out[f"alignment_ms_{mode}"] = r["alignment_ms"]
+        out[f"aligned_bytes_{mode}"] = r["aligned_bytes"]
+        out[f"checkpoints_align_{mode}"] = r["checkpoints"]
+        out[f"records_per_s_align_{mode}"] = r["records_per_s"]
+        out[f"ratio_align_{mode}_vs_block_upstream"] = r["median_ms"] / base
+    return out
 
 
 if __name__ == "__main__":

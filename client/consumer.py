@@ -44,6 +44,9 @@ from client.runtime import ClientRuntime, get_runtime
 from exchange.best_effort import cancel_and_wait, wait_quietly
 from exchange.buffers.buffer import Buffer
 from exchange.checkpointing import (
+    AlignedBarrierHandler,
+    AlignmentMode,
+    AlignmentStrategy,
     BarrierHandlerStats,
     CheckpointBarrierHandler,
     CheckpointingMode,
@@ -113,6 +116,9 @@ def _barrier_handler(
         resume,
         max_aligned_bytes=options.checkpoint_alignment_limit or None,
         aligned_checkpoint_timeout=options.aligned_checkpoint_timeout,
+        alignment=AlignmentMode.parse(options.alignment),
+        spill_dir=options.alignment_spill_dir,
+        page_size=options.segment_size,
     )
 
 
@@ -648,6 +654,11 @@ class PartitionReader:
             self._handler = _barrier_handler(
                 self._calls, opts, len(locations), self.resume_consumption
             )
+        #: the handler parks input (``buffer`` / ``spill`` alignment) and replays it
+        self._parking = (
+            isinstance(self._handler, AlignedBarrierHandler)
+            and self._handler.strategy is AlignmentStrategy.PARKING
+        )
         self._closed = False
         self._handoff = _Handoff(self._rt.loop, window)
         # The one decode path, run in the task thread; resuming goes to the loop thread.
@@ -670,7 +681,12 @@ class PartitionReader:
             metrics_socket=None,
             task_name=None,
         )
-        self._core = self._rt.run(AsyncPartitionReader.open(locations, core_options))
+        try:
+            self._core = self._rt.run(AsyncPartitionReader.open(locations, core_options))
+        except BaseException:
+            if self._handler is not None:
+                self._handler.close()  # a private spill directory goes with it
+            raise
         self._core.in_flight = lambda: self._in_flight
         debloater = self._core.gate.debloater
         if debloater is not None:  # the task is idle when the hand-off is empty
@@ -901,36 +917,34 @@ class PartitionReader:
         hand-off window, in one loop callback (also when decoding fails: the buffers not
         reached yet go back too)."""
         out: list[_Item] = []
-        feed = self._stream.feed
         handler = self._handler
+        parking = self._parking
         self._calls.out = out
         try:
             for kind, ch, item in batch:
                 if kind in (_DATA, _OVERTAKEN):
                     overtaken_by: tuple[int, ...] = ()
                     if kind == _OVERTAKEN:
+                        # a priority barrier overtook it (unaligned mode: nothing parks)
                         item, overtaken_by = item
-                    if handler is not None:
+                    if parking:
+                        assert handler is not None
+                        # the handler may park the buffer (keep it, or spill and release
+                        # it): it gets a reference of its own, the batch keeps its one
+                        item.retain()
+                        if handler.process(BufferOrEvent(item, None, ch, False)) is None:
+                            self._replay_parked(out)  # a limit may have ended the alignment
+                            continue
+                        item.release()
+                    elif handler is not None:
                         # blocking upstream, tracking or unaligned: never parks a buffer
                         handler.process(BufferOrEvent(item, None, ch, False, overtaken_by))
-                    view = item.memoryview()
-                    try:
-                        records = feed(ch, view)
-                    finally:
-                        view.release()
-                    persisting = self._calls.persisting
-                    if persisting is not None:
-                        # input channel state (unaligned): the records this buffer
-                        # completes, a record begun before the trigger included (it is
-                        # processed after it), so the deserializer's partial record
-                        # never needs persisting; the bytes are the buffer's
-                        self._calls.persisting = None
-                        out.append((_PERSIST, ch, (persisting[0], ch, records, persisting[1])))
-                    if records:
-                        out.append((_DATA, ch, records))
+                    self._feed(out, ch, item)
                 elif kind == _EVENT and handler is not None:
                     if handler.process(BufferOrEvent(None, item, ch, False)) is not None:
                         out.append((kind, ch, item))
+                    if parking:
+                        self._replay_parked(out)  # the alignment ended: parked input first
                 else:
                     out.append((kind, ch, item))
             if handler is not None and self._barrier_snapshot is not None:
@@ -939,6 +953,36 @@ class PartitionReader:
             buffers = _buffers_of(batch)
             self._rt.loop.call_soon_threadsafe(self._batch_done, buffers)
         return out
+
+    def _feed(self, out: list[_Item], ch: int, buf: Buffer) -> None:
+        view = buf.memoryview()
+        try:
+            records = self._stream.feed(ch, view)
+        finally:
+            view.release()
+        persisting = self._calls.persisting
+        if persisting is not None:
+            # input channel state (unaligned): the records this buffer completes, a record
+            # begun before the trigger included (it is processed after it); the head of a
+            # record still incomplete when a channel's cut ends is persisted apart
+            # (input_channel_cut); the bytes are the buffer's
+            self._calls.persisting = None
+            out.append((_PERSIST, ch, (persisting[0], ch, records, persisting[1])))
+        if records:
+            out.append((_DATA, ch, records))
+
+    def _replay_parked(self, out: list[_Item]) -> None:
+        """Input the handler parked during an alignment that just ended, in arrival order
+        and before anything newer (``buffer`` and ``spill`` alignment)."""
+        assert self._handler is not None
+        while (boe := self._handler.poll_next()) is not None:
+            if boe.buffer is not None:
+                try:
+                    self._feed(out, boe.channel_index, boe.buffer)
+                finally:
+                    boe.buffer.release()
+            else:
+                out.append((_EVENT, boe.channel_index, boe.event))
 
     def _batch_done(self, buffers: list[Buffer]) -> None:
         """Loop thread: one callback per decoded batch gives its buffers back and frees its

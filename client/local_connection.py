@@ -3,12 +3,22 @@
 Runs the handshake, then speaks the local-endpoint messages: it tracks producer credit
 (AddProducerCredit), matches replies to requests in order, and turns an ErrorResponse or
 a lost connection into a typed error raised by whatever call is waiting.
+
+On a Unix socket a producer asks for shared memory (``create_partition``); when the daemon
+grants it (SharedArena), the connection fetches the arena's descriptor with the one-time
+token (``SCM_RIGHTS`` on the hand-out socket), maps it, and from then on copies each data
+buffer into the oldest segment granted and sends only its commit (segment, length,
+subpartition); events still go as PushBuffer. The daemon chooses: without an arena the
+connection pushes bytes over the socket, as it does on TCP.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import mmap
 import os
+import socket
 import struct
 from collections import deque
 from collections.abc import Callable
@@ -21,9 +31,11 @@ from exchange.errors import (
     ConfigError,
     ExchangeError,
     ProtocolError,
+    SharedMemoryUnavailableError,
     TransportError,
     UsageError,
 )
+from exchange.memory.shared_arena import map_arena
 from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, max_frame_size_for
 from exchange.protocol.handshake import (
     APP_CREDENTIAL_PREFIX,
@@ -32,9 +44,14 @@ from exchange.protocol.handshake import (
 )
 from exchange.protocol.local_messages import (
     ALL_SUBPARTITIONS,
+    ARENA_SOCKET_SUFFIX,
+    MAX_OVERDRAFT_REQUEST,
     AddProducerCredit,
+    CommitSegments,
+    CreatePartition,
     DaemonInfo,
     DaemonInfoRequest,
+    GrantSegments,
     OutputChannelState,
     OutputChannelStateComplete,
     PartitionCreated,
@@ -43,6 +60,9 @@ from exchange.protocol.local_messages import (
     PushBuffer,
     Released,
     ReleaseDataset,
+    RequestOverdraft,
+    SharedArena,
+    encode_commit,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_for_response
 from exchange.writer.record_writer import OutputBuffer
@@ -68,6 +88,8 @@ _MAX_CONTROL_FRAME: Final = 64 * 1024
 #: A PushBuffer frame's header: frame length, magic, id | subpartition, data type.
 _PUSH_FRAME: Final = struct.Struct(">IIBIB")
 _PUSH_BODY_HEADER: Final = 5
+#: A CommitSegments frame's header (its body: 12-byte entries).
+_COMMIT_FRAME: Final = struct.Struct(">IIB")
 
 
 def default_socket_path() -> str:
@@ -154,16 +176,47 @@ class LocalConnection(HandshakingClientProtocol):
         self.credit = 0
         self.bytes_pushed = 0
         self._credit_waiter: asyncio.Future[None] | None = None
+        #: subpartitions whose last pushed buffer ended inside a record (its rest follows)
+        self._mid_record: set[int] = set()
+        #: overdraft segments asked for (RequestOverdraft), whether granted or not
+        self.overdraft_requested = 0
         # the push waiting for credit, and where it stands (unaligned barriers overtake it)
         self._pushing: list[OutputBuffer] = []
         self._push_index = 0
-        #: ``(subpartition, size)`` for each ProducerBufferSize (debloating); loop thread.
-        self.buffer_size_listener: Callable[[int, int], None] | None = None
         #: OutputChannelState(Complete) of unaligned checkpoints (loop thread); without
         #: one they are a protocol error (the task never sent an unaligned barrier).
         self.channel_state_listener: (
             Callable[[OutputChannelState | OutputChannelStateComplete], None] | None
         ) = None
+        self._buffer_size_listener: Callable[[int, int], None] | None = None
+        #: sizes announced before a listener was set (while the partition was being
+        #: created, e.g. during the arena's hand-out): the latest per subpartition
+        self._early_sizes: dict[int, int] = {}
+        #: the local socket's path (None on TCP: no shared memory there)
+        self.socket_path: str | None = None
+        self._offer: SharedArena | None = None
+        #: granted segments of the shared arena, oldest first (shared memory only)
+        self.segments: deque[int] = deque()
+        self._arena: mmap.mmap | None = None
+        self._arena_view: memoryview | None = None
+        self._segment_size = 0
+        self.bytes_shared = 0
+        #: the inode of the shared arena mapped (None without one): which arena it is
+        self.arena_inode: int | None = None
+
+    @property
+    def buffer_size_listener(self) -> Callable[[int, int], None] | None:
+        """``(subpartition, size)`` for each ProducerBufferSize (debloating); loop thread.
+        Sizes that came before it was set are handed to it when it is set."""
+        return self._buffer_size_listener
+
+    @buffer_size_listener.setter
+    def buffer_size_listener(self, listener: Callable[[int, int], None] | None) -> None:
+        self._buffer_size_listener = listener
+        if listener is not None:
+            early, self._early_sizes = self._early_sizes, {}
+            for sub, size in early.items():
+                listener(sub, size)
 
     @classmethod
     async def connect(
@@ -197,6 +250,7 @@ class LocalConnection(HandshakingClientProtocol):
                     lambda: cls(address, secret, limit, app_id), host, port, **tls
                 )
             _, conn = await asyncio.wait_for(conn_coro, timeout)
+            conn.socket_path = path
         except (OSError, TimeoutError) as e:
             raise TransportError(
                 f"cannot reach the exchange daemon at {address}: {e}. Start one with "
@@ -213,6 +267,7 @@ class LocalConnection(HandshakingClientProtocol):
         return conn
 
     def on_connection_lost(self, error: ExchangeError) -> None:
+        self._unmap()
         while self._replies:
             fut = self._replies.popleft()
             if not fut.done():
@@ -227,9 +282,20 @@ class LocalConnection(HandshakingClientProtocol):
         if type(msg) is AddProducerCredit:
             self.credit += msg.credit
             self._wake_credit()
+        elif type(msg) is GrantSegments:
+            self.segments.extend(msg.segments)
+            self.credit += len(msg.segments)
+            self._wake_credit()
+        elif type(msg) is SharedArena:
+            if self._offer is not None or not self._replies:
+                raise ProtocolError(f"unsolicited SharedArena from {self.address}")
+            self._offer = msg
+            self.segments.extend(msg.segments)
         elif type(msg) is ProducerBufferSize:
-            if self.buffer_size_listener is not None:
-                self.buffer_size_listener(msg.subpartition, msg.buffer_size)
+            if self._buffer_size_listener is not None:
+                self._buffer_size_listener(msg.subpartition, msg.buffer_size)
+            else:
+                self._early_sizes[msg.subpartition] = msg.buffer_size
         elif isinstance(msg, OutputChannelState | OutputChannelStateComplete):
             if self.channel_state_listener is None:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from {self.address}")
@@ -261,6 +327,41 @@ class LocalConnection(HandshakingClientProtocol):
         self._replies.append(fut)
         self.send(msg)
         return await fut
+
+    @property
+    def shared_memory(self) -> bool:
+        """True when data buffers go through the daemon's shared arena."""
+        return self._arena_view is not None
+
+    async def create_partition(
+        self, msg: CreatePartition, timeout: float = 10.0
+    ) -> PartitionCreated:
+        """Create the partition, asking for shared memory on a Unix socket; map the arena
+        when the daemon grants one (SharedMemoryUnavailableError if it cannot be mapped)."""
+        if self.socket_path is not None and not msg.shared_memory:
+            msg = CreatePartition(msg.partition_id, msg.blocking, msg.num_subpartitions, True)
+        reply = await self.request(msg)
+        assert isinstance(reply, PartitionCreated)
+        offer, self._offer = self._offer, None
+        if offer is not None:
+            assert self.socket_path is not None
+            fd = await _fetch_arena_fd(self.socket_path + ARENA_SOCKET_SUFFIX, offer.token, timeout)
+            try:
+                self._arena = map_arena(fd, offer.arena_size)
+                self.arena_inode = os.fstat(fd).st_ino
+            finally:
+                os.close(fd)
+            self._arena_view = memoryview(self._arena)
+            self._segment_size = reply.segment_size
+        return reply
+
+    def _unmap(self) -> None:
+        view, self._arena_view = self._arena_view, None
+        if view is not None:
+            view.release()
+        arena, self._arena = self._arena, None
+        if arena is not None:
+            arena.close()
 
     def unsent_buffers(self) -> list[OutputBuffer]:
         """The buffers of the push now waiting for credit that are not written yet."""
@@ -294,8 +395,12 @@ class LocalConnection(HandshakingClientProtocol):
         several buffers, their pieces gathered: no copy here)."""
         i, n = 0, len(outs)
         while i < n:
+            asked = False
             while self.credit <= 0 and not outs[i].is_event:
                 self.check()
+                if not asked:
+                    asked = True
+                    self._ask_overdraft(outs, i)
                 self._credit_waiter = self._loop.create_future()
                 self._pushing, self._push_index = outs, i
                 try:
@@ -310,6 +415,8 @@ class LocalConnection(HandshakingClientProtocol):
             frames: list[bytes | memoryview] = []
             pushed = 0
             pack = _PUSH_FRAME.pack
+            arena = self._arena_view
+            commits: list[bytes] = []
             while i < n:
                 out = outs[i]
                 if not out.is_event:
@@ -317,8 +424,26 @@ class LocalConnection(HandshakingClientProtocol):
                         break
                     self.credit -= 1
                     target = out.target
+                    if out.ends_mid_record:
+                        self._mid_record.add(target)
+                    else:
+                        self._mid_record.discard(target)
+                    if arena is not None:  # written in place, committed by index
+                        seg = self.segments.popleft()
+                        pos = seg * self._segment_size
+                        for piece in out.pieces:
+                            end = pos + len(piece)
+                            arena[pos:end] = piece
+                            pos = end
+                        commits.append(encode_commit(seg, out.size, target))
+                        self.bytes_shared += out.size
+                        i += 1
+                        continue
                 else:
                     target = ALL_SUBPARTITIONS
+                    if commits:  # the commits before it go first: order is the stream's
+                        _add_commits(frames, commits)
+                        commits = []
                 frames.append(
                     pack(
                         FRAME_HEADER_SIZE + _PUSH_BODY_HEADER + out.size,
@@ -331,8 +456,75 @@ class LocalConnection(HandshakingClientProtocol):
                 frames.extend(out.pieces)
                 pushed += out.size
                 i += 1
+            if commits:
+                _add_commits(frames, commits)
             t.writelines(frames)
             self.bytes_pushed += pushed
+
+    def _ask_overdraft(self, outs: list[OutputBuffer], i: int) -> None:
+        """Out of credit with ``outs[i]`` continuing a record already partly pushed: ask
+        the daemon for overdraft segments for the buffers up to that record's end (Flink's
+        overdraft: the record ends without waiting for a consumer to free a segment)."""
+        if outs[i].target not in self._mid_record:
+            return
+        target, count = outs[i].target, 0
+        for out in itertools.islice(outs, i, None):
+            if out.is_event:
+                break
+            count += 1
+            if out.target == target and not out.ends_mid_record:
+                break
+        count = min(count, MAX_OVERDRAFT_REQUEST)
+        self.overdraft_requested += count
+        self.send(RequestOverdraft(count))
+
+
+def _add_commits(frames: list[bytes | memoryview], commits: list[bytes]) -> None:
+    body = b"".join(commits)
+    frames.append(
+        _COMMIT_FRAME.pack(FRAME_HEADER_SIZE + len(body), MAGIC, CommitSegments.MESSAGE_ID)
+    )
+    frames.append(body)
+
+
+async def _fetch_arena_fd(path: str, token: bytes, timeout: float) -> int:
+    """The shared arena's descriptor from the daemon's hand-out socket ``path``, for the
+    one-time ``token`` (SharedMemoryUnavailableError if refused or unreachable)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    fds: list[int] = []
+    try:
+        async with asyncio.timeout(timeout):
+            await loop.sock_connect(sock, path)
+            await loop.sock_sendall(sock, token)
+            while True:
+                try:
+                    _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+                    break
+                except BlockingIOError:
+                    readable: asyncio.Future[None] = loop.create_future()
+                    loop.add_reader(sock.fileno(), _set_once, readable)
+                    try:
+                        await readable
+                    finally:
+                        loop.remove_reader(sock.fileno())
+    except (OSError, TimeoutError) as e:
+        for fd in fds:
+            os.close(fd)
+        raise SharedMemoryUnavailableError(f"cannot fetch the arena from {path}: {e}") from e
+    finally:
+        sock.close()
+    if not fds:
+        raise SharedMemoryUnavailableError(f"the daemon at {path} refused the arena token")
+    for extra in fds[1:]:
+        os.close(extra)
+    return fds[0]
+
+
+def _set_once(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 async def fetch_daemon_info(socket_path: str, *, secret: bytes | None = None) -> DaemonInfo:

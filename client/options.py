@@ -30,7 +30,7 @@ from client._checks import (
     check_seconds,
     check_selector,
 )
-from exchange.checkpointing import CheckpointingMode, CheckpointListener
+from exchange.checkpointing import AlignmentMode, CheckpointingMode, CheckpointListener
 from exchange.consumer.input_channel import DEFAULT_BACKOFF_INITIAL, DEFAULT_BACKOFF_MAX
 from exchange.consumer.record_reader import EventHandler
 from exchange.debloat.config import DebloatConfig
@@ -101,7 +101,11 @@ class ReaderOptions(_Options):
     triggers at the first barrier and hands the listener the input that overtook the cut:
     ``persist_records`` / ``input_state_complete`` in PartitionReader, ``persist_input`` /
     ``input_state_complete`` in the async reader; ``aligned_checkpoint_timeout`` seconds,
-    unaligned only, starts each checkpoint aligned).
+    unaligned only, starts each checkpoint aligned). ``alignment``: how exactly-once
+    alignment holds back aligned channels, ``block_upstream`` (default), ``buffer``
+    (parked in memory) or ``spill`` (parked in private files in a directory of the
+    reader's own under ``alignment_spill_dir``, None: the temporary directory, removed
+    when the reader closes).
     ``debloat``: buffer debloating of the reader's gate (off when None or disabled).
     ``metrics_socket`` and ``task_name``: report the gate's debloating and checkpoint
     figures, if it has any, to the daemon at that local socket as task ``task_name``.
@@ -123,6 +127,9 @@ class ReaderOptions(_Options):
     checkpointing_mode: CheckpointingMode | str = CheckpointingMode.EXACTLY_ONCE
     checkpoint_alignment_limit: int | None = None
     aligned_checkpoint_timeout: float | None = None
+    #: a string as a user writes it (``"spill"``) is stored as the enum
+    alignment: AlignmentMode | str = AlignmentMode.BLOCK_UPSTREAM
+    alignment_spill_dir: str | None = None
     debloat: DebloatConfig | None = None
     metrics_socket: str | None = None
     task_name: str | None = None
@@ -183,6 +190,8 @@ class ReaderOptions(_Options):
             raise ConfigError(
                 "checkpoint_alignment_limit", f"must be an int >= 0 (0: unlimited), got {limit!r}"
             )
+        object.__setattr__(self, "alignment", AlignmentMode.parse(self.alignment))
+        check_optional("alignment_spill_dir", self.alignment_spill_dir, str)
         if self.debloat is not None:
             if not isinstance(self.debloat, DebloatConfig):
                 raise ConfigError("debloat", f"must be a DebloatConfig, got {self.debloat!r}")

@@ -138,7 +138,7 @@ async def _open_partition(
         resolve_daemon_socket(options.daemon_socket), secret=secret_or_env(options.secret)
     )
     try:
-        reply = await conn.request(
+        reply = await conn.create_partition(
             CreatePartition(partition_id, options.blocking, num_subpartitions)
         )
     except BaseException:

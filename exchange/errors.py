@@ -15,6 +15,8 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     │   └── (ValueError-flavoured argument errors are raised as UsageError subclasses too)
     ├── InsufficientBuffersError   not enough network buffers: says required, available, setting
     ├── BufferRequestTimeoutError  a batch request for segments timed out
+    ├── SharedMemoryUnavailableError  no shared arena can be made here (no memfd, /dev/shm
+    │                              missing or too small); says why, the socket path stays
     ├── CorruptRecordError         bytes in a data buffer do not form valid records
     │   ├── RecordTooLargeError    a record exceeds max_record_size; carries size and limit
     │   └── IntegrityError         a file's MAC does not match the secret: forged, or
@@ -89,6 +91,7 @@ __all__ = [
     "RecordTooLargeError",
     "SegmentFreedError",
     "SequenceNumberError",
+    "SharedMemoryUnavailableError",
     "SpillError",
     "SubpartitionIndexError",
     "TransportError",
@@ -213,6 +216,14 @@ class BufferRequestTimeoutError(ExchangeError, TimeoutError):
         self.available = available
         self.timeout = timeout
         self.setting = setting
+
+
+class SharedMemoryUnavailableError(ExchangeError):
+    """No shared-memory arena can be created (or mapped) here; ``reason`` says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"shared memory unavailable: {reason}")
+        self.reason = reason
 
 
 class CorruptRecordError(ExchangeError):

@@ -109,6 +109,7 @@ class DaemonConfig:
     exclusive_buffers_per_channel: int = 2
     floating_buffers_per_gate: int = 8
     producer_credit: int = 8
+    max_overdraft_buffers_per_partition: int = 5
     high_watermark: int | None = None
     low_watermark: int | None = None
     partition_request_backoff_initial: float = 0.1
@@ -144,6 +145,8 @@ class DaemonConfig:
     tls_ca_file: str | None = None
     tls_client_auth: bool = False
     require_tls_remote: bool = False
+    shared_memory: bool = True
+    shared_memory_per_app: int | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -165,6 +168,12 @@ class DaemonConfig:
                 "exclusive_buffers_per_channel",
                 f"{self.exclusive_buffers_per_channel} exceeds the {self.num_segments} segments "
                 "of network_memory",
+            )
+        per_app = self.shared_memory_per_app
+        if per_app is not None and per_app < self.segment_size:
+            raise ConfigError(
+                "shared_memory_per_app",
+                f"{per_app} bytes hold no segment of segment_size {self.segment_size}",
             )
         high, low = self.effective_high_watermark, self.effective_low_watermark
         if low >= high:
@@ -284,6 +293,15 @@ class DaemonConfig:
         hold; 0 = unlimited. Default: as much as the network memory."""
         v = self.max_reader_memory_per_app
         return self.network_memory if v is None else v
+
+    @property
+    def effective_shared_memory_per_app(self) -> int:
+        """Bytes of one application's shared arena, whole segments: the setting, or a
+        quarter of network_memory (at least 16 segments)."""
+        v = self.shared_memory_per_app
+        if v is None:
+            v = max(self.network_memory // 4, 16 * self.segment_size)
+        return v // self.segment_size * self.segment_size
 
     @property
     def effective_high_watermark(self) -> int:
@@ -638,6 +656,13 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         "N",
         "segments a producer task may have in flight to this daemon (its credit window)",
     ),
+    "max_overdraft_buffers_per_partition": _Setting(
+        _int(0, 1024),
+        _INT,
+        "N",
+        "segments a backpressured producer may take beyond its partition's pool to finish "
+        "a record that spans buffers (Flink's overdraft buffers; 0: none)",
+    ),
     "high_watermark": _Setting(
         _optional_size(1), _SIZE, "SIZE", "write high watermark; default 2 x segment_size"
     ),
@@ -803,6 +828,21 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         "BOOL",
         "refuse data-port connections without TLS from peers that are not on loopback",
     ),
+    "shared_memory": _Setting(
+        _bool,
+        (bool,),
+        "BOOL",
+        "producer tasks on this host write into a shared arena of their application "
+        "(memfd, else /dev/shm) instead of pushing bytes over the Unix socket; off: the "
+        "socket",
+    ),
+    "shared_memory_per_app": _Setting(
+        _optional_size(1),
+        _SIZE,
+        "SIZE",
+        "the shared arena of one application (its local producers' partitions); "
+        "default network_memory / 4, at least 16 segments",
+    ),
 }
 
 # A setting without a flag or coercer would be silently unconfigurable.
@@ -817,6 +857,7 @@ _BOOL_FLAGS: Final = {
     "debloat_enabled": "--debloat",
     "tls_client_auth": "--tls-client-auth",
     "require_tls_remote": "--require-tls-remote",
+    "shared_memory": "--shared-memory",
 }
 
 

@@ -67,6 +67,7 @@ from server.jobs import JobView
 from server.local_endpoint import LocalEndpoint
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer, is_loopback
+from server.shared_arenas import SharedArenas
 from server.spill_dir import SpillDirectory
 from server.tls import server_ssl_context
 
@@ -85,6 +86,8 @@ class ExchangeDaemon:
         self.daemon_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.segment_size = config.segment_size
         self.network_pool = NetworkBufferPool(config.num_segments, config.segment_size)
+        #: each application's shared arena, for its producer tasks on this host
+        self.shared_arenas = SharedArenas(config)
         self.manager = ResultPartitionManager()
         self.started_at = time.time()
         self.shutting_down = False
@@ -275,6 +278,7 @@ class ExchangeDaemon:
         if not whole:
             log.error("shutdown: network pool not whole: %s", self.network_pool.stats())
         self.network_pool.destroy()
+        whole = self.shared_arenas.close() and whole
         self.spill.close()  # the next daemon may take over what is left
         return whole
 
@@ -295,8 +299,11 @@ class ExchangeDaemon:
         num_subpartitions: int,
         *,
         app_id: str = "",
+        network_pool: NetworkBufferPool | None = None,
     ) -> ResultPartition:
-        """A new partition of application ``app_id`` (only its connections may use it).
+        """A new partition of application ``app_id`` (only its connections may use it),
+        its segments from ``network_pool`` (the application's shared arena) or the
+        daemon's own pool.
 
         LimitExceededError when it has more subpartitions than
         ``max_subpartitions_per_partition`` or ``app_id`` would exceed
@@ -313,11 +320,13 @@ class ExchangeDaemon:
                 limit=limit,
             )
         max_segments = max(num_subpartitions * 2 + 8, 16)
-        nbp = self.network_pool
+        nbp = self.network_pool if network_pool is None else network_pool
         if num_subpartitions <= nbp.total_segments - nbp.num_required:
             self._check_app_limits(pid, app_id, max_segments)
         # else the pool cannot be had at all: InsufficientBuffersError names network_memory
-        pool = nbp.create_buffer_pool(num_subpartitions, max_segments)
+        pool = nbp.create_buffer_pool(
+            num_subpartitions, max_segments, self.config.max_overdraft_buffers_per_partition
+        )
         try:
             part = ResultPartition(
                 pid,

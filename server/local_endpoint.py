@@ -10,6 +10,14 @@ PushBuffer frame is a data frame of the connection's in-place decoder, whose bod
 the session's ``landing_view`` (the reserved segment), so the kernel writes the body
 straight into it. This module only moves bytes and messages.
 
+With shared memory (``server.shared_arenas``), a producer's partition takes its segments
+from its application's shared arena: the connection sends SharedArena (a one-time token
+and the first segments granted) and the task fetches the arena's descriptor on the
+hand-out socket beside the local socket (``<local_socket>.arena``, same mode): it sends
+the token and gets the descriptor as ``SCM_RIGHTS``. A token is good once, only while its
+connection is open, and names only the arena of the application that connection
+authenticated for. The task then commits filled segments by index (CommitSegments).
+
 A consumer task may also report its gates' figures (TaskMetrics) on a connection of its
 own; the latest report per (connection, task, gate) is kept on that connection, so it
 goes when the connection closes: a task that stopped leaves no stale gauges.
@@ -27,6 +35,7 @@ import contextlib
 import errno
 import logging
 import os
+import secrets
 import socket
 import time
 from typing import TYPE_CHECKING, ClassVar, Final
@@ -34,13 +43,18 @@ from typing import TYPE_CHECKING, ClassVar, Final
 from exchange.errors import (
     ConfigError,
     ExchangeError,
+    InsufficientBuffersError,
     PartitionError,
     ProtocolError,
 )
 from exchange.local.producer_session import PUSH_BUFFER_FRAMES, ProducerSession, PushHeader
+from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.network.server_connection import DATA_PORT_MESSAGES
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.local_messages import (
+    ARENA_SOCKET_SUFFIX,
+    ARENA_TOKEN_SIZE,
+    CommitSegments,
     CreatePartition,
     DaemonInfoRequest,
     FailPartition,
@@ -50,6 +64,8 @@ from exchange.protocol.local_messages import (
     PushBuffer,
     Released,
     ReleaseDataset,
+    RequestOverdraft,
+    SharedArena,
     TaskMetrics,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_response_for
@@ -80,8 +96,17 @@ class LocalEndpoint(DataServer):
         self.producers = 0
         self.bytes_received = 0
         self.buffers_received = 0
+        self.overdraft_granted = 0
         self.partitions_created = 0
         self.producer_failures = 0
+        #: producer bytes by path: committed in a shared arena, or pushed over the socket
+        self.bytes_shared_memory = 0
+        self.bytes_socket = 0
+        #: one-time token -> the arena whose descriptor it fetches (one per connection)
+        self.arena_tokens: dict[bytes, NetworkBufferPool] = {}
+        self.arena_path: str | None = None
+        self._handout: asyncio.Task[None] | None = None
+        self._handouts: set[asyncio.Task[None]] = set()
         # unaligned checkpoints: overtaken buffers handed back to producer tasks
         self.output_state_bytes = 0
         self.output_state_buffers = 0
@@ -116,6 +141,8 @@ class LocalEndpoint(DataServer):
                 os.chown(path, -1, gid)
             if mode != 0o600:
                 os.chmod(path, mode)
+            if self.daemon.shared_arenas.unavailable is None:
+                self._start_handout(path + ARENA_SOCKET_SUFFIX, mode, gid)
         except OSError as exc:
             await self.close()
             raise ConfigError(
@@ -125,7 +152,81 @@ class LocalEndpoint(DataServer):
             ) from None
         return path
 
+    # -- shared arenas: descriptors handed out by token ----------------------------------
+
+    def _start_handout(self, path: str, mode: int, gid: int | None) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # ours: the main socket was free, so no daemon runs here
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            lsock.bind(path)
+        except OSError:
+            lsock.close()
+            raise
+        finally:
+            os.umask(old)
+        self.arena_path = path
+        if gid is not None:
+            os.chown(path, -1, gid)
+        if mode != 0o600:
+            os.chmod(path, mode)
+        lsock.listen(64)
+        lsock.setblocking(False)
+        self._handout = asyncio.get_running_loop().create_task(self._serve_handouts(lsock))
+
+    async def _serve_handouts(self, lsock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                conn, _ = await loop.sock_accept(lsock)
+                task = loop.create_task(self._hand_out(conn))
+                self._handouts.add(task)
+                task.add_done_callback(self._handouts.discard)
+        finally:
+            lsock.close()
+
+    async def _hand_out(self, conn: socket.socket) -> None:
+        """Read a token; answer with its arena's descriptor, or close (unknown token)."""
+        loop = asyncio.get_running_loop()
+        with conn:
+            conn.setblocking(False)
+            token = b""
+            try:
+                async with asyncio.timeout(self.handshake_timeout):
+                    while len(token) < ARENA_TOKEN_SIZE:
+                        chunk = await loop.sock_recv(conn, ARENA_TOKEN_SIZE - len(token))
+                        if not chunk:
+                            return
+                        token += chunk
+            except (TimeoutError, OSError) as e:
+                log.info("arena hand-out: no token read (%s)", e or "timed out")
+                return
+            pool = self.arena_tokens.pop(token, None)
+            if pool is None or pool.arena_fd is None:
+                log.warning("arena hand-out refused: unknown, used or expired token")
+                return
+            try:
+                socket.send_fds(conn, [b"\0"], [pool.arena_fd])
+            except OSError as e:
+                log.warning("arena hand-out failed: %s", e)
+
+    async def _stop_handout(self) -> None:
+        tasks = [t for t in (self._handout, *self._handouts) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._handout = None
+        self.arena_tokens.clear()
+        if self.arena_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.arena_path)
+            self.arena_path = None
+
     async def close(self) -> None:
+        await self._stop_handout()
         await super().close()
         if self.path is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -140,6 +241,11 @@ class LocalEndpoint(DataServer):
             buffers_received=self.buffers_received,
             partitions_created=self.partitions_created,
             producer_failures=self.producer_failures,
+            overdraft_granted=self.overdraft_granted,
+            bytes_shared_memory=self.bytes_shared_memory,
+            bytes_socket=self.bytes_socket,
+            shared_arenas=len(self.daemon.shared_arenas),
+            shared_segments_in_use=sum(p.num_in_use for p in self.daemon.shared_arenas.pools()),
             output_state_bytes=self.output_state_bytes,
             output_state_buffers=self.output_state_buffers,
         )
@@ -191,8 +297,10 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
     accepted_messages: ClassVar[frozenset[type[Message]]] = DATA_PORT_MESSAGES | {
         CreatePartition,
         PushBuffer,
+        CommitSegments,
         FinishPartition,
         FailPartition,
+        RequestOverdraft,
         DaemonInfoRequest,
         TaskMetrics,
         JobStatus,
@@ -206,6 +314,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         self.daemon = endpoint.daemon
         self.session: ProducerSession | None = None
         self._producer_failed = False
+        self._arena_token: bytes | None = None
         #: (task, gate) -> the latest TaskMetrics of that gate on this connection
         self.task_reports: dict[tuple[str, str], TaskReport] = {}
 
@@ -241,6 +350,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             return
         if was_open:
             self._count_push(header.size)
+            self.endpoint.bytes_socket += header.size
 
     def _push_refused(self, session: ProducerSession, e: PartitionError) -> None:
         """The partition is gone (released, or a consumer failed): tell the task."""
@@ -253,6 +363,9 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         self.daemon.bytes_in += n
 
     def on_message(self, msg: Message) -> None:
+        if type(msg) is CommitSegments:
+            self._commit(msg)
+            return
         if type(msg) is PushBuffer:
             if self._producer_failed:
                 return  # in flight before the task learned its partition is gone
@@ -266,6 +379,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 return
             if msg.data_type.is_buffer:
                 self._count_push(len(msg.payload))
+                self.endpoint.bytes_socket += len(msg.payload)
             return
         if self._producer_failed and isinstance(msg, (FinishPartition, FailPartition)):
             return
@@ -284,6 +398,10 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                     f"producer task failed: {reason}"
                 ):
                     self._count_failure()
+            case RequestOverdraft(count=count):
+                if self.session is None:
+                    raise ProtocolError("RequestOverdraft without an open partition")
+                self.endpoint.overdraft_granted += self.session.request_overdraft(count)
             case ReleaseDataset(dataset_id=ds):
                 self.send(Released(self.daemon.release_dataset(ds, self._conn().app_id)))
             case DaemonInfoRequest():
@@ -294,6 +412,24 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 self.endpoint.jobs.update(msg, self._conn().app_id)
             case _:
                 super().on_message(msg)
+
+    def _commit(self, msg: CommitSegments) -> None:
+        """Filled segments of the shared arena: queued where they lie."""
+        if self._producer_failed:
+            return  # in flight before the task learned its partition is gone
+        session = self.session
+        if session is None:
+            raise ProtocolError("CommitSegments before CreatePartition")
+        n = 0
+        try:
+            for segment, size, subpartition in msg.commits:
+                session.commit(segment, size, subpartition)
+                n += size
+                self._count_push(size)
+        except PartitionError as e:
+            self._push_refused(session, e)
+        finally:
+            self.endpoint.bytes_shared_memory += n
 
     def _task_report(self, msg: TaskMetrics) -> None:
         key = (msg.task, msg.gate)
@@ -318,14 +454,28 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         if self.session is not None:
             raise ProtocolError("one partition per producer connection")
         conn = self._conn()
+        # the daemon's choice: the application's shared arena when the task can map it
+        arena = self.daemon.shared_arenas.pool_for(conn.app_id) if msg.shared_memory else None
+        ptype = ResultPartitionType.BLOCKING if msg.blocking else ResultPartitionType.PIPELINED
         try:  # ids are per application: another's same id is another partition
-            partition = self.daemon.create_partition(
-                msg.partition_id,
-                ResultPartitionType.BLOCKING if msg.blocking else ResultPartitionType.PIPELINED,
-                msg.num_subpartitions,
-                app_id=conn.app_id,
-            )
+            try:
+                partition = self.daemon.create_partition(
+                    msg.partition_id,
+                    ptype,
+                    msg.num_subpartitions,
+                    app_id=conn.app_id,
+                    network_pool=arena,
+                )
+            except InsufficientBuffersError as e:
+                if arena is None:
+                    raise
+                log.info("%s: its arena is full (%s); it goes over the socket", msg.partition_id, e)
+                arena = None
+                partition = self.daemon.create_partition(
+                    msg.partition_id, ptype, msg.num_subpartitions, app_id=conn.app_id
+                )
         except ExchangeError as e:
+            self.daemon.shared_arenas.release_idle()  # an arena made for it goes again
             self._close_with(error_response_for(e))
             return
         self.endpoint.producers += 1
@@ -336,13 +486,21 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             max_credit=self.daemon.config.producer_credit,
             on_abort=self.fail_producer,
             schedule=self._loop.call_soon,
+            shared=arena is not None,
             on_output_state=self._count_output_state,
         )
         credit = self.session.start()
+        if arena is not None:
+            token = secrets.token_bytes(ARENA_TOKEN_SIZE)
+            self._arena_token = token
+            self.endpoint.arena_tokens[token] = arena
+            self.send(SharedArena(token, arena.arena_size, self.session.granted_segments(credit)))
         self.send(PartitionCreated(credit, self.daemon.segment_size))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.task_reports.clear()
+        if self._arena_token is not None:
+            self.endpoint.arena_tokens.pop(self._arena_token, None)
         session = self.session
         if session is not None:
             self.endpoint.producers -= 1
@@ -350,4 +508,4 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 self._count_failure()
         super().connection_lost(exc)  # stops the input: nothing lands any more
         if session is not None:
-            session.drop_landing()
+            session.drop_landing()  # and the shared segments the task was granted

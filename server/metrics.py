@@ -162,6 +162,8 @@ class DaemonView(Protocol):
     """What metrics and the HTTP port read from a daemon (``server.daemon.Daemon``).
 
     ``local_endpoint_stats()`` has the keys producers, consumers, bytes_received,
+    buffers_received, partitions_created, producer_failures, bytes_shared_memory,
+    bytes_socket, shared_arenas. ``totals()`` holds cumulative
     buffers_received, partitions_created, producer_failures, output_state_bytes,
     output_state_buffers. ``totals()`` holds cumulative
     counters that survive partition release: bytes_in, bytes_out, buffers_out,
@@ -302,6 +304,25 @@ def summarize_partitions(
     return PartitionSummary(rows[:limit], _fold(rest), len(rest), by_type, finished)
 
 
+def network_stats(d: DaemonView) -> NetworkBufferPoolStats:
+    """The daemon's network memory: its own pool plus its applications' shared arenas
+    (``server.shared_arenas``), summed segment by segment."""
+    s = d.network_pool.stats()
+    arenas = getattr(d, "shared_arenas", None)
+    for pool in arenas.pools() if arenas is not None else ():
+        a = pool.stats()
+        s = NetworkBufferPoolStats(
+            s.total_segments + a.total_segments,
+            s.available_segments + a.available_segments,
+            s.in_use_segments + a.in_use_segments,
+            s.segment_size,
+            s.num_local_pools + a.num_local_pools,
+            s.required_segments + a.required_segments,
+            s.overdraft_segments + a.overdraft_segments,
+        )
+    return s
+
+
 def _num(mapping: Mapping[str, float], key: str) -> float:
     value = mapping.get(key, 0)
     return float(value) if isinstance(value, int | float) else 0.0
@@ -377,7 +398,7 @@ class ExchangeCollector:
     def collect(self) -> Iterator[Metric]:
         d = self.daemon
         yield from self._info(d)
-        yield from self._network(d.network_pool.stats())
+        yield from self._network(network_stats(d))
         yield from self._partitions(d)
         yield from self._traffic_metrics(d)
         yield from self._tasks(_task_reports(d))
@@ -592,6 +613,12 @@ class ExchangeCollector:
             value=s.in_use_segments,
         )
         yield GaugeMetricFamily(
+            "exchange_network_segments_overdraft",
+            "Of the segments handed out, those producers hold as overdraft: beyond their "
+            "partition's pool, to finish a record (max_overdraft_buffers_per_partition).",
+            value=s.overdraft_segments,
+        )
+        yield GaugeMetricFamily(
             "exchange_network_segments_required",
             "Segments guaranteed to local pools and exclusive requests.",
             value=s.required_segments,
@@ -709,6 +736,28 @@ class ExchangeCollector:
             "exchange_buffers_received_total",
             "Buffers received from producer tasks on this host.",
             _num(local, "buffers_received"),
+        )
+        by_path = CounterMetricFamily(
+            "exchange_producer_bytes_total",
+            "Bytes local producer tasks handed over, by path: written into their "
+            "application's shared arena and committed by index (shared_memory), or pushed "
+            "over the Unix socket (socket).",
+            labels=["path"],
+        )
+        by_path.add_metric(["shared_memory"], _num(local, "bytes_shared_memory"))
+        by_path.add_metric(["socket"], _num(local, "bytes_socket"))
+        yield by_path
+        yield gauge(
+            "exchange_shared_arenas",
+            "Applications with a shared arena on this daemon now (0 when shared memory is "
+            "off or unavailable; the log says why).",
+            _num(local, "shared_arenas"),
+        )
+        yield counter(
+            "exchange_overdraft_buffers_total",
+            "Overdraft segments granted to producer tasks that ran out of credit in the middle "
+            "of a record (Flink's overdraft buffers).",
+            _num(local, "overdraft_granted"),
         )
         yield counter(
             "exchange_output_channel_state_bytes_total",
@@ -878,7 +927,7 @@ def stats_snapshot(
     """
     d = daemon
     now = float(clock())
-    s = d.network_pool.stats()
+    s = network_stats(d)
     summary = summarize_partitions(d.manager.partitions, max_partitions)
     totals = {k: float(v) for k, v in d.totals().items()}
     port: dict[str, Any] = dict(d.data_server.stats())
@@ -904,6 +953,7 @@ def stats_snapshot(
             "available_segments": s.available_segments,
             "used_segments": s.in_use_segments,
             "required_segments": s.required_segments,
+            "overdraft_segments": s.overdraft_segments,
             "segment_size": s.segment_size,
             "local_pools": s.num_local_pools,
             "memory_bytes": s.total_segments * s.segment_size,

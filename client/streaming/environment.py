@@ -56,7 +56,7 @@ from client.streaming.job_status import AttemptFailure, FailureCollector, JobSta
 from client.streaming.runners import Runner, runner_for
 from client.streaming.task import JobSpec, dataset_of
 from exchange.best_effort import best_effort
-from exchange.checkpointing import CheckpointFailureReason
+from exchange.checkpointing import AlignmentMode, CheckpointFailureReason
 from exchange.checkpointing.coordinator import (
     CheckpointConfig,
     CheckpointCoordinator,
@@ -68,8 +68,8 @@ from exchange.checkpointing.coordinator import (
     NotifyComplete,
     TriggerCheckpoint,
 )
-from exchange.config_values import parse_duration
-from exchange.errors import ExchangeError, UsageError
+from exchange.config_values import parse_duration, parse_size
+from exchange.errors import ConfigError, ExchangeError, UsageError
 from exchange.state import DEFAULT_MAX_PARALLELISM, NonRestoredStateError, checkpoint_key
 from exchange.state.key_groups import MAX_MAX_PARALLELISM
 
@@ -123,6 +123,9 @@ class CheckpointInfo:
     unaligned: bool = False
     #: per task, the bytes of in-flight input it persisted as channel state (unaligned)
     persisted_bytes: dict[str, int] = field(default_factory=dict)
+    #: bytes all tasks processed (``block_upstream``) or parked in memory or spill files
+    #: (``buffer``, ``spill``) while aligning this checkpoint
+    aligned_bytes: int = 0
 
 
 @dataclass
@@ -183,6 +186,9 @@ class StreamEnvironment:
         secret_file: str | None = None,
         lease_timeout: float | str = 30.0,
         aligned_checkpoint_timeout: float | str | None = None,
+        alignment: str = "block_upstream",
+        alignment_limit: int | str | None = None,
+        alignment_spill_dir: str | None = None,
     ) -> None:
         # the arguments first, Spark last: a bad argument is named before Spark is touched
         #: how long a record may wait in a task's partly filled output buffer (Flink's
@@ -223,6 +229,31 @@ class StreamEnvironment:
                 else parse_duration(aligned_checkpoint_timeout, "aligned_checkpoint_timeout")
             ),
         )
+        #: how exactly-once alignment holds back the channels that delivered a barrier:
+        #: ``block_upstream`` (at the producer), ``buffer`` (parked in the task's memory)
+        #: or ``spill`` (parked in private files of the task, removed once replayed and
+        #: when the task ends); ``alignment_limit`` bytes (None: the daemon's
+        #: ``checkpoint_alignment_limit``) aborts an alignment that holds more
+        self.alignment = AlignmentMode.parse(alignment, "alignment")
+        if (
+            self.alignment is not AlignmentMode.BLOCK_UPSTREAM
+            and self.config.mode != "exactly_once"
+        ):
+            raise ConfigError(
+                "alignment",
+                f"{self.alignment.value!r} applies to mode 'exactly_once' (barriers are "
+                f"aligned), not {self.config.mode!r}",
+            )
+        self.alignment_limit = (
+            None if alignment_limit is None else parse_size(alignment_limit, "alignment_limit")
+        )
+        if alignment_spill_dir is not None and (
+            not isinstance(alignment_spill_dir, str) or not alignment_spill_dir
+        ):
+            raise ConfigError(
+                "alignment_spill_dir", f"must be a directory path, got {alignment_spill_dir!r}"
+            )
+        self.alignment_spill_dir = alignment_spill_dir
         if not isinstance(checkpoint_dir, str) or not checkpoint_dir:
             raise UsageError(f"checkpoint_dir must be a path or URL, got {checkpoint_dir!r}")
         self.checkpoint_dir = checkpoint_dir
@@ -558,7 +589,8 @@ class _Attempt:
         self.checkpoints: list[CheckpointInfo] = []
         self.aborted: list[tuple[int, str]] = []
         self.records: dict[str, int] = {}
-        self._acks: dict[int, tuple[float, int]] = {}  # checkpoint -> (alignment, bytes)
+        # checkpoint -> (alignment, state bytes, aligned bytes)
+        self._acks: dict[int, tuple[float, int, int]] = {}
         #: checkpoint -> task -> in-flight bytes it persisted (an unaligned trigger there)
         self._unaligned: dict[int, dict[str, int]] = {}
         #: collect sink name -> subtask -> its records (from the tasks' ``finished``)
@@ -591,6 +623,9 @@ class _Attempt:
             self.storage.key,
             env.credential,
             env.config.aligned_checkpoint_timeout,
+            alignment=env.alignment.value,
+            alignment_limit=env.alignment_limit,
+            alignment_spill_dir=env.alignment_spill_dir,
         )
         restored = None
         restore_msg = None
@@ -738,10 +773,11 @@ class _Attempt:
         elif kind == "ack":
             cid = msg["checkpoint"]
             figures = msg.get("metrics") or {}  # the task's CheckpointMetrics
-            alignment, size = self._acks.get(cid, (0.0, 0))
+            alignment, size, aligned = self._acks.get(cid, (0.0, 0, 0))
             self._acks[cid] = (
                 max(alignment, float(figures.get("alignment", 0.0))),
                 size + int(figures.get("state_bytes", 0)),
+                aligned + int(figures.get("aligned_bytes", 0)),
             )
             if figures.get("unaligned") or figures.get("persisted_bytes"):
                 persisted = int(figures.get("persisted_bytes", 0))
@@ -846,23 +882,33 @@ class _Attempt:
         return extra
 
     def _completed(self, coord: CheckpointCoordinator, checkpoint_id: int, final: bool) -> None:
-        alignment, size = self._acks.pop(checkpoint_id, (0.0, 0))
+        alignment, size, aligned = self._acks.pop(checkpoint_id, (0.0, 0, 0))
         persisted = self._unaligned.pop(checkpoint_id, {})
         duration = next(
             (h.duration or 0.0 for h in coord.history if h.checkpoint_id == checkpoint_id), 0.0
         )
         self.checkpoints.append(
             CheckpointInfo(
-                checkpoint_id, duration, alignment, size, final, bool(persisted), persisted
+                checkpoint_id,
+                duration,
+                alignment,
+                size,
+                final,
+                unaligned=bool(persisted),
+                persisted_bytes=persisted,
+                aligned_bytes=aligned,
             )
         )
         log.info(
-            "job %s: %scheckpoint %d done in %.0f ms (alignment %.0f ms, state %d bytes)",
+            "job %s: %scheckpoint %d done in %.0f ms (alignment %.0f ms, %d bytes %s while "
+            "aligning, state %d bytes)",
             self.env.job_id,
             "final " if final else "",
             checkpoint_id,
             1000 * duration,
             1000 * alignment,
+            aligned,
+            "processed" if self.env.alignment is AlignmentMode.BLOCK_UPSTREAM else "parked",
             size,
         )
 

@@ -154,6 +154,11 @@ class JobSpec:
     credential: bytes | None = None
     #: mode unaligned: seconds each checkpoint stays aligned first (None: unaligned at once)
     aligned_checkpoint_timeout: float | None = None
+    #: exactly-once alignment: ``AlignmentMode`` value, limit in bytes (None: the
+    #: daemon's), parent of the task's private spill directory (None: its temp dir)
+    alignment: str = "block_upstream"
+    alignment_limit: int | None = None
+    alignment_spill_dir: str | None = None
 
 
 @dataclass
@@ -536,6 +541,13 @@ class StreamTask:
             checkpoint_listener=self,
             checkpointing_mode=self.job.mode,
             aligned_checkpoint_timeout=self.job.aligned_checkpoint_timeout,
+            alignment=self.job.alignment,
+            alignment_spill_dir=self.job.alignment_spill_dir,
+            **(
+                {}
+                if self.job.alignment_limit is None
+                else {"checkpoint_alignment_limit": self.job.alignment_limit}
+            ),
             metrics_socket=self.daemon_socket,  # TaskMetrics: debloating, alignment
             task_name=f"{self.job.job_id}/{self.task_id}",
             secret=self.job.credential,

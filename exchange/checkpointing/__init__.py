@@ -31,7 +31,12 @@ from __future__ import annotations
 import os
 from typing import Final, cast
 
-from exchange.checkpointing.aligner import AlignedBarrierHandler, AlignmentState, AlignmentStrategy
+from exchange.checkpointing.aligner import (
+    AlignedBarrierHandler,
+    AlignmentMode,
+    AlignmentState,
+    AlignmentStrategy,
+)
 from exchange.checkpointing.barrier_handler import (
     BarrierHandlerStats,
     ChannelBlockedError,
@@ -81,6 +86,7 @@ __all__ = [
     "MAX_CHECKPOINTS_TO_TRACK",
     "AbortReason",
     "AlignedBarrierHandler",
+    "AlignmentMode",
     "AlignmentState",
     "AlignmentStrategy",
     "BarrierHandlerStats",
@@ -133,21 +139,26 @@ def create_barrier_handler(
     page_size: int | None = None,
     max_aligned_bytes: int | None = None,
     aligned_checkpoint_timeout: float | None = None,
+    alignment: AlignmentMode | None = None,
 ) -> CheckpointBarrierHandler:
     """The handler for ``mode`` (Flink's ``InputProcessorUtil.createCheckpointBarrierHandler``).
 
     Exactly once blocks upstream unless a ``blocker`` is given, or ``spill_dir`` and
-    ``page_size`` (a BufferSpiller), which select parking. Unaligned needs a listener that
-    takes channel state (``UnalignedCheckpointListener``); ``aligned_checkpoint_timeout``
-    (seconds, unaligned only) starts each checkpoint aligned.
+    ``page_size`` (a BufferSpiller), which select parking. ``alignment`` (a job's
+    setting) decides instead when given: ``buffer`` parks in memory, ``spill`` in a
+    private directory under ``spill_dir`` (None: the temporary directory) removed when
+    the handler closes. Unaligned needs a listener that takes channel state
+    (``UnalignedCheckpointListener``) and never parks (``alignment`` None or
+    ``block_upstream``); ``aligned_checkpoint_timeout`` (seconds, unaligned only) starts
+    each checkpoint aligned, blocking upstream.
     """
     if aligned_checkpoint_timeout is not None and mode is not CheckpointingMode.UNALIGNED:
         raise UsageError(f"aligned_checkpoint_timeout applies to unaligned mode, not {mode.value}")
     if mode is CheckpointingMode.AT_LEAST_ONCE:
         return CheckpointBarrierTracker(num_channels, listener, clock, resume)
     if mode is CheckpointingMode.UNALIGNED:
-        if blocker is not None or spill_dir is not None:
-            raise UsageError("unaligned checkpoints never park input: no blocker or spill_dir")
+        if blocker is not None or alignment not in (None, AlignmentMode.BLOCK_UPSTREAM):
+            raise UsageError("unaligned checkpoints never park input: no blocker or alignment")
         if not all(callable(getattr(listener, m, None)) for m in _CHANNEL_STATE_METHODS):
             raise UsageError(
                 "unaligned checkpoints need a listener with persist_input and "
@@ -160,17 +171,31 @@ def create_barrier_handler(
             resume,
             aligned_checkpoint_timeout=aligned_checkpoint_timeout,
         )
+    if alignment is AlignmentMode.BUFFER:
+        blocker = CachedBufferBlocker()
+    elif alignment is AlignmentMode.SPILL:
+        if page_size is None:
+            raise UsageError("spilling alignment needs the page size")
+        blocker = BufferSpiller.private(spill_dir, page_size)
+    elif alignment is AlignmentMode.BLOCK_UPSTREAM:
+        blocker = None
+        spill_dir = None
     if blocker is None and spill_dir is not None:
         if page_size is None:
             raise UsageError("spilling alignment needs the page size")
         blocker = BufferSpiller(spill_dir, page_size)
     strategy = AlignmentStrategy.BLOCKING_UPSTREAM if blocker is None else AlignmentStrategy.PARKING
-    return AlignedBarrierHandler(
-        num_channels,
-        listener,
-        clock,
-        resume,
-        strategy=strategy,
-        blocker=blocker,
-        max_aligned_bytes=max_aligned_bytes,
-    )
+    try:
+        return AlignedBarrierHandler(
+            num_channels,
+            listener,
+            clock,
+            resume,
+            strategy=strategy,
+            blocker=blocker,
+            max_aligned_bytes=max_aligned_bytes,
+        )
+    except BaseException:
+        if blocker is not None:
+            blocker.close()  # a private spill directory goes with it
+        raise

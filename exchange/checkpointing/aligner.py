@@ -52,7 +52,37 @@ from exchange.consumer.single_input_gate import BufferOrEvent
 from exchange.errors import ConfigError, IllegalStateError, UsageError
 from exchange.events.events import CancelCheckpointMarker, CheckpointBarrier, EndOfPartitionEvent
 
-__all__ = ["AlignedBarrierHandler", "AlignmentState", "AlignmentStrategy"]
+__all__ = ["AlignedBarrierHandler", "AlignmentMode", "AlignmentState", "AlignmentStrategy"]
+
+
+class AlignmentMode(Enum):
+    """What a job asks of its aligned (exactly-once) handlers: the ``alignment`` setting.
+
+    ``block_upstream`` (the default) holds an aligned channel at its producer;
+    ``buffer`` parks its input in memory (``CachedBufferBlocker``); ``spill`` parks it in
+    private spill files (``BufferSpiller``), releasing each buffer at once.
+    """
+
+    BLOCK_UPSTREAM = "block_upstream"
+    BUFFER = "buffer"
+    SPILL = "spill"
+
+    @classmethod
+    def parse(cls, value: object, setting: str = "alignment") -> AlignmentMode:
+        """``value`` as a mode (a mode or its name); ConfigError naming ``setting``."""
+        if isinstance(value, AlignmentMode):
+            return value
+        if isinstance(value, str):
+            for mode in cls:
+                if mode.value == value:
+                    return mode
+        raise ConfigError(setting, f"must be one of {[m.value for m in cls]}, got {value!r}")
+
+    @property
+    def strategy(self) -> AlignmentStrategy:
+        if self is AlignmentMode.BLOCK_UPSTREAM:
+            return AlignmentStrategy.BLOCKING_UPSTREAM
+        return AlignmentStrategy.PARKING
 
 
 class AlignmentStrategy(Enum):

@@ -11,7 +11,9 @@ nothing was parked); the blocker then parks into a fresh sequence. Two kinds:
   (little endian; ``is_buffer`` 0 for a data buffer, 1 for an event) then the bytes. Every
   roll-over starts a new file; a sequence reads its file back with size checks (a short or
   malformed record raises CorruptRecordError), replays data as new unpooled buffers, and
-  deletes the file once consumed or cleaned up.
+  deletes the file once consumed or cleaned up. Spill files hold the job's records, so
+  they are created 0600 with ``O_EXCL | O_NOFOLLOW``; ``BufferSpiller.private`` spills
+  into a fresh 0700 directory of its own (``mkdtemp``) that ``close`` removes.
 
 Replayed items carry ``more_available=True`` (the reader polls the handler until None
 anyway). Sizes are payload bytes (a buffer's size, an event's serialized size) for both kinds, so
@@ -23,7 +25,9 @@ from __future__ import annotations
 import abc
 import io
 import os
+import shutil
 import struct
+import tempfile
 from collections import deque
 from pathlib import Path
 from typing import Final
@@ -214,6 +218,15 @@ class BufferSpiller(BufferBlocker):
         self._counter = 0
         self._path: Path | None = None
         self._file: io.BufferedWriter | None = None
+        self._owns_dir = False
+
+    @classmethod
+    def private(cls, parent: str | os.PathLike[str] | None, page_size: int) -> BufferSpiller:
+        """A spiller in a new private directory (0700, ``mkdtemp``) under ``parent`` (None:
+        the temporary directory), removed with what is left in it by ``close``."""
+        spiller = cls(tempfile.mkdtemp(prefix="exchange-align-", dir=parent), page_size)
+        spiller._owns_dir = True
+        return spiller
 
     def _add(self, boe: BufferOrEvent, size: int) -> None:
         try:
@@ -223,7 +236,10 @@ class BufferSpiller(BufferBlocker):
             if f is None:
                 self._path = self.spill_dir / f"{self._prefix}.{self._counter}.spill"
                 self._counter += 1
-                f = self._file = open(self._path, "wb")  # noqa: SIM115 - closed on roll-over
+                fd = os.open(
+                    self._path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600
+                )
+                f = self._file = os.fdopen(fd, "wb")
             if boe.buffer is not None:
                 f.write(HEADER.pack(boe.channel_index, size, 0))
                 f.write(boe.buffer.memoryview())
@@ -251,4 +267,7 @@ class BufferSpiller(BufferBlocker):
             self._path.unlink(missing_ok=True)
             self._file = self._path = None
         self.bytes_blocked = 0
+        if self._owns_dir:
+            self._owns_dir = False
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
         super().close()

@@ -8,12 +8,23 @@ When the pool is exhausted (consumers are slow) the session registers as the poo
 BufferListener and is handed each segment a consumer frees; credit goes back to the task
 in batches (``AddProducerCredit``), not one message per buffer: a grant is sent when a
 quarter of the window has accumulated, or at once when the task has no credit left.
+A task whose next buffer continues a record it began, and that has no credit, asks for
+overdraft (``RequestOverdraft``): the session takes what the pool's overdraft allows
+(``LocalBufferPool.request_overdraft_buffer``: beyond the pool's size, only from free
+global segments) and grants it at once, so the record ends without waiting for a consumer.
 A NewBufferSize a consumer announces for a pipelined subpartition (buffer debloating)
 goes on to the task as ``ProducerBufferSize``: the task's writer cuts the buffers.
 The buffers an unaligned barrier of the task overtakes in a pipelined subpartition go back
 to the task (a copy of each, then the subpartition's segments are its own again) as
 ``OutputChannelState`` messages and one ``OutputChannelStateComplete`` per subpartition:
 the task persists them with its snapshot (``exchange/checkpointing/output_channel_state``).
+
+With ``shared=True`` the partition's pool is carved from the application's shared arena
+(the task maps it): grants name the reserved segments by index (``GrantSegments``), the
+task writes a buffer into the oldest granted segment and commits it (``commit``), and the
+daemon queues that very segment, no byte copied. A segment counts only once committed; the
+segments granted to a task that ends are held until its connection is gone (it may still
+be writing into them: ``drop_landing``), then they return to the pool.
 
 The session does no I/O: messages for the task go through the injected ``send``. Its
 lifecycle is one enum, with the transitions in ``_TRANSITIONS``:
@@ -49,6 +60,7 @@ from exchange.protocol.codec import DataFrameSpec
 from exchange.protocol.local_messages import (
     ALL_SUBPARTITIONS,
     AddProducerCredit,
+    GrantSegments,
     OutputChannelState,
     OutputChannelStateComplete,
     PartitionFinished,
@@ -126,6 +138,7 @@ class ProducerSession:
         on_abort: Callable[[ErrorResponse], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         schedule: Callable[[Callable[[], None]], object] | None = None,
+        shared: bool = False,
         on_output_state: Callable[[int, int], None] | None = None,
     ) -> None:
         """``on_output_state(buffers, bytes)``: output channel state was handed back to
@@ -142,6 +155,10 @@ class ProducerSession:
         # taken for pushes whose bytes are arriving, in stream order (the decoder may
         # hand out several views before the first one's payload is reported)
         self._landing: deque[Buffer] = deque()
+        #: grants name segments by index; the task writes them in the shared arena
+        self.shared = shared
+        # shared: segments granted to a task whose session ended, held until it is gone
+        self._held: list[Buffer] = []
         self._granted = 0  # credit the task holds (granted, not yet used by a push)
         self._unannounced = 0  # reserved segments not yet granted
         self._listening = False
@@ -155,6 +172,7 @@ class ProducerSession:
         self.bytes_received = 0
         self.buffers_received = 0
         self.credit_messages = 0
+        self.overdraft_granted = 0
         # unaligned checkpoints: output channel state handed back to the task
         self.output_state_bytes = 0
         self.output_state_buffers = 0
@@ -181,11 +199,18 @@ class ProducerSession:
 
     def start(self) -> int:
         """Reserve what the pool has free now; returns the first grant (for
-        PartitionCreated). Later grants go out as AddProducerCredit."""
+        PartitionCreated; ``granted_segments`` names them when shared). Later grants go
+        out as AddProducerCredit (GrantSegments when shared)."""
         self._reserve_nowait()
         credit, self._unannounced = self._unannounced, 0
         self._granted += credit
         return credit
+
+    def granted_segments(self, n: int) -> tuple[int, ...]:
+        """The arena indices of the ``n`` segments granted last (the newest reserved)."""
+        reserved = self._reserved
+        k = len(reserved) - self._unannounced
+        return tuple(reserved[i].segment.index for i in range(k - n, k))
 
     def _reserve_nowait(self) -> None:
         pool = self.partition.buffer_pool
@@ -222,7 +247,31 @@ class ProducerSession:
             self._unannounced = 0
             self._granted += n
             self.credit_messages += 1
-            self._send(AddProducerCredit(n))
+            if self.shared:
+                self._send(GrantSegments(self.granted_segments(n)))
+            else:
+                self._send(AddProducerCredit(n))
+
+    def request_overdraft(self, count: int) -> int:
+        """The task waits to push the rest of a record and has no credit: reserve up to
+        ``count`` overdraft segments and grant them now. Returns how many (0: the pool's
+        overdraft is used up or the global pool has none free; the task waits for credit
+        as usual)."""
+        if self.state is not _OPEN:
+            return 0
+        pool = self.partition.buffer_pool
+        got = 0
+        while got < count and not pool.is_destroyed:
+            buf = pool.request_overdraft_buffer()
+            if buf is None:
+                break
+            self._reserved.append(buf)
+            got += 1
+        if got:
+            self.overdraft_granted += got
+            self._unannounced += got
+            self._announce_now()
+        return got
 
     # BufferListener: a consumer freed a segment of the partition's pool.
     def notify_buffer_available(self, buffer: Buffer) -> NotificationResult:
@@ -281,10 +330,36 @@ class ProducerSession:
         return buf
 
     def drop_landing(self) -> None:
-        """The connection died while pushes were landing: their segments go back (call
-        this once nothing writes into the views any more)."""
+        """The connection is gone: segments whose pushes were landing, and those granted
+        to the task (shared), go back (call this once nothing writes into them any more)."""
         while self._landing:
             self._landing.popleft().release()
+        held, self._held = self._held, []
+        for buf in held:
+            buf.release()
+
+    def commit(self, segment: int, size: int, subpartition: int) -> None:
+        """The task filled granted segment ``segment`` with ``size`` bytes for
+        ``subpartition``: queue it there in place. Segments are committed in the order
+        they were granted; anything else is a ProtocolError."""
+        if not self.shared:
+            raise ProtocolError("CommitSegments on a partition without shared memory")
+        if self.state is not _OPEN:
+            if self.state is ProducerSessionState.FINISHED:
+                raise ProtocolError("CommitSegments after FinishPartition")
+            return  # the partition went while the commit was in flight: dropped
+        if self._granted <= 0:
+            raise ProtocolError(f"commit of segment {segment} without credit")
+        buf = self._reserved[0]
+        if buf.segment.index != segment:
+            raise ProtocolError(
+                f"commit of segment {segment}; the oldest granted is {buf.segment.index}"
+            )
+        if not 0 < size <= buf.segment.size:
+            raise ProtocolError(f"commit of {size} bytes into a {buf.segment.size}-byte segment")
+        self._granted -= 1
+        self._reserved.popleft()
+        self._queue(buf, subpartition, size)
 
     def on_data_pushed(self, subpartition: int, size: int) -> None:
         """The bytes of the oldest landing buffer are in place: queue it. A session that
@@ -295,6 +370,9 @@ class ProducerSession:
         if self.state is not _OPEN:
             buf.release()
             return
+        self._queue(buf, subpartition, size)
+
+    def _queue(self, buf: Buffer, subpartition: int, size: int) -> None:
         buf.set_size(size)
         n = self.partition.num_subpartitions
         if not 0 <= subpartition < n and subpartition != ALL_SUBPARTITIONS:
@@ -323,8 +401,12 @@ class ProducerSession:
     # -- ending --------------------------------------------------------------------------
 
     def _drop_reserved(self) -> None:
-        while self._reserved:
-            self._reserved.popleft().release()
+        reserved = self._reserved
+        if self.shared:  # the task may still write into what it was granted
+            for _ in range(min(self._granted, len(reserved))):
+                self._held.append(reserved.popleft())
+        while reserved:
+            reserved.popleft().release()
         self._granted = 0
         self._unannounced = 0
 

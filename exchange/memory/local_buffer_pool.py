@@ -10,6 +10,14 @@ floating buffer); else into the pool's own available queue.
 Backpressure: a writer that gets no buffer from ``request_buffer`` awaits
 ``get_available_future`` (a release, a grown pool or a refilled global pool completes it;
 ``destroy`` fails it) and asks again.
+
+Overdraft (Flink's ``maxOverdraftBuffersPerGate``): a writer that has started a record and
+has no buffer left for its rest may take up to ``max_overdraft_buffers`` segments beyond
+the pool's size with ``request_overdraft_buffer``, straight from the global pool and only
+when it has one free (never at the expense of another pool's share), so the record ends
+and the task gets back to its mailbox (where the next barrier waits). Overdraft segments
+are counted apart from ``num_requested`` and go back first: while any is out, every
+recycled segment returns to the global pool.
 """
 
 from __future__ import annotations
@@ -37,6 +45,11 @@ class LocalBufferPoolStats(NamedTuple):
     num_requested: int
     num_available: int
     num_listeners: int
+    #: segments taken beyond the pool's size to finish a record, now in use
+    num_overdraft: int = 0
+    max_overdraft: int = 0
+    #: overdraft segments taken since the pool was created
+    overdraft_taken: int = 0
 
     @property
     def usage(self) -> float:
@@ -45,11 +58,33 @@ class LocalBufferPoolStats(NamedTuple):
         return in_use / self.current_pool_size if self.current_pool_size else 0.0
 
 
+def check_overdraft_limit(max_overdraft_buffers: object) -> None:
+    """UsageError unless ``max_overdraft_buffers`` is an int >= 0."""
+    if (
+        not isinstance(max_overdraft_buffers, int)
+        or isinstance(max_overdraft_buffers, bool)
+        or max_overdraft_buffers < 0
+    ):
+        raise UsageError(
+            f"max_overdraft_buffers must be an int >= 0, got {max_overdraft_buffers!r}"
+        )
+
+
 class LocalBufferPool:
     """A resizable pool of segments borrowed from a NetworkBufferPool."""
 
-    def __init__(self, network_pool: NetworkBufferPool, num_required: int, max_segments: int):
+    def __init__(
+        self,
+        network_pool: NetworkBufferPool,
+        num_required: int,
+        max_segments: int,
+        max_overdraft_buffers: int = 0,
+    ):
+        check_overdraft_limit(max_overdraft_buffers)
         self._network_pool = network_pool
+        self.max_overdraft_buffers = max_overdraft_buffers
+        self._num_overdraft = 0
+        self.overdraft_taken = 0
         self.num_required = num_required
         self.max_segments = max_segments
         self.current_pool_size = num_required
@@ -80,6 +115,11 @@ class LocalBufferPool:
         return self._num_requested - len(self._available)
 
     @property
+    def num_overdraft(self) -> int:
+        """Overdraft segments in use (beyond ``num_requested``)."""
+        return self._num_overdraft
+
+    @property
     def is_destroyed(self) -> bool:
         return self._destroyed
 
@@ -91,6 +131,9 @@ class LocalBufferPool:
             self._num_requested,
             len(self._available),
             len(self._listeners),
+            self._num_overdraft,
+            self.max_overdraft_buffers,
+            self.overdraft_taken,
         )
 
     # -- requesting ----------------------------------------------------------------------
@@ -118,6 +161,25 @@ class LocalBufferPool:
             return None
         self._update_availability()
         return seg
+
+    def request_overdraft_buffer(self) -> Buffer | None:
+        """A segment beyond the pool's size, to finish a record that has begun; None when
+        the pool still has one of its own to give, ``max_overdraft_buffers`` are out, or the
+        global pool has none free."""
+        if self._destroyed:
+            raise PoolDestroyedError("local buffer pool destroyed")
+        if (
+            self._num_overdraft >= self.max_overdraft_buffers
+            or self._available
+            or self._num_requested < self.current_pool_size
+        ):
+            return None
+        seg = self._network_pool.request_memory_segment()
+        if seg is None:
+            return None
+        self._num_overdraft += 1
+        self.overdraft_taken += 1
+        return Buffer(seg, self)
 
     # -- availability --------------------------------------------------------------------
 
@@ -166,7 +228,11 @@ class LocalBufferPool:
     # -- recycling -----------------------------------------------------------------------
 
     def recycle(self, segment: MemorySegment) -> None:
-        """BufferRecycler: a buffer of this pool was released."""
+        """BufferRecycler: a buffer of this pool was released (overdraft goes back first)."""
+        if self._num_overdraft:
+            self._num_overdraft -= 1
+            self._network_pool.recycle(segment)
+            return
         if self._destroyed or self._num_requested > self.current_pool_size:
             self._return_to_global(segment)
             return
@@ -225,5 +291,6 @@ class LocalBufferPool:
         return (
             f"LocalBufferPool(size={self.current_pool_size} [{self.num_required}, "
             f"{self.max_segments}], requested={self._num_requested}, "
-            f"available={len(self._available)}, destroyed={self._destroyed})"
+            f"available={len(self._available)}, overdraft={self._num_overdraft}, "
+            f"destroyed={self._destroyed})"
         )

@@ -1,6 +1,9 @@
 """NetworkBufferPool: the fixed set of network memory segments of one daemon or process.
 
-One anonymous mmap arena carved into ``total_segments`` segments of ``segment_size``.
+One mmap arena carved into ``total_segments`` segments of ``segment_size``: anonymous
+memory, or with ``shared=True`` a shared arena (``exchange.memory.shared_arena``) whose
+descriptor (``arena_fd``) the daemon hands to one application's local tasks, so they
+write into its segments by index (segment ``i`` is bytes ``[i*size, (i+1)*size)``).
 Segments go out two ways, as in Flink: to LocalBufferPools (whose sizes the pool
 redistributes whenever one is created or destroyed) and as batches of exclusive segments
 (a RemoteInputChannel's exclusive buffers), which count as required segments.
@@ -13,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import mmap
+import os
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Final, NamedTuple
 
 from exchange.errors import (
@@ -26,6 +30,7 @@ from exchange.errors import (
 )
 from exchange.memory.availability import AvailabilityHelper
 from exchange.memory.memory_segment import MemorySegment
+from exchange.memory.shared_arena import SHM_DIR, create_arena
 
 if TYPE_CHECKING:
     from exchange.memory.local_buffer_pool import LocalBufferPool
@@ -53,6 +58,8 @@ class NetworkBufferPoolStats(NamedTuple):
     segment_size: int
     num_local_pools: int
     required_segments: int
+    #: of ``in_use_segments``, those local pools hold as overdraft (beyond their sizes)
+    overdraft_segments: int = 0
 
 
 class NetworkBufferPool:
@@ -64,6 +71,8 @@ class NetworkBufferPool:
         segment_size: int = DEFAULT_SEGMENT_SIZE,
         *,
         request_timeout: float = 30.0,
+        shared: bool = False,
+        shm_dir: str = SHM_DIR,
     ) -> None:
         if not isinstance(total_segments, int) or isinstance(total_segments, bool):
             raise UsageError(f"total_segments must be an int, got {total_segments!r}")
@@ -82,7 +91,15 @@ class NetworkBufferPool:
         self.total_segments = total_segments
         self.segment_size = segment_size
         self.request_timeout = request_timeout
-        self._arena: mmap.mmap | None = mmap.mmap(-1, total_segments * segment_size)
+        #: the shared arena's descriptor (``shared=True``), else None; closed by destroy
+        self.arena_fd: int | None = None
+        if shared:
+            self.arena_fd, arena = create_arena(
+                total_segments * segment_size, "exchange-network-memory", shm_dir=shm_dir
+            )
+        else:
+            arena = mmap.mmap(-1, total_segments * segment_size)
+        self._arena: mmap.mmap | None = arena
         arena_view = memoryview(self._arena)
         self._arena_view: memoryview | None = arena_view
         self._segments = [
@@ -96,6 +113,9 @@ class NetworkBufferPool:
         self._waiting_pools: dict[int, LocalBufferPool] = {}
         self._availability = AvailabilityHelper(available=True)
         self._destroyed = False
+        #: called when the pool becomes whole again (every segment back, no local pool):
+        #: the owner of an application's arena drops it then
+        self.on_whole: Callable[[], None] | None = None
         self._redistributing = False
         self._wakeup_deferred = False
 
@@ -114,6 +134,10 @@ class NetworkBufferPool:
         return self._num_required
 
     @property
+    def arena_size(self) -> int:
+        return self.total_segments * self.segment_size
+
+    @property
     def is_destroyed(self) -> bool:
         return self._destroyed
 
@@ -129,7 +153,13 @@ class NetworkBufferPool:
             self.segment_size,
             len(self._pools),
             self._num_required,
+            self.num_overdraft,
         )
+
+    @property
+    def num_overdraft(self) -> int:
+        """Segments in use as local pools' overdraft (counted in ``num_in_use`` too)."""
+        return sum(p.num_overdraft for p in self._pools.values())
 
     def check_consistency(self) -> None:
         """Raise IllegalStateError unless available + in use == total, all distinct."""
@@ -165,6 +195,8 @@ class NetworkBufferPool:
         """Return one segment to the pool."""
         self._take_back(segment)
         self._after_return()
+        if self.on_whole is not None and self.is_whole():
+            self.on_whole()
 
     # -- batches of exclusive segments ---------------------------------------------------
 
@@ -272,9 +304,12 @@ class NetworkBufferPool:
 
     # -- local buffer pools --------------------------------------------------------------
 
-    def create_buffer_pool(self, num_required: int, max_segments: int) -> LocalBufferPool:
-        """A LocalBufferPool guaranteed ``num_required`` segments, growing up to ``max``."""
-        from exchange.memory.local_buffer_pool import LocalBufferPool
+    def create_buffer_pool(
+        self, num_required: int, max_segments: int, max_overdraft_buffers: int = 0
+    ) -> LocalBufferPool:
+        """A LocalBufferPool guaranteed ``num_required`` segments, growing up to ``max``
+        (and ``max_overdraft_buffers`` beyond, to finish a record)."""
+        from exchange.memory.local_buffer_pool import LocalBufferPool, check_overdraft_limit
 
         self._check_alive()
         if not isinstance(num_required, int) or num_required < 0:
@@ -283,6 +318,7 @@ class NetworkBufferPool:
             raise UsageError(
                 f"max_segments must be an int >= max(num_required, 1), got {max_segments!r}"
             )
+        check_overdraft_limit(max_overdraft_buffers)  # before anything is reserved
         if self._num_required + num_required > self.total_segments:
             raise InsufficientBuffersError(
                 num_required,
@@ -291,7 +327,7 @@ class NetworkBufferPool:
                 NETWORK_MEMORY_SETTING,
             )
         self._num_required += num_required
-        pool = LocalBufferPool(self, num_required, max_segments)
+        pool = LocalBufferPool(self, num_required, max_segments, max_overdraft_buffers)
         self._pools[id(pool)] = pool
         self._redistribute()
         return pool
@@ -304,6 +340,8 @@ class NetworkBufferPool:
         self._num_required -= pool.num_required
         if not self._destroyed:
             self._redistribute()
+            if self.on_whole is not None and self.is_whole():
+                self.on_whole()
 
     def _redistribute(self) -> None:
         """Flink's redistributeBuffers: spare segments in proportion to excess capacity."""
@@ -389,6 +427,9 @@ class NetworkBufferPool:
             pass
         self._arena_view = None
         self._arena = None
+        if self.arena_fd is not None:
+            os.close(self.arena_fd)
+            self.arena_fd = None
 
     # -- internals -----------------------------------------------------------------------
 

@@ -165,6 +165,8 @@ class _FileWriterBase:
             account.charge(total)  # SpillError: over the quota or below the free floor
             self._charged += total
         crc = zlib.crc32(header, self._crc)
+        error: SpillError | None = None
+        view: memoryview | None = None
         try:
             if n:
                 view = buffer.memoryview()
@@ -177,7 +179,13 @@ class _FileWriterBase:
                 if done != HEADER.size:
                     _write_rest(fd, header, memoryview(b""), done)
         except OSError as e:
-            raise self._spill_error("write", e) from None
+            error = self._spill_error("write", e)
+        if error is not None:
+            # raised here, outside the handler and without the view: the error (kept as
+            # the partition's failure cause) must not pin the segment's memory through
+            # its traceback's frames (a shared arena would stay mapped, its fd open)
+            view = None
+            raise error
         self._crc = crc
         self._size += total
 

@@ -7,6 +7,14 @@ credit is one segment the daemon has reserved in the partition's pool, so a task
 push more than the pool holds, and waits when it is full). FinishPartition ends it and is
 acknowledged with PartitionFinished; a connection that closes first fails the partition.
 
+With shared memory (the daemon decides; a task asks with ``CreatePartition.shared_memory``
+on a Unix socket), the partition's segments live in its application's shared arena: the
+daemon sends SharedArena (a one-time token for the arena's descriptor, fetched over the
+endpoint's hand-out socket, and the first segments granted, by index) before
+PartitionCreated, later grants are GrantSegments, and the task writes a data buffer into a
+granted segment and sends only a CommitSegments entry (segment, length, subpartition), a
+batch of fixed 12-byte entries per frame. Events still travel as PushBuffer.
+
 The local endpoint also serves the ordinary data protocol (PartitionRequest, ...), so a
 consumer on the same host reads over the Unix socket instead of TCP.
 
@@ -49,21 +57,26 @@ from exchange.protocol.messages import Message
 
 __all__ = [
     "ALL_SUBPARTITIONS",
+    "ARENA_SOCKET_SUFFIX",
+    "ARENA_TOKEN_SIZE",
     "CHECKPOINT_STATES",
     "JOB_STATES",
     "MAX_JOB_CHECKPOINTS",
     "MAX_JOB_FAILURES",
     "MAX_JOB_TASKS",
+    "MAX_OVERDRAFT_REQUEST",
     "MAX_TASK_METRICS",
     "MAX_TASK_NAME_LENGTH",
     "TASK_METRIC_NAMES",
     "AddProducerCredit",
     "CheckpointRecord",
+    "CommitSegments",
     "CreatePartition",
     "DaemonInfo",
     "DaemonInfoRequest",
     "FailPartition",
     "FinishPartition",
+    "GrantSegments",
     "JobStatus",
     "JobTask",
     "OutputChannelState",
@@ -74,10 +87,20 @@ __all__ = [
     "PushBuffer",
     "ReleaseDataset",
     "Released",
+    "RequestOverdraft",
+    "SharedArena",
     "TaskMetrics",
+    "encode_commit",
 ]
 
 _PUSH: Final = struct.Struct(">IB")
+_COMMIT: Final = struct.Struct(">III")
+#: Bytes of the one-time token that fetches a shared arena's descriptor.
+ARENA_TOKEN_SIZE: Final = 32
+#: The arena hand-out socket is the local socket's path with this suffix.
+ARENA_SOCKET_SUFFIX: Final = ".arena"
+#: Segment indices one grant may carry (more than any producer credit window).
+_MAX_GRANT: Final = 4096
 _OUTPUT_STATE: Final = struct.Struct(">QI")
 _MAX_CHECKPOINT_ID: Final = 2**63 - 1
 
@@ -88,6 +111,8 @@ class CreatePartition(Message):
     partition_id: ResultPartitionID
     blocking: bool
     num_subpartitions: int
+    #: the task can map the daemon's shared arena (it is on a Unix socket of this host)
+    shared_memory: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +136,58 @@ class PushBuffer(Message):
 class AddProducerCredit(Message):
     MESSAGE_ID: ClassVar[int] = 67
     credit: int
+
+
+#: Overdraft segments a producer may ask for in one RequestOverdraft at most.
+MAX_OVERDRAFT_REQUEST: Final = 255
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOverdraft(Message):
+    """Producer task -> daemon: the task has no credit and the buffer it waits to push
+    continues a record it began; grant up to ``count`` overdraft segments (Flink's
+    overdraft buffers) beyond the pool, if the daemon's pool has them free. The grant
+    comes as an ordinary AddProducerCredit; nothing comes when none is free."""
+
+    MESSAGE_ID: ClassVar[int] = 88
+    count: int
+
+    def __post_init__(self) -> None:
+        c = self.count
+        if not isinstance(c, int) or isinstance(c, bool) or not 1 <= c <= MAX_OVERDRAFT_REQUEST:
+            raise ProtocolError(
+                f"RequestOverdraft count must be an int in [1, {MAX_OVERDRAFT_REQUEST}], got {c!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SharedArena(Message):
+    """Daemon -> producer task, before PartitionCreated: this partition's segments live in
+    the application's shared arena of ``arena_size`` bytes, whose descriptor the one-time
+    ``token`` fetches; ``segments`` are the first ones granted (by index)."""
+
+    MESSAGE_ID: ClassVar[int] = 80
+    token: bytes = field(repr=False)
+    arena_size: int
+    segments: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GrantSegments(Message):
+    """Daemon -> producer task: more segments of the shared arena, by index (its credit)."""
+
+    MESSAGE_ID: ClassVar[int] = 81
+    segments: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CommitSegments(Message):
+    """Producer task -> daemon: each ``(segment, length, subpartition)`` is a granted
+    segment the task has filled; the daemon queues it to the subpartition in place. Only
+    a committed segment counts: one the task dies writing is never read."""
+
+    MESSAGE_ID: ClassVar[int] = 82
+    commits: tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,7 +567,13 @@ def _pack(obj: dict[str, Any]) -> list[bytes]:
 
 
 def _dec_create(body: memoryview) -> CreatePartition:
-    m = _unpack_map(body, ("dataset", "index", "attempt", "blocking", "n"))
+    try:
+        m = _unpack_map(body, ("dataset", "index", "attempt", "blocking", "n", "shm"))
+    except ProtocolError:  # a task that does not map shared memory leaves "shm" out
+        m = _unpack_map(body, ("dataset", "index", "attempt", "blocking", "n"))
+        m["shm"] = False
+    if not isinstance(m["shm"], bool):
+        raise ProtocolError("shm must be a bool")
     try:
         pid = ResultPartitionID(
             _str(m["dataset"], "dataset"),
@@ -504,7 +587,7 @@ def _dec_create(body: memoryview) -> CreatePartition:
     n = _uint(m["n"], "n")
     if n == 0:
         raise ProtocolError("a partition needs at least one subpartition")
-    return CreatePartition(pid, m["blocking"], n)
+    return CreatePartition(pid, m["blocking"], n, m["shm"])
 
 
 def _enc_create(m: CreatePartition) -> list[bytes]:
@@ -516,8 +599,39 @@ def _enc_create(m: CreatePartition) -> list[bytes]:
             "attempt": p.attempt_id,
             "blocking": m.blocking,
             "n": m.num_subpartitions,
+            "shm": m.shared_memory,
         }
     )
+
+
+def _segments(v: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not 0 < len(v) <= _MAX_GRANT:
+        raise ProtocolError(f"{name} must be a list of 1 to {_MAX_GRANT} segment indices")
+    return tuple(_uint(i, name) for i in v)
+
+
+def _dec_arena(body: memoryview) -> SharedArena:
+    m = _unpack_map(body, ("token", "size", "segments"))
+    token = m["token"]
+    if not isinstance(token, bytes) or len(token) != ARENA_TOKEN_SIZE:
+        raise ProtocolError(f"token must be {ARENA_TOKEN_SIZE} bytes")
+    size = _uint(m["size"], "size", 2**48)
+    if size == 0:
+        raise ProtocolError("an arena of zero bytes")
+    segs = () if m["segments"] == [] else _segments(m["segments"], "segments")
+    return SharedArena(token, size, segs)
+
+
+def _dec_commits(body: memoryview) -> CommitSegments:
+    n, rest = divmod(len(body), _COMMIT.size)
+    if n == 0 or rest:
+        raise ProtocolError(f"CommitSegments body of {len(body)} bytes: not entries of 12")
+    return CommitSegments(tuple(_COMMIT.iter_unpack(body)))
+
+
+def encode_commit(segment: int, length: int, subpartition: int) -> bytes:
+    """One CommitSegments entry (a frame's body is a run of them)."""
+    return _COMMIT.pack(segment, length, subpartition)
 
 
 def _dec_push(body: memoryview) -> PushBuffer:
@@ -654,6 +768,30 @@ def _register() -> None:
     register_message(78, OutputChannelState, _dec_output_state, _enc_output_state)
     register_message(
         79, OutputChannelStateComplete, _dec_output_state_complete, _enc_output_state_complete
+    )
+    register_message(
+        88,
+        RequestOverdraft,
+        lambda b: RequestOverdraft(_uint(_unpack_map(b, ("count",))["count"], "count")),
+        lambda m: _pack({"count": m.count}),
+    )
+    register_message(
+        80,
+        SharedArena,
+        _dec_arena,
+        lambda m: _pack({"token": m.token, "size": m.arena_size, "segments": list(m.segments)}),
+    )
+    register_message(
+        81,
+        GrantSegments,
+        lambda b: GrantSegments(_segments(_unpack_map(b, ("segments",))["segments"], "segments")),
+        lambda m: _pack({"segments": list(m.segments)}),
+    )
+    register_message(
+        82,
+        CommitSegments,
+        _dec_commits,
+        lambda m: [b"".join(_COMMIT.pack(*c) for c in m.commits)],
     )
 
 

@@ -81,12 +81,16 @@ class OutputBuffer:
 
     ``pieces`` are memoryviews (or bytes) that stay valid until the driver dropped them;
     their total length is ``size``. Events carry their serialized form as one piece.
+    ``ends_mid_record``: the buffer ends inside an encoded batch, whose rest follows in
+    the target's next buffer (a record spans them: the consumer decodes it only once that
+    one arrives; a driver out of credit may ask for overdraft to send it).
     """
 
     target: int
     data_type: DataType
     size: int
     pieces: list[memoryview | bytes] = field(repr=False)
+    ends_mid_record: bool = False
 
     @property
     def is_event(self) -> bool:
@@ -615,7 +619,7 @@ class RecordWriter:
                 else:
                     stream.head = start + take
             stream.nbytes -= got
-            out.append(OutputBuffer(index, DataType.DATA_BUFFER, got, pieces))
+            out.append(OutputBuffer(index, DataType.DATA_BUFFER, got, pieces, stream.head != 0))
             self._output_bytes += got
             stats.bytes_out += got
             stats.buffers_out += 1

@@ -456,6 +456,8 @@ BAD_FLAG_VALUES: dict[str, list[str]] = {
     "tls_ca_file": ["/nonexistent/ca.pem"],
     "tls_client_auth": [],  # --tls-client-auth / --no-tls-client-auth
     "require_tls_remote": [],  # --require-tls-remote / --no-require-tls-remote
+    "shared_memory": [],  # --shared-memory / --no-shared-memory
+    "shared_memory_per_app": ["0", "lots", "1kb"],
 }
 
 FLAG_CASES = [(name, value) for name, values in BAD_FLAG_VALUES.items() for value in values]

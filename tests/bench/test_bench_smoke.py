@@ -38,13 +38,26 @@ def run_bench(script: str, *args: str) -> dict[str, Any]:
 
 def test_checkpointing_bench_smoke() -> None:
     r = run_bench(
-        "bench_checkpointing.py", "--seconds=2", "--record-bytes=16000", "--warmup-checkpoints=0"
+        "bench_checkpointing.py",
+        "--seconds=2",
+        "--record-bytes=16000",
+        "--warmup-checkpoints=0",
+        "--alignments=spill",
+        "--alignment-seconds=3",
     )
     assert r["bench"] == "checkpointing"
     assert r["checkpoints_off"] >= 1 and r["checkpoints_on"] >= 1
     assert r["median_ms_debloat_off"] > 0 and r["median_ms_debloat_on"] > 0
     assert r["ratio_off_on"] == pytest.approx(
         r["median_ms_debloat_off"] / r["median_ms_debloat_on"], rel=1e-3
+    )
+    # the alignment modes: spill, and block_upstream as its same-run baseline
+    assert r["alignment_parallelism"] == 2
+    for mode in ("block_upstream", "spill"):
+        assert r[f"checkpoints_align_{mode}"] >= 1 and r[f"median_ms_align_{mode}"] > 0
+        assert r[f"aligned_bytes_{mode}"] >= 0
+    assert r["ratio_align_spill_vs_block_upstream"] == pytest.approx(
+        r["median_ms_align_spill"] / r["median_ms_align_block_upstream"], rel=1e-3
     )
 
 

@@ -176,3 +176,91 @@ def test_spill_record_format(tmp_path: Path) -> None:
     assert seq.get_next() == BufferOrEvent(None, ev, 2, True)
     seq.cleanup()
     s.close()
+
+
+# -- the job's alignment setting -----------------------------------------------------------
+
+
+def test_private_spiller_files_are_0600_in_a_0700_dir_removed_when_consumed_and_closed(
+    tmp_path: Path, pool: NetworkBufferPool
+) -> None:
+    """``BufferSpiller.private``: the spill directory is the spiller's own (0700, new),
+    its files 0600 whatever the umask; a consumed sequence deletes its file and ``close``
+    removes the directory with anything left in it (a sequence never replayed)."""
+    import os
+    import stat
+
+    old = os.umask(0)  # the most permissive umask: the modes must not depend on it
+    try:
+        sp = BufferSpiller.private(tmp_path, 4096)
+        sp.add(data(0, b"secret", pool))
+    finally:
+        os.umask(old)
+    (d,) = tmp_path.iterdir()
+    assert d == sp.spill_dir and d.name.startswith("exchange-align-")
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    (f,) = d.iterdir()
+    assert stat.S_IMODE(f.stat().st_mode) == 0o600 and f.stat().st_uid == os.geteuid()
+    assert replay_all(sp) == [(0, b"secret")]
+    assert list(d.iterdir()) == []  # consumed: gone
+    sp.add(data(1, b"left", pool))
+    left = sp.roll_over()  # rolled over, never replayed
+    assert left is not None and len(list(d.iterdir())) == 1
+    left.cleanup()
+    sp.add(data(1, b"open", pool))  # still being written
+    sp.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_spiller_never_follows_a_planted_symlink(tmp_path: Path, pool: NetworkBufferPool) -> None:
+    """A spill file name taken (a symlink planted there) fails the park instead of
+    writing through it."""
+    target = tmp_path / "victim"
+    target.write_bytes(b"")
+    sp = BufferSpiller(tmp_path, 4096)
+    (tmp_path / f"{sp._prefix}.0.spill").symlink_to(target)
+    with pytest.raises(FileExistsError):
+        sp.add(data(0, b"x", pool))
+    assert target.read_bytes() == b""
+    sp.close()
+
+
+def test_alignment_mode_selects_the_handler_strategy(tmp_path: Path) -> None:
+    import time
+
+    from exchange.checkpointing import (
+        AlignedBarrierHandler,
+        AlignmentMode,
+        AlignmentStrategy,
+        CheckpointingMode,
+        create_barrier_handler,
+    )
+    from exchange.errors import ConfigError
+
+    class Listener:
+        def trigger_checkpoint(self, *a: object) -> None: ...
+        def abort_checkpoint(self, *a: object) -> None: ...
+
+    want = {
+        "block_upstream": AlignmentStrategy.BLOCKING_UPSTREAM,
+        "buffer": AlignmentStrategy.PARKING,
+        "spill": AlignmentStrategy.PARKING,
+    }
+    for name, strategy in want.items():
+        h = create_barrier_handler(
+            CheckpointingMode.EXACTLY_ONCE,
+            2,
+            Listener(),
+            time.monotonic,
+            lambda ch: None,
+            alignment=AlignmentMode.parse(name),
+            spill_dir=tmp_path,
+            page_size=4096,
+        )
+        assert isinstance(h, AlignedBarrierHandler) and h.strategy is strategy
+        assert len(list(tmp_path.iterdir())) == (1 if name == "spill" else 0)
+        h.close()
+        assert list(tmp_path.iterdir()) == []  # the private spill directory went with it
+    for bad in ("blocking", "SPILL", None, 1):
+        with pytest.raises(ConfigError, match=r"alignment.*block_upstream"):
+            AlignmentMode.parse(bad)

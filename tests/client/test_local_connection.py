@@ -1,4 +1,5 @@
-"""Discovery and secret resolution on the task side (no daemon needed)."""
+"""Discovery and secret resolution on the task side, and what the connection does with
+messages it is handed (no daemon needed)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import pytest
 from client.local_connection import (
     DAEMON_ENV,
     SECRET_FILE_ENV,
+    LocalConnection,
     default_socket_path,
     resolve_daemon_socket,
     resolve_secret,
 )
 from exchange.errors import ConfigError
+from exchange.protocol.local_messages import ProducerBufferSize
 
 
 def test_socket_hint_beats_environment_beats_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,3 +50,19 @@ def test_bad_secret_files_are_config_errors(tmp_path: Path, content: bytes) -> N
 def test_missing_secret_file_names_the_setting(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="secret_file"):
         resolve_secret(str(tmp_path / "nope"))
+
+
+@pytest.mark.asyncio
+async def test_buffer_sizes_announced_before_the_listener_are_handed_to_it() -> None:
+    """A consumer's first NewBufferSize may reach the producer's connection while the
+    partition is still being created (the arena hand-out is a round trip): the latest
+    size per subpartition is kept and given to the writer's listener when it is set."""
+    conn = LocalConnection("unix:/nowhere", None, 64 * 1024)
+    conn.on_message(ProducerBufferSize(0, 4096))
+    conn.on_message(ProducerBufferSize(1, 2048))
+    conn.on_message(ProducerBufferSize(0, 256))
+    got: list[tuple[int, int]] = []
+    conn.buffer_size_listener = lambda sub, size: got.append((sub, size))
+    assert sorted(got) == [(0, 256), (1, 2048)]
+    conn.on_message(ProducerBufferSize(1, 512))  # from now on, as they come
+    assert got[-1] == (1, 512) and len(got) == 3

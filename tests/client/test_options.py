@@ -192,3 +192,16 @@ def test_options_objects_drive_a_real_exchange(start_daemon: Any) -> None:
     assert sorted(get_runtime().run(read_async())) == [(0, i) for i in range(1, 500, 2)]
     get_runtime().run(release_dataset(d.local_socket, "options-e2e"))
     d.wait_pool_whole()
+
+
+def test_reader_alignment_option_is_validated() -> None:
+    from client.options import ReaderOptions
+    from exchange.checkpointing import AlignmentMode
+    from exchange.errors import ConfigError
+
+    assert ReaderOptions().alignment is AlignmentMode.BLOCK_UPSTREAM
+    assert ReaderOptions(alignment="buffer").alignment is AlignmentMode.BUFFER
+    with pytest.raises(ConfigError, match="alignment"):
+        ReaderOptions(alignment="park")
+    with pytest.raises(ConfigError, match="alignment_spill_dir"):
+        ReaderOptions(alignment="spill", alignment_spill_dir=3)  # type: ignore[arg-type]

@@ -152,6 +152,16 @@ class DaemonProcess:
         result: dict[str, Any] = json.loads(self.http_get("/api/stats"))
         return result
 
+    def metric(self, name: str) -> float:
+        """The value of the unlabelled sample ``name`` of /metrics (AssertionError if none)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for family in text_string_to_metric_families(self.http_get("/metrics").decode()):
+            for s in family.samples:
+                if s.name == name and not s.labels:
+                    return float(s.value)
+        raise AssertionError(f"{name} not in /metrics")
+
     def wait_stats(
         self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 10.0
     ) -> dict[str, Any]:

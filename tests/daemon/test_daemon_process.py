@@ -230,10 +230,14 @@ def test_sigterm_fails_a_stalled_pipelined_stream_with_a_typed_error(start_daemo
 # -- a producer process dies -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-memory", "socket"])
 def test_sigkilled_producer_fails_its_consumer_and_frees_the_pool(
-    start_daemon: Any, start_producer: Any
+    start_daemon: Any, start_producer: Any, shared: bool
 ) -> None:
-    d = start_daemon()
+    """Killed mid-stream, through the shared arena or the socket alike: the consumer gets
+    ProducerFailedError after whole records only (a segment counts once committed), and
+    every segment the task was granted comes back (the arena itself goes)."""
+    d = start_daemon("--shared-memory" if shared else "--no-shared-memory")
     pid = ResultPartitionID("killed", 0, 0)
     child = start_producer(d.local_socket, "killed", 0, 2)
     child.wait_writing()
@@ -242,7 +246,11 @@ def test_sigkilled_producer_fails_its_consumer_and_frees_the_pool(
     )
     consumer.start()
     consumer.wait_for(2000)
-    assert d.stats()["local"]["producers"] == 1
+    local = d.stats()["local"]
+    assert local["producers"] == 1
+    by_path = {"bytes_shared_memory": shared, "bytes_socket": not shared}
+    assert {k: local[k] > 0 for k in by_path} == by_path, local
+    assert local["shared_arenas"] == int(shared)
 
     assert child.sigkill() == -9
     consumer.result(timeout=20)
@@ -260,6 +268,9 @@ def test_sigkilled_producer_fails_its_consumer_and_frees_the_pool(
     )
     assert st["local"]["producer_failures"] == 1
     assert st["network"]["local_pools"] == 0
+    d.wait_stats(
+        lambda s: s["local"]["shared_arenas"] == 0 and s["local"]["shared_segments_in_use"] == 0
+    )
     # The daemon goes on serving other streams.
     other = ResultPartitionID("after-kill", 0, 0)
     write_blocking(d, other, [(i, i) for i in range(10)])
@@ -426,9 +437,12 @@ def test_producer_blocks_while_its_consumer_does_not_read(start_daemon: Any) -> 
         assert producer.is_alive() and producer.error is None, (producer.error, generated)
         assert generated[0] < total // 2, generated[0]
         st = d.stats()
-        # bounded by the partition's local pool (max(2 n + 8, 16) segments), not the data
-        assert st["network"]["used_segments"] <= 16, st["network"]
-        assert st["network"]["total_segments"] == 2048
+        # bounded by the partition's local pool (max(2 n + 8, 16) segments) and the
+        # overdraft it may take to end a record (5 by default), not by the data
+        assert st["network"]["overdraft_segments"] <= 5, st["network"]
+        assert st["network"]["used_segments"] <= 16 + 5, st["network"]
+        # the daemon's 2048 and the producer's application's shared arena (a quarter)
+        assert st["network"]["total_segments"] == 2048 + 512 * st["local"]["shared_arenas"]
 
         # The consumer reads: the producer resumes and every record arrives, in order.
         keys = [r[0] for r in reader]

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from client.consumer import PartitionLocation, PartitionReader
 from client.network import parse_address
@@ -114,11 +113,7 @@ class RawConsumer:
 
 
 def _metric(d: Any, name: str) -> float:
-    for family in text_string_to_metric_families(d.http_get("/metrics").decode()):
-        for s in family.samples:
-            if s.name == name and not s.labels:
-                return float(s.value)
-    raise AssertionError(f"{name} not in /metrics")
+    return d.metric(name)  # type: ignore[no-any-return]
 
 
 def test_unaligned_barrier_overtakes_a_backlog_under_zero_credit(

@@ -30,7 +30,12 @@ from exchange.protocol.codec import (
     PayloadReceived,
     encode,
 )
-from exchange.protocol.local_messages import AddProducerCredit, PartitionFinished, PushBuffer
+from exchange.protocol.local_messages import (
+    AddProducerCredit,
+    GrantSegments,
+    PartitionFinished,
+    PushBuffer,
+)
 from exchange.protocol.messages import ErrorResponse, Message
 
 PIPELINED = ResultPartitionType.PIPELINED
@@ -321,3 +326,113 @@ def test_connection_lost_while_a_push_lands_returns_the_segment(
     s.drop_landing()
     with pytest.raises(IllegalStateError):
         s.on_data_pushed(0, 10)
+
+
+# -- shared memory: grants by index, commits in place ------------------------------------
+
+
+def shared_session(
+    make_partition: Callable[..., ResultPartition], credit: int = 4, pool: tuple[int, int] = (2, 8)
+) -> tuple[ResultPartition, ProducerSession, Task]:
+    part = make_partition("p", PIPELINED, 2, pool_size=pool)
+    task = Task()
+    s = ProducerSession(
+        part, task.sent.append, max_credit=credit, on_abort=task.aborted.append, shared=True
+    )
+    return part, s, task
+
+
+def test_shared_grants_name_segments_and_a_commit_queues_that_very_segment(
+    make_partition: Callable[..., Any],
+) -> None:
+    part, s, task = shared_session(make_partition)
+    part.create_subpartition_view(1, Listener())
+    n = s.start()
+    granted = s.granted_segments(n)
+    assert n == 4 and len(set(granted)) == 4
+    first = granted[0]
+    seg = next(b.segment for b in s._reserved if b.segment.index == first)
+    seg.view()[:5] = b"hello"  # what the task wrote into the arena
+    s.commit(first, 5, 1)
+    view = part.subpartitions[1]._view
+    assert view is not None
+    got = view.get_next_buffer()
+    assert got is not None and got.buffer.segment is seg  # no copy: the segment itself
+    assert bytes(got.buffer.memoryview()) == b"hello"
+    got.buffer.release()
+    # credit comes back as indices: the segments the task now holds
+    for idx in granted[1:]:
+        s.commit(idx, 1, 0)
+    assert task.sent and all(isinstance(m, GrantSegments) and m.segments for m in task.sent)
+    assert (
+        s.granted_segments(s.credit_outstanding)
+        == tuple(i for m in task.sent if isinstance(m, GrantSegments) for i in m.segments)[
+            -s.credit_outstanding :
+        ]
+    )
+    part.release()
+    s.drop_landing()
+
+
+@pytest.mark.parametrize(
+    ("commit", "match"),
+    [
+        (lambda g, size: (g[1], 1, 0), "oldest granted"),  # out of grant order
+        (lambda g, size: (10_000, 1, 0), "oldest granted"),  # never granted
+        (lambda g, size: (g[0], size + 1, 0), "bytes into"),  # larger than a segment
+        (lambda g, size: (g[0], 0, 0), "bytes into"),
+    ],
+)
+def test_a_bad_commit_is_a_protocol_error(
+    make_partition: Callable[..., Any], commit: Any, match: str
+) -> None:
+    part, s, _ = shared_session(make_partition)
+    granted = s.granted_segments(s.start())
+    with pytest.raises(ProtocolError, match=match):
+        s.commit(*commit(granted, part.segment_size))
+    part.release()
+    s.drop_landing()
+
+
+def test_a_commit_without_credit_or_shared_memory_is_a_protocol_error(
+    make_partition: Callable[..., Any],
+) -> None:
+    part, s, _ = shared_session(make_partition, credit=1, pool=(2, 2))
+    (first,) = s.granted_segments(s.start())
+    s.commit(first, 1, 0)
+    (second,) = s.granted_segments(1)  # the pool's other segment, granted at once
+    s.commit(second, 1, 0)
+    assert s.credit_outstanding == 0  # both queued: nothing left to grant
+    with pytest.raises(ProtocolError, match="without credit"):
+        s.commit(second, 1, 0)
+    part.release()
+    s.drop_landing()
+    other, plain, _ = session_for(make_partition, 1, (1, 2), credit=1)
+    plain.start()
+    with pytest.raises(ProtocolError, match="without shared memory"):
+        plain.commit(0, 1, 0)
+    other.release()
+
+
+def test_segments_granted_to_an_ended_task_wait_for_its_connection_to_go(
+    make_partition: Callable[..., Any], nbp: Any
+) -> None:
+    """An uncommitted segment is never queued (no torn record), and those granted stay
+    out of the pool until the task's connection is gone (it may still write into them)."""
+    part, s, _ = shared_session(make_partition)
+    granted = s.granted_segments(s.start())
+    part.create_subpartition_view(0, Listener())
+    s.commit(granted[0], 3, 0)
+    view = part.subpartitions[0]._view
+    assert view is not None
+    got = view.get_next_buffer()
+    assert got is not None and len(got.buffer.memoryview()) == 3
+    got.buffer.release()
+    assert view.get_next_buffer() is None  # the granted, uncommitted ones are not read
+    granted_now = s.credit_outstanding  # what the task may still be writing into
+    assert granted_now > 0
+    assert s.fail("producer task disconnected")
+    part.release()
+    assert nbp.num_in_use == granted_now  # held, not back in the pool yet
+    s.drop_landing()  # the connection is gone
+    assert nbp.num_in_use == 0

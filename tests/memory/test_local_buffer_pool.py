@@ -77,7 +77,7 @@ def test_segments_are_requested_lazily_up_to_the_pool_size() -> None:
     nbp = NetworkBufferPool(10, SEG)
     pool = nbp.create_buffer_pool(2, 5)
     # 8 spare, capacity 3 -> size 5; nothing taken yet
-    assert pool.stats() == (2, 5, 5, 0, 0, 0)
+    assert pool.stats() == (2, 5, 5, 0, 0, 0, 0, 0, 0)
     assert pool.segment_size == SEG
     assert pool.is_available
     bufs = take(pool, 5)
@@ -98,7 +98,7 @@ def test_segments_are_requested_lazily_up_to_the_pool_size() -> None:
     assert again is not None and again.segment is bufs[0].segment
     for b in [again, *bufs[1:]]:
         b.release()
-    assert pool.stats() == (2, 5, 5, 5, 5, 0)
+    assert pool.stats() == (2, 5, 5, 5, 5, 0, 0, 0, 0)
     assert pool.stats().usage == 0.0
     pool.destroy()
     assert_whole(nbp)

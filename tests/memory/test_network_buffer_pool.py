@@ -77,7 +77,7 @@ def check_redistribution(nbp: NetworkBufferPool) -> None:
 
 def test_defaults_and_stats() -> None:
     nbp = NetworkBufferPool(16, 8192)
-    assert nbp.stats() == (16, 16, 0, 8192, 0, 0)
+    assert nbp.stats() == (16, 16, 0, 8192, 0, 0, 0)
     assert nbp.stats().available_segments == 16
     assert nbp.is_available
     assert repr(nbp) == "NetworkBufferPool(16/16 available, 8192B segments, 0 local pools)"

@@ -110,8 +110,9 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(
         required=st.integers(0, 6),
         extra=st.one_of(st.integers(0, 12), st.just(1000)),
+        overdraft=st.integers(0, 3),
     )
-    def create_pool(self, required: int, extra: int) -> None:
+    def create_pool(self, required: int, extra: int, overdraft: int) -> None:
         max_segments = max(required, 1) + extra
         if self.nbp.num_required + required > TOTAL:
             before = [p.current_pool_size for p in self.live]
@@ -121,7 +122,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert err.value.available == TOTAL - self.nbp.num_required
             assert [p.current_pool_size for p in self.live] == before
             return
-        pool = self.nbp.create_buffer_pool(required, max_segments)
+        pool = self.nbp.create_buffer_pool(required, max_segments, overdraft)
         assert pool.num_requested == 0
         assert pool.current_pool_size <= max_segments
         self.live.append(pool)
@@ -179,13 +180,35 @@ class PoolMachine(RuleBasedStateMachine):
             self.held.append(got)
         assert self.nbp.num_available == global_before - (1 if from_global else 0)
 
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 1000))
+    def request_overdraft(self, i: int) -> None:
+        """Overdraft: only from an exhausted pool, up to its limit, from free global
+        segments; counted apart from ``num_requested``."""
+        pool = self.pick_live(i)
+        expect = (
+            pool.num_available == 0
+            and pool.num_requested >= pool.current_pool_size
+            and pool.num_overdraft < pool.max_overdraft_buffers
+            and self.nbp.num_available > 0
+        )
+        requested, global_before = pool.num_requested, self.nbp.num_available
+        buf = pool.request_overdraft_buffer()
+        assert (buf is not None) == expect
+        assert pool.num_requested == requested
+        if buf is not None:
+            self.held.append(Held(pool, buf.segment, buf))
+            assert self.nbp.num_available == global_before - 1
+        assert self.nbp.stats().overdraft_segments == sum(p.num_overdraft for p in self.live)
+
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 10_000))
     def release(self, i: int) -> None:
         h = self.held.pop(i % len(self.held))
         pool = h.pool
         stays_local = (
-            not pool.is_destroyed
+            pool.num_overdraft == 0  # overdraft goes back to the global pool first
+            and not pool.is_destroyed
             and pool.num_requested <= pool.current_pool_size
             and pool.stats().num_listeners == 0
         )
@@ -269,8 +292,9 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def pools_count_what_they_lent(self) -> None:
         for p in self.live + self.dead:
-            assert p.num_requested == self.held_from(p) + p.num_available
-            assert p.num_in_use == self.held_from(p)
+            assert p.num_requested + p.num_overdraft == self.held_from(p) + p.num_available
+            assert p.num_in_use + p.num_overdraft == self.held_from(p)
+            assert p.num_overdraft <= p.max_overdraft_buffers
             last = self.last_requested[id(p)]
             if p.is_destroyed:
                 assert p.num_available == 0
@@ -283,7 +307,7 @@ class PoolMachine(RuleBasedStateMachine):
                     # excess segments are not kept queued: they went back to the global pool
                     assert p.num_available == 0
             self.last_requested[id(p)] = p.num_requested
-        self.dead = [p for p in self.dead if p.num_requested > 0]
+        self.dead = [p for p in self.dead if p.num_requested + p.num_overdraft > 0]
         self.size_before.clear()
 
     @invariant()

@@ -284,6 +284,8 @@ def test_explicit_watermarks_and_num_segments() -> None:
          "partition_request_backoff_initial"),
         ({"debloat_min_buffer_size": 64 * KIB}, "debloat_min_buffer_size"),
         ({"data_port": 7000, "http_port": 7000}, "http_port"),
+        ({"shared_memory_per_app": 32 * KIB - 1}, "shared_memory_per_app"),
+        ({"shared_memory": "sometimes"}, "shared_memory"),
     ],
 )  # fmt: skip
 def test_relations_between_settings_are_checked(kwargs: dict[str, object], setting: str) -> None:
@@ -505,6 +507,7 @@ def test_all_flags() -> None:
         "--log-level=debug",
         "--blocking-partition-ttl=2m",
         "--producer-credit=12",
+        "--max-overdraft-buffers-per-partition=3",
         "--debloat",
         "--debloat-target=500ms",
         "--debloat-period=100ms",
@@ -521,6 +524,8 @@ def test_all_flags() -> None:
         "--max-unauthenticated-connections=4",
         "--max-unauthenticated-per-peer=2",
         "--require-tls-remote",
+        "--no-shared-memory",
+        "--shared-memory-per-app=8mb",
     ]
     assert load_config(argv, env={}).to_dict() == {
         "host": "0.0.0.0",
@@ -536,6 +541,7 @@ def test_all_flags() -> None:
         "exclusive_buffers_per_channel": 4,
         "floating_buffers_per_gate": 16,
         "producer_credit": 12,
+        "max_overdraft_buffers_per_partition": 3,
         "high_watermark": 256 * KIB,
         "low_watermark": 128 * KIB,
         "partition_request_backoff_initial": 0.05,
@@ -571,6 +577,8 @@ def test_all_flags() -> None:
         "tls_ca_file": "/etc/exchange/ca.pem",
         "tls_client_auth": True,
         "require_tls_remote": True,
+        "shared_memory": False,
+        "shared_memory_per_app": 8 * MIB,
     }
 
 
@@ -984,3 +992,17 @@ def test_unknown_variables_are_logged_with_the_closest_setting(
     [record] = caplog.records
     assert "EXCHANGE_SEGMENT_SIZ" in record.getMessage()
     assert "did you mean EXCHANGE_SEGMENT_SIZE?" in record.getMessage()
+
+
+def test_overdraft_buffers_from_flag_env_and_file_validated(tmp_path: Path) -> None:
+    """``max_overdraft_buffers_per_partition``: Flink's default 5; 0 turns it off; a
+    negative or huge count or a word is refused naming the setting."""
+    assert load_config([], env={}).max_overdraft_buffers_per_partition == 5
+    env = {"EXCHANGE_MAX_OVERDRAFT_BUFFERS_PER_PARTITION": "0"}
+    assert load_config([], env=env).max_overdraft_buffers_per_partition == 0
+    path = tmp_path / "c.toml"
+    path.write_text("max_overdraft_buffers_per_partition = 2\n")
+    assert load_config(["--config", str(path)], env={}).max_overdraft_buffers_per_partition == 2
+    for bad in ("-1", "1025", "many"):
+        with pytest.raises(ConfigError, match="max_overdraft_buffers_per_partition"):
+            load_config([f"--max-overdraft-buffers-per-partition={bad}"], env={})

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -704,6 +705,9 @@ async def test_dashboard_renders_live_values_in_chromium(
     assert f'<tr data-id="{PIPELINED_ID}">' in dom
     assert '<span id="status" class="pill live">live</span>' in dom
     assert '<dd id="producers">2</dd>' in dom
+    # which path the producers' bytes took (the daemon's choice), both filled in
+    for path in ("bytes-shm", "bytes-socket"):
+        assert re.search(rf'<span id="{path}">\d[\d.]* (B|KiB|MiB|GiB)</span>', dom), path
     assert "<polyline" in dom  # the throughput chart has at least two samples
     # The consumer tasks' table: every figure of the busy task, dashes for what the
     # checkpoint-only task does not have.

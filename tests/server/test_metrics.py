@@ -431,6 +431,7 @@ async def test_snapshot_fields_match_engine_stats(daemon: StandInDaemon) -> None
         "available_segments": pool.available_segments,
         "used_segments": pool.in_use_segments,
         "required_segments": pool.required_segments,
+        "overdraft_segments": 0,
         "segment_size": SEGMENT_SIZE,
         "local_pools": pool.num_local_pools,
         "memory_bytes": SEGMENTS * SEGMENT_SIZE,

@@ -81,3 +81,35 @@ def test_allow_non_restored_state_must_be_a_bool() -> None:
     env = StreamEnvironment(_Context(), checkpoint_dir="/tmp/ckpt")
     with pytest.raises(UsageError, match="allow_non_restored_state"):
         env.execute(allow_non_restored_state="yes")  # type: ignore[arg-type]
+
+
+def test_alignment_settings_are_parsed_up_front() -> None:
+    from exchange.checkpointing import AlignmentMode
+
+    env = StreamEnvironment(_Context(), checkpoint_dir="/tmp/ckpt")
+    assert env.alignment is AlignmentMode.BLOCK_UPSTREAM and env.alignment_limit is None
+    env = StreamEnvironment(
+        _Context(),
+        checkpoint_dir="/tmp/ckpt",
+        alignment="spill",
+        alignment_limit="4mb",
+        alignment_spill_dir="/tmp/x",
+    )
+    assert env.alignment is AlignmentMode.SPILL and env.alignment_limit == 4 * 2**20
+    assert env.alignment_spill_dir == "/tmp/x"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "setting"),
+    [
+        ({"alignment": "blocking"}, "alignment"),
+        ({"alignment": None}, "alignment"),
+        ({"alignment": "buffer", "mode": "at_least_once"}, "alignment"),
+        ({"alignment_limit": "lots"}, "alignment_limit"),
+        ({"alignment_limit": -1}, "alignment_limit"),
+        ({"alignment_spill_dir": ""}, "alignment_spill_dir"),
+    ],
+)
+def test_bad_alignment_settings_are_config_errors(kwargs: dict[str, object], setting: str) -> None:
+    with pytest.raises(ConfigError, match=setting):
+        StreamEnvironment(_Context(), checkpoint_dir="/tmp/ckpt", **kwargs)  # type: ignore[arg-type]

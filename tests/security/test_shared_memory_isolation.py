@@ -1,0 +1,86 @@
+"""Shared memory between applications on one daemon (real daemon with a secret).
+
+Each application's local producers write into an arena of their own: the descriptor a
+task gets is its application's arena (another file than the other application's, mode
+0600), bytes one application wrote never appear in the memory the other maps, and a
+descriptor is handed out only for a one-time token the daemon sent on that very
+connection (a guessed, reused or another connection's spent token gets nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any
+
+import pytest
+
+from client.local_connection import LocalConnection, _fetch_arena_fd
+from client.runtime import get_runtime
+from exchange.buffers.buffer import DataType
+from exchange.errors import SharedMemoryUnavailableError
+from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.protocol.handshake import format_app_credential
+from exchange.protocol.local_messages import ARENA_SOCKET_SUFFIX, CreatePartition
+from exchange.writer.record_writer import OutputBuffer
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = b"the-daemons-secret"
+
+
+def test_each_application_maps_only_its_own_arena(start_daemon: Any, secret_file: str) -> None:
+    d = start_daemon("--secret-file", secret_file)
+    cred_a = format_app_credential(SECRET, "app-a")
+    cred_b = format_app_credential(SECRET, "app-b")
+    pid = ResultPartitionID("iso", 0, 0)  # the same id: each application's own partition
+    marker_a = b"APP-A-SECRET-BYTES" * 64
+    hand_out = d.local_socket + ARENA_SOCKET_SUFFIX
+
+    async def scenario() -> dict[str, Any]:
+        conn_a = await LocalConnection.connect(d.local_socket, secret=cred_a)
+        conn_b = await LocalConnection.connect(d.local_socket, secret=cred_b)
+        try:
+            await conn_a.create_partition(CreatePartition(pid, False, 1))
+            await conn_b.create_partition(CreatePartition(pid, False, 1))
+            assert conn_a.shared_memory and conn_b.shared_memory
+            assert conn_a.arena_inode != conn_b.arena_inode
+            await conn_a.push_buffers(
+                [OutputBuffer(0, DataType.DATA_BUFFER, len(marker_a), [marker_a])]
+            )
+            assert conn_a.bytes_shared == len(marker_a)
+            seen = {
+                "a": marker_a in bytes(conn_a._arena_view or b""),
+                "b": marker_a in bytes(conn_b._arena_view or b""),
+            }
+            # a second partition of app A: its token, spent once, is good for nothing after
+            conn_a2 = await LocalConnection.connect(d.local_socket, secret=cred_a)
+            try:
+                await conn_a2.request(
+                    CreatePartition(ResultPartitionID("iso", 1, 0), False, 1, True)
+                )
+                offer = conn_a2._offer
+                assert offer is not None
+                fd = await _fetch_arena_fd(hand_out, offer.token, 10.0)
+                try:
+                    st = os.fstat(fd)
+                    seen["a2_same_arena"] = st.st_ino == conn_a.arena_inode
+                    seen["a2_mode"] = stat.S_IMODE(st.st_mode)
+                finally:
+                    os.close(fd)
+                for token in (offer.token, os.urandom(len(offer.token))):
+                    with pytest.raises(SharedMemoryUnavailableError, match="refused"):
+                        await _fetch_arena_fd(hand_out, token, 10.0)
+            finally:
+                await conn_a2.aclose()
+            return seen
+        finally:
+            await conn_a.aclose()
+            await conn_b.aclose()
+
+    seen = get_runtime().run(scenario())
+    assert seen == {"a": True, "b": False, "a2_same_arena": True, "a2_mode": 0o600}
+    # the producers are gone: their partitions failed, every segment back, arenas dropped
+    d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0, timeout=30)
+    d.wait_pool_whole()
+    d.stop_clean()
