@@ -22,6 +22,16 @@ converging), the final checkpoint left out (the input is bounded: ``count`` reco
 
 Targets (issue 10): debloating on <= 1.5x the design time, and >= 5x shorter than off.
 
+Mode unaligned (issue 22; ``--no-unaligned`` skips it): the same pipeline, each daemon
+again, debloating off and on, with ``mode="unaligned"``: the sources' barriers are
+priority barriers that overtake the backlog queued in the daemon and in the writers
+(its copies are the producers' output channel state), and every reading task triggers at
+its first barrier. Keys ``unaligned_ms`` (debloating on), ``unaligned_ms_debloat_off``,
+``unaligned_over_aligned_debloat`` (against ``median_ms_debloat_on`` of the same run),
+``unaligned_persisted_bytes_debloat_{on,off}`` (median in-flight bytes persisted per
+checkpoint, all tasks). Targets: <= 100 ms median, >= 10x shorter than aligned with
+debloating.
+
 Then the exactly-once alignment modes (issue 22, ``StreamEnvironment(alignment=)``), in
 the same run and pipeline, debloating on (without it a checkpoint takes 7-9 s here and a
 run of 20 s completes two), at ``--alignment-parallelism`` (default 2: a
@@ -60,6 +70,10 @@ WARMUP = 2  # checkpoints left out at the start
 BUFFER_TIMEOUT = "10ms"
 TARGET_VS_DESIGN = 1.5
 TARGET_RATIO = 5.0
+#: mode unaligned (issue 22): median under full backpressure, and how much shorter than
+#: aligned with debloating
+TARGET_UNALIGNED_MS = 100.0
+TARGET_UNALIGNED_RATIO = 10.0
 #: the exactly-once alignment modes measured after the debloating pair
 ALIGNMENTS = ("block_upstream", "buffer", "spill")
 
@@ -92,6 +106,7 @@ def run_job(
     *,
     parallelism: int | None = None,
     alignment: str = "block_upstream",
+    mode: str = "exactly_once",
 ) -> dict[str, Any]:
     parallelism = args.parallelism if parallelism is None else parallelism
     warmup = args.warmup_checkpoints
@@ -104,10 +119,10 @@ def run_job(
             checkpoint_dir=ckpt,
             checkpoint_interval=1.0,
             min_pause=1.0,
-            mode="exactly_once",
+            mode=mode,
             daemon=daemon.socket_path,
             buffer_timeout=args.buffer_timeout,
-            alignment=alignment,
+            **({"alignment": alignment} if mode == "exactly_once" else {}),
         )
         (
             env.from_generator(
@@ -137,6 +152,10 @@ def run_job(
         "median_ms": median(durations),
         "checkpoints": len(durations),
         "aborted": len(result.aborted_checkpoints),
+        "unaligned": sum(1 for c in done[warmup:] if c.unaligned),
+        # in-flight bytes persisted per checkpoint, all tasks (mode unaligned: input
+        # channel state, heads of cut records, output channel state)
+        "persisted_bytes": median([float(sum(c.persisted_bytes.values())) for c in done[warmup:]]),
         "records_per_s": count / result.duration,
         "seconds": result.duration,
     }
@@ -178,6 +197,11 @@ def main() -> None:
         default=",".join(ALIGNMENTS),
         help="alignment modes to measure after the debloating pair (comma separated; empty: none)",
     )
+    ap.add_argument(
+        "--no-unaligned",
+        action="store_true",
+        help="skip mode unaligned (priority barriers), debloating off and on",
+    )
     ap.add_argument("--alignment-parallelism", type=int, default=2)
     ap.add_argument("--alignment-seconds", type=float, default=25.0)
     args = ap.parse_args()
@@ -194,6 +218,7 @@ def main() -> None:
     spark = session(max(p, ap_ if alignments and not args.only else 1))
     aligned: dict[str, dict[str, Any]] = {}
     results: dict[str, dict[str, Any]] = {}
+    unaligned: dict[str, dict[str, Any]] = {}
     try:
         for name, flags in (
             ("off", ()),
@@ -210,6 +235,21 @@ def main() -> None:
                 f"debloating {name:3}: median checkpoint {r['median_ms']:7.0f} ms over "
                 f"{r['checkpoints']} checkpoints ({r['aborted']} aborted), "
                 f"{r['records_per_s']:.0f} records/s, all (ms): "
+                + " ".join(f"{d:.0f}" for d in r["durations_ms"]),
+                flush=True,
+            )
+            if args.no_unaligned:
+                continue
+            with Daemon(*flags) as daemon:  # the same pipeline, unaligned checkpoints
+                unaligned[name] = run_job(spark, daemon, count, args, mode="unaligned")
+                if not daemon.stop():
+                    raise BenchError(f"unaligned {name}: the daemon's pool was not whole at stop")
+            r = unaligned[name]
+            print(
+                f"unaligned, debloating {name:3}: median checkpoint {r['median_ms']:7.1f} ms "
+                f"over {r['checkpoints']} checkpoints ({r['unaligned']} unaligned, "
+                f"{r['aborted']} aborted), {r['persisted_bytes']:.0f} bytes persisted per "
+                f"checkpoint, {r['records_per_s']:.0f} records/s, all (ms): "
                 + " ".join(f"{d:.0f}" for d in r["durations_ms"]),
                 flush=True,
             )
@@ -264,9 +304,36 @@ def main() -> None:
                 "target_ratio_met": ratio >= TARGET_RATIO,
                 "target_design_met": vs_design <= TARGET_VS_DESIGN,
                 **_alignment_keys(aligned, ap_),
+                **_unaligned_keys(unaligned, results),
             }
         )
     )
+
+
+def _unaligned_keys(
+    unaligned: dict[str, dict[str, Any]], aligned: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """The JSON keys of mode unaligned, beside the aligned figures of the same run (none
+    when skipped). Targets (issue 22): <= 100 ms median, >= 10x shorter than aligned with
+    debloating."""
+    if not unaligned:
+        return {}
+    on, off = unaligned["on"], unaligned["off"]
+    ratio = on["median_ms"] / aligned["on"]["median_ms"]
+    return {
+        "unaligned_ms": on["median_ms"],
+        "unaligned_ms_debloat_off": off["median_ms"],
+        "unaligned_over_aligned_debloat": ratio,
+        "unaligned_over_aligned_no_debloat": off["median_ms"] / aligned["off"]["median_ms"],
+        "unaligned_persisted_bytes_debloat_on": on["persisted_bytes"],
+        "unaligned_persisted_bytes_debloat_off": off["persisted_bytes"],
+        "unaligned_checkpoints": on["checkpoints"],
+        "unaligned_checkpoints_debloat_off": off["checkpoints"],
+        "records_per_s_unaligned_on": on["records_per_s"],
+        "records_per_s_unaligned_off": off["records_per_s"],
+        "target_unaligned_ms_met": on["median_ms"] <= TARGET_UNALIGNED_MS,
+        "target_unaligned_ratio_met": ratio <= 1 / TARGET_UNALIGNED_RATIO,
+    }
 
 
 def _alignment_keys(aligned: dict[str, dict[str, Any]], parallelism: int) -> dict[str, Any]:
