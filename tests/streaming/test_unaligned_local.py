@@ -64,6 +64,15 @@ def check_exact(got: list[Any], n: int) -> None:
         assert sorted(totals) == totals and totals[-1] == want[key][-1]
 
 
+def restored_ids(caplog: pytest.LogCaptureFixture) -> list[int]:
+    """The checkpoints the driver restored, in order (its log)."""
+    return [
+        int(m.group(1))
+        for r in caplog.records
+        if (m := re.search(r"restoring checkpoint (\d+)", r.getMessage()))
+    ]
+
+
 def job(
     tmp_path: Path, n: int, delay: float, rate: float, **settings: Any
 ) -> tuple[StreamEnvironment, Path]:
@@ -153,11 +162,7 @@ def test_a_killed_task_restores_its_persisted_input_exactly_once(
     assert result.restarts == 1, result.failures
     check_exact(result.collected["totals"], n)
     # the restored checkpoint held in-flight input of the keyed task: it was replayed
-    restored = [
-        int(m.group(1))
-        for r in caplog.records
-        if (m := re.search(r"restoring checkpoint (\d+)", r.getMessage()))
-    ]
+    restored = restored_ids(caplog)
     assert len(restored) == 1, restored
     assert any(storage.load(restored[0]).extra["persisted_bytes"].values())
 
@@ -272,9 +277,5 @@ def test_priority_barriers_cut_records_spanning_buffers_and_a_restore_joins_them
     killed_at = int(Path(mark).read_text())
     assert result.restarts == 1, result.failures
     check_exact(result.collected["totals"], n)
-    restored = [
-        int(m.group(1))
-        for r in caplog.records
-        if (m := re.search(r"restoring checkpoint (\d+)", r.getMessage()))
-    ]
+    restored = restored_ids(caplog)
     assert restored == [killed_at], (restored, killed_at)
