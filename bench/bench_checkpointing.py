@@ -161,6 +161,17 @@ def run_job(
     }
 
 
+def run_on_daemon(
+    flags: tuple[str, ...], label: str, spark: Any, count: int, args: argparse.Namespace, **kw: Any
+) -> dict[str, Any]:
+    """``run_job`` on a daemon of its own started with ``flags``; its pool whole at stop."""
+    with Daemon(*flags) as daemon:
+        r = run_job(spark, daemon, count, args, **kw)
+        if not daemon.stop():
+            raise BenchError(f"{label}: the daemon's pool was not whole at stop")
+    return r
+
+
 def session(parallelism: int) -> Any:
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -226,11 +237,7 @@ def main() -> None:
         ):
             if args.only not in (None, name):
                 continue
-            with Daemon(*flags) as daemon:
-                results[name] = run_job(spark, daemon, count, args)
-                if not daemon.stop():
-                    raise BenchError(f"debloat {name}: the daemon's pool was not whole at stop")
-            r = results[name]
+            r = results[name] = run_on_daemon(flags, f"debloat {name}", spark, count, args)
             print(
                 f"debloating {name:3}: median checkpoint {r['median_ms']:7.0f} ms over "
                 f"{r['checkpoints']} checkpoints ({r['aborted']} aborted), "
@@ -240,11 +247,10 @@ def main() -> None:
             )
             if args.no_unaligned:
                 continue
-            with Daemon(*flags) as daemon:  # the same pipeline, unaligned checkpoints
-                unaligned[name] = run_job(spark, daemon, count, args, mode="unaligned")
-                if not daemon.stop():
-                    raise BenchError(f"unaligned {name}: the daemon's pool was not whole at stop")
-            r = unaligned[name]
+            # the same pipeline, unaligned checkpoints (priority barriers)
+            r = unaligned[name] = run_on_daemon(
+                flags, f"unaligned {name}", spark, count, args, mode="unaligned"
+            )
             print(
                 f"unaligned, debloating {name:3}: median checkpoint {r['median_ms']:7.1f} ms "
                 f"over {r['checkpoints']} checkpoints ({r['unaligned']} unaligned, "
