@@ -20,8 +20,9 @@ reading task) or between polls (a source task).
   but waits for mail. (The checkpoint completes once the barrier passed the data ahead
   of it: aligned barriers wait for the back pressure to clear; in mode unaligned the
   barrier is a priority one that overtakes the output queued in the writers and the
-  daemon, whose copies, the output channel state, go into the task's state file.) A poll ships a batch per 256 KiB it emits and one per buffer timeout
-  that passes while it runs; one that overruns the window so still blocks in ``emit``
+  daemon, whose copies, the output channel state, go into the task's state file.) A
+  poll ships a batch per 256 KiB it emits and one per buffer timeout that passes while
+  it runs; one that overruns the window so still blocks in ``emit``
   until a batch frees (as a Flink record that needs more buffers than are left);
 * any other task reads its input gate through the barrier handler: at each barrier the
   reader calls ``trigger_checkpoint`` between the records before and after it (aligned in
