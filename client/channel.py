@@ -94,19 +94,25 @@ class ChannelStatistics(NamedTuple):
     wakeups: int
 
 
-class _Waiter:
-    """An asyncio end waiting: its future and its loop (woken thread-safely)."""
+_Wake = Callable[[], None]
 
-    __slots__ = ("future", "loop")
+
+class _Waiter:
+    """An asyncio end waiting: its future, its loop and that loop's thread."""
+
+    __slots__ = ("future", "loop", "thread")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self.thread = threading.get_ident()
         self.future: asyncio.Future[None] = loop.create_future()
 
+    def wake_here(self) -> None:
+        if not self.future.done():
+            self.future.set_result(None)
 
-def _set_done(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+    def wake_from_elsewhere(self) -> None:
+        self.loop.call_soon_threadsafe(self.wake_here)
 
 
 class Channel(Generic[T]):
@@ -125,7 +131,8 @@ class Channel(Generic[T]):
         self._send_threads = 0  # threads blocked in send
         self._recv_async: list[_Waiter] = []
         self._send_async: list[_Waiter] = []
-        self._notify: Callable[[], None] | None = None
+        self._notify: _Wake | None = None  # poll's
+        self._room_notify: _Wake | None = None  # poll_room's
         self._sender_open = True
         self._receiver_open = True
         self._starved = False  # a receive found nothing since the last send
@@ -147,8 +154,8 @@ class Channel(Generic[T]):
         with self._lock:
             grew = capacity > self._capacity
             self._capacity = capacity
-            wake = self._wake_senders() if grew else []
-        self._run(wake)
+            after = self._wake_senders([]) if grew else []
+        self._run(after)
 
     def statistics(self) -> ChannelStatistics:
         with self._lock:
@@ -157,7 +164,7 @@ class Channel(Generic[T]):
                 self._capacity,
                 self._sender_open,
                 self._receiver_open,
-                self._send_threads + len(self._send_async),
+                self._send_threads + len(self._send_async) + (self._room_notify is not None),
                 self._recv_threads + len(self._recv_async) + (self._notify is not None),
                 self._sent,
                 self._received,
@@ -174,41 +181,42 @@ class Channel(Generic[T]):
     # -- wake-ups (lock held; what they return runs after the lock is released) -------------
 
     def _wake(
-        self, cond: threading.Condition, threads: int, waiters: list[_Waiter]
-    ) -> list[_Waiter]:
+        self, cond: threading.Condition, threads: int, waiters: list[_Waiter], after: list[_Wake]
+    ) -> list[_Wake]:
+        """Lock held: notify the blocked threads; what wakes asyncio waiters is added to
+        ``after``, to be run once the lock is released (``_run``)."""
         if threads:
             self._wakeups += 1
             cond.notify_all()
-        if not waiters:
-            return waiters
-        woken = waiters[:]
-        waiters.clear()
-        return woken
-
-    def _wake_receivers(self) -> list[_Waiter]:
-        return self._wake(self._readable, self._recv_threads, self._recv_async)
-
-    def _wake_senders(self) -> list[_Waiter]:
-        return self._wake(self._writable, self._send_threads, self._send_async)
-
-    def _run(self, woken: list[_Waiter], notify: Callable[[], None] | None = None) -> None:
-        """Wake asyncio waiters (directly on their own loop's thread) and ``notify``."""
-        if woken:
-            try:
-                running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-            except RuntimeError:
-                running = None
-            for w in woken:
-                if w.loop is running:
-                    _set_done(w.future)
+        if waiters:
+            here = threading.get_ident()
+            for w in waiters:
+                if w.thread == here:
+                    after.append(w.wake_here)
                 else:
-                    with self._lock:
-                        self._wakeups += 1
-                    w.loop.call_soon_threadsafe(_set_done, w.future)
+                    self._wakeups += 1
+                    after.append(w.wake_from_elsewhere)
+            waiters.clear()
+        return after
+
+    def _wake_receivers(self, after: list[_Wake]) -> list[_Wake]:
+        notify, self._notify = self._notify, None
         if notify is not None:
-            with self._lock:
-                self._wakeups += 1
-            notify()
+            self._wakeups += 1
+            after.append(notify)
+        return self._wake(self._readable, self._recv_threads, self._recv_async, after)
+
+    def _wake_senders(self, after: list[_Wake]) -> list[_Wake]:
+        notify, self._room_notify = self._room_notify, None
+        if notify is not None:
+            self._wakeups += 1
+            after.append(notify)
+        return self._wake(self._writable, self._send_threads, self._send_async, after)
+
+    @staticmethod
+    def _run(after: list[_Wake]) -> None:
+        for wake in after:
+            wake()
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -222,14 +230,13 @@ class Channel(Generic[T]):
         queued = len(self._items)
         return queued == 0 or queued + n <= self._capacity
 
-    def _put(self, batch: Sequence[T]) -> tuple[bool, list[_Waiter], Callable[[], None] | None]:
+    def _put(self, batch: Sequence[T]) -> tuple[bool, list[_Wake]]:
         """Lock held: queue ``batch``; True when it fed a starved receiver."""
         self._items.extend(batch)
         self._sent += len(batch)
         self._batches_sent += 1
         fed, self._starved = self._starved, False
-        notify, self._notify = self._notify, None
-        return fed, self._wake_receivers(), notify
+        return fed, self._wake_receivers([])
 
     def send_nowait(self, batch: Sequence[T], *, force: bool = False) -> bool:
         """Queue ``batch`` without waiting (``force``: even beyond the capacity); True when
@@ -240,32 +247,50 @@ class Channel(Generic[T]):
             self._check_send()
             if not force and not self._fits(len(batch)):
                 raise ChannelFullError(f"{self.name}: {len(batch)} items do not fit")
-            fed, woken, notify = self._put(batch)
-        self._run(woken, notify)
+            fed, after = self._put(batch)
+        self._run(after)
         return fed
 
     def send(self, batch: Sequence[T], timeout: float | None = None) -> bool:
         """Queue ``batch``, blocking this thread until it fits (see ``send_nowait``)."""
         if not batch:
             return False
-        n = len(batch)
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while True:
-                self._check_send()
-                if self._fits(n):
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise ChannelTimeoutError(f"{self.name}: no room within {timeout} s")
-                self._send_threads += 1
-                try:
-                    self._writable.wait(remaining)
-                finally:
-                    self._send_threads -= 1
-            fed, woken, notify = self._put(batch)
-        self._run(woken, notify)
+            self._wait_room(len(batch), timeout)
+            fed, after = self._put(batch)
+        self._run(after)
         return fed
+
+    def wait_room(self, n: int = 1, timeout: float | None = None) -> None:
+        """Block this thread until ``n`` more items would fit (``n=0``: until the channel
+        holds at most its capacity); raises like a send would."""
+        with self._lock:
+            self._wait_room(n, timeout)
+
+    def _wait_room(self, n: int, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._check_send()
+            if self._fits(n):
+                return
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise ChannelTimeoutError(f"{self.name}: no room within {timeout} s")
+            self._send_threads += 1
+            try:
+                self._writable.wait(remaining)
+            finally:
+                self._send_threads -= 1
+
+    def poll_room(self, n: int, notify: _Wake) -> bool:
+        """True when ``n`` more items fit now; otherwise False after arming ``notify``,
+        called once when the receiver makes room or either end closes."""
+        with self._lock:
+            self._check_send()
+            if self._fits(n):
+                return True
+            self._room_notify = notify
+            return False
 
     async def asend(self, batch: Sequence[T]) -> bool:
         """Queue ``batch``, waiting (asyncio) until it fits (see ``send_nowait``)."""
@@ -277,7 +302,7 @@ class Channel(Generic[T]):
             with self._lock:
                 self._check_send()
                 if self._fits(n):
-                    fed, woken, notify = self._put(batch)
+                    fed, after = self._put(batch)
                     break
                 waiter = _Waiter(loop)
                 self._send_async.append(waiter)
@@ -287,7 +312,7 @@ class Channel(Generic[T]):
                 with self._lock:
                     if waiter in self._send_async:
                         self._send_async.remove(waiter)
-        self._run(woken, notify)
+        self._run(after)
         return fed
 
     def close_sender(self) -> None:
@@ -296,10 +321,9 @@ class Channel(Generic[T]):
             if not self._sender_open:
                 return
             self._sender_open = False
-            notify, self._notify = self._notify, None
-            woken = self._wake_receivers()
-            woken += self._wake_senders()  # a send of this end waiting in another thread
-        self._run(woken, notify)
+            # the receiver hears of the end; a send of this end waiting elsewhere fails
+            after = self._wake_senders(self._wake_receivers([]))
+        self._run(after)
 
     # -- receiving -------------------------------------------------------------------------
 
@@ -319,15 +343,12 @@ class Channel(Generic[T]):
         return None
 
     def _starving(self) -> bool:
-        """Lock held, nothing queued: True the first time since the last send."""
+        """Lock held, nothing queued: True the first time since the last send (and a
+        hook is set to hear it)."""
         if self._starved:
             return False
         self._starved = True
         return self.on_starved is not None
-
-    def _took(self, out: list[T]) -> list[_Waiter]:
-        """Lock held: room was made."""
-        return self._wake_senders() if out else []
 
     def receive_nowait(self) -> list[T]:
         """Every item queued (an empty list when none is)."""
@@ -335,16 +356,16 @@ class Channel(Generic[T]):
             out = self._take()
             if out is None:
                 starving = self._starving()
-                out = []
             else:
-                starving = False
-            woken = self._took(out)
-        self._run(woken)
-        if starving:
-            self._call_starved()
+                after = self._wake_senders([])
+        if out is None:
+            if starving:
+                self._call_starved()
+            return []
+        self._run(after)
         return out
 
-    def poll(self, notify: Callable[[], None]) -> list[T] | None:
+    def poll(self, notify: _Wake) -> list[T] | None:
         """Every item queued, or None after arming ``notify`` for the next send or close."""
         with self._lock:
             out = self._take()
@@ -352,12 +373,12 @@ class Channel(Generic[T]):
                 self._notify = notify
                 starving = self._starving()
             else:
-                woken = self._took(out)
+                after = self._wake_senders([])
         if out is None:
             if starving:
                 self._call_starved()
             return None
-        self._run(woken)
+        self._run(after)
         return out
 
     def receive(self, timeout: float | None = None) -> list[T]:
@@ -383,8 +404,8 @@ class Channel(Generic[T]):
                     self._readable.wait(remaining)
                 finally:
                     self._recv_threads -= 1
-            woken = self._took(out)
-        self._run(woken)
+            after = self._wake_senders([])
+        self._run(after)
         return out
 
     async def areceive(self) -> list[T]:
@@ -394,7 +415,7 @@ class Channel(Generic[T]):
             with self._lock:
                 out = self._take()
                 if out is not None:
-                    woken = self._took(out)
+                    after = self._wake_senders([])
                     break
                 starving = self._starving()
                 waiter = _Waiter(loop)
@@ -407,7 +428,7 @@ class Channel(Generic[T]):
                 with self._lock:
                     if waiter in self._recv_async:
                         self._recv_async.remove(waiter)
-        self._run(woken)
+        self._run(after)
         return out
 
     def _call_starved(self) -> None:
@@ -424,8 +445,6 @@ class Channel(Generic[T]):
             self._receiver_open = False
             left = list(self._items)
             self._items.clear()
-            notify, self._notify = self._notify, None
-            woken = self._wake_senders()
-            woken += self._wake_receivers()
-        self._run(woken, notify)
+            after = self._wake_receivers(self._wake_senders([]))
+        self._run(after)
         return left

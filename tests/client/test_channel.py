@@ -260,3 +260,22 @@ def test_no_item_lost_or_reordered_under_concurrent_random_batches(seed: int) ->
     assert s.items_sent == s.items_received == n
     assert s.batches_received <= s.batches_sent
     assert s.senders_waiting == s.receivers_waiting == 0
+
+
+def test_room_waited_for_by_a_thread_and_by_a_notify_without_sending() -> None:
+    ch: Channel[int] = Channel(2)
+    ch.send_nowait([1, 2, 3], force=True)  # over the capacity: room is waited for
+    calls: list[int] = []
+    assert ch.poll_room(1, lambda: calls.append(1)) is False
+    t, out = _in_thread(lambda: ch.wait_room(0))
+    wait_for(lambda: ch.statistics().senders_waiting == 2, DEADLINE, "both wait for room")
+    assert ch.receive() == [1, 2, 3]
+    assert _joined(t, out) is None
+    assert calls == [1]
+    assert ch.poll_room(2, lambda: calls.append(2)) is True
+    ch.send_nowait([4, 5])
+    assert ch.poll_room(1, lambda: calls.append(3)) is False
+    ch.close_receiver()  # room never comes: the notify still fires, the wait raises
+    assert calls == [1, 3]
+    with pytest.raises(ChannelBrokenError):
+        ch.wait_room(0)
