@@ -35,7 +35,13 @@ from types import TracebackType
 from typing import Any, Final
 
 from client._checks import check_count, check_metrics_target, check_optional
-from client.channel import Channel, ChannelBrokenError, ChannelClosedError, EndOfChannel
+from client.channel import (
+    Channel,
+    ChannelBrokenError,
+    ChannelClosedError,
+    ChannelStatistics,
+    EndOfChannel,
+)
 from client.local_connection import LocalConnection, secret_or_env
 from client.network import UNIX_PREFIX, ConnectionManager
 from client.options import ReaderOptions
@@ -566,6 +572,11 @@ class PartitionReader:
     def metrics_reports_sent(self) -> int:
         """TaskMetrics reports sent so far (0 when not reporting)."""
         return self._core.metrics_reports_sent
+
+    def handoff_statistics(self) -> tuple[ChannelStatistics, ChannelStatistics]:
+        """The figures of the two channels between the loop thread and the task thread:
+        the hand-off (buffers and events in) and the give-back (decoded buffers out)."""
+        return self._handoff.statistics(), self._back.statistics()
 
     @property
     def barrier_stats(self) -> BarrierHandlerStats | None:

@@ -32,7 +32,13 @@ from types import TracebackType
 from typing import Any, Final
 
 from client._checks import check_count
-from client.channel import Channel, ChannelBrokenError, ChannelClosedError, EndOfChannel
+from client.channel import (
+    Channel,
+    ChannelBrokenError,
+    ChannelClosedError,
+    ChannelStatistics,
+    EndOfChannel,
+)
 from client.local_connection import LocalConnection, resolve_daemon_socket, secret_or_env
 from client.options import WriterOptions
 from client.runtime import ClientRuntime, get_runtime
@@ -268,6 +274,12 @@ class PartitionWriter:
     @property
     def stats(self) -> Any:
         return self._writer.stats
+
+    def window_statistics(self) -> ChannelStatistics:
+        """The figures of the channel to the loop's sender (items are batches of buffers;
+        ``batches_received`` counts the sender's takes, ``wakeups`` the cross-thread
+        wake-ups either side made)."""
+        return self._out.statistics()
 
     # -- shipping (task thread) ------------------------------------------------------------
 
