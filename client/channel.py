@@ -181,10 +181,18 @@ class Channel(Generic[T]):
     # -- wake-ups (lock held; what they return runs after the lock is released) -------------
 
     def _wake(
-        self, cond: threading.Condition, threads: int, waiters: list[_Waiter], after: list[_Wake]
+        self,
+        cond: threading.Condition,
+        threads: int,
+        waiters: list[_Waiter],
+        notify: _Wake | None,
+        after: list[_Wake],
     ) -> list[_Wake]:
-        """Lock held: notify the blocked threads; what wakes asyncio waiters is added to
-        ``after``, to be run once the lock is released (``_run``)."""
+        """Lock held: notify the blocked threads; what wakes asyncio waiters, and the
+        armed ``notify``, is added to ``after``, run once the lock is released (``_run``)."""
+        if notify is not None:
+            self._wakeups += 1
+            after.append(notify)
         if threads:
             self._wakeups += 1
             cond.notify_all()
@@ -201,17 +209,38 @@ class Channel(Generic[T]):
 
     def _wake_receivers(self, after: list[_Wake]) -> list[_Wake]:
         notify, self._notify = self._notify, None
-        if notify is not None:
-            self._wakeups += 1
-            after.append(notify)
-        return self._wake(self._readable, self._recv_threads, self._recv_async, after)
+        return self._wake(self._readable, self._recv_threads, self._recv_async, notify, after)
 
     def _wake_senders(self, after: list[_Wake]) -> list[_Wake]:
         notify, self._room_notify = self._room_notify, None
-        if notify is not None:
-            self._wakeups += 1
-            after.append(notify)
-        return self._wake(self._writable, self._send_threads, self._send_async, after)
+        return self._wake(self._writable, self._send_threads, self._send_async, notify, after)
+
+    def _block(self, sending: bool, deadline: float | None, timeout: float | None) -> None:
+        """Lock held: block this thread until woken (or the deadline passes, raising)."""
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            what = "no room" if sending else "nothing"
+            raise ChannelTimeoutError(f"{self.name}: {what} within {timeout} s")
+        if sending:
+            self._send_threads += 1
+        else:
+            self._recv_threads += 1
+        try:
+            (self._writable if sending else self._readable).wait(remaining)
+        finally:
+            if sending:
+                self._send_threads -= 1
+            else:
+                self._recv_threads -= 1
+
+    async def _park(self, waiter: _Waiter, waiters: list[_Waiter]) -> None:
+        """Wait on the loop until woken; a cancelled waiter leaves the list."""
+        try:
+            await waiter.future
+        finally:
+            with self._lock:
+                if waiter in waiters:
+                    waiters.remove(waiter)
 
     @staticmethod
     def _run(after: list[_Wake]) -> None:
@@ -273,14 +302,7 @@ class Channel(Generic[T]):
             self._check_send()
             if self._fits(n):
                 return
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise ChannelTimeoutError(f"{self.name}: no room within {timeout} s")
-            self._send_threads += 1
-            try:
-                self._writable.wait(remaining)
-            finally:
-                self._send_threads -= 1
+            self._block(True, deadline, timeout)
 
     def poll_room(self, n: int, notify: _Wake) -> bool:
         """True when ``n`` more items fit now; otherwise False after arming ``notify``,
@@ -306,12 +328,7 @@ class Channel(Generic[T]):
                     break
                 waiter = _Waiter(loop)
                 self._send_async.append(waiter)
-            try:
-                await waiter.future
-            finally:
-                with self._lock:
-                    if waiter in self._send_async:
-                        self._send_async.remove(waiter)
+            await self._park(waiter, self._send_async)
         self._run(after)
         return fed
 
@@ -352,25 +369,19 @@ class Channel(Generic[T]):
 
     def receive_nowait(self) -> list[T]:
         """Every item queued (an empty list when none is)."""
-        with self._lock:
-            out = self._take()
-            if out is None:
-                starving = self._starving()
-            else:
-                after = self._wake_senders([])
-        if out is None:
-            if starving:
-                self._call_starved()
-            return []
-        self._run(after)
-        return out
+        out = self._receive_or_arm(None)
+        return [] if out is None else out
 
     def poll(self, notify: _Wake) -> list[T] | None:
         """Every item queued, or None after arming ``notify`` for the next send or close."""
+        return self._receive_or_arm(notify)
+
+    def _receive_or_arm(self, notify: _Wake | None) -> list[T] | None:
         with self._lock:
             out = self._take()
             if out is None:
-                self._notify = notify
+                if notify is not None:
+                    self._notify = notify
                 starving = self._starving()
             else:
                 after = self._wake_senders([])
@@ -396,14 +407,7 @@ class Channel(Generic[T]):
                     finally:
                         self._lock.acquire()
                     continue
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise ChannelTimeoutError(f"{self.name}: nothing within {timeout} s")
-                self._recv_threads += 1
-                try:
-                    self._readable.wait(remaining)
-                finally:
-                    self._recv_threads -= 1
+                self._block(False, deadline, timeout)
             after = self._wake_senders([])
         self._run(after)
         return out
@@ -422,12 +426,7 @@ class Channel(Generic[T]):
                 self._recv_async.append(waiter)
             if starving:
                 self._call_starved()
-            try:
-                await waiter.future
-            finally:
-                with self._lock:
-                    if waiter in self._recv_async:
-                        self._recv_async.remove(waiter)
+            await self._park(waiter, self._recv_async)
         self._run(after)
         return out
 

@@ -113,14 +113,6 @@ def test_sender_closed_the_receiver_drains_then_gets_the_end() -> None:
     assert not s.sender_open and s.receiver_open
 
 
-def test_sender_closed_wakes_a_waiting_receiver_with_the_end() -> None:
-    ch: Channel[int] = Channel(10)
-    t, out = _in_thread(ch.receive)
-    wait_for(lambda: ch.statistics().receivers_waiting == 1, DEADLINE, "the receiver waits")
-    ch.close_sender()
-    assert isinstance(_joined(t, out), EndOfChannel)
-
-
 def test_receiver_closed_the_sender_gets_a_typed_error_and_the_items_come_back() -> None:
     ch: Channel[int] = Channel(2)
     ch.send([1, 2])
@@ -135,12 +127,17 @@ def test_receiver_closed_the_sender_gets_a_typed_error_and_the_items_come_back()
         ch.receive()
 
 
-def test_receiver_closed_from_another_thread_wakes_the_waiting_receiver() -> None:
+@pytest.mark.parametrize(
+    ("close", "error"), [("close_sender", EndOfChannel), ("close_receiver", ChannelClosedError)]
+)
+def test_either_side_closed_from_another_thread_wakes_the_waiting_receiver(
+    close: str, error: type[Exception]
+) -> None:
     ch: Channel[int] = Channel(2)
     t, out = _in_thread(ch.receive)
     wait_for(lambda: ch.statistics().receivers_waiting == 1, DEADLINE, "the receiver waits")
-    ch.close_receiver()
-    assert isinstance(_joined(t, out), ChannelClosedError)
+    getattr(ch, close)()
+    assert isinstance(_joined(t, out), error)
 
 
 def test_receive_times_out() -> None:
