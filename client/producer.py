@@ -14,9 +14,10 @@ partition's pool on the daemon is full, credit runs out and the producer waits
   through one bounded channel (``client.channel``), so encoding overlaps with sending:
   the loop's sender takes every batch queued at once and pushes them in one go. At most
   ``window`` batches wait in the channel; the task waits only when they all do
-  (backpressure; a wake-up when the sender makes room, none per buffer). A timer on the
-  loop flushes partial buffers every ``buffer_timeout`` seconds even while the task waits
-  for input.
+  (backpressure; a wake-up when the sender makes room, none per buffer). The output
+  flusher of the asyncio writer (``exchange.writer.async_record_writer.run_output_flusher``)
+  runs on the loop and flushes partial buffers once they are ``buffer_timeout`` seconds
+  old, even while the task waits for input.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from exchange.protocol.local_messages import (
     PartitionCreated,
     PartitionFinished,
 )
-from exchange.writer.async_record_writer import AsyncRecordWriter
+from exchange.writer.async_record_writer import AsyncRecordWriter, run_output_flusher
 from exchange.writer.record_writer import OutputBuffer, RecordWriter
 
 __all__ = ["AsyncPartitionWriter", "DaemonSink", "PartitionWriter", "WriterOptions"]
@@ -403,37 +404,40 @@ class PartitionWriter:
             await asyncio.wait((timer,))
 
     async def _flush_timer(self) -> None:
+        await run_output_flusher(self._writer, self._timer_pass, self._timer_running)
+
+    def _timer_running(self) -> bool:
+        return not self._closed and self._error is None
+
+    async def _timer_pass(self) -> None:
+        """One pass of the output flusher (loop thread): flush what is due and ship it."""
+        if not self._lock.acquire(blocking=False):
+            return  # the task thread is writing: it checks the timeout itself
         writer = self._writer
-        interval = self._timeout
-        while not self._closed and self._error is None:
-            await asyncio.sleep(interval)
-            if self._closed or not self._lock.acquire(blocking=False):
-                continue  # the task thread is writing: it checks the timeout itself
-            try:
-                if self._closed:
-                    continue
-                if self._new_sizes:
-                    self._apply_new_sizes()
-                gathered = self._gather
-                if gathered is not None and len(gathered) > self._gather_taken:
-                    # records the task gathered before its input stalled
-                    end = len(gathered)
-                    writer.emit_all(gathered[self._gather_taken : end], *self._gather_routing)
-                    self._gather_taken = end
-                writer.flush_if_due()
-                # also when emit_all flushed (the timeout had passed): what it cut goes now
-                if writer.stats.flushes == self._flushes_shipped or not writer.has_output:
-                    continue
-                self._flushes_shipped = writer.stats.flushes
-                # not part of the task's window: errors reach the task through _error
-                self._out.send_nowait((writer.take_output(),), force=True)
-            except (ChannelBrokenError, ChannelClosedError):
-                return  # the sender stopped: its error (if any) is kept already
-            except Exception as e:  # a user's partitioner failed: the task hears of it
-                self._error = e
+        try:
+            if self._closed:
                 return
-            finally:
-                self._lock.release()
+            if self._new_sizes:
+                self._apply_new_sizes()
+            gathered = self._gather
+            if gathered is not None and len(gathered) > self._gather_taken:
+                # records the task gathered before its input stalled
+                end = len(gathered)
+                writer.emit_all(gathered[self._gather_taken : end], *self._gather_routing)
+                self._gather_taken = end
+            writer.flush_if_due()
+            # also when emit_all flushed (the timeout had passed): what it cut goes now
+            if writer.stats.flushes == self._flushes_shipped or not writer.has_output:
+                return
+            self._flushes_shipped = writer.stats.flushes
+            # not part of the task's window: errors reach the task through _error
+            self._out.send_nowait((writer.take_output(),), force=True)
+        except (ChannelBrokenError, ChannelClosedError):
+            pass  # the sender stopped: its error is kept already, or the writer aborted
+        except Exception as e:  # a user's partitioner failed: the task hears of it
+            self._error = e
+        finally:
+            self._lock.release()
 
     # -- API -------------------------------------------------------------------------------
 
