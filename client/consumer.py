@@ -541,7 +541,7 @@ class PartitionReader:
         self._on_busy = debloater.on_gate_non_empty if debloater is not None else None
         self._in_flight = 0  # buffers handed to the task thread, not yet given back
         self._all_back: asyncio.Event | None = None
-        self._recycler_future = self._rt.submit(self._recycle())
+        self._rt.call_soon(self._recycle)  # arms the give-back's first notification
         self._pump_future = self._rt.submit(self._pump())
         self._done = False
         # The handler runs in the task thread: its figures are taken there after each batch
@@ -639,16 +639,23 @@ class PartitionReader:
         if debloater is not None and self._handoff.receiver_starved:
             debloater.on_gate_empty()
 
-    async def _recycle(self) -> None:
-        """Loop thread: release what the task thread decoded, a batch per wake-up (none
-        while this loop is busy: what comes meanwhile is taken with the next batch)."""
-        receive = self._back.areceive
+    def _recycle(self) -> None:
+        """Loop thread: release what the task thread decoded, everything queued at once,
+        then arm the next call: a send of the task thread schedules it (one thread-safe
+        call per batch, and only after this found nothing: none while batches queue up)."""
+        back = self._back
         while True:
             try:
-                buffers = await receive()
+                buffers = back.poll(self._recycle_soon)
             except (ChannelClosedError, EndOfChannel):
                 return
+            if buffers is None:
+                return
             self._give_back(buffers)
+
+    def _recycle_soon(self) -> None:
+        """Any thread: the give-back has buffers (or closed): recycle on the loop."""
+        self._rt.call_soon(self._recycle)
 
     def _give_back(self, buffers: list[Buffer]) -> None:
         """Loop thread: release buffers the task thread has decoded (returns credit).
@@ -803,8 +810,7 @@ class PartitionReader:
             self._all_back = asyncio.Event()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_back.wait(), _GIVE_BACK_TIMEOUT)
-        self._give_back(self._back.close_receiver())  # ends the recycler
-        await wait_quietly(asyncio.wrap_future(self._recycler_future), log, "reader recycler")
+        self._give_back(self._back.close_receiver())
         await self._core.close()
 
     def __enter__(self) -> PartitionReader:

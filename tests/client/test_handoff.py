@@ -56,5 +56,5 @@ def test_window_fills_under_back_pressure_frees_once_read_one_wake_up_per_batch(
     hand, back = reader.handoff_statistics()
     assert hand.items_received == hand.items_sent and back.items_sent == back.items_received
     assert hand.wakeups <= hand.batches_sent + hand.batches_received
-    assert back.wakeups <= back.batches_sent
+    assert back.wakeups <= back.batches_sent + 1  # and the close, which wakes it too
     d.wait_stats(lambda s: s["network"]["available_segments"] == s["network"]["total_segments"])
