@@ -173,6 +173,11 @@ class Channel(Generic[T]):
                 self._wakeups,
             )
 
+    def queued(self) -> list[T]:
+        """A copy of the items queued now, in order (they stay queued)."""
+        with self._lock:
+            return list(self._items)
+
     @property
     def receiver_starved(self) -> bool:
         """True when the last receive found nothing and no send came since."""

@@ -35,6 +35,8 @@ from exchange.protocol.local_messages import (
     AddProducerCredit,
     DaemonInfo,
     DaemonInfoRequest,
+    OutputChannelState,
+    OutputChannelStateComplete,
     PartitionCreated,
     PartitionFinished,
     ProducerBufferSize,
@@ -152,8 +154,16 @@ class LocalConnection(HandshakingClientProtocol):
         self.credit = 0
         self.bytes_pushed = 0
         self._credit_waiter: asyncio.Future[None] | None = None
+        # the push waiting for credit, and where it stands (unaligned barriers overtake it)
+        self._pushing: list[OutputBuffer] = []
+        self._push_index = 0
         #: ``(subpartition, size)`` for each ProducerBufferSize (debloating); loop thread.
         self.buffer_size_listener: Callable[[int, int], None] | None = None
+        #: OutputChannelState(Complete) of unaligned checkpoints (loop thread); without
+        #: one they are a protocol error (the task never sent an unaligned barrier).
+        self.channel_state_listener: (
+            Callable[[OutputChannelState | OutputChannelStateComplete], None] | None
+        ) = None
 
     @classmethod
     async def connect(
@@ -220,6 +230,10 @@ class LocalConnection(HandshakingClientProtocol):
         elif type(msg) is ProducerBufferSize:
             if self.buffer_size_listener is not None:
                 self.buffer_size_listener(msg.subpartition, msg.buffer_size)
+        elif isinstance(msg, OutputChannelState | OutputChannelStateComplete):
+            if self.channel_state_listener is None:
+                raise ProtocolError(f"unexpected {type(msg).__name__} from {self.address}")
+            self.channel_state_listener(msg)
         elif isinstance(msg, _REPLIES):
             if not self._replies:
                 raise ProtocolError(f"unsolicited {type(msg).__name__} from {self.address}")
@@ -248,6 +262,29 @@ class LocalConnection(HandshakingClientProtocol):
         self.send(msg)
         return await fut
 
+    def unsent_buffers(self) -> list[OutputBuffer]:
+        """The buffers of the push now waiting for credit that are not written yet."""
+        return self._pushing[self._push_index :]
+
+    def push_event_now(self, out: OutputBuffer) -> None:
+        """Write an event frame at once, ahead of any push waiting for credit (an
+        unaligned barrier: events need no credit)."""
+        if not out.is_event:
+            raise UsageError("only events may overtake waiting pushes")
+        self.check()
+        t = self._transport
+        if t is None or t.is_closing():
+            raise TransportError(f"connection to daemon {self.address} is closing")
+        header = _PUSH_FRAME.pack(
+            FRAME_HEADER_SIZE + _PUSH_BODY_HEADER + out.size,
+            MAGIC,
+            PushBuffer.MESSAGE_ID,
+            ALL_SUBPARTITIONS,
+            out.data_type,
+        )
+        t.writelines([header, *out.pieces])
+        self.bytes_pushed += out.size
+
     async def push_buffer(self, out: OutputBuffer) -> None:
         """Push one buffer the RecordWriter cut (see ``push_buffers``)."""
         await self.push_buffers([out])
@@ -260,7 +297,11 @@ class LocalConnection(HandshakingClientProtocol):
             while self.credit <= 0 and not outs[i].is_event:
                 self.check()
                 self._credit_waiter = self._loop.create_future()
-                await self._credit_waiter
+                self._pushing, self._push_index = outs, i
+                try:
+                    await self._credit_waiter
+                finally:
+                    self._pushing = []
                 self._credit_waiter = None
             self.check()
             t = self._transport

@@ -18,6 +18,15 @@ partition's pool on the daemon is full, credit runs out and the producer waits
   flusher of the asyncio writer (``exchange.writer.async_record_writer.run_output_flusher``)
   runs on the loop and flushes partial buffers once they are ``buffer_timeout`` seconds
   old, even while the task waits for input.
+
+Unaligned checkpoints (``PartitionWriter`` only): ``broadcast_barrier(..., unaligned=True)``
+sends a barrier that overtakes, on the daemon, every buffer of this partition still queued
+there; the daemon hands those buffers back, and ``output_channel_state(id)`` is the future
+of their ``CheckpointOutputState``, which the task persists with its snapshot before it
+acknowledges the checkpoint. After a restart ``restore_output_state(state)`` re-emits them,
+per subpartition and in order, before any new record. (The barrier needs no credit, but it
+leaves the task in order: buffers this writer has not pushed yet, at most its window, reach
+the daemon first and are overtaken there.)
 """
 
 from __future__ import annotations
@@ -44,13 +53,27 @@ from client.local_connection import LocalConnection, resolve_daemon_socket, secr
 from client.options import WriterOptions
 from client.runtime import ClientRuntime, get_runtime
 from exchange.best_effort import best_effort
-from exchange.errors import UsageError, WriterClosedError, fresh_error
-from exchange.events.events import AbstractEvent
+from exchange.buffers.buffer import DataType
+from exchange.checkpointing.output_channel_state import (
+    CheckpointOutputState,
+    OutputChannelStateCollector,
+)
+from exchange.errors import (
+    ExchangeError,
+    IllegalStateError,
+    UsageError,
+    WriterClosedError,
+    fresh_error,
+)
+from exchange.events.events import AbstractEvent, CheckpointBarrier, CheckpointOptions
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.local_messages import (
+    ALL_SUBPARTITIONS,
     CreatePartition,
     FailPartition,
     FinishPartition,
+    OutputChannelState,
+    OutputChannelStateComplete,
     PartitionCreated,
     PartitionFinished,
 )
@@ -189,6 +212,11 @@ class AsyncPartitionWriter(AsyncRecordWriter):
     def result(self) -> PartitionFinished | None:
         return self.daemon_sink.result
 
+    async def broadcast_event(self, event: AbstractEvent) -> None:
+        if isinstance(event, CheckpointBarrier) and event.options.unaligned:
+            raise UsageError("unaligned barriers need the PartitionWriter (its channel state)")
+        await super().broadcast_event(event)
+
     async def close(self) -> PartitionFinished:  # type: ignore[override]
         """Flush, finish the partition (EndOfPartition everywhere), wait for the daemon."""
         if self.is_closed:
@@ -253,6 +281,15 @@ class PartitionWriter:
         # debloating: sizes the daemon forwarded (loop thread), applied under the lock
         self._new_sizes: dict[int, int] = {}
         conn.buffer_size_listener = self._new_sizes.__setitem__
+        # unaligned checkpoints: the daemon's output channel state, per checkpoint (the
+        # collector is fed on the loop thread, futures are made on the task thread)
+        self._state_lock = threading.Lock()
+        self._state = OutputChannelStateCollector(num_subpartitions, created.segment_size)
+        # futures not taken yet by output_channel_state / not resolved yet
+        self._state_futures: dict[int, concurrent.futures.Future[CheckpointOutputState]] = {}
+        self._state_arriving: dict[int, concurrent.futures.Future[CheckpointOutputState]] = {}
+        conn.channel_state_listener = self._on_channel_state
+        conn.closed.add_done_callback(self._on_connection_closed)
         # The flush timer, a task of the loop: it ends with the daemon connection (nothing
         # to flush to) and is cancelled and awaited on every way out of the writer.
         self._timer: asyncio.Task[None] | None = None  # loop thread only
@@ -550,20 +587,149 @@ class PartitionWriter:
         self._after()
 
     def broadcast_event(self, event: AbstractEvent) -> None:
-        """Send ``event`` to every subpartition after every record emitted so far."""
+        """Send ``event`` to every subpartition after every record emitted so far (an
+        unaligned barrier overtakes them: see ``broadcast_barrier``)."""
         self._check_open()
+        if isinstance(event, CheckpointBarrier) and event.options.unaligned:
+            self._broadcast_unaligned(event)
+            return
         with self._lock:
             self._writer.broadcast_event(event)
         self._after_event()
 
-    def broadcast_barrier(
-        self, checkpoint_id: int, timestamp: int, *, aligned: bool = True
-    ) -> None:
-        """CheckpointBarrier on every subpartition, after every record emitted before it."""
-        self._check_open()
+    def _broadcast_unaligned(self, barrier: CheckpointBarrier) -> None:
+        """Task thread: the buffers cut so far go out as usual; the barrier is written on
+        the loop at once, ahead of those still waiting for credit, which become state."""
         with self._lock:
-            self._writer.broadcast_barrier(checkpoint_id, timestamp, aligned=aligned)
-        self._after_event()
+            self._expect_output_state(barrier.checkpoint_id)
+            self._writer.broadcast_event(barrier)
+            outs = self._writer.take_output()
+            event = outs.pop()
+            if outs:
+                self._hand(outs)
+            self._rt.call_soon(self._push_priority, barrier.checkpoint_id, event)
+        if self._error is not None:  # a batch failed: the task hears of it now
+            self._raise_failed()
+
+    def _push_priority(self, checkpoint_id: int, event: OutputBuffer) -> None:
+        """Loop thread: what is cut and not written yet is overtaken (copied to the state,
+        still sent after the barrier); then the barrier goes out."""
+        conn = self._sink.conn
+        unsent = list(conn.unsent_buffers())  # the sender's current push
+        for outs in self._out.queued():  # and what waits for the sender
+            unsent.extend(outs)
+        local: dict[int, list[bytes]] = {}
+        for out in unsent:
+            if out.is_event:
+                continue
+            data = out.to_bytes()
+            targets = (
+                range(self.num_subpartitions) if out.target == ALL_SUBPARTITIONS else (out.target,)
+            )
+            for t in targets:
+                local.setdefault(t, []).append(data)
+        try:
+            with self._state_lock:
+                self._state.add_local(checkpoint_id, local)
+            conn.push_event_now(event)
+        except ExchangeError as e:
+            with self._state_lock:
+                failed = self._state_arriving.pop(checkpoint_id, None)
+            if failed is not None and not failed.done():
+                failed.set_exception(e)
+
+    def broadcast_barrier(
+        self,
+        checkpoint_id: int,
+        timestamp: int,
+        *,
+        aligned: bool = True,
+        unaligned: bool = False,
+    ) -> None:
+        """CheckpointBarrier on every subpartition, after every record emitted before it.
+
+        ``aligned``: exactly-once (False: at least once). ``unaligned`` (exactly-once
+        only): a priority barrier that overtakes this partition's buffers queued on the
+        daemon; their copies come back as ``output_channel_state(checkpoint_id)``."""
+        options = CheckpointOptions(exactly_once=aligned, unaligned=unaligned)
+        self.broadcast_event(CheckpointBarrier(checkpoint_id, timestamp, options))
+
+    def output_channel_state(
+        self, checkpoint_id: int
+    ) -> concurrent.futures.Future[CheckpointOutputState]:
+        """The output channel state of unaligned checkpoint ``checkpoint_id`` (its barrier
+        was broadcast by this writer): a future, done once every subpartition reported,
+        failed if the daemon connection is lost first. Taken once (the writer forgets it)."""
+        with self._state_lock:
+            fut = self._state_futures.pop(checkpoint_id, None)
+        if fut is None:
+            raise UsageError(
+                f"no unaligned barrier {checkpoint_id} was broadcast by this writer "
+                "(or its state was taken already)"
+            )
+        return fut
+
+    def restore_output_state(self, state: CheckpointOutputState) -> None:
+        """Re-emit a restored checkpoint's output channel state, per subpartition in
+        order, before any new record (call it first, once, after opening the writer)."""
+        self._check_open()
+        outs: list[OutputBuffer] = []
+        for index, payloads in sorted(state.buffers.items()):
+            if not 0 <= index < self.num_subpartitions:
+                raise UsageError(
+                    f"output state of subpartition {index}, the partition has "
+                    f"{self.num_subpartitions}"
+                )
+            for payload in payloads:
+                if not 0 < len(payload) <= self.segment_size:
+                    raise UsageError(
+                        f"output state buffer of {len(payload)} bytes: not in "
+                        f"(0, {self.segment_size}] (the daemon's segment size)"
+                    )
+                outs.append(OutputBuffer(index, DataType.DATA_BUFFER, len(payload), [payload]))
+        with self._lock:
+            st = self._writer.stats
+            if st.records_out or st.events_out or self._out.statistics().items_sent:
+                raise IllegalStateError(
+                    "restore_output_state must come before any record or event is written"
+                )
+            if outs:
+                self._hand(outs)
+        self._wait_room()
+
+    def _expect_output_state(self, checkpoint_id: int) -> None:
+        """Task thread: register the future before the barrier can leave."""
+        with self._state_lock:
+            self._state.expect(checkpoint_id)
+            fut: concurrent.futures.Future[CheckpointOutputState] = concurrent.futures.Future()
+            self._state_futures[checkpoint_id] = self._state_arriving[checkpoint_id] = fut
+
+    def _on_channel_state(self, msg: OutputChannelState | OutputChannelStateComplete) -> None:
+        """Loop thread: a message of the daemon's output channel state."""
+        with self._state_lock:
+            if isinstance(msg, OutputChannelState):
+                self._state.on_buffer(msg)
+                return
+            state = self._state.on_complete(msg)
+            if state is None:
+                return
+            fut = self._state_arriving.pop(msg.checkpoint_id)
+        if not fut.done():
+            fut.set_result(state)
+
+    def _on_connection_closed(self, _: object) -> None:
+        """Loop thread: states still arriving never will."""
+        try:
+            self._sink.conn.check()
+            err: ExchangeError = WriterClosedError(f"writer of {self.partition_id} closed")
+        except ExchangeError as e:
+            err = e
+        with self._state_lock:
+            futs = list(self._state_arriving.values())
+            self._state_arriving.clear()
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(fresh_error(err))
 
     def broadcast_cancel(self, checkpoint_id: int) -> None:
         self._check_open()

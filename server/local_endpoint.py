@@ -82,6 +82,9 @@ class LocalEndpoint(DataServer):
         self.buffers_received = 0
         self.partitions_created = 0
         self.producer_failures = 0
+        # unaligned checkpoints: overtaken buffers handed back to producer tasks
+        self.output_state_bytes = 0
+        self.output_state_buffers = 0
         self.jobs = JobBoard(
             lambda: daemon.manager.partitions,
             self.task_reports,
@@ -137,6 +140,8 @@ class LocalEndpoint(DataServer):
             buffers_received=self.buffers_received,
             partitions_created=self.partitions_created,
             producer_failures=self.producer_failures,
+            output_state_bytes=self.output_state_bytes,
+            output_state_buffers=self.output_state_buffers,
         )
         return base
 
@@ -301,6 +306,10 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             msg.task, msg.gate, dict(msg.metrics), time.time(), self._conn().app_id
         )
 
+    def _count_output_state(self, buffers: int, size: int) -> None:
+        self.endpoint.output_state_buffers += buffers
+        self.endpoint.output_state_bytes += size
+
     def _count_failure(self) -> None:
         self.endpoint.producer_failures += 1
         self.daemon.partitions_failed += 1
@@ -327,6 +336,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             max_credit=self.daemon.config.producer_credit,
             on_abort=self.fail_producer,
             schedule=self._loop.call_soon,
+            on_output_state=self._count_output_state,
         )
         credit = self.session.start()
         self.send(PartitionCreated(credit, self.daemon.segment_size))

@@ -162,7 +162,8 @@ class DaemonView(Protocol):
     """What metrics and the HTTP port read from a daemon (``server.daemon.Daemon``).
 
     ``local_endpoint_stats()`` has the keys producers, consumers, bytes_received,
-    buffers_received, partitions_created, producer_failures. ``totals()`` holds cumulative
+    buffers_received, partitions_created, producer_failures, output_state_bytes,
+    output_state_buffers. ``totals()`` holds cumulative
     counters that survive partition release: bytes_in, bytes_out, buffers_out,
     partitions_created, partitions_released, partitions_failed, back_pressured_seconds
     (optionally bytes_sent / buffers_sent of the data port, preferred when present).
@@ -690,6 +691,18 @@ class ExchangeCollector:
             "exchange_buffers_received_total",
             "Buffers received from producer tasks on this host.",
             _num(local, "buffers_received"),
+        )
+        yield counter(
+            "exchange_output_channel_state_bytes_total",
+            "Bytes of in-flight data that unaligned checkpoint barriers overtook in this "
+            "daemon's subpartitions and handed back to their producer tasks to persist "
+            "(output channel state, Flink's persisted in-flight data).",
+            _num(local, "output_state_bytes"),
+        )
+        yield counter(
+            "exchange_output_channel_state_buffers_total",
+            "Buffers of output channel state handed back to producer tasks.",
+            _num(local, "output_state_buffers"),
         )
         yield counter(
             "exchange_bytes_sent_total",

@@ -25,11 +25,15 @@ class DataType(IntEnum):
 
     ``ALIGNED_CHECKPOINT_BARRIER`` is an event that blocks its subpartition once polled,
     until the consumer sends ResumeConsumption (Flink's ``isBlockingUpstream``).
+    ``PRIORITIZED_EVENT_BUFFER`` is an event that overtakes every buffer queued ahead of
+    it, in the subpartition and in the receiving channel, and needs no credit (an
+    unaligned checkpoint barrier; Flink's ``hasPriority``).
     """
 
     DATA_BUFFER = 0
     EVENT_BUFFER = 1
     ALIGNED_CHECKPOINT_BARRIER = 2
+    PRIORITIZED_EVENT_BUFFER = 3
 
     @property
     def is_buffer(self) -> bool:
@@ -42,6 +46,10 @@ class DataType(IntEnum):
     @property
     def is_blocking_upstream(self) -> bool:
         return self is DataType.ALIGNED_CHECKPOINT_BARRIER
+
+    @property
+    def has_priority(self) -> bool:
+        return self is DataType.PRIORITIZED_EVENT_BUFFER
 
 
 class BufferRecycler(Protocol):

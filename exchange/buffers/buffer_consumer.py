@@ -61,6 +61,13 @@ class BufferConsumer:
         self._read = True
         return self._buffer.read_only_slice(start, size - start)
 
+    def retained_slice(self) -> Buffer:
+        """A read-only slice of the whole buffer holding a reference of its own, whatever
+        was read (an unaligned barrier's snapshot of a buffer it overtook)."""
+        if self._closed:
+            raise IllegalStateError("BufferConsumer is closed")
+        return self._buffer.read_only_slice(0, self._buffer.size)
+
     def copy(self) -> BufferConsumer:
         """Another consumer in the same read state, sharing the buffer."""
         if self._closed:

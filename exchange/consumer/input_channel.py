@@ -36,10 +36,14 @@ def backoff_delays(initial: float, maximum: float) -> Iterator[float]:
 
 
 class BufferAndAvailability(NamedTuple):
+    """``overtaken_by``: ids of the unaligned checkpoints whose priority barrier overtook
+    this data buffer in the channel (it is input channel state of each; empty for most)."""
+
     buffer: Buffer
     more_available: bool
     buffers_in_backlog: int
     sequence_number: int
+    overtaken_by: tuple[int, ...] = ()
 
 
 class InputChannel(ABC):
@@ -76,6 +80,7 @@ class InputChannel(ABC):
         self._error: BaseException | None = None
         self._released = False
         self.queued = False  # managed by the gate: in its channels-with-data queue
+        self.queued_with_priority = False  # managed by the gate: in its priority prefix
         self.finished = False  # EndOfPartition seen
         self.bytes_in = 0
         self.buffers_in = 0
@@ -103,6 +108,11 @@ class InputChannel(ABC):
     def num_queued_buffers(self) -> int:
         """Buffers received and not yet taken by the gate (debloating counts them in use)."""
         return 0
+
+    @property
+    def has_priority_event(self) -> bool:
+        """A priority event (unaligned barrier) is next to be taken."""
+        return False
 
     @property
     def announced_backlog(self) -> int:

@@ -13,11 +13,18 @@ The logic of Flink's RemoteInputChannel and BufferManager, with the I/O behind t
 * AvailableBufferQueue hands out floating buffers first, and gives one back to the pool
   when a returning exclusive buffer makes the channel hold more than it needs.
 * Sequence numbers are checked: a gap or repeat fails the channel.
+* A priority event (an unaligned checkpoint barrier, Flink's ``addPriorityElement`` on
+  ``receivedBuffers``) goes ahead of every buffer received and not yet taken, behind
+  earlier priority events only, and the gate is told (``notify_priority_event``). The
+  data buffers it overtook are still handed out after it, in order, each flagged with
+  ``overtaken_by`` (the checkpoint ids whose barrier overtook it): the task processes
+  them and persists them as input channel state of those checkpoints.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
@@ -30,12 +37,14 @@ from exchange.consumer.input_channel import (
     backoff_delays,
 )
 from exchange.errors import (
+    CorruptRecordError,
     ExchangeError,
     IllegalStateError,
     PartitionNotFoundError,
     SequenceNumberError,
     UsageError,
 )
+from exchange.events.events import EventSerializer
 from exchange.memory.buffer_listener import NotificationResult
 from exchange.memory.memory_segment import MemorySegment
 from exchange.memory.network_buffer_pool import NetworkBufferPool
@@ -141,6 +150,9 @@ class RemoteInputChannel(InputChannel):
         self._buffer_request_timeout = buffer_request_timeout
         self._client: PartitionRequestClient | None = None
         self._received: deque[Buffer] = deque()
+        self._num_priority = 0  # priority events at the head of ``_received``
+        # [checkpoint id, data buffers at the head of the data section still overtaken]
+        self._overtaken: deque[list[int]] = deque()
         self._expected_sequence = 0
         self._unannounced_credit = 0
         self._queue = AvailableBufferQueue()
@@ -225,14 +237,34 @@ class RemoteInputChannel(InputChannel):
             )
             return
         self._expected_sequence = sequence_number + 1
-        was_empty = not self._received
-        self._received.append(buffer)
         self.bytes_in += buffer.size
         self.buffers_in += 1
-        if was_empty:
-            self.notify_channel_non_empty()
+        if buffer.data_type.has_priority:
+            self._on_priority_event(buffer)
+        else:
+            was_empty = not self._received
+            self._received.append(buffer)
+            if was_empty:
+                self.notify_channel_non_empty()
         if backlog >= 0:
             self.on_sender_backlog(backlog)
+
+    def _on_priority_event(self, buffer: Buffer) -> None:
+        try:
+            checkpoint_id = EventSerializer.checkpoint_id_of_priority_barrier(buffer)
+        except CorruptRecordError as e:
+            buffer.release()
+            self.set_error(e)
+            return
+        received = self._received
+        overtaken = sum(
+            1 for b in itertools.islice(received, self._num_priority, None) if b.is_buffer
+        )
+        received.insert(self._num_priority, buffer)
+        self._num_priority += 1
+        if overtaken:
+            self._overtaken.append([checkpoint_id, overtaken])
+        self.gate.notify_priority_event(self)
 
     def on_sender_backlog(self, backlog: int) -> None:
         self.sender_backlog = backlog
@@ -323,9 +355,26 @@ class RemoteInputChannel(InputChannel):
         if not self._received:
             return None
         buf = self._received.popleft()
+        overtaken_by: tuple[int, ...] = ()
+        if self._num_priority and buf.data_type.has_priority:
+            self._num_priority -= 1
+        elif self._overtaken and buf.is_buffer:
+            overtaken_by = tuple(window[0] for window in self._overtaken)
+            for window in self._overtaken:
+                window[1] -= 1
+            while self._overtaken and self._overtaken[0][1] == 0:
+                self._overtaken.popleft()
         return BufferAndAvailability(
-            buf, bool(self._received), self.sender_backlog, self._expected_sequence - 1
+            buf,
+            bool(self._received),
+            self.sender_backlog,
+            self._expected_sequence - 1,
+            overtaken_by,
         )
+
+    @property
+    def has_priority_event(self) -> bool:
+        return self._num_priority > 0
 
     def resume_consumption(self) -> None:
         if self._released:
@@ -344,6 +393,8 @@ class RemoteInputChannel(InputChannel):
         self._released = True
         while self._received:
             self._received.popleft().release()
+        self._num_priority = 0
+        self._overtaken.clear()
         exclusive = [b.segment for b in self._queue.exclusive]
         self._queue.exclusive.clear()
         while self._queue.floating:

@@ -6,6 +6,12 @@ event) and is re-queued after a poll that reported more data available, so a rea
 never busy-polls an empty channel. Events are decoded here; EndOfPartition retires its
 channel, and the gate ends once every channel did.
 
+A channel that received a priority event (an unaligned checkpoint barrier) goes to the
+head of the queue, behind channels queued for earlier priority events only (Flink's
+``notifyPriorityEvent``), so the barrier is returned before anything else. The data
+buffers it overtook in its channel come after it with ``BufferOrEvent.overtaken_by``
+naming the checkpoints whose input channel state they belong to.
+
 Debloating (Flink's ``SingleInputGate.triggerDebloating``): with a ``GateDebloater`` set,
 the gate reports every buffer and event it returns, and when it runs empty and has data
 again (time counts towards throughput only while data flows); ``trigger_debloating(now)``,
@@ -31,12 +37,17 @@ __all__ = ["BufferOrEvent", "SingleInputGate"]
 
 
 class BufferOrEvent(NamedTuple):
-    """A data buffer (``event`` None) or a decoded event (``buffer`` None)."""
+    """A data buffer (``event`` None) or a decoded event (``buffer`` None).
+
+    ``overtaken_by``: for a data buffer, the ids of the unaligned checkpoints whose barrier
+    (already returned) overtook it in its channel: it belongs to their input channel state.
+    """
 
     buffer: Buffer | None
     event: AbstractEvent | None
     channel_index: int
     more_available: bool
+    overtaken_by: tuple[int, ...] = ()
 
 
 class SingleInputGate:
@@ -47,6 +58,7 @@ class SingleInputGate:
         self.buffer_pool = buffer_pool  # floating buffers for remote channels
         self.channels: list[InputChannel] = []
         self._with_data: deque[InputChannel] = deque()
+        self._num_priority_channels = 0  # the head of ``_with_data`` queued for priority
         self._num_finished = 0
         self._availability = AvailabilityHelper(available=False)
         self._requested = False
@@ -119,6 +131,30 @@ class SingleInputGate:
             return
         channel.queued = True
         self._with_data.append(channel)
+        self._on_queued()
+
+    def notify_priority_event(self, channel: InputChannel) -> None:
+        """The channel has a priority event at its head: queue it before the others."""
+        if channel.queued_with_priority or channel.finished or self._closed:
+            return
+        if channel.queued:
+            self._with_data.remove(channel)
+        self._queue_priority(channel)
+        self._on_queued()
+
+    def _queue_priority(self, channel: InputChannel) -> None:
+        channel.queued = True
+        channel.queued_with_priority = True
+        self._with_data.insert(self._num_priority_channels, channel)
+        self._num_priority_channels += 1
+
+    def _dequeued(self, channel: InputChannel) -> None:
+        channel.queued = False
+        if channel.queued_with_priority:
+            channel.queued_with_priority = False
+            self._num_priority_channels -= 1
+
+    def _on_queued(self) -> None:
         if self._idle:
             self._idle = False
             if self.debloater is not None and self.reports_idle:
@@ -141,19 +177,24 @@ class SingleInputGate:
         queue = self._with_data
         while queue:
             ch = queue.popleft()
-            ch.queued = False
+            self._dequeued(ch)
             result = ch.get_next_buffer()
             if result is None:
                 continue
             more = result.more_available
             if more:
-                ch.queued = True
-                queue.append(ch)
+                if ch.has_priority_event:
+                    self._queue_priority(ch)
+                else:
+                    ch.queued = True
+                    queue.append(ch)
             buf = result.buffer
             if self.debloater is not None:
                 self.debloater.on_data(buf.size)
             if buf.is_buffer:
-                return BufferOrEvent(buf, None, ch.channel_index, more or bool(queue))
+                return BufferOrEvent(
+                    buf, None, ch.channel_index, more or bool(queue), result.overtaken_by
+                )
             try:
                 event = EventSerializer.from_buffer(buf)
             finally:
@@ -184,7 +225,7 @@ class SingleInputGate:
             ch.finished = True
             self._num_finished += 1
             if ch.queued:
-                ch.queued = False
+                self._dequeued(ch)
                 self._with_data.remove(ch)
             ch.release_all_resources()
             if self.debloater is not None:
@@ -207,8 +248,10 @@ class SingleInputGate:
             self.debloater.close()
         for ch in self.channels:
             ch.queued = False
+            ch.queued_with_priority = False
             ch.release_all_resources()
         self._with_data.clear()
+        self._num_priority_channels = 0
         if self.buffer_pool is not None:
             self.buffer_pool.destroy()
         self._availability.set_available()

@@ -75,10 +75,22 @@ class CheckpointType(IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class CheckpointOptions:
-    """How a checkpoint is taken. ``exactly_once`` selects alignment (else at least once)."""
+    """How a checkpoint is taken. ``exactly_once`` selects alignment (else at least once).
+
+    ``unaligned`` (exactly-once checkpoints only, never savepoints, as in Flink): the
+    barrier is a priority event that overtakes the buffers queued ahead of it; those
+    buffers become the checkpoint's channel state instead of being waited for.
+    """
 
     checkpoint_type: CheckpointType = CheckpointType.CHECKPOINT
     exactly_once: bool = True
+    unaligned: bool = False
+
+    def __post_init__(self) -> None:
+        if self.unaligned and not self.exactly_once:
+            raise UsageError("an unaligned checkpoint must be exactly-once")
+        if self.unaligned and self.checkpoint_type is CheckpointType.SAVEPOINT:
+            raise UsageError("a savepoint is always aligned")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +120,11 @@ class _Tag(IntEnum):
     END_OF_DATA = 3
 
 
+#: tag | checkpoint id | timestamp | checkpoint type | flags (bit 0 exactly-once, bit 1
+#: unaligned: an aligned barrier's bytes are what they were before the flag existed)
 _BARRIER: Final = struct.Struct(">BQqBB")
+_FLAG_EXACTLY_ONCE: Final = 1
+_FLAG_UNALIGNED: Final = 2
 _CANCEL: Final = struct.Struct(">BQ")
 
 _user_by_tag: dict[int, tuple[type[AbstractEvent], Callable[[Any], Any], Callable[[Any], Any]]] = {}
@@ -141,9 +157,10 @@ class EventSerializer:
             case EndOfDataEvent():
                 return bytes((_Tag.END_OF_DATA,))
             case CheckpointBarrier(checkpoint_id=cid, timestamp=ts, options=opts):
-                return _BARRIER.pack(
-                    _Tag.CHECKPOINT_BARRIER, cid, ts, opts.checkpoint_type, int(opts.exactly_once)
+                flags = (_FLAG_EXACTLY_ONCE if opts.exactly_once else 0) | (
+                    _FLAG_UNALIGNED if opts.unaligned else 0
                 )
+                return _BARRIER.pack(_Tag.CHECKPOINT_BARRIER, cid, ts, opts.checkpoint_type, flags)
             case CancelCheckpointMarker(checkpoint_id=cid):
                 return _CANCEL.pack(_Tag.CANCEL_CHECKPOINT_MARKER, cid)
         tag = _user_by_type.get(type(event))
@@ -164,12 +181,15 @@ class EventSerializer:
             if tag == _Tag.END_OF_DATA and len(data) == 1:
                 return EndOfDataEvent.INSTANCE
             if tag == _Tag.CHECKPOINT_BARRIER and len(data) == _BARRIER.size:
-                _, cid, ts, ctype, eo = _BARRIER.unpack(data)
-                if eo > 1:
-                    raise ValueError("bad exactly-once flag")
-                return CheckpointBarrier(
-                    cid, ts, CheckpointOptions(CheckpointType(ctype), bool(eo))
+                _, cid, ts, ctype, flags = _BARRIER.unpack(data)
+                if flags & ~(_FLAG_EXACTLY_ONCE | _FLAG_UNALIGNED):
+                    raise ValueError(f"bad barrier flags {flags:#x}")
+                options = CheckpointOptions(
+                    CheckpointType(ctype),
+                    bool(flags & _FLAG_EXACTLY_ONCE),
+                    bool(flags & _FLAG_UNALIGNED),
                 )
+                return CheckpointBarrier(cid, ts, options)
             if tag == _Tag.CANCEL_CHECKPOINT_MARKER and len(data) == _CANCEL.size:
                 return CancelCheckpointMarker(_CANCEL.unpack(data)[1])
             if tag >= USER_TAG_MIN and tag in _user_by_tag:
@@ -182,8 +202,11 @@ class EventSerializer:
 
     @staticmethod
     def to_buffer_data_type(event: AbstractEvent) -> DataType:
-        """The buffer data type an event travels as (aligned barriers block upstream)."""
+        """The buffer data type an event travels as (aligned barriers block upstream,
+        unaligned ones overtake queued buffers)."""
         if isinstance(event, CheckpointBarrier) and event.options.exactly_once:
+            if event.options.unaligned:
+                return DataType.PRIORITIZED_EVENT_BUFFER
             return DataType.ALIGNED_CHECKPOINT_BARRIER
         return DataType.EVENT_BUFFER
 
@@ -200,6 +223,15 @@ class EventSerializer:
     def is_end_of_partition(buffer: Buffer) -> bool:
         """True if the event buffer holds EndOfPartition (without decoding it)."""
         return buffer.size == 1 and buffer.memoryview()[0] == _Tag.END_OF_PARTITION
+
+    @staticmethod
+    def checkpoint_id_of_priority_barrier(buffer: Buffer) -> int:
+        """The checkpoint id of a priority (unaligned) barrier buffer, decoded from its
+        fixed header; CorruptRecordError if the buffer is not such a barrier."""
+        event = EventSerializer.from_buffer(buffer)
+        if not isinstance(event, CheckpointBarrier) or not event.options.unaligned:
+            raise CorruptRecordError(f"priority event {event!r} is not an unaligned barrier")
+        return event.checkpoint_id
 
     @staticmethod
     def from_buffer(buffer: Buffer) -> AbstractEvent:

@@ -10,6 +10,10 @@ in batches (``AddProducerCredit``), not one message per buffer: a grant is sent 
 quarter of the window has accumulated, or at once when the task has no credit left.
 A NewBufferSize a consumer announces for a pipelined subpartition (buffer debloating)
 goes on to the task as ``ProducerBufferSize``: the task's writer cuts the buffers.
+The buffers an unaligned barrier of the task overtakes in a pipelined subpartition go back
+to the task (a copy of each, then the subpartition's segments are its own again) as
+``OutputChannelState`` messages and one ``OutputChannelStateComplete`` per subpartition:
+the task persists them with its snapshot (``exchange/checkpointing/output_channel_state``).
 
 The session does no I/O: messages for the task go through the injected ``send``. Its
 lifecycle is one enum, with the transitions in ``_TRANSITIONS``:
@@ -45,6 +49,8 @@ from exchange.protocol.codec import DataFrameSpec
 from exchange.protocol.local_messages import (
     ALL_SUBPARTITIONS,
     AddProducerCredit,
+    OutputChannelState,
+    OutputChannelStateComplete,
     PartitionFinished,
     ProducerBufferSize,
     PushBuffer,
@@ -120,12 +126,16 @@ class ProducerSession:
         on_abort: Callable[[ErrorResponse], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         schedule: Callable[[Callable[[], None]], object] | None = None,
+        on_output_state: Callable[[int, int], None] | None = None,
     ) -> None:
+        """``on_output_state(buffers, bytes)``: output channel state was handed back to
+        the task (for the daemon's metrics)."""
         if max_credit < 1:
             raise IllegalStateError(f"max_credit must be >= 1, got {max_credit}")
         self.partition = partition
         self._send = send
         self._on_abort = on_abort
+        self._on_output_state = on_output_state
         self.max_credit = max_credit
         self._batch = max(1, max_credit // 4)
         self._reserved: deque[Buffer] = deque()
@@ -145,6 +155,11 @@ class ProducerSession:
         self.bytes_received = 0
         self.buffers_received = 0
         self.credit_messages = 0
+        # unaligned checkpoints: output channel state handed back to the task
+        self.output_state_bytes = 0
+        self.output_state_buffers = 0
+        self.output_state_reports = 0  # (subpartition, checkpoint) pairs reported
+        partition.set_output_channel_state_listener(self._on_output_channel_state)
         partition.add_release_listener(self._on_partition_released)
         partition.add_consumer_failure_listener(self._on_consumer_failure)
         for sub in partition.subpartitions:
@@ -349,6 +364,30 @@ class ProducerSession:
             )
         if self._on_abort is not None:
             self._on_abort(error_response_for(cause))
+
+    def _on_output_channel_state(
+        self, subpartition: int, checkpoint_id: int, buffers: list[Buffer]
+    ) -> None:
+        """An unaligned barrier overtook ``buffers`` (retained slices) in ``subpartition``:
+        copy each to the task, release them, then say the subpartition is complete."""
+        size = 0
+        try:
+            for buf in buffers:
+                if self.is_open:
+                    payload = buf.to_bytes()
+                    self._send(OutputChannelState(checkpoint_id, subpartition, payload))
+                    size += len(payload)
+        finally:
+            for buf in buffers:
+                buf.release()
+        if not self.is_open:
+            return  # the task is gone or done: its checkpoint cannot complete anyway
+        self._send(OutputChannelStateComplete(checkpoint_id, subpartition, len(buffers), size))
+        self.output_state_bytes += size
+        self.output_state_buffers += len(buffers)
+        self.output_state_reports += 1
+        if self._on_output_state is not None:
+            self._on_output_state(len(buffers), size)
 
     def _on_buffer_size(self, subpartition: int, size: int) -> None:
         if self.is_open:

@@ -2,7 +2,8 @@
 
 It holds the receiver's credit (one credit = one free buffer at the receiver). A data
 buffer costs one credit; events cost none. The reader is *available* when it has credit
-and data, or when its next buffer is an event.
+and data, or when its next buffer is an event. A priority event (unaligned barrier) put
+at the head of its view puts the reader at the head of the connection's queue.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ class CreditBasedSequenceNumberingViewReader:
     def notify_data_available(self) -> None:
         """BufferAvailabilityListener: the view has data (called by the producer side)."""
         self._queue.notify_reader_non_empty(self)
+
+    def notify_priority_event(self) -> None:
+        """PriorityEventListener: a priority event is at the head of the view."""
+        self._queue.notify_reader_priority(self)
 
     def add_credit(self, delta: int) -> None:
         self.credits += delta

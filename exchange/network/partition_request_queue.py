@@ -5,6 +5,9 @@ most once). ``write_and_flush_next`` sends one BufferResponse from the first ava
 reader while the channel is writable, re-queueing a reader that has more; a channel that
 turns unwritable (high watermark) stops the loop, and becoming writable again (low
 watermark) resumes it. New data, new credit and ResumeConsumption re-queue a reader.
+A reader whose view got a priority event (an unaligned checkpoint barrier) goes to the
+head of the queue, or moves there if it was waiting: the barrier leaves before the
+other readers' buffers, and with no credit (events need none).
 
 Producer-side notifications are deferred through ``schedule`` (the event loop's
 ``call_soon``) so a producer's ``add`` never re-enters the send loop.
@@ -79,8 +82,18 @@ class PartitionRequestQueue:
     def notify_reader_non_empty(self, reader: CreditBasedSequenceNumberingViewReader) -> None:
         self._schedule(functools.partial(self.enqueue_available_reader, reader))
 
-    def enqueue_available_reader(self, reader: CreditBasedSequenceNumberingViewReader) -> None:
-        if self._released or reader.registered_as_available:
+    def notify_reader_priority(self, reader: CreditBasedSequenceNumberingViewReader) -> None:
+        self._schedule(functools.partial(self.enqueue_available_reader, reader, priority=True))
+
+    def enqueue_available_reader(
+        self, reader: CreditBasedSequenceNumberingViewReader, *, priority: bool = False
+    ) -> None:
+        if self._released:
+            return
+        if reader.registered_as_available:
+            if priority and self._available and self._available[0] is not reader:
+                self._available.remove(reader)  # registered: it is in the queue
+                self._available.appendleft(reader)
             return
         if self._readers.get(reader.receiver_id) is not reader:
             return
@@ -94,7 +107,10 @@ class PartitionRequestQueue:
             return
         trigger = not self._available
         reader.registered_as_available = True
-        self._available.append(reader)
+        if priority:
+            self._available.appendleft(reader)
+        else:
+            self._available.append(reader)
         if trigger:
             self.write_and_flush_next()
 

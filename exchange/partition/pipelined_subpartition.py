@@ -11,6 +11,16 @@ Follows Flink's rules:
   receiver so it can ask for floating buffers;
 * after an aligned checkpoint barrier is polled, the subpartition is *blocked* until the
   reader calls ``resume_consumption`` (exactly-once alignment on the sender side);
+* a *priority* event (an unaligned checkpoint barrier, ``DataType.PRIORITIZED_EVENT_BUFFER``;
+  Flink's ``addPriorityElement``) goes to the head of the queue, behind earlier priority
+  events only, so it is polled before every buffer queued so far and needs no credit. The
+  data buffers it overtook are still sent after it; they are also the checkpoint's
+  *output channel state*: the output-channel-state listener gets a retained read-only
+  slice of each, in queue order, with the checkpoint id (an empty list when it overtook
+  nothing), and must release them. Only buffers still queued are overtaken: one already
+  polled is on its way and reaches the consumer ahead of the barrier. A blocked
+  subpartition (aligned barrier polled, no ResumeConsumption yet) holds its priority
+  event back too, as Flink's does;
 * it is consumed once: one view ever. A view that polled EndOfPartition and is released
   counts as consumption; a view released before that is a consumer failure (the
   subpartition is released and the partition's consumer-failure listeners are told).
@@ -25,10 +35,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from exchange.buffers.buffer import DataType
+from exchange.buffers.buffer import Buffer, DataType
 from exchange.buffers.buffer_consumer import BufferConsumer
 from exchange.errors import (
     ConsumerAlreadyAttachedError,
+    CorruptRecordError,
     IllegalStateError,
     PartitionReleasedError,
     UsageError,
@@ -41,12 +52,19 @@ from exchange.partition.states import (
     SubpartitionState,
     transition,
 )
-from exchange.partition.subpartition_view import BufferAndBacklog, BufferAvailabilityListener
+from exchange.partition.subpartition_view import (
+    BufferAndBacklog,
+    BufferAvailabilityListener,
+    PriorityEventListener,
+)
 
 if TYPE_CHECKING:
     from exchange.partition.result_partition import ResultPartition
 
-__all__ = ["PipelinedSubpartition", "PipelinedSubpartitionView"]
+__all__ = ["OutputChannelStateListener", "PipelinedSubpartition", "PipelinedSubpartitionView"]
+
+#: ``(subpartition index, checkpoint id, overtaken buffers)``: takes over the buffers.
+OutputChannelStateListener = Callable[[int, int, list[Buffer]], None]
 
 
 class PipelinedSubpartition:
@@ -57,6 +75,8 @@ class PipelinedSubpartition:
         self._parent = parent
         self._buffers: deque[BufferConsumer] = deque()
         self._backlog = 0
+        self._num_priority = 0  # priority events at the head of ``_buffers``
+        self._channel_state_listener: OutputChannelStateListener | None = None
         self.state = SubpartitionState.WRITING
         self._failure: BaseException | None = None
         self._flush_requested = False
@@ -94,6 +114,9 @@ class PipelinedSubpartition:
         if self.state is not SubpartitionState.WRITING:
             consumer.close()
             return False
+        if consumer.data_type.has_priority:
+            self._add_priority(consumer)
+            return True
         was_empty = not self._buffers
         self._buffers.append(consumer)
         if consumer.is_buffer:
@@ -101,6 +124,43 @@ class PipelinedSubpartition:
         if was_empty and self._should_notify():
             self._notify()
         return True
+
+    def _add_priority(self, consumer: BufferConsumer) -> None:
+        """Put an unaligned barrier ahead of every non-priority element; hand the data
+        buffers it overtook to the output-channel-state listener."""
+        listener = self._channel_state_listener
+        checkpoint_id = -1
+        if listener is not None:
+            # decode first: a malformed priority event must not be queued
+            head = consumer.retained_slice()
+            try:
+                checkpoint_id = EventSerializer.checkpoint_id_of_priority_barrier(head)
+            except CorruptRecordError:
+                consumer.close()
+                raise
+            finally:
+                head.release()
+        self._buffers.insert(self._num_priority, consumer)
+        self._num_priority += 1
+        if listener is not None:
+            overtaken = [
+                c.retained_slice()
+                for i, c in enumerate(self._buffers)
+                if i >= self._num_priority and c.is_buffer and c.is_data_available
+            ]
+            listener(self.index, checkpoint_id, overtaken)
+        if self._num_priority == 1 and not self._blocked:
+            self._notify_priority()
+
+    def set_output_channel_state_listener(
+        self, listener: OutputChannelStateListener | None
+    ) -> None:
+        """Who receives the buffers each unaligned barrier overtakes (one listener)."""
+        if listener is not None and self._channel_state_listener is not None:
+            raise IllegalStateError(
+                f"subpartition {self.index} already has an output channel state listener"
+            )
+        self._channel_state_listener = listener
 
     def flush(self) -> None:
         """Flink's flush: every queued buffer is complete here, so this only notifies the
@@ -136,6 +196,7 @@ class PipelinedSubpartition:
         while self._buffers:
             self._buffers.popleft().close()
         self._backlog = 0
+        self._num_priority = 0
         if self._view is not None and self._view.state is ReaderState.READING:
             self._view._listener.notify_data_available()
 
@@ -165,6 +226,15 @@ class PipelinedSubpartition:
         view = self._view
         if view is not None and view.state is not ReaderState.RELEASED:
             view._listener.notify_data_available()
+
+    def _notify_priority(self) -> None:
+        view = self._view
+        if view is not None and view.state is not ReaderState.RELEASED:
+            listener = view._listener
+            if isinstance(listener, PriorityEventListener):
+                listener.notify_priority_event()
+            else:
+                listener.notify_data_available()
 
     def _is_data_available(self) -> bool:
         return not self._blocked and (self._flush_requested or bool(self._buffers))
@@ -196,6 +266,8 @@ class PipelinedSubpartition:
             consumer.close()
             if consumer.is_buffer:
                 self._backlog -= 1
+            elif self._num_priority and consumer.data_type.has_priority:
+                self._num_priority -= 1
             if buffer.size > 0:
                 break
             buffer.release()  # an empty buffer: nothing to send

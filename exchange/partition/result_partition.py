@@ -58,7 +58,10 @@ from exchange.partition.partition_manifest import (
     SpilledSubpartition,
     write_manifest,
 )
-from exchange.partition.pipelined_subpartition import PipelinedSubpartition
+from exchange.partition.pipelined_subpartition import (
+    OutputChannelStateListener,
+    PipelinedSubpartition,
+)
 from exchange.partition.reader_budget import ReaderAccount
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_type import ResultPartitionType
@@ -422,6 +425,15 @@ class ResultPartition:
             self._spill_failed(e)
         finally:
             consumer.close()
+
+    def set_output_channel_state_listener(
+        self, listener: OutputChannelStateListener | None
+    ) -> None:
+        """Who receives, per pipelined subpartition, the buffers an unaligned barrier
+        overtook (``PipelinedSubpartition.set_output_channel_state_listener``)."""
+        for sub in self.subpartitions:
+            if isinstance(sub, PipelinedSubpartition):
+                sub.set_output_channel_state_listener(listener)
 
     def flush(self, target: int) -> None:
         self.subpartitions[target].flush()

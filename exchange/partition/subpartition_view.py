@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from exchange.buffers.buffer import Buffer, DataType
 
-__all__ = ["BufferAndBacklog", "BufferAvailabilityListener", "ResultSubpartitionView"]
+__all__ = [
+    "BufferAndBacklog",
+    "BufferAvailabilityListener",
+    "PriorityEventListener",
+    "ResultSubpartitionView",
+]
 
 
 class BufferAndBacklog(NamedTuple):
@@ -28,6 +33,16 @@ class BufferAvailabilityListener(Protocol):
     """Told when a view goes from nothing to read to something to read."""
 
     def notify_data_available(self) -> None: ...
+
+
+@runtime_checkable
+class PriorityEventListener(Protocol):
+    """A listener that also wants to hear of a priority event put at the head of its view
+    (Flink's ``notifyPriorityEvent``): the data port sends it ahead of other readers."""
+
+    def notify_data_available(self) -> None: ...
+
+    def notify_priority_event(self) -> None: ...
 
 
 class ResultSubpartitionView(Protocol):

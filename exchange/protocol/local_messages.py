@@ -13,6 +13,13 @@ consumer on the same host reads over the Unix socket instead of TCP.
 PushBuffer has a fixed ``>IB`` header (subpartition, data type) before its payload; the
 other bodies are msgpack maps (not on the data path; easy to extend).
 
+Unaligned checkpoints: when a producer's unaligned barrier overtakes buffers queued in a
+subpartition, the daemon sends them back to the producer task as its *output channel
+state* of that checkpoint: one OutputChannelState per overtaken buffer (its bytes, in
+queue order), then OutputChannelStateComplete per subpartition with the counts (also
+when it overtook nothing). The task persists them with its own snapshot (see
+``exchange/checkpointing/output_channel_state.py``).
+
 A consumer task reports its input gate's figures (buffer debloating, checkpoint alignment)
 with TaskMetrics about once a second; the daemon keeps the latest report per connection,
 task and gate for ``/metrics`` and the dashboard, and forgets it when the connection closes.
@@ -59,6 +66,8 @@ __all__ = [
     "FinishPartition",
     "JobStatus",
     "JobTask",
+    "OutputChannelState",
+    "OutputChannelStateComplete",
     "PartitionCreated",
     "PartitionFinished",
     "ProducerBufferSize",
@@ -69,6 +78,8 @@ __all__ = [
 ]
 
 _PUSH: Final = struct.Struct(">IB")
+_OUTPUT_STATE: Final = struct.Struct(">QI")
+_MAX_CHECKPOINT_ID: Final = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +130,46 @@ class ProducerBufferSize(Message):
                 raise ProtocolError(f"{name} must be an int in [0, 2**32)")
         if self.buffer_size == 0:
             raise ProtocolError("ProducerBufferSize of zero bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class OutputChannelState(Message):
+    """Daemon -> producer task: one buffer that the unaligned barrier of
+    ``checkpoint_id`` overtook in ``subpartition`` (its bytes; in queue order)."""
+
+    MESSAGE_ID: ClassVar[int] = 78
+    checkpoint_id: int
+    subpartition: int
+    payload: bytes | memoryview = field(repr=False)
+
+    def __post_init__(self) -> None:
+        _check_state_ids(self.checkpoint_id, self.subpartition)
+        if len(self.payload) == 0:
+            raise ProtocolError("OutputChannelState of zero bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class OutputChannelStateComplete(Message):
+    """Daemon -> producer task: every buffer the barrier of ``checkpoint_id`` overtook in
+    ``subpartition`` was sent (``buffers`` of them, ``num_bytes`` in all; 0 for none)."""
+
+    MESSAGE_ID: ClassVar[int] = 79
+    checkpoint_id: int
+    subpartition: int
+    buffers: int
+    num_bytes: int
+
+    def __post_init__(self) -> None:
+        _check_state_ids(self.checkpoint_id, self.subpartition)
+        _uint(self.buffers, "buffers")
+        _uint(self.num_bytes, "num_bytes", 2**64 - 1)
+
+
+def _check_state_ids(checkpoint_id: Any, subpartition: Any) -> None:
+    _uint(checkpoint_id, "checkpoint_id", _MAX_CHECKPOINT_ID)
+    _uint(subpartition, "subpartition")
+    if subpartition == ALL_SUBPARTITIONS:
+        raise ProtocolError("channel state belongs to one subpartition")
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,6 +520,36 @@ def _enc_push(m: PushBuffer) -> list[bytes | memoryview]:
     return [_PUSH.pack(m.subpartition, m.data_type), m.payload]
 
 
+def _dec_output_state(body: memoryview) -> OutputChannelState:
+    if len(body) < _OUTPUT_STATE.size:
+        raise ProtocolError("OutputChannelState body too short")
+    cid, sub = _OUTPUT_STATE.unpack_from(body)
+    return OutputChannelState(cid, sub, body[_OUTPUT_STATE.size :])
+
+
+def _enc_output_state(m: OutputChannelState) -> list[bytes | memoryview]:
+    return [_OUTPUT_STATE.pack(m.checkpoint_id, m.subpartition), m.payload]
+
+
+_STATE_COMPLETE_KEYS: Final = ("checkpoint", "subpartition", "buffers", "bytes")
+
+
+def _dec_output_state_complete(body: memoryview) -> OutputChannelStateComplete:
+    m = _unpack_map(body, _STATE_COMPLETE_KEYS)
+    return OutputChannelStateComplete(*(m[k] for k in _STATE_COMPLETE_KEYS))
+
+
+def _enc_output_state_complete(m: OutputChannelStateComplete) -> list[bytes]:
+    return _pack(
+        {
+            "checkpoint": m.checkpoint_id,
+            "subpartition": m.subpartition,
+            "buffers": m.buffers,
+            "bytes": m.num_bytes,
+        }
+    )
+
+
 def _register() -> None:
     register_message(64, CreatePartition, _dec_create, _enc_create)
     register_message(
@@ -555,6 +636,10 @@ def _register() -> None:
         lambda m: _pack({"task": m.task, "gate": m.gate, "metrics": m.metrics}),
     )
     register_message(77, JobStatus, _dec_job_status, _enc_job_status)
+    register_message(78, OutputChannelState, _dec_output_state, _enc_output_state)
+    register_message(
+        79, OutputChannelStateComplete, _dec_output_state_complete, _enc_output_state_complete
+    )
 
 
 _TASK_KEYS: Final = ("task", "name", "subtask", "outputs", "channels", "in", "out")

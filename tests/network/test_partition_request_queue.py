@@ -16,7 +16,7 @@ import pytest
 
 from exchange.buffers.buffer import Buffer, DataType
 from exchange.errors import PartitionReleasedError
-from exchange.events.events import CheckpointBarrier, EventSerializer
+from exchange.events.events import CheckpointBarrier, CheckpointOptions, EventSerializer
 from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberingViewReader
 from exchange.network.partition_request_queue import PartitionRequestQueue
 from exchange.partition import ResultPartition, ResultPartitionManager
@@ -510,3 +510,70 @@ def test_any_view_error_fails_that_channel_and_nothing_else(
     part.finish()
     loop.run()
     assert queue.num_readers == 0
+
+
+def test_unaligned_barrier_overtakes_the_backlog_with_zero_credit(
+    make_partition: PartitionFactory,
+    manager: ResultPartitionManager,
+    queue: PartitionRequestQueue,
+    channel: RecordingChannel,
+    loop: Loop,
+) -> None:
+    """Flink's PartitionRequestQueueTest#testNotifyReaderPriorityEvent: the priority
+    barrier leaves first, ahead of the other readers' buffers too, and without credit."""
+    part = make_partition(1, "pipelined", 2, (2, 16))
+    attach(queue, manager, part, 1, credit=1, index=0)
+    attach(queue, manager, part, 2, credit=4, index=1)
+    add_full_buffers(part, 0, 3)  # reader 1: one credit, then stuck with a backlog of 2
+    loop.run()
+    assert [s.tag for s in channel.data(1)] == [0]
+    channel.writable = False  # reader 2 waits in the queue behind nothing it could send
+    add_full_buffers(part, 1, 2)
+    loop.run()
+    barrier = CheckpointBarrier(4, 0, CheckpointOptions(unaligned=True))
+    part.broadcast_event(barrier)
+    loop.run()
+    channel.writable = True
+    queue.write_and_flush_next()
+    loop.run()
+    sent = [(s.receiver_id, s.data_type) for s in channel.sent[1:]]
+    # both barriers before reader 2's data; reader 1's backlog still waits for credit
+    assert sorted(sent[:2]) == [
+        (1, DataType.PRIORITIZED_EVENT_BUFFER),
+        (2, DataType.PRIORITIZED_EVENT_BUFFER),
+    ]
+    assert [s.tag for s in channel.data(2)] == [0, 1]
+    assert [s.tag for s in channel.data(1)] == [0]
+    queue.add_credit(1, 2)
+    loop.run()
+    assert [s.tag for s in channel.data(1)] == [0, 1, 2]  # overtaken, still sent after it
+    part.release()
+    loop.run()
+
+
+def test_priority_moves_a_waiting_reader_to_the_head(
+    make_partition: PartitionFactory,
+    manager: ResultPartitionManager,
+    queue: PartitionRequestQueue,
+    channel: RecordingChannel,
+    loop: Loop,
+) -> None:
+    a = make_partition(1, "pipelined", 1, (1, 16))
+    b = make_partition(2, "pipelined", 1, (1, 16))
+    attach(queue, manager, a, 1, credit=4)
+    attach(queue, manager, b, 2, credit=4)
+    channel.writable = False
+    add_full_buffers(a, 0, 2)
+    add_full_buffers(b, 0, 2)
+    loop.run()  # both readers wait, reader 1 first
+    b.broadcast_event(CheckpointBarrier(3, 0, CheckpointOptions(unaligned=True)))
+    loop.run()
+    channel.writable = True
+    queue.write_and_flush_next()
+    assert (channel.sent[0].receiver_id, channel.sent[0].data_type) == (
+        2,
+        DataType.PRIORITIZED_EVENT_BUFFER,
+    )
+    a.release()
+    b.release()
+    loop.run()

@@ -28,6 +28,7 @@ from exchange.consumer.remote_input_channel import (
 )
 from exchange.consumer.single_input_gate import SingleInputGate
 from exchange.errors import (
+    CorruptRecordError,
     IllegalStateError,
     PartitionError,
     PartitionNotFoundError,
@@ -36,7 +37,12 @@ from exchange.errors import (
     TransportError,
     UsageError,
 )
-from exchange.events.events import EndOfPartitionEvent, EventSerializer
+from exchange.events.events import (
+    CheckpointBarrier,
+    CheckpointOptions,
+    EndOfPartitionEvent,
+    EventSerializer,
+)
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartitionID
 
@@ -532,3 +538,98 @@ async def test_retry_on_a_dead_connection_fails_the_channel(nbp: NetworkBufferPo
         loop.set_exception_handler(None)
         gate.close()
     assert unhandled == []
+
+
+def _barrier_buffer(ch: RemoteInputChannel, checkpoint_id: int) -> Buffer:
+    barrier = CheckpointBarrier(checkpoint_id, 0, CheckpointOptions(unaligned=True))
+    data = EventSerializer.to_bytes(barrier)
+    return ch.receive_event(data, DataType.PRIORITIZED_EVENT_BUFFER)
+
+
+def _taken(gate: SingleInputGate) -> list[tuple[int, object, tuple[int, ...]]]:
+    """(channel, data tag or event, overtaken_by) of everything the gate returns now."""
+    out: list[tuple[int, object, tuple[int, ...]]] = []
+    while (boe := gate.poll_next()) is not None:
+        if boe.buffer is not None:
+            item: object = struct.unpack(">II", boe.buffer.to_bytes())[1]
+            boe.buffer.release()
+        else:
+            item = boe.event
+        out.append((boe.channel_index, item, boe.overtaken_by))
+    return out
+
+
+@pytest.mark.asyncio
+async def test_priority_barrier_overtakes_received_buffers_and_flags_them(
+    nbp: NetworkBufferPool,
+) -> None:
+    """Flink's RemoteInputChannelTest#testPriorityEvent... : the barrier goes ahead of the
+    buffers received and not taken; those come after it, flagged as its channel state."""
+    client = RecordingClient()
+    gate, [ch0, ch1] = make_gate(nbp, 2, client, floating=8, exclusive=4)
+    await gate.request_partitions()
+    s0, s1 = Sender(ch0, total=10), Sender(ch1, total=10)
+    s1.send_data()  # channel 1 is queued first in the gate
+    for _ in range(3):
+        s0.send_data()
+    first = gate.poll_next()  # channel 1's buffer 0
+    assert first is not None and first.channel_index == 1 and first.buffer is not None
+    first.buffer.release()
+    s1.send_data()
+    taken = _taken_one(gate)  # channel 0's buffer 0: taken before the barrier, not state
+    assert taken == (0, 0, ())
+    s0.deliver(_barrier_buffer(ch0, 7))  # overtakes channel 0's buffers 1 and 2
+    s0.send_data()  # arrives after the barrier: not overtaken
+    barrier = CheckpointBarrier(7, 0, CheckpointOptions(unaligned=True))
+    assert ch0.has_priority_event
+    assert _taken(gate) == [
+        (0, barrier, ()),  # ahead of channel 1's queued buffer too
+        (1, 1, ()),
+        (0, 1, (7,)),
+        (0, 2, (7,)),
+        (0, 3, ()),
+    ]
+    gate.close()
+    assert nbp.num_available == nbp.total_segments
+
+
+def _taken_one(gate: SingleInputGate) -> tuple[int, object, tuple[int, ...]]:
+    boe = gate.poll_next()
+    assert boe is not None and boe.buffer is not None
+    tag = struct.unpack(">II", boe.buffer.to_bytes())[1]
+    boe.buffer.release()
+    return boe.channel_index, tag, boe.overtaken_by
+
+
+@pytest.mark.asyncio
+async def test_nested_priority_barriers_flag_buffers_with_every_checkpoint(
+    nbp: NetworkBufferPool,
+) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client, floating=8, exclusive=6)
+    await gate.request_partitions()
+    s = Sender(ch, total=10)
+    s.send_data()
+    s.send_data()
+    s.deliver(_barrier_buffer(ch, 1))  # overtakes 0, 1
+    s.send_data()
+    s.deliver(_barrier_buffer(ch, 2))  # overtakes 0, 1, 2 (behind barrier 1)
+    b1 = CheckpointBarrier(1, 0, CheckpointOptions(unaligned=True))
+    b2 = CheckpointBarrier(2, 0, CheckpointOptions(unaligned=True))
+    assert _taken(gate) == [(0, b1, ()), (0, b2, ()), (0, 0, (1, 2)), (0, 1, (1, 2)), (0, 2, (2,))]
+    s.send_data()
+    assert _taken(gate) == [(0, 3, ())]
+    gate.close()
+
+
+@pytest.mark.asyncio
+async def test_malformed_priority_event_fails_the_channel(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client)
+    await gate.request_partitions()
+    s = Sender(ch, total=3)
+    data = EventSerializer.to_bytes(EndOfPartitionEvent.INSTANCE)
+    s.deliver(ch.receive_event(data, DataType.PRIORITIZED_EVENT_BUFFER))
+    with pytest.raises(CorruptRecordError):
+        gate.poll_next()
+    gate.close()
