@@ -56,8 +56,9 @@ def test_a_batch_get_returns_everything_queued_in_order() -> None:
     ch: Channel[int] = Channel(10)
     ch.send([1, 2])
     ch.send_nowait([3])
+    assert ch.queued() == [1, 2, 3]  # a copy: they stay queued
     assert ch.receive() == [1, 2, 3]
-    assert ch.receive_nowait() == []
+    assert ch.receive_nowait() == [] and ch.queued() == []
     s = ch.statistics()
     assert (s.items_sent, s.items_received, s.batches_sent, s.batches_received) == (3, 3, 2, 1)
     assert s.wakeups == 0  # nobody ever waited: no wake-up
