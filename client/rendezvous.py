@@ -51,11 +51,13 @@ class RendezvousTicket:
 
 
 @dataclass(slots=True)
-class _Group:
+class _Round:
+    """One run of the stage (in Spark: one stage id; each action runs a new stage)."""
+
     n: int
-    on_abort: Callable[[list[Any]], Awaitable[None]] | None = None
     entries: dict[int, tuple[int, Any]] = field(default_factory=dict)
     waiters: list[tuple[int, asyncio.Future[list[Any]]]] = field(default_factory=list)
+    aborted: bool = False
 
     def answer_for(self, attempt: int) -> list[Any] | None:
         if len(self.entries) < self.n:
@@ -77,6 +79,22 @@ class _Group:
             else:
                 fut.set_result(answer)
         self.waiters = still
+
+
+@dataclass(slots=True)
+class _Group:
+    n: int
+    on_abort: Callable[[int, list[Any]], Awaitable[None]] | None = None
+    rounds: dict[int, _Round] = field(default_factory=dict)
+
+    def round(self, key: int) -> _Round:
+        r = self.rounds.get(key)
+        if r is None:
+            r = self.rounds[key] = _Round(self.n)
+        return r
+
+    def waiters(self) -> list[asyncio.Future[list[Any]]]:
+        return [fut for r in self.rounds.values() for _, fut in r.waiters]
 
 
 async def listen_for_tasks(
@@ -109,13 +127,16 @@ class RendezvousServer:
         self,
         exchange_id: str,
         num_tasks: int,
-        on_abort: Callable[[list[Any]], Awaitable[None]] | None = None,
+        on_abort: Callable[[int, list[Any]], Awaitable[None]] | None = None,
     ) -> RendezvousTicket:
         """A new meeting of ``num_tasks`` tasks; the ticket goes to each task.
 
-        ``on_abort(locations)`` runs (on the loop, once) when a task reports that it
-        failed, with every location registered so far: the driver's chance to release
-        what the failed stage left on the daemons (a task killed hard cleans nothing).
+        Tasks meet per round (``round_id``; in Spark the stage id, new with every action
+        on the same RDD): a task is answered only with registrations of its own round.
+        ``on_abort(round_id, locations)`` runs (on the loop, once per round) when a task
+        reports that it failed, with every location of its round registered so far: the
+        driver's chance to release what the failed stage left on the daemons (a task
+        killed hard cleans nothing).
         """
         if num_tasks <= 0:
             raise UsageError(f"num_tasks must be positive, got {num_tasks}")
@@ -131,7 +152,7 @@ class RendezvousServer:
         def drop() -> None:
             entry = self._groups.pop(exchange_id, None)
             if entry is not None:
-                for _, fut in entry[1].waiters:
+                for fut in entry[1].waiters():
                     if not fut.done():
                         fut.cancel()
 
@@ -147,10 +168,14 @@ class RendezvousServer:
             if entry is None or not hmac.compare_digest(str(req.get("token")), entry[0]):
                 raise ValueError("unknown exchange or bad token")
             group = entry[1]
+            round_id = req.get("round", 0)
+            if not isinstance(round_id, int):
+                raise ValueError("round must be an int")
+            rnd = group.round(round_id)
             if req.get("abort"):
-                hook, group.on_abort = group.on_abort, None
-                if hook is not None:
-                    await hook([loc for _, loc in group.entries.values()])
+                if not rnd.aborted and group.on_abort is not None:
+                    rnd.aborted = True
+                    await group.on_abort(round_id, [loc for _, loc in rnd.entries.values()])
                 writer.write(b'{"ok": []}\n')
                 await writer.drain()
                 return
@@ -159,12 +184,12 @@ class RendezvousServer:
                 raise ValueError(f"index {index!r} out of range")
             if not isinstance(attempt, int):
                 raise ValueError("attempt must be an int")
-            old = group.entries.get(index)
+            old = rnd.entries.get(index)
             if old is None or old[0] <= attempt:
-                group.entries[index] = (attempt, req.get("location"))
+                rnd.entries[index] = (attempt, req.get("location"))
             fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-            group.waiters.append((attempt, fut))
-            group.settle()
+            rnd.waiters.append((attempt, fut))
+            rnd.settle()
             answer = await fut
             writer.write(json.dumps({"ok": answer}).encode() + b"\n")
             await writer.drain()
@@ -185,7 +210,7 @@ class RendezvousServer:
                 self._server.close()
                 await self._server.wait_closed()
             for _, group in self._groups.values():
-                for _, fut in group.waiters:
+                for fut in group.waiters():
                     fut.cancel()
             self._groups.clear()
             for _ in range(10):  # let the cancelled handlers close their connections
@@ -203,6 +228,7 @@ async def _meet(
     timeout: float,
     *,
     abort: bool = False,
+    round_id: int = 0,
 ) -> list[Any]:
     try:
         reader, writer = await asyncio.wait_for(
@@ -220,6 +246,7 @@ async def _meet(
             "attempt": attempt,
             "location": location,
             "abort": abort,
+            "round": round_id,
         }
         writer.write(json.dumps(req).encode() + b"\n")
         await writer.drain()
@@ -246,13 +273,15 @@ def report_abort(
     index: int,
     attempt: int,
     *,
+    round_id: int = 0,
     timeout: float = 10.0,
     runtime: ClientRuntime | None = None,
 ) -> None:
     """Tell the driver this task failed (best effort: the task's own error goes on)."""
     rt = runtime if runtime is not None else get_runtime()
     with best_effort(log, f"telling the driver that task {index} failed", logging.WARNING):
-        rt.run(_meet(ticket, index, attempt, None, timeout, abort=True), timeout=timeout)
+        meeting = _meet(ticket, index, attempt, None, timeout, abort=True, round_id=round_id)
+        rt.run(meeting, timeout=timeout)
 
 
 def rendezvous(
@@ -261,9 +290,10 @@ def rendezvous(
     attempt: int,
     location: Any,
     *,
+    round_id: int = 0,
     timeout: float = 300.0,
     runtime: ClientRuntime | None = None,
 ) -> list[Any]:
-    """Register this task and wait for every task's location (index order)."""
+    """Register this task and wait for every task of its round's location (index order)."""
     rt = runtime if runtime is not None else get_runtime()
-    return rt.run(_meet(ticket, index, attempt, location, timeout))
+    return rt.run(_meet(ticket, index, attempt, location, timeout, round_id=round_id))

@@ -9,15 +9,18 @@ own daemon); else the embedded daemon of a ``local[*]`` run; else the default so
 through the daemons so that output partition *i* holds exactly the pairs
 ``rdd.partitionBy(n, partition_func)`` puts there:
 
-* ``mode="blocking"``: a producer job writes one BLOCKING partition per input partition
-  (identified by its ``taskAttemptId()``, so a retried task never mixes with its failed
-  attempt: only the attempts whose results Spark collected are read); the returned RDD's
-  tasks read them, any number of times. ``release_exchange`` frees them (a time to live
-  frees forgotten ones).
+* ``mode="blocking"``: lazy, one Spark job per action, as ``partitionBy``. Its map stage
+  writes one BLOCKING partition per input partition (identified by its
+  ``taskAttemptId()``) and hands Spark's shuffle a marker per reader naming it; readers
+  read the partitions their markers name, so only the attempts whose map output Spark
+  committed are read, never a retried task's other attempt. Later actions skip the map
+  stage and read again. ``release_exchange`` frees them (a time to live frees forgotten
+  ones).
 * ``mode="pipelined"``: one barrier stage; task *i* writes input partition *i* (from a
   background thread) while it reads output partition *i*, so data streams between running
   tasks with bounded memory. The tasks find each other through a rendezvous service on
-  the driver (``client.rendezvous``; ``allGather`` costs about a second). The input
+  the driver (``client.rendezvous``; ``allGather`` costs about a second), in a round per
+  run of the stage (each action runs it anew, as a new stage). The input
   must have ``n`` partitions (barrier stages cannot change the partition count) and the
   cluster ``n`` free task slots.
 """
@@ -40,7 +43,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from client.consumer import PartitionLocation, PartitionReader
 from client.local_connection import (
@@ -53,7 +56,7 @@ from client.options import ReaderOptions, WriterOptions
 from client.producer import PartitionWriter
 from client.rendezvous import RendezvousServer, rendezvous, report_abort
 from client.runtime import get_runtime
-from exchange.errors import ExchangeError, NotAPairError, TransportError, UsageError
+from exchange.errors import ExchangeError, TransportError, UsageError
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.serialization.record_codec import RecordCodec, default_codec
 from exchange.writer.hashing import deterministic_hash
@@ -63,6 +66,7 @@ log = logging.getLogger("exchange.client.spark")
 
 if TYPE_CHECKING:
     from pyspark import RDD, SparkContext
+    from pyspark.accumulators import Accumulator, AccumulatorParam
 
 __all__ = [
     "CONF_DAEMON_ADDRESS",
@@ -100,14 +104,6 @@ def _writer_partition_func(
     if partition_func is exchange_hash or partition_func is deterministic_hash:
         return None
     return partition_func
-
-
-def _raise_typed(error: Exception) -> None:
-    """Raise the ``NotAPairError`` a task raised, on the driver, if ``error`` (what a Spark
-    action raised) carries one; else return."""
-    found = re.search(r"exchange\.errors\.NotAPairError: (.*)", str(error))
-    if found is not None:
-        raise NotAPairError(found.group(1)) from None
 
 
 # -- the embedded daemon -------------------------------------------------------------------
@@ -481,9 +477,9 @@ def exchange_shuffle(
     ``reduceByKey``, ``groupByKey`` or ``partitionBy`` with the same partitioning does
     not shuffle again. It has an ``exchange_id`` attribute for ``release_exchange``.
 
-    A record that is not a pair (``record[0]`` fails) is a ``NotAPairError`` naming it
-    (in blocking mode raised here, on the driver; in pipelined mode by the job that reads
-    the result). A DataFrame is refused at once: pass ``df.rdd`` mapped to pairs.
+    A record that is not a pair (``record[0]`` fails) is a ``NotAPairError`` naming it,
+    raised by the task that meets it: the action on the result fails with it. A
+    DataFrame is refused at once: pass ``df.rdd`` mapped to pairs.
 
     ``secret_file``: where the daemons' shared secret lies on the driver (default:
     ``$EXCHANGE_SECRET_FILE``); the driver mints the application's credential from it
@@ -540,7 +536,8 @@ def _check_not_dataframe(data: object) -> None:
         )
 
 
-_exchanges: dict[str, set[str]] = {}
+#: exchange id -> the accumulator of the data addresses its blocking partitions went to
+_exchange_addresses: dict[str, Accumulator[set[str]]] = {}
 #: Every exchange id this driver made (a release of another id is a mistake).
 _known_exchanges: set[str] = set()
 #: exchange id -> the Spark application that made it (its partitions are that app's)
@@ -553,6 +550,23 @@ def _check_secret_file(secret_file: object) -> None:
         raise UsageError(f"secret_file must be a path, got {secret_file!r}")
 
 
+class _AddressSet:
+    """The ``AccumulatorParam`` of the data addresses of the daemons an exchange wrote to
+    (Spark merges the updates of successful tasks only)."""
+
+    def zero(self, value: set[str]) -> set[str]:
+        return set()
+
+    def addInPlace(self, value1: set[str], value2: set[str]) -> set[str]:
+        value1 |= value2
+        return value1
+
+
+def _route_by_reader(reader: int) -> int:
+    """The partition function of the location shuffle: a marker's key is its reader."""
+    return reader
+
+
 def _blocking(
     rdd: RDD[Any],
     n: int,
@@ -561,35 +575,44 @@ def _blocking(
     exchange_id: str,
     codec: RecordCodec,
 ) -> RDD[Any]:
+    """One Spark job per action, two stages: the map stage writes each input partition to
+    its daemon and hands Spark, for every reader, a marker naming the partition written
+    (``_Produced``); Spark's own shuffle carries the ``n_in * n`` markers to the readers.
+
+    Spark registers the map output of one attempt per task (the one it committed), so a
+    reader sees exactly one attempt per input partition, never a retried task's failed or
+    duplicate attempt; Spark keeps the markers as it keeps any shuffle output, so a second
+    action reads the daemons again without writing (its map stage is skipped)."""
     from pyspark import TaskContext
 
-    def write(index: int, records: Iterable[Any]) -> Iterator[_Produced]:
+    sc = rdd.context
+    param = cast("AccumulatorParam[set[str]]", _AddressSet())
+    addresses: Accumulator[set[str]] = sc.accumulator(set(), param)
+    _exchange_addresses[exchange_id] = addresses
+
+    def write(index: int, records: Iterable[Any]) -> Iterator[tuple[int, _Produced]]:
         ctx = TaskContext.get()
         attempt = ctx.taskAttemptId() if ctx is not None else 0
-        yield _write_partition(
+        produced = _write_partition(
             exchange_id, index, attempt, records, n, partition_func, spec, codec, True
         )
+        addresses.add({produced.data_address})
+        return ((reader, produced) for reader in range(n))
 
-    sc = rdd.context
-    sc.setJobDescription(f"exchange {exchange_id}: write {rdd.getNumPartitions()} partitions")
-    try:
-        written = rdd.mapPartitionsWithIndex(write).collect()
-    except Exception as e:  # Spark's wrapper of whatever a task raised
-        _raise_typed(e)
-        raise
-    finally:
-        sc.setJobDescription(None)  # type: ignore[arg-type]
-    produced = sorted(written, key=lambda p: p.index)
-    _exchanges[exchange_id] = {p.data_address for p in produced}
-
-    def read(index: int, _: Iterable[Any]) -> Iterator[Any]:
+    def read(index: int, markers: Iterable[tuple[int, _Produced]]) -> Iterator[Any]:
+        produced = sorted((p for _, p in markers), key=lambda p: p.index)
         return _read_subpartition(exchange_id, produced, index, spec, codec)
 
+    located = rdd.mapPartitionsWithIndex(write).partitionBy(n, _route_by_reader)
     # preservesPartitioning: the Partitioner set on the result passes on to what is
-    # pipelined after it (the JVM parent, a parallelize, has no partitioner to pass on).
-    # A list, not a range: parallelize(range) is itself a map that preserves nothing.
-    indexes = sc.parallelize(list(range(n)), n)
-    return indexes.mapPartitionsWithIndex(read, preservesPartitioning=True)
+    # pipelined after it (the JVM side claims the location shuffle's partitioner: the same
+    # count of partitions, each holding one output partition)
+    return located.mapPartitionsWithIndex(read, preservesPartitioning=True)
+
+
+def _run_dataset(exchange_id: str, stage: int) -> str:
+    """The dataset of one run (Spark stage) of a pipelined exchange's barrier stage."""
+    return f"{exchange_id}.s{stage}"
 
 
 class _CancellableWriter:
@@ -644,12 +667,12 @@ def _pipelined(
         )
     secret = spec.secret
 
-    async def release_everywhere(locations: list[Any]) -> None:
-        """A task of the stage failed: release the exchange's pipelined partitions on
-        every daemon, so nothing a killed task left behind keeps its segments."""
+    async def release_everywhere(stage: int, locations: list[Any]) -> None:
+        """A task of the stage failed: release that run's pipelined partitions on every
+        daemon, so nothing a killed task left behind keeps its segments."""
         for address in {loc[3] for loc in locations if loc}:
             with contextlib.suppress(ExchangeError):
-                await release_dataset(address, exchange_id, secret=secret)
+                await release_dataset(address, _run_dataset(exchange_id, stage), secret=secret)
 
     ticket = _rendezvous_server(sc).open_group(exchange_id, n, release_everywhere)
 
@@ -657,9 +680,13 @@ def _pipelined(
         ctx = BarrierTaskContext.get()
         t = ctx.partitionId()
         attempt = ctx.taskAttemptId()
+        # Each action on the result runs the barrier stage again, as a new stage: its
+        # tasks meet only each other, and write partitions of their own dataset
+        stage = ctx.stageId()
+        dataset = _run_dataset(exchange_id, stage)
         sock, info = _local_daemon(spec)
         me = [t, attempt, info.daemon_id, info.data_address, sock, info.segment_size]
-        everyone = rendezvous(ticket, t, attempt, me)
+        everyone = rendezvous(ticket, t, attempt, me, round_id=stage)
         producers = [_Produced(p[0], p[1], p[2], p[3], p[4], p[5], 0) for p in everyone]
         failure: list[BaseException] = []
         writer_handle = _CancellableWriter()
@@ -667,7 +694,7 @@ def _pipelined(
         def produce() -> None:
             try:
                 _write_partition(
-                    exchange_id,
+                    dataset,
                     t,
                     attempt,
                     records,
@@ -691,7 +718,7 @@ def _pipelined(
             read_all = False
             try:
                 try:
-                    reader = _open_reader(exchange_id, producers, t, spec, codec)
+                    reader = _open_reader(dataset, producers, t, spec, codec)
                     if reader is not None:
                         yield from reader.record_lists()
                     read_all = True
@@ -704,12 +731,12 @@ def _pipelined(
                         # read failed): the exchange cannot complete, and our writer may
                         # wait forever for a consumer that gave up before it ever asked
                         # for our partition. Fail it rather than wait.
-                        writer_handle.cancel(f"task {t} of exchange {exchange_id} left early")
+                        writer_handle.cancel(f"task {t} of exchange {dataset} left early")
                     writer.join()
                 if failure:
                     raise failure[0]
             except Exception:
-                report_abort(ticket, t, attempt)
+                report_abort(ticket, t, attempt, round_id=stage)
                 raise
 
         return itertools.chain.from_iterable(chunks())
@@ -733,7 +760,8 @@ def release_exchange(rdd_or_id: Any, *, secret_file: str | None = None) -> int:
     _check_secret_file(secret_file)
     if exchange_id not in _known_exchanges:
         raise UsageError(f"unknown exchange {exchange_id!r}: no exchange_shuffle of this driver")
-    addresses = _exchanges.pop(exchange_id, set())  # empty: released before, or pipelined
+    acc = _exchange_addresses.get(exchange_id)  # None: pipelined
+    addresses = set(acc.value) if acc is not None else set()  # empty: never read
     rt = get_runtime()
     released = 0
     secret = mint_app_credential(_exchange_apps.get(exchange_id, ""), secret_file)

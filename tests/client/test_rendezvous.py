@@ -19,12 +19,17 @@ def server() -> Any:
     s.close()
 
 
-def meet_all(ticket: RendezvousTicket, attempts: list[int], timeout: float = 10) -> list[Any]:
+def meet_all(
+    ticket: RendezvousTicket, attempts: list[int], timeout: float = 10, round_id: int = 0
+) -> list[Any]:
     results: list[Any] = [None] * len(attempts)
 
     def one(i: int) -> None:
         try:
-            results[i] = rendezvous(ticket, i, attempts[i], [i, attempts[i]], timeout=timeout)
+            location = [i, attempts[i]]
+            results[i] = rendezvous(
+                ticket, i, attempts[i], location, timeout=timeout, round_id=round_id
+            )
         except Exception as e:
             results[i] = e
 
@@ -50,6 +55,17 @@ def test_a_new_round_is_answered_with_its_own_attempts_only(server: RendezvousSe
     assert meet_all(ticket, [20, 21]) == [[[0, 20], [1, 21]]] * 2
 
 
+def test_rounds_with_adjacent_attempts_stay_apart(server: RendezvousServer) -> None:
+    """Two actions on one pipelined result: two stages whose attempt ids are adjacent.
+    A task of the second is answered with its own round only, even while the other
+    task of its round has not registered yet (it then waits, never takes attempt 6)."""
+    ticket = server.open_group("x6", 2)
+    assert meet_all(ticket, [5, 6], round_id=1) == [[[0, 5], [1, 6]]] * 2
+    with pytest.raises(TransportError, match="waited"):
+        rendezvous(ticket, 0, 7, [0, 7], timeout=0.5, round_id=2)
+    assert meet_all(ticket, [7, 8], round_id=2) == [[[0, 7], [1, 8]]] * 2
+
+
 def test_a_lone_task_of_a_dead_round_gives_up_typed(server: RendezvousServer) -> None:
     ticket = server.open_group("x3", 2)
     with pytest.raises(TransportError, match="waited"):
@@ -66,13 +82,16 @@ def test_a_bad_token_is_refused(server: RendezvousServer) -> None:
 def test_a_failing_task_runs_the_abort_hook_once_with_every_location(
     server: RendezvousServer,
 ) -> None:
-    calls: list[list[Any]] = []
+    calls: list[tuple[int, list[Any]]] = []
 
-    async def hook(locations: list[Any]) -> None:
-        calls.append(sorted(locations))
+    async def hook(round_id: int, locations: list[Any]) -> None:
+        calls.append((round_id, sorted(locations)))
 
     ticket = server.open_group("x5", 2, hook)
-    meet_all(ticket, [7, 8])
-    report_abort(ticket, 0, 7)
-    report_abort(ticket, 1, 8)  # the stage's other failure: released once already
-    assert calls == [[[0, 7], [1, 8]]]
+    meet_all(ticket, [7, 8], round_id=3)
+    report_abort(ticket, 0, 7, round_id=3)
+    report_abort(ticket, 1, 8, round_id=3)  # the stage's other failure: released once already
+    assert calls == [(3, [[0, 7], [1, 8]])]
+    meet_all(ticket, [9, 10], round_id=4)  # the next action's run fails too: its own hook
+    report_abort(ticket, 1, 10, round_id=4)
+    assert calls[1:] == [(4, [[0, 9], [1, 10]])]

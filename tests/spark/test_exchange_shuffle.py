@@ -350,9 +350,9 @@ def test_pipelined_consumer_stopping_early_ends_the_stage_and_frees_the_daemon(
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
-def _stages_run(sc: Any, action: Callable[[], Any]) -> int:
-    """How many Spark stages ``action``'s jobs ran (a shuffle adds its map stage)."""
-    group = f"count-stages-{time.monotonic_ns()}"
+def _jobs_run(sc: Any, action: Callable[[], Any]) -> list[Any]:
+    """The Spark jobs ``action`` ran (``SparkJobInfo``s, from the status tracker)."""
+    group = f"count-jobs-{time.monotonic_ns()}"
     sc.setJobGroup(group, group)
     try:
         action()
@@ -360,14 +360,22 @@ def _stages_run(sc: Any, action: Callable[[], Any]) -> int:
         sc.setLocalProperty("spark.jobGroup.id", None)
     tracker = sc.statusTracker()
     jobs = [tracker.getJobInfo(j) for j in tracker.getJobIdsForGroup(group)]
-    assert jobs and all(j is not None for j in jobs), jobs
+    assert all(j is not None for j in jobs), jobs
+    return jobs
+
+
+def _stages_run(sc: Any, action: Callable[[], Any]) -> int:
+    """How many Spark stages ``action``'s jobs ran (a shuffle adds its map stage)."""
+    jobs = _jobs_run(sc, action)
+    assert jobs
     return sum(len(j.stageIds) for j in jobs)
 
 
 @pytest.mark.parametrize("mode", ["blocking", "pipelined"])
 def test_the_next_by_key_operation_does_not_shuffle_again(spark: Any, mode: str) -> None:
     """The result carries ``partitionBy``'s ``Partitioner``: reduceByKey, groupByKey and
-    partitionBy with the same partitioning run in the reading stage, with no shuffle.
+    partitionBy with the same partitioning run in the reading stage, with no shuffle of
+    their own.
     (A fresh exchange per action: a pipelined exchange runs again with each.)"""
     from pyspark.rdd import Partitioner, portable_hash
 
@@ -386,22 +394,22 @@ def test_the_next_by_key_operation_does_not_shuffle_again(spark: Any, mode: str)
 
     assert fresh().partitioner == Partitioner(2, portable_hash) == rdd.partitionBy(2).partitioner
     add = operator.add
-    # reading alone is one stage; a shuffle would add its map stage (the exchange's own
-    # write job, in blocking mode, ran before: fresh() is outside the counted action)
+    # reading alone is one stage; a shuffle would add its map stage
+    # (blocking: the exchange's own map stage runs in the action's job, before the reading)
+    own = 2 if mode == "blocking" else 1
     got: list[Any] = []
     out = fresh()
-    assert _stages_run(sc, lambda: got.extend(out.reduceByKey(add).collect())) == 1
+    assert _stages_run(sc, lambda: got.extend(out.reduceByKey(add).collect())) == own
     assert dict(got) == sums
     grouped: list[Any] = []
     out = fresh()
-    assert _stages_run(sc, lambda: grouped.extend(out.groupByKey().mapValues(sum).collect())) == 1
+    assert _stages_run(sc, lambda: grouped.extend(out.groupByKey().mapValues(sum).collect())) == own
     assert dict(grouped) == sums
     out = fresh()
-    assert _stages_run(sc, lambda: out.partitionBy(2).count()) == 1
-    assert "ShuffledRDD" not in fresh().reduceByKey(add).toDebugString().decode()
+    assert _stages_run(sc, lambda: out.partitionBy(2).count()) == own
     # another partitioning still shuffles, as after partitionBy
     out = fresh()
-    assert _stages_run(sc, lambda: out.reduceByKey(add, 3).count()) == 2
+    assert _stages_run(sc, lambda: out.reduceByKey(add, 3).count()) == own + 1
     for out in exchanged:
         release_exchange(out)
         wait_until_daemon_holds_nothing_of(out.exchange_id)
@@ -424,16 +432,18 @@ def test_exchange_hash_stays_a_choice(spark: Any, sx: ModuleType) -> None:
 
 
 @pytest.mark.parametrize("bad", [7, None, (), "", {"no": "item 0"}])
-def test_a_record_that_is_not_a_pair_is_named_on_the_driver(spark: Any, bad: Any) -> None:
+def test_a_record_that_is_not_a_pair_fails_the_action_naming_it(spark: Any, bad: Any) -> None:
     sc = spark.sparkContext
     rdd = sc.parallelize([(i, i) for i in range(1000)] + [bad] + [(1, 1)], 2)
-    with pytest.raises(NotAPairError) as excinfo:
-        exchange_shuffle(rdd, 3)
-    msg = str(excinfo.value)
-    assert f"record {bad!r} of type {type(bad).__name__} is not a (key, value) pair" in msg, msg
-    assert "rdd.map(lambda r: (key_of(r), r))" in msg, msg  # the fix
-    assert len(msg) < 400, msg  # the message itself, not Spark's traceback
-    assert isinstance(excinfo.value, TypeError)  # what unpacking a non-pair raises
+    out = exchange_shuffle(rdd, 3)  # lazy, as partitionBy: nothing ran yet
+    with pytest.raises(PythonException) as excinfo:
+        out.count()
+    text = str(excinfo.value)
+    assert "exchange.errors.NotAPairError: record" in text, text[-3000:]
+    msg = f"record {bad!r} of type {type(bad).__name__} is not a (key, value) pair"
+    assert msg in text, text[-3000:]
+    assert "rdd.map(lambda r: (key_of(r), r))" in text, text[-3000:]  # the fix
+    assert issubclass(NotAPairError, TypeError)  # what unpacking a non-pair raises
     # the partition the good task wrote is freed with the daemon's segments
     net = daemon_stats()["network"]
     deadline = time.monotonic() + 60
@@ -466,3 +476,113 @@ def test_a_dataframe_is_refused_at_once_with_the_way_to_an_rdd(spark: Any) -> No
     out = exchange_shuffle(df.rdd.map(lambda row: (row["key"], row)), 2)
     assert sorted(k for k, _ in out.collect()) == [1, 2]
     release_exchange(out)
+
+
+def test_a_blocking_exchange_is_one_spark_job_per_action(spark: Any, sx: ModuleType) -> None:
+    """exchange_shuffle runs nothing (lazy, as partitionBy); an action runs one job whose
+    map stage writes to the daemons; a second action reads them again in one job whose
+    map stage Spark skips (the daemons still hold the partitions), with the same result."""
+    sc = spark.sparkContext
+    records = [(i % 53, f"v{i}") for i in range(6000)]
+    rdd = sc.parallelize(records, 3)
+    made: list[Any] = []
+    assert _jobs_run(sc, lambda: made.append(exchange_shuffle(rdd, 4))) == []
+    out = made[0]
+    got: list[Any] = []
+    jobs = _jobs_run(sc, lambda: got.extend(out.glom().collect()))
+    assert len(jobs) == 1 and len(jobs[0].stageIds) == 2, jobs
+    want = rdd.partitionBy(4).glom().collect()
+    sx.assert_exact_partitions(got, want)
+    written = daemon_stats()["totals"]["partitions_created"]
+    again: list[Any] = []
+    jobs = _jobs_run(sc, lambda: again.extend(out.glom().collect()))
+    assert len(jobs) == 1, jobs
+    sx.assert_exact_partitions(again, want)
+    assert daemon_stats()["totals"]["partitions_created"] == written  # nothing written again
+    assert release_exchange(out) == 3
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_a_finished_partition_of_another_attempt_is_never_read(spark: Any, sx: ModuleType) -> None:
+    """Readers take the attempts whose map output Spark committed, never whatever the
+    daemon holds under the exchange: a finished partition of input partition 0 written
+    by another attempt (as a retried or speculative task leaves) changes nothing."""
+    from pyspark.rdd import portable_hash
+
+    from client import spark as xs
+    from exchange.serialization.record_codec import default_codec
+
+    sc = spark.sparkContext
+    records = [(i % 41, i) for i in range(4000)]
+    rdd = sc.parallelize(records, 2)
+    out = exchange_shuffle(rdd, 3)
+    want = rdd.partitionBy(3).glom().collect()
+    sx.assert_exact_partitions(out.glom().collect(), want)
+    app = str(sc.applicationId)
+    spec = xs._DaemonSpec(get_embedded_daemon().socket, xs.mint_app_credential(app), app)
+    stray = [(k, -1) for k in range(41)]
+    produced = xs._write_partition(
+        out.exchange_id, 0, 1 << 40, stray, 3, portable_hash, spec, default_codec(), True
+    )
+    assert produced.records == len(stray)
+    ours = [p for p in daemon_stats()["partitions"]["items"] if out.exchange_id in str(p)]
+    assert len(ours) == 3, ours  # two committed attempts and the stray one
+    sx.assert_exact_partitions(out.glom().collect(), want)
+    assert release_exchange(out) == 3
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_a_pipelined_exchange_runs_again_with_every_action(spark: Any, sx: ModuleType) -> None:
+    """Regression: each action runs the barrier stage anew; its tasks met the previous
+    run's registrations at the rendezvous and read its partitions, already released
+    (PartitionReleasedError or ProducerFailedError, in about one action of three)."""
+    sc = spark.sparkContext
+    records = [(f"k{i % 71}", i) for i in range(30_000)]
+    rdd = sc.parallelize(records, 2)
+    out = exchange_shuffle(rdd, 2, mode="pipelined")
+    want = rdd.partitionBy(2).glom().collect()
+    # back to back: the runs' attempt ids are adjacent, as in the failures seen
+    runs = [out.glom().collect() for _ in range(8)]
+    for got in runs:
+        sx.assert_exact_partitions(got, want)
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_a_join_of_two_blocking_exchanges_with_one_partitioning_does_not_shuffle(
+    spark: Any,
+) -> None:
+    """Both results' JVM RDDs carry the partitioner of the location shuffle under them, so
+    PySpark's join unions them partition by partition (``PartitionerAwareUnionRDD``) and
+    groups in place: the job runs the two exchanges' map stages and one reading stage."""
+    sc = spark.sparkContext
+    left = sc.parallelize([(i % 13, i) for i in range(1000)], 2)
+    right = sc.parallelize([(i % 13, -i) for i in range(1000)], 3)
+    a, b = exchange_shuffle(left, 2), exchange_shuffle(right, 2)
+    got: list[Any] = []
+    assert _stages_run(sc, lambda: got.extend(a.join(b).collect())) == 3
+    assert sorted(got) == sorted(left.join(right).collect())
+    assert "PartitionerAwareUnionRDD" in a.join(b).toDebugString().decode()
+    for out in (a, b):
+        release_exchange(out)
+        wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_a_lost_daemon_fails_the_read_typed_naming_it(spark: Any) -> None:
+    """The daemon holding an exchange's partitions dies between two actions: the next
+    read fails with the exchange's TransportError naming that daemon. (Last in the
+    module: the embedded daemon is killed; the next exchange starts another.)"""
+    sc = spark.sparkContext
+    out = exchange_shuffle(sc.parallelize([(i % 7, i) for i in range(2000)], 2), 2)
+    assert out.count() == 2000
+    daemon = get_embedded_daemon()
+    daemon.proc.kill()
+    daemon.proc.wait()
+    with pytest.raises(PythonException) as excinfo:
+        out.count()
+    text = str(excinfo.value)
+    assert "exchange.errors.TransportError: cannot connect to daemon" in text, text[-3000:]
+    assert daemon.socket in text, text[-3000:]
+    # the session goes on with a new embedded daemon
+    again = exchange_shuffle(sc.parallelize([(1, 1), (2, 2)], 2), 2)
+    assert sorted(again.collect()) == [(1, 1), (2, 2)]
+    release_exchange(again)
