@@ -264,6 +264,18 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def proc_switches(pid: int | str = "self") -> int:
+    """Voluntary context switches of every live thread of ``pid`` so far: each is a
+    thread that blocked (a wait for the other thread, a lock, the event loop's epoll)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/status") as f:
+            for line in f:
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+    return total
+
+
 def proc_rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -336,14 +348,17 @@ def produce(
     conn.send("ready")
     conn.recv()
     t0, cpu0, task0 = time.monotonic(), time.process_time(), time.thread_time()
+    switches0 = proc_switches()
     if n == 1:
         writer.emit_all(source)
     else:  # index k goes to subpartition k % n (its last byte; the pool has 4096 = 0 mod n)
         writer.emit_all(source, partition_func=lambda k: k % n, key_func=lambda r: r[-1])
     finished = writer.close()
     t1, cpu1, task1 = time.monotonic(), time.process_time(), time.thread_time()
+    switches = proc_switches() - switches0
     conn.send(
         {
+            "switches": switches,
             "t0": t0,
             "t1": t1,
             "cpu": cpu1 - cpu0,
@@ -382,6 +397,7 @@ def consume(
     conn.send("ready")
     conn.recv()
     t0, cpu0, task0 = time.monotonic(), time.process_time(), time.thread_time()
+    switches0 = proc_switches()
     if not attach_first:  # a filled partition: opening it is part of the read
         reader = PartitionReader(locs, local_daemon_id=local_daemon_id)
     it = reader.records()
@@ -390,9 +406,19 @@ def consume(
     while chunk := list(islice(it, CHUNK)):
         add(chunk)
     t1, cpu1, task1 = time.monotonic(), time.process_time(), time.thread_time()
+    switches = proc_switches() - switches0
     reader.close()
     checker.verify(count)
-    conn.send({"t0": t0, "t1": t1, "cpu": cpu1 - cpu0, "task_cpu": task1 - task0, "records": count})
+    conn.send(
+        {
+            "t0": t0,
+            "t1": t1,
+            "cpu": cpu1 - cpu0,
+            "task_cpu": task1 - task0,
+            "records": count,
+            "switches": switches,
+        }
+    )
 
 
 # -- the Arrow Flight baseline ---------------------------------------------------------------------

@@ -25,6 +25,10 @@ from the producer's first record to the consumer's last.
   loopback TCP; ``_common.relay_ceiling``): GB/s and the relay's CPU per 32 KiB. What the
   stack adds on top of it is framing, records, credit and the copies it still makes.
 
+Beside the CPU, the voluntary context switches of every thread of the three processes per
+32 KiB (``/proc/<pid>/task/*/status``): each is a thread that blocked, most of them a
+wait for the other thread of the process (a futex hand-off) or the loop's epoll.
+
 The CPU bound: the three processes share two cores, so the stream cannot beat 2 x 32 KiB
 per (producer + daemon + consumer) CPU of a buffer; the measured rate over that bound is
 the share of the cores the run got (other load, waits between the processes).
@@ -54,6 +58,7 @@ from _common import (
     json_line,
     median,
     proc_cpu,
+    proc_switches,
     producer_to_consumer,
     records,
     relay_ceiling,
@@ -68,9 +73,10 @@ TARGET_CPU_US = 12.0
 
 def run_once(daemon: Daemon, dataset: str, size: int, count: int) -> dict[str, float]:
     """One producer task -> daemon -> consumer task run; figures of the three processes."""
-    daemon_cpu = proc_cpu(daemon.pid)
+    daemon_cpu, daemon_switches = proc_cpu(daemon.pid), proc_switches(daemon.pid)
     prod, cons, seconds = producer_to_consumer(daemon, dataset, size, count, same_host=False)
     daemon_cpu = proc_cpu(daemon.pid) - daemon_cpu
+    daemon_switches = proc_switches(daemon.pid) - daemon_switches
     per_32k = prod["bytes_written"] / SEG
     return {
         "gbps": count * size / seconds / GB,
@@ -82,6 +88,9 @@ def run_once(daemon: Daemon, dataset: str, size: int, count: int) -> dict[str, f
         "consumer_task_us": cons["task_cpu"] / per_32k * 1e6,
         "consumer_loop_us": (cons["cpu"] - cons["task_cpu"]) / per_32k * 1e6,
         "daemon_us": daemon_cpu / per_32k * 1e6,
+        "producer_switches": prod["switches"] / per_32k,
+        "consumer_switches": cons["switches"] / per_32k,
+        "daemon_switches": daemon_switches / per_32k,
     }
 
 
@@ -180,6 +189,9 @@ def main() -> None:
             "consumer_task_us",
             "consumer_loop_us",
             "daemon_us",
+            "producer_switches",
+            "consumer_switches",
+            "daemon_switches",
         ):
             results[f"{name}_{key}_per_32k"] = med(runs, key)
     for size, name in ((BIG, "big"), (SMALL, "small")):
@@ -240,6 +252,11 @@ def main() -> None:
             f"{r['daemon_us']:5.1f}; consumer {r['consumer_us']:5.1f} (receive "
             f"{r['consumer_loop_us']:.1f}, decode {r['consumer_task_us']:.1f}); codec alone: "
             f"serialize {alone[size]['serialize_us']:.1f}, decode {alone[size]['decode_us']:.1f}"
+        )
+        print(
+            f"           voluntary context switches per 32 KiB: producer "
+            f"{r['producer_switches']:.2f}, daemon {r['daemon_switches']:.2f}, consumer "
+            f"{r['consumer_switches']:.2f}"
         )
     print(json_line(results))
 

@@ -28,15 +28,20 @@ import contextlib
 import functools
 import itertools
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final
 
 from client._checks import check_count, check_metrics_target, check_optional
+from client.channel import (
+    Channel,
+    ChannelBrokenError,
+    ChannelClosedError,
+    ChannelStatistics,
+    EndOfChannel,
+)
 from client.local_connection import LocalConnection, secret_or_env
 from client.network import UNIX_PREFIX, ConnectionManager
 from client.options import ReaderOptions
@@ -62,7 +67,7 @@ from exchange.debloat.buffer_debloater import BufferDebloaterStats
 from exchange.debloat.config import DebloatConfig
 from exchange.debloat.gate_debloater import GateDebloater
 from exchange.errors import ConfigError, IllegalStateError, UsageError
-from exchange.events.events import CheckpointOptions
+from exchange.events.events import CheckpointBarrier, CheckpointOptions
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.local_messages import TASK_METRIC_NAMES, TaskMetrics
@@ -73,6 +78,9 @@ __all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader", "Read
 log = logging.getLogger("exchange.client.consumer")
 
 _BATCH_BUFFERS: Final = 64
+#: The give-back channel's bound: never reached (it holds buffers handed over, at most).
+_UNBOUNDED: Final = 1 << 30
+_CLOSED_WHILE_READING: Final = "the PartitionReader was closed while reading"
 #: Seconds between two TaskMetrics reports of a reader.
 METRICS_INTERVAL: Final = 1.0
 #: How long a reader's last report and the close of its connection may take.
@@ -452,6 +460,8 @@ _STATE_COMPLETE: Final = 7  # the task's input_state_complete(checkpoint)
 _OVERTAKEN: Final = 8
 #: the task's persist_partial_record(checkpoint, channel, bytes) (unaligned)
 _PARTIAL: Final = 9
+#: the gate had nothing more after a priority barrier: every buffer it overtook is in
+_DRAINED: Final = 10
 #: what a PartitionReader's listener needs in unaligned mode
 _UNALIGNED_METHODS: Final = ("persist_records", "persist_partial_record", "input_state_complete")
 
@@ -463,117 +473,6 @@ def _buffers_of(batch: list[_Item]) -> list[Buffer]:
     return [
         item if kind == _DATA else item[0] for kind, _, item in batch if kind in (_DATA, _OVERTAKEN)
     ]
-
-
-class _Handoff:
-    """Batches from the loop thread to the task thread; at most ``window`` handed over
-    and not yet decoded.
-
-    ``close()`` (any thread) wakes a waiting ``get`` (it raises IllegalStateError) and makes
-    later ``put``s give their buffers back at once; ``drain()`` (loop thread) takes what
-    was never consumed. ``on_idle`` / ``on_busy`` (loop thread) hear when the task starts
-    waiting for input and when input reaches it again (debloating counts time only while
-    the task has input). ``poll(notify)`` is ``get`` for a task thread that waits
-    somewhere else (its mailbox): it never blocks, and when it finds nothing it arms
-    ``notify``, called once (loop thread, or the closing thread) by the next ``put`` or
-    ``close``.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, window: int) -> None:
-        if window < 1:
-            raise UsageError(f"window must be >= 1, got {window}")
-        self._loop = loop
-        self._items: deque[list[_Item]] = deque()
-        self._cond = threading.Condition()
-        self._space = asyncio.Semaphore(window)
-        self._closed = False
-        self._task_waiting = False
-        self._notify: Callable[[], None] | None = None
-        self.on_idle: Callable[[], None] | None = None
-        self.on_busy: Callable[[], None] | None = None
-
-    async def put(self, batch: list[_Item]) -> bool:
-        """Hand ``batch`` to the task thread; False if the handoff was closed (the caller
-        keeps the batch's buffers).
-
-        While the task has not taken the last batch handed over yet (it is decoding the
-        one before), ``batch`` joins it, up to ``_BATCH_BUFFERS`` items: the task gets the
-        same items as soon as it could, in fewer, larger batches, each of which costs a
-        cross-thread wake-up and a give-back (and its credit announcement) of its own.
-        """
-        with self._cond:
-            items = self._items
-            if items and not self._closed and len(items[-1]) + len(batch) <= _BATCH_BUFFERS:
-                items[-1].extend(batch)
-                return True
-        await self._space.acquire()
-        with self._cond:
-            if not self._closed:
-                self._items.append(batch)
-                self._cond.notify()
-                woke, self._task_waiting = self._task_waiting, False
-                notify, self._notify = self._notify, None
-            else:
-                return False
-        if notify is not None:
-            notify()
-        if woke and self.on_busy is not None:
-            self.on_busy()
-        return True
-
-    def get(self) -> list[_Item]:
-        with self._cond:
-            while not self._items:
-                self._check_open()
-                self._waiting()
-                self._cond.wait()
-            return self._items.popleft()
-
-    def poll(self, notify: Callable[[], None]) -> list[_Item] | None:
-        """The next batch, or None after arming ``notify`` for the next ``put`` / ``close``."""
-        with self._cond:
-            if self._items:
-                return self._items.popleft()
-            self._check_open()
-            self._waiting()
-            self._notify = notify
-            return None
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise IllegalStateError("the PartitionReader was closed while reading")
-
-    def _waiting(self) -> None:
-        """The task found nothing (lock held): report it idle, once until input comes."""
-        if not self._task_waiting:
-            self._task_waiting = True
-            if self.on_idle is not None:
-                self._loop.call_soon_threadsafe(self._report_idle)
-
-    def batch_done(self) -> None:
-        """Loop thread: the task is done with a batch it got; its slot is free again
-        (called with the batch's buffers given back: one loop callback per batch)."""
-        self._space.release()
-
-    def _report_idle(self) -> None:
-        """Loop thread: the task started waiting, unless a put reached it meanwhile."""
-        with self._cond:
-            waiting = self._task_waiting
-        if waiting and self.on_idle is not None:
-            self.on_idle()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-            notify, self._notify = self._notify, None
-        if notify is not None:
-            notify()
-
-    def drain(self) -> list[Buffer]:
-        with self._cond:
-            batches, self._items = list(self._items), deque()
-        return [buf for batch in batches for buf in _buffers_of(batch)]
 
 
 class _CallsInOrder:
@@ -660,7 +559,12 @@ class PartitionReader:
             and self._handler.strategy is AlignmentStrategy.PARKING
         )
         self._closed = False
-        self._handoff = _Handoff(self._rt.loop, window)
+        # Loop thread -> task thread: buffers and events, every one queued taken at once
+        # (one wake-up per batch, and only when the task waits for it).
+        self._handoff: Channel[_Item] = Channel(window * _BATCH_BUFFERS, "reader hand-off")
+        # Task thread -> loop thread: the decoded buffers, to release (their credit).
+        self._back: Channel[Buffer] = Channel(_UNBOUNDED, "reader give-back")
+        self._left: list[_Item] = []  # what the hand-off held when it closed
         # The one decode path, run in the task thread; resuming goes to the loop thread.
         # Built before the core opens: nothing is acquired yet if it refuses an argument.
         self._stream = RecordStream(
@@ -691,10 +595,16 @@ class PartitionReader:
         debloater = self._core.gate.debloater
         if debloater is not None:  # the task is idle when the hand-off is empty
             self._core.gate.reports_idle = False
-            self._handoff.on_idle = debloater.on_gate_empty
-            self._handoff.on_busy = debloater.on_gate_non_empty
+            loop = self._rt.loop
+
+            def starved() -> None:  # task thread: the loop decides (a put may be on its way)
+                loop.call_soon_threadsafe(self._report_idle)
+
+            self._handoff.on_starved = starved
+        self._on_busy = debloater.on_gate_non_empty if debloater is not None else None
         self._in_flight = 0  # buffers handed to the task thread, not yet given back
         self._all_back: asyncio.Event | None = None
+        self._rt.call_soon(self._recycle)  # arms the give-back's first notification
         self._pump_future = self._rt.submit(self._pump())
         self._done = False
         # The handler runs in the task thread: its figures are taken there after each batch
@@ -726,6 +636,11 @@ class PartitionReader:
         """TaskMetrics reports sent so far (0 when not reporting)."""
         return self._core.metrics_reports_sent
 
+    def handoff_statistics(self) -> tuple[ChannelStatistics, ChannelStatistics]:
+        """The figures of the two channels between the loop thread and the task thread:
+        the hand-off (buffers and events in) and the give-back (decoded buffers out)."""
+        return self._handoff.statistics(), self._back.statistics()
+
     @property
     def barrier_stats(self) -> BarrierHandlerStats | None:
         """The barrier handler's figures (None without a checkpoint listener)."""
@@ -743,13 +658,19 @@ class PartitionReader:
         of the last batch, after the buffers polled before it: those reach the task (and
         go back to their channels) like any others, in order before the error."""
         gate = self._core.gate
-        put = self._handoff.put
+        send = self._handoff.asend
+        on_busy = self._on_busy
         last = False
+        priority = False  # a priority barrier went by since the gate was last empty
         while not last:
             batch: list[_Item] = []
             try:
                 boe = gate.poll_next()
                 if boe is None:
+                    if priority:  # everything it overtook is handed over: say so
+                        priority = False
+                        with contextlib.suppress(ChannelBrokenError):  # closed: ends next
+                            await send([(_DRAINED, 0, None)])
                     boe = await gate.get_next()
                     if boe is None:
                         batch.append((_END, 0, None))
@@ -761,7 +682,10 @@ class PartitionReader:
                     elif boe.buffer is not None:
                         batch.append((_DATA, boe.channel_index, boe.buffer))
                     else:
-                        batch.append((_EVENT, boe.channel_index, boe.event))
+                        event = boe.event
+                        if isinstance(event, CheckpointBarrier) and event.options.unaligned:
+                            priority = True
+                        batch.append((_EVENT, boe.channel_index, event))
                     if len(batch) >= _BATCH_BUFFERS:
                         break
                     boe = gate.poll_next()
@@ -773,12 +697,39 @@ class PartitionReader:
             buffers = _buffers_of(batch)
             self._in_flight += len(buffers)
             try:
-                handed = await put(batch)
+                fed = await send(batch)
             except asyncio.CancelledError:
                 self._give_back(buffers)  # closed while waiting for room
                 raise
-            if not handed:
+            except ChannelBrokenError:  # the reader closed: nobody will decode them
                 self._give_back(buffers)
+                return
+            if fed and on_busy is not None:  # input reached a task that waited for it
+                on_busy()
+
+    def _report_idle(self) -> None:
+        """Loop thread: the task found no input; idle unless input reached it meanwhile."""
+        debloater = self._core.gate.debloater
+        if debloater is not None and self._handoff.receiver_starved:
+            debloater.on_gate_empty()
+
+    def _recycle(self) -> None:
+        """Loop thread: release what the task thread decoded, everything queued at once,
+        then arm the next call: a send of the task thread schedules it (one thread-safe
+        call per batch, and only after this found nothing: none while batches queue up)."""
+        back = self._back
+        while True:
+            try:
+                buffers = back.poll(self._recycle_soon)
+            except (ChannelClosedError, EndOfChannel):
+                return
+            if buffers is None:
+                return
+            self._give_back(buffers)
+
+    def _recycle_soon(self) -> None:
+        """Any thread: the give-back has buffers (or closed): recycle on the loop."""
+        self._rt.call_soon(self._recycle)
 
     def _give_back(self, buffers: list[Buffer]) -> None:
         """Loop thread: release buffers the task thread has decoded (returns credit).
@@ -873,17 +824,22 @@ class PartitionReader:
     def _record_lists(self, on_available: Callable[[], None] | None = None) -> Iterator[list[Any]]:
         if self._closed and not self._done:
             raise IllegalStateError("the PartitionReader was closed before the end of its input")
-        get, poll = self._handoff.get, self._handoff.poll
+        receive, poll = self._handoff.receive, self._handoff.poll
         try:
             while not self._done:
-                if on_available is None:
-                    batch = get()
-                else:
-                    got = poll(on_available)
-                    if got is None:
-                        yield []  # nothing yet: on_available() will be called
-                        continue
-                    batch = got
+                try:
+                    if on_available is None:
+                        batch = receive()
+                    else:
+                        got = poll(on_available)
+                        if got is None:
+                            yield []  # nothing yet: on_available() will be called
+                            continue
+                        batch = got
+                except ChannelClosedError:
+                    raise IllegalStateError(
+                        "the PartitionReader was closed while reading"
+                    ) from None
                 out = self._decode(batch)
                 for kind, ch, item in out:
                     if kind == _DATA:
@@ -908,14 +864,13 @@ class PartitionReader:
                         self._done = True
                         raise item
                 if self._closed and not self._done:
-                    raise IllegalStateError("the PartitionReader was closed while reading")
+                    raise IllegalStateError(_CLOSED_WHILE_READING)
         finally:
             self.close()
 
     def _decode(self, batch: list[_Item]) -> list[_Item]:
-        """Decode a batch's buffers, then give them all back, and the batch's slot in the
-        hand-off window, in one loop callback (also when decoding fails: the buffers not
-        reached yet go back too)."""
+        """Decode a batch's buffers, then give them all back in one send to the loop
+        thread (also when decoding fails: the buffers not reached yet go back too)."""
         out: list[_Item] = []
         handler = self._handler
         parking = self._parking
@@ -940,6 +895,9 @@ class PartitionReader:
                         # blocking upstream, tracking or unaligned: never parks a buffer
                         handler.process(BufferOrEvent(item, None, ch, False, overtaken_by))
                     self._feed(out, ch, item)
+                elif kind == _DRAINED:
+                    if isinstance(handler, UnalignedBarrierHandler):
+                        handler.input_drained()
                 elif kind == _EVENT and handler is not None:
                     if handler.process(BufferOrEvent(None, item, ch, False)) is not None:
                         out.append((kind, ch, item))
@@ -951,7 +909,11 @@ class PartitionReader:
                 self._barrier_snapshot = handler.stats()
         finally:
             buffers = _buffers_of(batch)
-            self._rt.loop.call_soon_threadsafe(self._batch_done, buffers)
+            if buffers:
+                try:
+                    self._back.send_nowait(buffers, force=True)
+                except ChannelBrokenError:  # closed while this thread decoded (timed out)
+                    self._rt.call_soon(self._give_back, buffers)
         return out
 
     def _feed(self, out: list[_Item], ch: int, buf: Buffer) -> None:
@@ -984,13 +946,6 @@ class PartitionReader:
             else:
                 out.append((_EVENT, boe.channel_index, boe.event))
 
-    def _batch_done(self, buffers: list[Buffer]) -> None:
-        """Loop thread: one callback per decoded batch gives its buffers back and frees its
-        slot in the hand-off window."""
-        self._handoff.batch_done()
-        if buffers:
-            self._give_back(buffers)
-
     def read_all(self) -> list[Any]:
         return list(self.records())
 
@@ -1000,7 +955,7 @@ class PartitionReader:
         if self._closed:
             return
         self._closed = True
-        self._handoff.close()
+        self._left = self._handoff.close_receiver()  # wakes a records() waiting
         self._pump_future.cancel()
         self._rt.run(self._close_async())
         if self._handler is not None:
@@ -1008,11 +963,13 @@ class PartitionReader:
 
     async def _close_async(self) -> None:
         await wait_quietly(asyncio.wrap_future(self._pump_future), log, "reader pump")
-        self._give_back(self._handoff.drain())
+        left, self._left = self._left, []
+        self._give_back(_buffers_of(left))
         if self._in_flight:  # the task thread is decoding a batch: wait for its buffers
             self._all_back = asyncio.Event()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_back.wait(), _GIVE_BACK_TIMEOUT)
+        self._give_back(self._back.close_receiver())
         await self._core.close()
 
     def __enter__(self) -> PartitionReader:

@@ -10,10 +10,14 @@ partition's pool on the daemon is full, credit runs out and the producer waits
   daemon connection as its sink).
 * ``PartitionWriter``: the synchronous facade PySpark tasks use. Records are routed,
   batched and encoded in the calling thread (no GIL ping-pong per record); the buffers
-  are handed to the process's background loop a batch at a time *without waiting*, so
-  encoding overlaps with sending: at most ``window`` batches are in flight, and the task
-  waits only when all of them are (backpressure). A timer on the loop flushes partial
-  buffers every ``buffer_timeout`` seconds even while the task waits for input.
+  are handed to the process's background loop a batch at a time *without waiting*,
+  through one bounded channel (``client.channel``), so encoding overlaps with sending:
+  the loop's sender takes every batch queued at once and pushes them in one go. At most
+  ``window`` batches wait in the channel; the task waits only when they all do
+  (backpressure; a wake-up when the sender makes room, none per buffer). The output
+  flusher of the asyncio writer (``exchange.writer.async_record_writer.run_output_flusher``)
+  runs on the loop and flushes partial buffers once they are ``buffer_timeout`` seconds
+  old, even while the task waits for input.
 
 Unaligned checkpoints (``PartitionWriter`` only): ``broadcast_barrier(..., unaligned=True)``
 sends a barrier that overtakes, on the daemon, every buffer of this partition still queued
@@ -33,12 +37,18 @@ import contextlib
 import itertools
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, Final
 
 from client._checks import check_count
+from client.channel import (
+    Channel,
+    ChannelBrokenError,
+    ChannelClosedError,
+    ChannelStatistics,
+    EndOfChannel,
+)
 from client.local_connection import LocalConnection, resolve_daemon_socket, secret_or_env
 from client.options import WriterOptions
 from client.runtime import ClientRuntime, get_runtime
@@ -67,7 +77,7 @@ from exchange.protocol.local_messages import (
     PartitionCreated,
     PartitionFinished,
 )
-from exchange.writer.async_record_writer import AsyncRecordWriter
+from exchange.writer.async_record_writer import AsyncRecordWriter, run_output_flusher
 from exchange.writer.record_writer import OutputBuffer, RecordWriter
 
 __all__ = ["AsyncPartitionWriter", "DaemonSink", "PartitionWriter", "WriterOptions"]
@@ -82,7 +92,7 @@ _NO_KEY: Final[Any] = object()
 #: or two for the bytes ahead of a barrier to follow the debloater (a debloated channel
 #: is slow by definition: there is no throughput to lose).
 _SHIP_BYTES: Final = 256 * 1024
-#: Batches in flight between the task thread and the loop at most (the window).
+#: Batches waiting between the task thread and the loop's sender at most (the window).
 _WINDOW: Final = 4
 #: Records taken from an iterable at a time by ``emit_all``: at most, and at first.
 _CHUNK: Final = 4096
@@ -252,9 +262,12 @@ class PartitionWriter:
         self.codec = self._writer.codec
         self._timeout = float(opts.buffer_timeout)
         self._window = window
-        self._inflight: deque[concurrent.futures.Future[None]] = deque()
-        self._queue: deque[tuple[list[OutputBuffer], concurrent.futures.Future[None]]] = deque()
-        self._sending = False  # loop thread only
+        # Task thread (and the flush timer) -> the loop's sender: batches of cut buffers.
+        self._out: Channel[list[OutputBuffer]] = Channel(window, f"writer[{partition_id}]")
+        # batches the sender pushed to the daemon; a flush waits for them (loop thread)
+        self._pushed = 0
+        self._pushed_cond = threading.Condition()
+        self._flush_waits = False
         self._flushes_shipped = 0  # the writer's flush count when output last shipped
         self._aborted = False
         # emit_all's records gathered but not yet routed (the flush timer may take them)
@@ -283,6 +296,7 @@ class PartitionWriter:
         self._timer_started = self._timeout > 0
         if self._timer_started:
             self._rt.call_soon(self._start_timer)
+        self._sender = self._rt.submit(self._send_loop())
 
     @property
     def records_written(self) -> int:
@@ -299,6 +313,12 @@ class PartitionWriter:
     def stats(self) -> Any:
         return self._writer.stats
 
+    def window_statistics(self) -> ChannelStatistics:
+        """The figures of the channel to the loop's sender (items are batches of buffers;
+        ``batches_received`` counts the sender's takes, ``wakeups`` the cross-thread
+        wake-ups either side made)."""
+        return self._out.statistics()
+
     # -- shipping (task thread) ------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -307,9 +327,16 @@ class PartitionWriter:
         if self._error is not None:
             raise fresh_error(self._error)
 
+    def _raise_failed(self) -> None:
+        """The sender stopped (the channel is broken): raise why."""
+        if self._error is not None:
+            raise fresh_error(self._error)
+        raise WriterClosedError(f"writer of {self.partition_id} is closed")
+
     def _ship(self, force: bool = False) -> None:
         """Hand the cut buffers to the loop; called with the lock held, so batches are
-        queued in the order they were cut, whichever thread cut them."""
+        queued in the order they were cut, whichever thread cut them. Never waits (the
+        room is waited for after the lock is released: ``_wait_room``)."""
         writer = self._writer
         if self._new_sizes:
             self._apply_new_sizes()
@@ -318,7 +345,14 @@ class PartitionWriter:
         flushed = writer.stats.flushes != self._flushes_shipped
         if writer.has_output and (force or flushed or writer.output_bytes >= self._ship_bytes()):
             self._flushes_shipped = writer.stats.flushes
-            self._inflight.append(self._enqueue(writer.take_output()))
+            self._hand(writer.take_output())
+
+    def _hand(self, outs: list[OutputBuffer]) -> None:
+        """Queue one batch for the sender, beyond the window if need be (lock held)."""
+        try:
+            self._out.send_nowait((outs,), force=True)
+        except (ChannelBrokenError, ChannelClosedError):
+            self._raise_failed()
 
     def _apply_new_sizes(self) -> None:
         """With the lock held: cut new buffers at the sizes the consumers announced."""
@@ -327,55 +361,59 @@ class PartitionWriter:
             index, size = sizes.popitem()  # atomic: the loop thread may add meanwhile
             self._writer.set_buffer_size(index, size)
 
-    def _enqueue(self, outs: list[OutputBuffer]) -> concurrent.futures.Future[None]:
-        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._queue.append((outs, fut))
-        self._rt.call_soon(self._kick)
-        return fut
-
-    def _kick(self) -> None:
-        """Loop thread: start the one sender unless it runs."""
-        if not self._sending and self._queue:
-            self._sending = True
-            self._rt.loop.create_task(self._send_queued())
-
-    async def _send_queued(self) -> None:
-        """Loop thread: push the queued batches in order, one at a time."""
-        queue = self._queue
+    async def _send_loop(self) -> None:
+        """Loop thread: push what the channel holds, every batch queued in one go, in
+        order. A failure is kept for the task and breaks the channel (its waits end)."""
+        out = self._out
+        write_all = self._sink.write_all
+        cond = self._pushed_cond
         try:
-            while queue:
-                outs, fut = queue.popleft()
-                if fut.cancelled():
-                    continue
+            while True:
                 try:
-                    await self._sink.write_all(outs)
-                except BaseException as e:
-                    if not fut.cancelled():
-                        fut.set_exception(e)
-                    if not isinstance(e, Exception):
-                        raise
-                else:
-                    if not fut.cancelled():
-                        fut.set_result(None)
-        finally:
-            self._sending = False
-
-    def _settle(self, keep: int) -> None:
-        """Wait until at most ``keep`` batches are in flight; re-raise their errors."""
-        inflight = self._inflight
-        while inflight and (len(inflight) > keep or inflight[0].done()):
-            fut = inflight.popleft()
-            try:
-                fut.result()
-            except BaseException as e:
+                    batches = await out.areceive()
+                except (EndOfChannel, ChannelClosedError):
+                    return
+                outs = batches[0] if len(batches) == 1 else [o for b in batches for o in b]
+                await write_all(outs)
+                with cond:
+                    self._pushed += len(batches)
+                    if self._flush_waits:
+                        self._flush_waits = False
+                        cond.notify_all()
+        except Exception as e:
+            if self._error is None:
                 self._error = e
-                self._stop_timer()  # the writer is broken: nothing more to flush
-                raise
+            out.close_receiver()
+        finally:
+            with cond:
+                cond.notify_all()
+
+    def _wait_room(self) -> None:
+        """Task thread: wait while the window is full (back pressure)."""
+        out = self._out
+        window = self._window_now()
+        if out.capacity != window:
+            out.set_capacity(window)
+        try:
+            out.wait_room(0)
+        except (ChannelBrokenError, ChannelClosedError):
+            self._raise_failed()
+
+    def _wait_pushed(self) -> None:
+        """Task thread: wait until every batch queued so far reached the daemon."""
+        target = self._out.statistics().items_sent
+        cond = self._pushed_cond
+        with cond:
+            while self._pushed < target:
+                if self._error is not None or self._sender.done():
+                    self._raise_failed()
+                self._flush_waits = True
+                cond.wait()
 
     def _after(self, force: bool = False) -> None:
         with self._lock:
             self._ship(force or self._timeout == 0)
-        self._settle(self._window_now())
+        self._wait_room()
 
     def _after_event(self) -> None:
         """Ship an event, and what was emitted before it, without waiting for room in the
@@ -384,7 +422,8 @@ class PartitionWriter:
         behind its data. The window is one batch over until the next record waits."""
         with self._lock:
             self._ship(True)
-        self._settle(len(self._inflight))  # collect finished batches (and their errors)
+        if self._error is not None:
+            self._raise_failed()
 
     # -- the flush timer (loop thread) -----------------------------------------------------
 
@@ -402,40 +441,40 @@ class PartitionWriter:
             await asyncio.wait((timer,))
 
     async def _flush_timer(self) -> None:
-        writer = self._writer
-        interval = self._timeout
-        while not self._closed and self._error is None:
-            await asyncio.sleep(interval)
-            if self._closed or not self._lock.acquire(blocking=False):
-                continue  # the task thread is writing: it checks the timeout itself
-            try:
-                if self._closed:
-                    continue
-                if self._new_sizes:
-                    self._apply_new_sizes()
-                gathered = self._gather
-                if gathered is not None and len(gathered) > self._gather_taken:
-                    # records the task gathered before its input stalled
-                    end = len(gathered)
-                    writer.emit_all(gathered[self._gather_taken : end], *self._gather_routing)
-                    self._gather_taken = end
-                writer.flush_if_due()
-                # also when emit_all flushed (the timeout had passed): what it cut goes now
-                if writer.stats.flushes == self._flushes_shipped or not writer.has_output:
-                    continue
-                self._flushes_shipped = writer.stats.flushes
-                fut = self._enqueue(writer.take_output())
-            except Exception as e:  # a user's partitioner failed: the task hears of it
-                self._error = e
-                return
-            finally:
-                self._lock.release()
-            # not part of the task's window: errors reach the task through _error
-            fut.add_done_callback(self._on_timer_batch_done)
+        await run_output_flusher(self._writer, self._timer_pass, self._timer_running)
 
-    def _on_timer_batch_done(self, fut: concurrent.futures.Future[None]) -> None:
-        if not fut.cancelled() and fut.exception() is not None and self._error is None:
-            self._error = fut.exception()
+    def _timer_running(self) -> bool:
+        return not self._closed and self._error is None
+
+    async def _timer_pass(self) -> None:
+        """One pass of the output flusher (loop thread): flush what is due and ship it."""
+        if not self._lock.acquire(blocking=False):
+            return  # the task thread is writing: it checks the timeout itself
+        writer = self._writer
+        try:
+            if self._closed:
+                return
+            if self._new_sizes:
+                self._apply_new_sizes()
+            gathered = self._gather
+            if gathered is not None and len(gathered) > self._gather_taken:
+                # records the task gathered before its input stalled
+                end = len(gathered)
+                writer.emit_all(gathered[self._gather_taken : end], *self._gather_routing)
+                self._gather_taken = end
+            writer.flush_if_due()
+            # also when emit_all flushed (the timeout had passed): what it cut goes now
+            if writer.stats.flushes == self._flushes_shipped or not writer.has_output:
+                return
+            self._flushes_shipped = writer.stats.flushes
+            # not part of the task's window: errors reach the task through _error
+            self._out.send_nowait((writer.take_output(),), force=True)
+        except (ChannelBrokenError, ChannelClosedError):
+            pass  # the sender stopped: its error is kept already, or the writer aborted
+        except Exception as e:  # a user's partitioner failed: the task hears of it
+            self._error = e
+        finally:
+            self._lock.release()
 
     # -- API -------------------------------------------------------------------------------
 
@@ -490,7 +529,7 @@ class PartitionWriter:
                         writer.emit_all(rest, partition_func, key_func)
                     self._ship(self._timeout == 0)
                 total += len(gathered)
-                self._settle(self._window_now())
+                self._wait_room()
                 if len(gathered) < chunk_size:
                     return total
         finally:
@@ -523,10 +562,22 @@ class PartitionWriter:
         ``emit``. Raises the error of a batch that failed. Task thread only.
         """
         self._check_open()
-        self._settle(len(self._inflight))  # drop finished batches (and raise their errors)
-        if len(self._inflight) < self._window_now():
-            return None
-        return self._inflight[0]
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def room() -> None:  # any thread, once
+            if not fut.done():
+                fut.set_result(None)
+
+        out = self._out
+        window = self._window_now()
+        if out.capacity != window:
+            out.set_capacity(window)
+        try:
+            if out.poll_room(1, room):
+                return None
+        except (ChannelBrokenError, ChannelClosedError):
+            self._raise_failed()
+        return fut
 
     def broadcast(self, record: Any) -> None:
         """Emit one record to every subpartition (encoded once)."""
@@ -555,20 +606,18 @@ class PartitionWriter:
             outs = self._writer.take_output()
             event = outs.pop()
             if outs:
-                self._inflight.append(self._enqueue(outs))
+                self._hand(outs)
             self._rt.call_soon(self._push_priority, barrier.checkpoint_id, event)
-        self._settle(len(self._inflight))
+        if self._error is not None:  # a batch failed: the task hears of it now
+            self._raise_failed()
 
     def _push_priority(self, checkpoint_id: int, event: OutputBuffer) -> None:
         """Loop thread: what is cut and not written yet is overtaken (copied to the state,
         still sent after the barrier); then the barrier goes out."""
         conn = self._sink.conn
-        unsent = list(conn.unsent_buffers())
-        with self._lock:  # the task thread appends batches under it
-            queued = list(self._queue)
-        for outs, fut in queued:
-            if not fut.cancelled():
-                unsent.extend(outs)
+        unsent = list(conn.unsent_buffers())  # the sender's current push
+        for outs in self._out.queued():  # and what waits for the sender
+            unsent.extend(outs)
         local: dict[int, list[bytes]] = {}
         for out in unsent:
             if out.is_event:
@@ -640,13 +689,13 @@ class PartitionWriter:
                 outs.append(OutputBuffer(index, DataType.DATA_BUFFER, len(payload), [payload]))
         with self._lock:
             st = self._writer.stats
-            if st.records_out or st.events_out or self._inflight or self._queue:
+            if st.records_out or st.events_out or self._out.statistics().items_sent:
                 raise IllegalStateError(
                     "restore_output_state must come before any record or event is written"
                 )
             if outs:
-                self._inflight.append(self._enqueue(outs))
-        self._settle(self._window_now())
+                self._hand(outs)
+        self._wait_room()
 
     def _expect_output_state(self, checkpoint_id: int) -> None:
         """Task thread: register the future before the barrier can leave."""
@@ -699,7 +748,7 @@ class PartitionWriter:
         with self._lock:
             self._writer.flush()
             self._ship(force=True)
-        self._settle(0)
+        self._wait_pushed()
 
     def close(self) -> PartitionFinished:
         """Flush, finish the partition, wait for the daemon's acknowledgement."""
@@ -708,9 +757,13 @@ class PartitionWriter:
             with self._lock:
                 last = self._writer.close()  # flushes: the last buffers
                 self._closed = True
-                self._inflight.append(self._enqueue(last))
-            self._settle(0)
+                if last:
+                    self._hand(last)
+                self._out.close_sender()  # the sender ends once it pushed everything
             self._stop_timer()
+            self._sender.result()
+            if self._error is not None:
+                self._raise_failed()
             self._rt.run(self._sink.finish())
         except BaseException as e:
             self._abort(e)
@@ -743,10 +796,8 @@ class PartitionWriter:
         with self._lock:
             self._writer.discard()
         self._stop_timer()
-        with self._lock:
-            for _, fut in self._queue:
-                fut.cancel()
-        self._inflight.clear()
+        self._out.close_receiver()  # what was never pushed is dropped with the partition
+        self._sender.cancel()
         with best_effort(log, f"failing the partition after {cause!r}", logging.WARNING):
             self._rt.run(self._sink.fail(cause if not isinstance(cause, str) else _Failure(cause)))
 

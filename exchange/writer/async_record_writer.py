@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Final, Protocol
 
 from exchange.best_effort import best_effort, cancel_and_wait
@@ -25,13 +25,37 @@ from exchange.writer.record_writer import (
     RecordWriter,
 )
 
-__all__ = ["AsyncRecordWriter", "BufferSink"]
+__all__ = ["AsyncRecordWriter", "BufferSink", "run_output_flusher"]
 
 log = logging.getLogger("exchange.writer")
 
 _NO_KEY: Final[Any] = object()
 #: Records taken from ``emit_all``'s iterable between two moves of the cut buffers.
 _CHUNK: Final = 4096
+
+
+async def run_output_flusher(
+    writer: RecordWriter,
+    flush_pass: Callable[[], Awaitable[object]],
+    running: Callable[[], bool],
+) -> None:
+    """The output flusher of both writers (Flink's ``OutputFlusher``): while ``running()``,
+    sleep until ``writer``'s pending output is due (``next_flush_deadline``; at most
+    ``buffer_timeout``), then run ``flush_pass`` (which flushes what is due and moves it).
+
+    The asyncio writer runs it with the sink as mover; the synchronous facade
+    (``client.producer.PartitionWriter``) from its loop thread, with a pass that takes
+    the writer's lock (or skips the pass while the task thread holds it: that thread
+    checks the timeout itself). The deadline read without that lock may be stale: it only
+    shortens or lengthens one sleep, never beyond ``buffer_timeout``."""
+    interval = writer.buffer_timeout
+    loop = asyncio.get_running_loop()
+    while running():
+        deadline = writer.next_flush_deadline
+        delay = interval if deadline is None else max(0.0, deadline - loop.time())
+        await asyncio.sleep(min(delay, interval))
+        if running():
+            await flush_pass()
 
 
 class BufferSink(Protocol):
@@ -173,23 +197,24 @@ class AsyncRecordWriter:
             raise next(iter(self._failed.values()))
 
     async def _run_flusher(self) -> None:
-        writer = self.writer
-        interval = writer.buffer_timeout
-        loop = asyncio.get_running_loop()
-        while not self._closed:
-            try:
-                self.sink.check_writable()
-            except ExchangeError:
-                return  # released under the writer: the next emit reports why
-            deadline = writer.next_flush_deadline
-            delay = interval if deadline is None else max(0.0, deadline - loop.time())
-            await asyncio.sleep(min(delay, interval))
-            if self._move_lock.locked() or self._closed:
-                continue
-            if writer.flush_if_due():
-                # an error (e.g. the partition released) surfaces at the next emit
-                with best_effort(log, f"the output flusher's move of {self.sink.name}"):
-                    await self._move(quiet=True)
+        await run_output_flusher(self.writer, self._flush_pass, self._flusher_running)
+
+    def _flusher_running(self) -> bool:
+        if self._closed:
+            return False
+        try:
+            self.sink.check_writable()
+        except ExchangeError:
+            return False  # released under the writer: the next emit reports why
+        return True
+
+    async def _flush_pass(self) -> None:
+        if self._move_lock.locked():
+            return  # the task is moving: it flushes what is due itself
+        if self.writer.flush_if_due():
+            # an error (e.g. the partition released) surfaces at the next emit
+            with best_effort(log, f"the output flusher's move of {self.sink.name}"):
+                await self._move(quiet=True)
 
     # -- closing -------------------------------------------------------------------------
 
