@@ -41,8 +41,10 @@ does not block its channel; the buffers it overtook arrive after it, flagged wit
 makes its checkpoint unaligned at once, aligned first or not (unless forced aligned). The
 handler does not know how many buffers a priority barrier overtook: its channel's part of
 the cut ends with the channel's next data buffer that is not flagged for that checkpoint
-(or its EndOfData or EndOfPartition), so a channel that goes quiet right after such a
-barrier delays ``input_state_complete`` until it sends again.
+(or its EndOfData or EndOfPartition), or when the reader says the gate had nothing
+more (``input_drained``: the overtaken buffers were queued behind the barrier, so they
+are all in), so a channel that goes quiet right after such a barrier does not hold the
+checkpoint back.
 
 The other rules are the aligned handler's: a newer barrier or cancellation marker
 subsumes the pending checkpoint (``abort_checkpoint(SUBSUMED)``), a marker of the pending
@@ -292,6 +294,22 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
                     p.overtaking.discard(ch)
                     self._complete_if_done()
         return boe
+
+    def input_drained(self) -> None:
+        """The gate had nothing more to hand out after the items processed so far: every
+        buffer a priority barrier overtook in its channel (they are queued behind it)
+        has been processed, so each channel's part of the cut that waited for its next
+        buffer is complete now (a producer that went quiet after its barrier does not
+        hold the checkpoint back)."""
+        self._check_open()
+        p = self._pending
+        if p is None or not p.overtaking:
+            return
+        for ch in sorted(p.overtaking):
+            if self._on_cut is not None:
+                self._on_cut(p.checkpoint_id, ch)
+        p.overtaking.clear()
+        self._complete_if_done()
 
     def poll_next(self) -> BufferOrEvent | None:
         """Nothing is ever parked; looks at the aligned timeout."""
