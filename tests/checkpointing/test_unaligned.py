@@ -273,3 +273,40 @@ def test_buffers_a_priority_barrier_overtook_are_channel_state(
     assert utask.callbacks() == [("trigger", 1), ("persist", 1, 0, b"overtaken"), ("done", 1)]
     assert ("rec", 0, b"after") in utask.log and ("rec", 0, b"overtaken") in utask.log
     assert ("resume", 0) not in utask.log and ("resume", 1) in utask.log
+
+
+class CutTask(UTask):
+    """Also told where each channel's part of a priority barrier's cut ends."""
+
+    def input_channel_cut(self, checkpoint_id: int, channel_index: int) -> None:
+        self.log.append(("cut", checkpoint_id, channel_index))
+
+    def callbacks(self) -> list[tuple[Any, ...]]:
+        return [e for e in self.log if e[0] in ("trigger", "persist", "cut", "done")]
+
+
+def test_a_channel_quiet_after_its_priority_barrier_ends_its_cut_when_the_gate_drains(
+    clock: FakeClock, pool: NetworkBufferPool
+) -> None:
+    """A producer that sends nothing after its priority barrier (held, idle): its channel's
+    run of overtaken buffers cannot end at its next buffer. When the reader finds the gate
+    empty (``input_drained``), every overtaken buffer was processed (they were queued
+    behind the barrier): the cut ends there for each such channel, the listener is told
+    (so it can take the decoder's incomplete record), and the state is complete."""
+    t = CutTask()
+    h = make(2, t, clock)
+    prio = CheckpointOptions(exactly_once=True, unaligned=True)
+    over = data(0, b"overtaken", pool)._replace(overtaken_by=(3,))
+    feed(h, t, [event(0, CheckpointBarrier(3, 1, prio)), over])
+    feed(h, t, [event(1, CheckpointBarrier(3, 1, prio))])
+    assert t.callbacks() == [("trigger", 3), ("persist", 3, 0, b"overtaken")]
+    h.input_drained()
+    assert t.callbacks()[2:] == [("cut", 3, 0), ("cut", 3, 1), ("done", 3)]
+    h.input_drained()  # nothing pending: nothing happens
+    assert t.callbacks()[-1] == ("done", 3) and len(t.callbacks()) == 5
+    # the next buffer ends the run as before, and says where
+    t.clear()
+    feed(h, t, [event(0, CheckpointBarrier(4, 2, prio)), event(1, CheckpointBarrier(4, 2, prio))])
+    feed(h, t, [data(0, b"next", pool)])
+    assert t.callbacks() == [("trigger", 4), ("cut", 4, 0)]
+    h.close()
