@@ -19,6 +19,11 @@ receiver that may live in different threads:
   it); a send waiting for room, and every later send, raises ``ChannelBrokenError`` (the
   sender keeps its batch); a receive waiting in another thread, and every later receive,
   raises ``ChannelClosedError``. Both are idempotent and may be called from any thread.
+* Held items. A receive with ``hold=True`` takes the items but keeps their room: they
+  still count against the capacity until the receiver calls ``release(n)`` (any thread).
+  The bound is then on the items *in flight* (queued, or taken and not yet dealt with):
+  a receiver that takes everything at once and works on it for long (a sender waiting
+  for network credit) does not let the sender queue a second ``capacity`` meanwhile.
 * ``statistics()``: items queued, capacity, which ends are open and waiting, and the
   counts of items and batches through it and of the wake-ups it made (a blocked thread
   notified, an asyncio waiter woken from another thread or a ``notify`` called).
@@ -92,6 +97,8 @@ class ChannelStatistics(NamedTuple):
     batches_received: int
     #: threads notified, asyncio waiters woken from another thread, ``notify`` calls
     wakeups: int
+    #: items received with ``hold=True`` and not released yet (they take room)
+    items_held: int = 0
 
 
 _Wake = Callable[[], None]
@@ -123,6 +130,7 @@ class Channel(Generic[T]):
         self.name = name
         self._capacity = capacity
         self._items: deque[T] = deque()
+        self._held = 0  # received with hold=True, not released: they still take room
         lock = threading.Lock()
         self._lock = lock
         self._readable = threading.Condition(lock)  # items queued, or closed
@@ -171,6 +179,7 @@ class Channel(Generic[T]):
                 self._batches_sent,
                 self._batches_received,
                 self._wakeups,
+                self._held,
             )
 
     def queued(self) -> list[T]:
@@ -261,8 +270,8 @@ class Channel(Generic[T]):
             raise ChannelBrokenError(f"{self.name}: the receiver is closed")
 
     def _fits(self, n: int) -> bool:
-        queued = len(self._items)
-        return queued == 0 or queued + n <= self._capacity
+        taken = len(self._items) + self._held
+        return taken == 0 or taken + n <= self._capacity
 
     def _put(self, batch: Sequence[T]) -> tuple[bool, list[_Wake]]:
         """Lock held: queue ``batch``; True when it fed a starved receiver."""
@@ -349,8 +358,9 @@ class Channel(Generic[T]):
 
     # -- receiving -------------------------------------------------------------------------
 
-    def _take(self) -> list[T] | None:
-        """Lock held: every item queued, or None (raising when none will come)."""
+    def _take(self, hold: bool = False) -> list[T] | None:
+        """Lock held: every item queued, or None (raising when none will come); with
+        ``hold`` their room stays taken until ``release``."""
         if not self._receiver_open:
             raise ChannelClosedError(f"{self.name}: the receiver is closed")
         items = self._items
@@ -359,6 +369,8 @@ class Channel(Generic[T]):
             items.clear()
             self._received += len(out)
             self._batches_received += 1
+            if hold:
+                self._held += len(out)
             return out
         if not self._sender_open:
             raise EndOfChannel(f"{self.name}: the sender closed it")
@@ -417,14 +429,15 @@ class Channel(Generic[T]):
         self._run(after)
         return out
 
-    async def areceive(self) -> list[T]:
-        """Every item queued, waiting (asyncio) until there is one."""
+    async def areceive(self, *, hold: bool = False) -> list[T]:
+        """Every item queued, waiting (asyncio) until there is one; ``hold``: their room
+        stays taken until ``release`` (see the module docstring)."""
         loop = asyncio.get_running_loop()
         while True:
             with self._lock:
-                out = self._take()
+                out = self._take(hold)
                 if out is not None:
-                    after = self._wake_senders([])
+                    after = [] if hold else self._wake_senders([])
                     break
                 starving = self._starving()
                 waiter = _Waiter(loop)
@@ -434,6 +447,16 @@ class Channel(Generic[T]):
             await self._park(waiter, self._recv_async)
         self._run(after)
         return out
+
+    def release(self, n: int) -> None:
+        """Give back the room of ``n`` items received with ``hold=True`` (any thread);
+        senders waiting for it are woken."""
+        with self._lock:
+            if not 0 <= n <= self._held:
+                raise IllegalStateError(f"{self.name}: release({n}) with {self._held} held")
+            self._held -= n
+            after = self._wake_senders([]) if n else []
+        self._run(after)
 
     def _call_starved(self) -> None:
         hook = self.on_starved

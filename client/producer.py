@@ -13,8 +13,9 @@ partition's pool on the daemon is full, credit runs out and the producer waits
   are handed to the process's background loop a batch at a time *without waiting*,
   through one bounded channel (``client.channel``), so encoding overlaps with sending:
   the loop's sender takes every batch queued at once and pushes them in one go. At most
-  ``window`` batches wait in the channel; the task waits only when they all do
-  (backpressure; a wake-up when the sender makes room, none per buffer). The output
+  ``window`` batches are in flight (queued, or taken by the sender and not pushed yet:
+  it holds their room until the daemon took them); the task waits only when they all
+  are (backpressure; a wake-up when the sender makes room, none per buffer). The output
   flusher of the asyncio writer (``exchange.writer.async_record_writer.run_output_flusher``)
   runs on the loop and flushes partial buffers once they are ``buffer_timeout`` seconds
   old, even while the task waits for input.
@@ -92,7 +93,8 @@ _NO_KEY: Final[Any] = object()
 #: or two for the bytes ahead of a barrier to follow the debloater (a debloated channel
 #: is slow by definition: there is no throughput to lose).
 _SHIP_BYTES: Final = 256 * 1024
-#: Batches waiting between the task thread and the loop's sender at most (the window).
+#: Batches in flight between the task thread and the daemon at most (the window): queued
+#: in the channel, or taken by the loop's sender and not pushed yet.
 _WINDOW: Final = 4
 #: Records taken from an iterable at a time by ``emit_all``: at most, and at first.
 _CHUNK: Final = 4096
@@ -370,7 +372,10 @@ class PartitionWriter:
         try:
             while True:
                 try:
-                    batches = await out.areceive()
+                    # held: the window counts these batches until they reached the
+                    # daemon (while write_all waits for credit, the task may queue only
+                    # what is left of the window, as Flink's in-flight bound)
+                    batches = await out.areceive(hold=True)
                 except (EndOfChannel, ChannelClosedError):
                     return
                 outs = batches[0] if len(batches) == 1 else [o for b in batches for o in b]
@@ -380,6 +385,7 @@ class PartitionWriter:
                     if self._flush_waits:
                         self._flush_waits = False
                         cond.notify_all()
+                out.release(len(batches))
         except Exception as e:
             if self._error is None:
                 self._error = e

@@ -20,7 +20,7 @@ from client.channel import (
     ChannelTimeoutError,
     EndOfChannel,
 )
-from exchange.errors import UsageError
+from exchange.errors import IllegalStateError, UsageError
 from tests.kit.polling import wait_for
 
 DEADLINE = 30.0
@@ -277,3 +277,31 @@ def test_room_waited_for_by_a_thread_and_by_a_notify_without_sending() -> None:
     assert calls == [1, 3]
     with pytest.raises(ChannelBrokenError):
         ch.wait_room(0)
+
+
+@pytest.mark.asyncio
+async def test_items_received_held_keep_their_room_until_released() -> None:
+    """``areceive(hold=True)``: the bound is on the items in flight (the writer's window:
+    batches its sender took keep their room until they reached the daemon), so a sender
+    can not queue a second ``capacity`` while the receiver works on the first."""
+    ch: Channel[int] = Channel(2)
+    ch.send([1, 2])
+    assert await ch.areceive(hold=True) == [1, 2]
+    s = ch.statistics()
+    assert (s.items_queued, s.items_held) == (0, 2)
+    # nothing queued, yet no room: the held items fill the capacity
+    with pytest.raises(ChannelFullError):
+        ch.send_nowait([3])
+    assert ch.poll_room(1, lambda: None) is False
+    t, out = _in_thread(lambda: ch.send([3]))
+    wait_for(lambda: ch.statistics().senders_waiting == 2, DEADLINE, "the sender waits")
+    assert ch.statistics().items_queued == 0  # it did not get in
+    ch.release(1)  # room for one: the waiting send gets in
+    assert _joined(t, out) is False
+    assert ch.statistics()[:2] == (1, 2) and ch.statistics().items_held == 1
+    with pytest.raises(IllegalStateError):
+        ch.release(2)  # more than held
+    ch.release(1)
+    assert await ch.areceive() == [3]  # without hold: the room comes back at once
+    assert ch.statistics().items_held == 0
+    ch.send_nowait([4, 5])

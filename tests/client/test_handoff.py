@@ -1,7 +1,8 @@
 """The task thread <-> loop thread hand-offs of the synchronous writer and reader, on a real
 daemon: the writer's window (``PartitionWriter.available``) fills under back pressure and
-frees once a reader takes the data, every record arrives, and neither channel wakes the
-other thread more than once per batch."""
+frees once a reader takes the data (the window bounds the batches in flight: queued, or
+taken by the loop's sender and not yet pushed), every record arrives, and neither channel
+wakes the other thread more than once per batch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
 from exchange.partition.result_partition_id import ResultPartitionID
+from tests.kit.polling import wait_for
 
 RECORD = b"x" * 4000  # 64 of them: one shipment of the writer (256 KiB)
 SHIPMENT = 64
@@ -33,8 +35,11 @@ def test_window_fills_under_back_pressure_frees_once_read_one_wake_up_per_batch(
         writer.emit_all((i, RECORD) for i in range(n, n + SHIPMENT))
         n += SHIPMENT
         fut = writer.available()
+    # full: the sender took batches and waits for credit to push them; they stay in the
+    # window (held) until pushed: the task may not queue a whole window on top of them
+    wait_for(lambda: writer.window_statistics().items_held >= 1, DEADLINE, "sender takes")
     stats = writer.window_statistics()
-    assert stats.items_queued == stats.capacity  # full: the sender waits for credit
+    assert stats.items_queued + stats.items_held == stats.capacity
     assert not fut.done()
 
     got: list[Any] = []

@@ -31,9 +31,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 RECORDS = 20_000
 PAYLOAD = 1000  # bytes per record: 20 MB per direction, ~620 segments of 32 KiB
-#: A one-subpartition pipelined partition's pool holds at most max(2 n + 8, 16) segments:
-#: what a producer held back by credit can have in its daemon, however much it writes.
-POOL_BOUND = 16
+#: A one-subpartition pipelined partition's pool holds at most max(2 n + 8, 16) segments,
+#: plus the overdraft (5 by default) a producer may take to end a record that spans
+#: buffers: what a producer held back by credit can have in its daemon, however much it
+#: writes.
+POOL_BOUND = 16 + 5
 STALL = 2.0
 
 Host = Any  # conftest.Host
