@@ -73,8 +73,25 @@ def restored_ids(caplog: pytest.LogCaptureFixture) -> list[int]:
     ]
 
 
+def skewed_event(i: int) -> tuple[int, int]:
+    """``event``, with source subtask 1 (odd indices) spending 2 ms per record: a
+    checkpoint's trigger finds that subtask mid-record for up to 2 ms, so its barrier
+    reaches the keyed task that much after subtask 0's (an alignment of a millisecond or
+    more, most checkpoints), on a loaded machine or a quiet one."""
+    if i % 2:
+        end = time.perf_counter() + 0.002
+        while time.perf_counter() < end:
+            pass
+    return event(i)
+
+
 def job(
-    tmp_path: Path, n: int, delay: float, rate: float, **settings: Any
+    tmp_path: Path,
+    n: int,
+    delay: float,
+    rate: float | None,
+    source: Any = event,
+    **settings: Any,
 ) -> tuple[StreamEnvironment, Path]:
     pids = tmp_path / "pids"
     pids.mkdir(exist_ok=True)
@@ -86,7 +103,7 @@ def job(
         **settings,
     )
     (
-        env.from_generator(event, count=n, rate=rate, parallelism=2)
+        env.from_generator(source, count=n, rate=rate, parallelism=2)
         .key_by(lambda e: e[0])
         .process(SlowSum(str(pids), delay), parallelism=1)
         .collect(name="totals")
@@ -190,11 +207,15 @@ def test_settings_are_validated(tmp_path: Path) -> None:
 def test_aligned_checkpoint_timeout_turns_slow_alignments_unaligned(
     tmp_path: Path, timeout: str, some_unaligned: bool
 ) -> None:
-    """Aligned first: alignments under back pressure outlast 1 ms, so checkpoints turn
+    """Aligned first: a slow source subtask makes alignments outlast 1 ms, so checkpoints turn
     unaligned (with persisted input); none outlasts an hour, so every one stays aligned
-    (the keyed task blocks the channel that delivered its barrier, persists nothing)."""
-    n = 6000
-    env, _ = job(tmp_path, n, 0.0005, 1500.0, aligned_checkpoint_timeout=timeout)
+    (the keyed task blocks the channel that delivered its barrier, persists nothing).
+    Evenly paced sources are not enough: on a quiet machine both barriers of a checkpoint
+    can reach the keyed task in one batch (an alignment of microseconds)."""
+    n = 3000
+    env, _ = job(
+        tmp_path, n, 0.0005, 1500.0, source=skewed_event, aligned_checkpoint_timeout=timeout
+    )
     result = env.execute(runner=LocalRunner())
     check_exact(result.collected["totals"], n)
     assert len(result.checkpoints) >= 2, result.checkpoints
