@@ -1,11 +1,12 @@
 """A consumer task for the network-namespace tests, run inside a namespace:
 
     python _consumer.py '{"locations": [[dataset, index, sub, data_address, daemon_id]],
-                          "stall": seconds, "expect": records}'
+                          "expect": records}'
 
 It opens a ``PartitionReader`` on the locations (over TCP: the partitions are on the other
-namespace's daemon), prints ``{"event": "attached"}``, reads nothing for ``stall`` seconds
-(the producer must be held back by credit meanwhile), then reads everything, checking each
+namespace's daemon), prints ``{"event": "attached"}``, reads nothing until a line comes on
+its standard input (the producer must be held back by credit meanwhile), then reads
+everything, checking each
 channel's records are ``(seq, payload)`` with seq 0, 1, ... in order, and prints one JSON
 line: records, payload bytes, seconds from the first record to the last, and MB/s.
 """
@@ -32,7 +33,10 @@ def main() -> None:
     expect = int(spec["expect"])
     with PartitionReader(locations, backoff_initial=0.01, backoff_max=0.2) as reader:
         print(json.dumps({"event": "attached"}), flush=True)
-        time.sleep(float(spec["stall"]))  # the stall is the point: nothing is read meanwhile
+        # the stall is the point: nothing is read until the test has seen the producer
+        # held back and says go (a line on stdin; a fixed sleep ran out on a loaded machine
+        # before the test looked)
+        sys.stdin.readline()
         records = payload = 0
         t0 = None
         for seq, data in reader:

@@ -36,7 +36,6 @@ PAYLOAD = 1000  # bytes per record: 20 MB per direction, ~620 segments of 32 KiB
 #: buffers: what a producer held back by credit can have in its daemon, however much it
 #: writes.
 POOL_BOUND = 16 + 5
-STALL = 2.0
 
 Host = Any  # conftest.Host
 Daemon = Any  # tests/daemon/_daemon.py: DaemonProcess
@@ -71,12 +70,12 @@ class Consumer:
     def __init__(self, host: Host, d: Daemon, pid: ResultPartitionID) -> None:
         spec = {
             "locations": [[pid.dataset_id, pid.partition_index, 0, d.data_address, d.daemon_id]],
-            "stall": STALL,
             "expect": RECORDS,
         }
         self.proc: subprocess.Popen[str] = host.run(
             lambda: subprocess.Popen(
                 [sys.executable, str(HERE / "_consumer.py"), json.dumps(spec)],
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -89,6 +88,12 @@ class Consumer:
         line = self.proc.stdout.readline()
         assert json.loads(line or "{}").get("event") == "attached", self.finish_error()
 
+    def go(self) -> None:
+        """End the stall: the consumer starts reading."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
     def result(self, timeout: float = 180.0) -> dict[str, Any]:
         try:
             out, err = self.proc.communicate(timeout=timeout)
@@ -99,6 +104,12 @@ class Consumer:
         assert self.proc.returncode == 0, err[-3000:]
         result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
         return result
+
+    def stop(self) -> None:
+        """Kill the consumer process (a failed test) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
 
     def finish_error(self) -> str:
         self.proc.kill()
@@ -132,22 +143,29 @@ def exchange_both_ways(
         producer.start()
         consumer = Consumer(dst_host, src, pid)
         flows.append((src_host, src, producer, consumer))
-    for _, _, _, consumer in flows:
-        consumer.attached()
-    # Both consumers stall: the producers run out of credit, their daemons' memory in use
-    # stays within one partition pool though each producer has far more to write.
-    for src_host, src, producer, _ in flows:
-        _held_back(producer)
-        used = src_host.run(src.stats)["network"]["used_segments"]
-        assert used <= POOL_BOUND, (label, used)
-        assert producer.generated * PAYLOAD < RECORDS * PAYLOAD // 2, producer.generated
-    results = {}
-    for src_host, src, producer, consumer in flows:
-        results[src_host.netns] = consumer.result()
-        producer.join(60)
-        assert not producer.is_alive() and producer.error is None, producer.error
-        assert results[src_host.netns]["records"] == RECORDS
-        src_host.run(src.wait_pool_whole, 30.0)
+    try:
+        for _, _, _, consumer in flows:
+            consumer.attached()
+        # Both consumers stall: the producers run out of credit, their daemons' memory in use
+        # stays within one partition pool though each producer has far more to write.
+        for src_host, src, producer, _ in flows:
+            _held_back(producer)
+            used = src_host.run(src.stats)["network"]["used_segments"]
+            assert used <= POOL_BOUND, (label, used)
+            assert producer.generated * PAYLOAD < RECORDS * PAYLOAD // 2, producer.generated
+        for _, _, _, consumer in flows:
+            consumer.go()
+        results = {}
+        for src_host, src, producer, consumer in flows:
+            results[src_host.netns] = consumer.result()
+            producer.join(60)
+            assert not producer.is_alive() and producer.error is None, producer.error
+            assert results[src_host.netns]["records"] == RECORDS
+            src_host.run(src.wait_pool_whole, 30.0)
+    except BaseException:
+        for _, _, _, consumer in flows:  # none left waiting on its stdin for ever
+            consumer.stop()
+        raise
     for src_host, _, _, _ in flows:
         r = results[src_host.netns]
         mb_s, secs = r["mb_per_s"], r["seconds"]

@@ -460,10 +460,15 @@ def test_a_non_pair_in_a_pipelined_exchange_fails_its_job_naming_the_record(spar
     with pytest.raises(Exception) as excinfo:
         out.count()
     text = str(excinfo.value)
-    # Spark reports whichever task failed first: the producer's own (NotAPairError) or a
-    # reader of its partition (ProducerFailedError quoting it); both name the record
-    assert "record 42 of type int is not a (key, value) pair" in text, text[-3000:]
+    # Spark reports whichever task of the barrier stage failed first: the producer's own
+    # (NotAPairError) or a reader of its partition (ProducerFailedError quoting it), both
+    # naming the record; or, under load, the other task's producer, whose subpartition
+    # that failed reader released (ProducerFailedError saying so: a consequence)
     assert "NotAPairError" in text or "ProducerFailedError" in text, text[-3000:]
+    assert (
+        "record 42 of type int is not a (key, value) pair" in text
+        or "was released by its consumer before the end" in text
+    ), text[-3000:]
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
