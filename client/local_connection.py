@@ -46,6 +46,7 @@ from exchange.protocol.local_messages import (
     ALL_SUBPARTITIONS,
     ARENA_SOCKET_SUFFIX,
     MAX_OVERDRAFT_REQUEST,
+    AbandonSubpartition,
     AddProducerCredit,
     CommitSegments,
     CreatePartition,
@@ -76,6 +77,7 @@ __all__ = [
     "fetch_daemon_info",
     "mint_app_credential",
     "release_dataset",
+    "abandon_subpartition",
     "resolve_daemon_socket",
     "resolve_secret",
     "secret_or_env",
@@ -549,6 +551,34 @@ async def release_dataset(
     conn = await LocalConnection.connect(address, secret=secret_or_env(secret), app_id=app_id)
     try:
         reply = await conn.request(ReleaseDataset(dataset_id))
+    finally:
+        await conn.aclose()
+    assert isinstance(reply, Released)
+    return reply.count
+
+
+async def abandon_subpartition(
+    address: str,
+    dataset_id: str,
+    subpartition: int,
+    *,
+    secret: bytes | None = None,
+    app_id: str | None = None,
+) -> int:
+    """Tell the daemon at ``address`` (as for ``release_dataset``) that the consumer of
+    ``subpartition`` of dataset ``dataset_id`` gave up before the end: that subpartition
+    of each of the dataset's pipelined partitions that application ``app_id`` (None:
+    ``$EXCHANGE_APP_ID``) created there and that never had its reader is released (its
+    producer sees "released by its consumer before the end"), and so is the one of every
+    partition of the dataset created there later. Returns how many partitions it
+    released a subpartition of now. ``secret`` None: ``$EXCHANGE_SECRET_FILE``'s."""
+    try:
+        message = AbandonSubpartition(dataset_id, subpartition)
+    except ProtocolError as e:
+        raise UsageError(str(e)) from None
+    conn = await LocalConnection.connect(address, secret=secret_or_env(secret), app_id=app_id)
+    try:
+        reply = await conn.request(message)
     finally:
         await conn.aclose()
     assert isinstance(reply, Released)

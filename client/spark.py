@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from client.consumer import PartitionLocation, PartitionReader
 from client.local_connection import (
+    abandon_subpartition,
     fetch_daemon_info,
     mint_app_credential,
     release_dataset,
@@ -676,6 +677,16 @@ def _pipelined(
 
     ticket = _rendezvous_server(sc).open_group(exchange_id, n, release_everywhere)
 
+    async def abandon_everywhere(dataset: str, t: int, addresses: list[str]) -> None:
+        """Task ``t`` left its input early: subpartition ``t`` of the run's partitions is
+        abandoned on every producer's daemon, also for the partitions not created yet,
+        whose producers would otherwise wait for a reader that will never ask."""
+        for address in addresses:
+            try:
+                await abandon_subpartition(address, dataset, t, secret=secret)
+            except ExchangeError as e:  # that daemon is gone: its partitions went with it
+                log.info("task %d of %s: cannot abandon its input at %s: %s", t, dataset, address, e)
+
     def run(records: Iterable[Any]) -> Iterator[Any]:
         ctx = BarrierTaskContext.get()
         t = ctx.partitionId()
@@ -688,6 +699,10 @@ def _pipelined(
         me = [t, attempt, info.daemon_id, info.data_address, sock, info.segment_size]
         everyone = rendezvous(ticket, t, attempt, me, round_id=stage)
         producers = [_Produced(p[0], p[1], p[2], p[3], p[4], p[5], 0) for p in everyone]
+        # the producers' daemons (our own: over its local socket)
+        daemons = sorted(
+            {p.local_socket if p.daemon_id == info.daemon_id else p.data_address for p in producers}
+        )
         failure: list[BaseException] = []
         writer_handle = _CancellableWriter()
 
@@ -728,9 +743,12 @@ def _pipelined(
                         reader.close()
                     if not read_all:
                         # This task left its input early (Spark stopped iterating, or a
-                        # read failed): the exchange cannot complete, and our writer may
-                        # wait forever for a consumer that gave up before it ever asked
-                        # for our partition. Fail it rather than wait.
+                        # read failed): the exchange cannot complete. Every producer's
+                        # daemon learns that our subpartition is abandoned (a partition
+                        # we never got to ask for, created now or later, must not keep
+                        # it), and our writer, which may wait forever for a consumer that
+                        # gave up before it ever asked for our partition, is failed.
+                        get_runtime().run(abandon_everywhere(dataset, t, daemons))
                         writer_handle.cancel(f"task {t} of exchange {dataset} left early")
                     writer.join()
                 if failure:

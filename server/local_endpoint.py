@@ -490,6 +490,10 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             self._arena_token = token
             self.send(SharedArena(token, arena.arena_size, self.session.granted_segments(credit)))
         self.send(PartitionCreated(credit, self.daemon.segment_size))
+        # a consumer that gave up before this partition existed: its subpartition goes
+        # now, and the task hears it as from a reader that left early
+        if self.daemon.manager.apply_abandoned(partition):
+            log.info("%s: created with subpartitions abandoned by their consumers", partition)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.task_reports.clear()

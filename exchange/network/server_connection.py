@@ -75,7 +75,7 @@ from exchange.protocol.codec import (
     encode_buffer_response_header,
 )
 from exchange.protocol.handshake import NonceFactory, ServerHandshake
-from exchange.protocol.local_messages import Released, ReleaseDataset
+from exchange.protocol.local_messages import AbandonSubpartition, Released, ReleaseDataset
 from exchange.protocol.messages import (
     AddCredit,
     CancelPartitionRequest,
@@ -114,6 +114,7 @@ DATA_PORT_MESSAGES: Final[frozenset[type[Message]]] = frozenset(
         CancelPartitionRequest,
         CloseRequest,
         ReleaseDataset,
+        AbandonSubpartition,
     }
 )
 
@@ -383,7 +384,8 @@ class ServerConnection:
         self._on_message(msg)
 
     def handle_message(self, msg: Message) -> None:
-        """The data protocol: requests, credit, cancellation, close, dataset release."""
+        """The data protocol: requests, credit, cancellation, close, dataset release,
+        abandoned subpartitions."""
         match msg:
             case PartitionRequest():
                 self._on_partition_request(msg)
@@ -399,6 +401,9 @@ class ServerConnection:
                 self.close()
             case ReleaseDataset(dataset_id=ds):
                 self.send(Released(self._release_dataset(ds, self.app_id)))
+            case AbandonSubpartition(dataset_id=ds, subpartition=k):
+                # the caller's application only: another's partitions are not touched
+                self.send(Released(self._manager.abandon_subpartition(ds, k, self.app_id)))
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from a client")
 

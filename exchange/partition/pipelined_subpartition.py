@@ -345,6 +345,16 @@ class PipelinedSubpartition:
             self._parent._on_consumer_failure(cause)
         self._parent._on_subpartition_done(self.index)
 
+    def abandon(self) -> bool:
+        """Its consumer is gone without ever having asked for it (it left before the
+        partition existed, or before its request came): released exactly as a reader
+        leaving before the end releases it. False (nothing done) once it has or had its
+        reader (that reader's release says what happened) or is released already."""
+        if self._view is not None or self.state is SubpartitionState.RELEASED:
+            return False
+        self._on_view_released(consumed=False)
+        return True
+
     @property
     def buffers_in_backlog(self) -> int:
         return self._backlog_now()

@@ -537,6 +537,17 @@ class ResultPartition:
             raise PartitionReleasedError("partition was released", self.partition_id)
         return self.subpartitions[index].create_read_view(listener)
 
+    def abandon_subpartition(self, index: int) -> bool:
+        """The consumer of pipelined subpartition ``index`` gave up without ever having
+        requested it: the subpartition is released as when a reader leaves it before the
+        end (the producer sees "released by its consumer before the end"). False, and
+        nothing done: a blocking partition (read again by whoever asks), an index out of
+        range, a released partition, or a subpartition that has or had its reader."""
+        if self._state.is_released or not 0 <= index < len(self.subpartitions):
+            return False
+        sub = self.subpartitions[index]
+        return isinstance(sub, PipelinedSubpartition) and sub.abandon()
+
     def _on_consumer_failure(self, cause: BaseException) -> None:
         _call_all(list(self._consumer_failure_listeners), cause)
 

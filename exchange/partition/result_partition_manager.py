@@ -5,6 +5,16 @@ so one application can neither see, nor take first, nor learn of another's ids: 
 for a partition another application holds, or held, is answered exactly as asking for one
 that never existed (``PartitionNotFoundError``). ``""`` is the namespace of "no
 application" (no secret, or a client of the daemon's secret that names none).
+
+Abandoned subpartitions: a consumer that gives up before the end may never have asked for
+its subpartition of some partition (it did not exist yet, or its request had not come).
+``abandon_subpartition`` releases that subpartition of the dataset's pipelined partitions
+now, and remembers (application, dataset, subpartition), so that a partition of that
+dataset created later gets it released as soon as it exists (``apply_abandoned``): its
+producer sees "released by its consumer before the end", as if the consumer had
+requested it and left. The memory is bounded: it goes when the dataset is released
+(``release_dataset``), and an application's oldest datasets are forgotten first beyond
+``MAX_ABANDONED_PER_APP`` remembered (dataset, subpartition) pairs.
 """
 
 from __future__ import annotations
@@ -24,9 +34,11 @@ from exchange.partition.result_partition import ResultPartition
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.subpartition_view import BufferAvailabilityListener, ResultSubpartitionView
 
-__all__ = ["ResultPartitionManager"]
+__all__ = ["MAX_ABANDONED_PER_APP", "ResultPartitionManager"]
 
 _REMEMBER_RELEASED: Final = 4096
+#: Abandoned (dataset, subpartition) pairs remembered per application at most.
+MAX_ABANDONED_PER_APP: Final = 4096
 
 #: (application, partition id): how the registry keys a partition
 _Key = tuple[str, ResultPartitionID]
@@ -41,6 +53,9 @@ class ResultPartitionManager:
         # or "data lost"), not "not found". Kept as (error type, text): an exception would
         # pin its traceback.
         self._released: OrderedDict[_Key, tuple[type[PartitionError], str]] = OrderedDict()
+        # application -> dataset -> subpartitions its consumers abandoned (oldest first)
+        self._abandoned: dict[str, OrderedDict[str, set[int]]] = {}
+        self._abandoned_count: dict[str, int] = {}
 
     def register_result_partition(self, partition: ResultPartition) -> None:
         pid = partition.partition_id
@@ -95,9 +110,64 @@ class ResultPartitionManager:
         ]
         for part in parts:
             part.release(cause)
+        for app in [app_id] if app_id is not None else list(self._abandoned):
+            self._forget_abandoned(app, dataset_id)
         return len(parts)
 
+    def abandon_subpartition(self, dataset_id: str, subpartition: int, app_id: str = "") -> int:
+        """The consumer of ``subpartition`` of application ``app_id``'s dataset
+        ``dataset_id`` gave up: that subpartition of each of the dataset's pipelined
+        partitions that never had its reader is released as a reader leaving early
+        releases it, now and (remembered) in every partition of the dataset registered
+        later. Returns how many partitions it released a subpartition of now."""
+        if not isinstance(subpartition, int) or isinstance(subpartition, bool) or subpartition < 0:
+            raise UsageError(f"subpartition must be an int >= 0, got {subpartition!r}")
+        datasets = self._abandoned.setdefault(app_id, OrderedDict())
+        subs = datasets.setdefault(dataset_id, set())
+        datasets.move_to_end(dataset_id)
+        if subpartition not in subs:
+            subs.add(subpartition)
+            count = self._abandoned_count.get(app_id, 0) + 1
+            while count > MAX_ABANDONED_PER_APP:  # the oldest dataset goes first
+                _, oldest = datasets.popitem(last=False)
+                count -= len(oldest)
+            self._abandoned_count[app_id] = count
+            if not datasets:
+                del self._abandoned[app_id], self._abandoned_count[app_id]
+        parts = [
+            part
+            for (app, pid), part in self._partitions.items()
+            if app == app_id and pid.dataset_id == dataset_id
+        ]
+        return sum(part.abandon_subpartition(subpartition) for part in parts)
+
+    def apply_abandoned(self, partition: ResultPartition) -> int:
+        """Release the subpartitions of a newly registered ``partition`` whose consumers
+        abandoned them before it existed (call it once whoever writes the partition
+        listens to it: its producer learns at once). Returns how many."""
+        datasets = self._abandoned.get(partition.app_id)
+        subs = datasets.get(partition.partition_id.dataset_id) if datasets else None
+        if not subs:
+            return 0
+        return sum(partition.abandon_subpartition(k) for k in sorted(subs))
+
+    def abandoned(self, app_id: str = "") -> dict[str, frozenset[int]]:
+        """Application ``app_id``'s remembered abandoned subpartitions, by dataset."""
+        return {ds: frozenset(subs) for ds, subs in self._abandoned.get(app_id, {}).items()}
+
+    def _forget_abandoned(self, app_id: str, dataset_id: str) -> None:
+        datasets = self._abandoned.get(app_id)
+        if datasets is None or dataset_id not in datasets:
+            return
+        left = self._abandoned_count[app_id] - len(datasets.pop(dataset_id))
+        if datasets:
+            self._abandoned_count[app_id] = left
+        else:
+            del self._abandoned[app_id], self._abandoned_count[app_id]
+
     def release_all(self, cause: BaseException | None = None) -> None:
+        self._abandoned.clear()
+        self._abandoned_count.clear()
         for part in list(self._partitions.values()):
             part.release(cause)
 

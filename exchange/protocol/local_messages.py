@@ -51,7 +51,7 @@ import msgpack
 from exchange.buffers.buffer import DataType
 from exchange.errors import ProtocolError
 from exchange.partition.result_partition import ALL_SUBPARTITIONS
-from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.partition.result_partition_id import MAX_DATASET_ID_BYTES, ResultPartitionID
 from exchange.protocol.codec import register_message
 from exchange.protocol.messages import Message
 
@@ -68,6 +68,7 @@ __all__ = [
     "MAX_TASK_METRICS",
     "MAX_TASK_NAME_LENGTH",
     "TASK_METRIC_NAMES",
+    "AbandonSubpartition",
     "AddProducerCredit",
     "CheckpointRecord",
     "CommitSegments",
@@ -273,6 +274,29 @@ class ReleaseDataset(Message):
 
     MESSAGE_ID: ClassVar[int] = 71
     dataset_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class AbandonSubpartition(Message):
+    """A consumer gave up before the end: ``subpartition`` of every pipelined partition of
+    ``dataset_id`` (of the caller's application) on this daemon that never had its reader
+    is released as when a reader leaves early, also in partitions created later (the
+    daemon remembers it, until the dataset is released). Answered by Released with the
+    number of partitions it released a subpartition of now. Spoken on the data port and
+    on the local socket, like ReleaseDataset."""
+
+    MESSAGE_ID: ClassVar[int] = 89
+    dataset_id: str
+    subpartition: int
+
+    def __post_init__(self) -> None:
+        ds = self.dataset_id
+        if not isinstance(ds, str) or not 0 < len(ds.encode("utf-8")) <= MAX_DATASET_ID_BYTES:
+            raise ProtocolError(
+                f"AbandonSubpartition dataset must be a string of 1 to {MAX_DATASET_ID_BYTES} "
+                f"bytes, got {ds!r:.80}"
+            )
+        _check_uint(self.subpartition, "AbandonSubpartition subpartition", ALL_SUBPARTITIONS - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -566,6 +590,10 @@ def _pack(obj: dict[str, Any]) -> list[bytes]:
     return [msgpack.packb(obj)]
 
 
+def _dec_abandon(m: dict[str, Any]) -> tuple[str, int]:
+    return _str(m["dataset"], "dataset"), _uint(m["subpartition"], "subpartition")
+
+
 def _dec_create(body: memoryview) -> CreatePartition:
     try:
         m = _unpack_map(body, ("dataset", "index", "attempt", "blocking", "n", "shm"))
@@ -724,6 +752,12 @@ def _register() -> None:
         ReleaseDataset,
         lambda b: ReleaseDataset(_str(_unpack_map(b, ("dataset",))["dataset"], "dataset")),
         lambda m: _pack({"dataset": m.dataset_id}),
+    )
+    register_message(
+        89,
+        AbandonSubpartition,
+        lambda b: AbandonSubpartition(*_dec_abandon(_unpack_map(b, ("dataset", "subpartition")))),
+        lambda m: _pack({"dataset": m.dataset_id, "subpartition": m.subpartition}),
     )
     register_message(
         72,
