@@ -347,7 +347,16 @@ class LocalConnection(HandshakingClientProtocol):
         offer, self._offer = self._offer, None
         if offer is not None:
             assert self.socket_path is not None
-            fd = await _fetch_arena_fd(self.socket_path + ARENA_SOCKET_SUFFIX, offer.token, timeout)
+            try:
+                fd = await _fetch_arena_fd(
+                    self.socket_path + ARENA_SOCKET_SUFFIX, offer.token, timeout
+                )
+            except SharedMemoryUnavailableError:
+                # The partition went at once (a consumer had abandoned it, the dataset was
+                # released): its error closed this connection, which revoked the token.
+                # That error is the reason, not the refused token.
+                self.check()
+                raise
             try:
                 self._arena = map_arena(fd, offer.arena_size)
                 self.arena_inode = os.fstat(fd).st_ino

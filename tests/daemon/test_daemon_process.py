@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from client.consumer import PartitionLocation, PartitionReader
-from client.local_connection import fetch_daemon_info, release_dataset
+from client.local_connection import abandon_subpartition, fetch_daemon_info, release_dataset
 from client.producer import PartitionWriter
 from client.runtime import get_runtime
 from exchange.errors import (
@@ -28,6 +28,7 @@ from exchange.errors import (
     PartitionNotFoundError,
     PartitionReleasedError,
     ProducerFailedError,
+    UsageError,
 )
 from exchange.partition.result_partition_id import ResultPartitionID
 
@@ -482,6 +483,71 @@ def test_consumer_that_vanishes_fails_its_producer_not_hangs_it(start_daemon: An
         )
     )
     assert st["network"]["local_pools"] == 0
+
+
+def test_a_subpartition_abandoned_before_its_partition_exists_never_holds_its_producer(
+    start_daemon: Any,
+) -> None:
+    """The Spark race: a consumer reads a record of one partition and leaves while its
+    request for another producer's partition is still being retried (that partition does
+    not exist yet). It abandons its subpartition; the partition created later gets it
+    released at once, so its producer ends (told why) instead of waiting for a reader that
+    never comes, and the daemon ends whole with no partition left."""
+    d = start_daemon()
+    rt = get_runtime()
+    first = ResultPartitionID("abandon-race", 0, 1)
+    late = ResultPartitionID("abandon-race", 1, 2)
+    early = Producer(d, first, ((i, b"e") for i in range(10)), n=1)
+    early.start()
+    reader = PartitionReader([location(d, first, 0), location(d, late, 0)], **FAST_BACKOFF)
+    it = iter(reader)
+    assert next(it)[1] == b"e"  # one record, then the consumer stops
+    reader.close()
+    early.join(30)
+    assert not early.is_alive()
+    # the subpartition of the partition it read had its reader: that reader's release
+    # said what happened; nothing of the late partition exists yet
+    assert rt.run(abandon_subpartition(d.data_address, "abandon-race", 0)) == 0
+
+    # 200 MB through a pool of a few MiB: without the abandon, the producer would wait
+    # for subpartition 0's reader for ever
+    producer = Producer(d, late, ((i, b"v" * 1000) for i in range(200_000)), n=2, buffer_timeout=-1)
+    other = Collector(lambda: PartitionReader([location(d, late, 1)], **FAST_BACKOFF))
+    producer.start()
+    other.start()
+    producer.join(60)
+    assert not producer.is_alive(), "the producer waits for a reader that left"
+    assert isinstance(producer.error, PartitionReleasedError), repr(producer.error)
+    assert "released by its consumer before the end" in str(producer.error)
+    other.result()
+    assert isinstance(other.error, ProducerFailedError), repr(other.error)
+    st = d.wait_stats(
+        lambda s: (
+            s["network"]["available_segments"] == s["network"]["total_segments"]
+            and s["partitions"]["count"] == 0
+        )
+    )
+    assert st["network"]["local_pools"] == 0
+
+    # released, the dataset is forgotten: a new partition of it is read whole again
+    assert rt.run(release_dataset(d.local_socket, "abandon-race")) == 0
+    again = ResultPartitionID("abandon-race", 2, 3)
+    records = [(i, i) for i in range(2000)]
+    after = Producer(d, again, iter(records), n=1)
+    after.start()
+    assert read(d, again) == records
+    after.join(30)
+    assert after.error is None, after.error
+    d.wait_pool_whole()
+
+
+def test_abandon_subpartition_checks_its_arguments(start_daemon: Any) -> None:
+    d = start_daemon()
+    rt = get_runtime()
+    for ds, sub in (("", 0), ("x" * 256, 0), ("ok", -1), ("ok", 2**32 - 1), ("ok", True)):
+        with pytest.raises(UsageError):
+            rt.run(abandon_subpartition(d.local_socket, ds, sub))  # type: ignore[arg-type]
+    assert rt.run(abandon_subpartition("unix:" + d.local_socket, "never-written", 3)) == 0
 
 
 # -- one daemon per local socket ---------------------------------------------------------
