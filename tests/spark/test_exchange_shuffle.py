@@ -173,17 +173,34 @@ def reference(spark: Any, name: str, slices: int, n: int) -> list[list[Any]]:
 
 def wait_until_daemon_holds_nothing_of(exchange_id: str, timeout: float = 60) -> None:
     """Poll the embedded daemon until its pool is whole and no partition of the exchange
-    is left (AssertionError with what it holds after ``timeout`` seconds)."""
+    is left. After ``timeout`` seconds: AssertionError with what it held, once the
+    exchange's datasets are released there (the next tests start with a daemon whole,
+    not failing on what this one left)."""
     deadline = time.monotonic() + timeout
     while True:
         stats = daemon_stats()
         net = stats["network"]
-        if net["available_segments"] == net["total_segments"] and not [
-            p for p in stats["partitions"]["items"] if exchange_id in str(p)
-        ]:
+        left = [p for p in stats["partitions"]["items"] if exchange_id in str(p)]
+        if net["available_segments"] == net["total_segments"] and not left:
             break
-        assert time.monotonic() < deadline, (stats["network"], stats["partitions"])
+        if time.monotonic() >= deadline:
+            _release_datasets({exchange_id, *(p["dataset"] for p in left)}, exchange_id)
+            raise AssertionError(
+                f"the daemon still holds something of {exchange_id} after {timeout}s: "
+                f"{stats['network']}, {stats['partitions']}"
+            )
         time.sleep(0.1)
+
+
+def _release_datasets(datasets: set[str], exchange_id: str) -> None:
+    from client import spark as xs
+    from client.local_connection import mint_app_credential, release_dataset
+    from client.runtime import get_runtime
+
+    secret = mint_app_credential(xs._exchange_apps.get(exchange_id, ""))
+    address = get_embedded_daemon().data_address
+    for ds in sorted(datasets):
+        get_runtime().run(release_dataset(address, ds, secret=secret))
 
 
 def daemon_stats() -> dict[str, Any]:
@@ -347,6 +364,78 @@ def test_pipelined_consumer_stopping_early_ends_the_stage_and_frees_the_daemon(
         )
     else:  # every writer had finished before its readers stopped
         assert firsts == ["bytes", "bytes"]
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_a_pipelined_partition_created_after_its_consumer_left_is_not_left_behind(
+    spark: Any, tmp_path: Path
+) -> None:
+    """The race of issue 21, made certain: task 0 reads one record and leaves while its
+    request for producer 1's partition is still being retried (producer 1 opens its
+    partition only once task 0 has left: its worker waits for a flag file task 0 writes).
+    Producer 1's subpartition 0 has no reader left: the daemon, told by task 0 that it
+    abandoned subpartition 0 of the run's dataset, releases it as soon as the partition
+    exists, so nothing of the exchange stays on the daemon. (Before, producer 1 finished,
+    task 1 read its own input to the end, the job succeeded, and the partition kept
+    subpartition 0's buffers for ever.)"""
+    sc = spark.sparkContext
+    flag = tmp_path / "task-0-left"
+    ids: dict[str, str] = {}  # filled before the action: closures are pickled then
+    http = get_embedded_daemon().http_address
+
+    def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
+        if i == 1:  # producer 1 opens its partition once task 0 has left
+            # (the task's code is unpickled by value; _write_partition, a function of the
+            # module, looks PartitionWriter up in the worker's module when it runs)
+            from client import spark as xs
+
+            writer_class = xs.PartitionWriter
+
+            def when_task_0_left(pid: Any, *args: Any, **kwargs: Any) -> Any:
+                xs.PartitionWriter = writer_class  # type: ignore[misc]
+                deadline = time.monotonic() + 240
+                while not flag.exists() and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                return writer_class(pid, *args, **kwargs)
+
+            xs.PartitionWriter = when_task_0_left  # type: ignore[misc,assignment]
+        return ((k, b"r" * 1000) for k in range(i * 100, i * 100 + 40))  # both subpartitions
+
+    def finished(dataset: str, index: int) -> bool:
+        from urllib.request import urlopen
+
+        with urlopen(f"http://{http}/api/stats", timeout=10) as r:
+            items = json.loads(r.read())["partitions"]["items"]
+        return any(
+            p["dataset"] == dataset and p["partition"] == str(index) and p["finished"]
+            for p in items
+        )
+
+    def consume(i: int, it: Iterator[Any]) -> Iterator[str]:
+        from pyspark import BarrierTaskContext
+
+        if i == 1:
+            yield f"read {sum(1 for _ in it)}"
+            return
+        dataset = f"{ids['exchange']}.s{BarrierTaskContext.get().stageId()}"
+        next(it)  # a record of producer 0's partition: producer 1 has none yet
+        deadline = time.monotonic() + 120
+        while not finished(dataset, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)  # producer 0 done: task 1 can read its part to the end
+        del it  # the reader goes: task 0 leaves its input early
+        flag.touch()
+        yield "left"
+
+    rdd = sc.parallelize(range(2), 2).mapPartitionsWithIndex(rows)
+    out = exchange_shuffle(rdd, 2, mode="pipelined")
+    ids["exchange"] = out.exchange_id
+    try:
+        result = out.mapPartitionsWithIndex(consume).collect()
+    except Exception as e:  # producer 1 is told its subpartition 0 has no reader
+        assert "released by its consumer before the end" in str(e), str(e)[-2000:]
+    else:
+        assert result == ["left", "read 40"], result
+    assert flag.exists(), "task 0 never left"
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
