@@ -685,7 +685,9 @@ def _pipelined(
             try:
                 await abandon_subpartition(address, dataset, t, secret=secret)
             except ExchangeError as e:  # that daemon is gone: its partitions went with it
-                log.info("task %d of %s: cannot abandon its input at %s: %s", t, dataset, address, e)
+                log.info(
+                    "task %d of %s: cannot abandon its input at %s: %s", t, dataset, address, e
+                )
 
     def run(records: Iterable[Any]) -> Iterator[Any]:
         ctx = BarrierTaskContext.get()

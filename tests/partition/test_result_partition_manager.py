@@ -98,7 +98,9 @@ def test_release_dataset_and_all(
 # -- subpartitions abandoned by their consumers -----------------------------------------
 
 
-def _app_partition(nbp: NetworkBufferPool, pid: ResultPartitionID, n: int, app: str) -> ResultPartition:
+def _app_partition(
+    nbp: NetworkBufferPool, pid: ResultPartitionID, n: int, app: str
+) -> ResultPartition:
     pool = nbp.create_buffer_pool(n, 2 * n + 2)
     return ResultPartition(pid, PIPELINED, n, pool, app_id=app)
 
