@@ -35,7 +35,6 @@ import contextlib
 import errno
 import logging
 import os
-import secrets
 import socket
 import time
 from typing import TYPE_CHECKING, ClassVar, Final
@@ -48,7 +47,6 @@ from exchange.errors import (
     ProtocolError,
 )
 from exchange.local.producer_session import PUSH_BUFFER_FRAMES, ProducerSession, PushHeader
-from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.network.server_connection import DATA_PORT_MESSAGES
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.local_messages import (
@@ -102,8 +100,6 @@ class LocalEndpoint(DataServer):
         #: producer bytes by path: committed in a shared arena, or pushed over the socket
         self.bytes_shared_memory = 0
         self.bytes_socket = 0
-        #: one-time token -> the arena whose descriptor it fetches (one per connection)
-        self.arena_tokens: dict[bytes, NetworkBufferPool] = {}
         self.arena_path: str | None = None
         self._handout: asyncio.Task[None] | None = None
         self._handouts: set[asyncio.Task[None]] = set()
@@ -202,7 +198,7 @@ class LocalEndpoint(DataServer):
             except (TimeoutError, OSError) as e:
                 log.info("arena hand-out: no token read (%s)", e or "timed out")
                 return
-            pool = self.arena_tokens.pop(token, None)
+            pool = self.daemon.shared_arenas.redeem(token)
             if pool is None or pool.arena_fd is None:
                 log.warning("arena hand-out refused: unknown, used or expired token")
                 return
@@ -219,7 +215,6 @@ class LocalEndpoint(DataServer):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._handout = None
-        self.arena_tokens.clear()
         if self.arena_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.arena_path)
@@ -491,16 +486,15 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         )
         credit = self.session.start()
         if arena is not None:
-            token = secrets.token_bytes(ARENA_TOKEN_SIZE)
+            token = self.daemon.shared_arenas.issue_token(arena)
             self._arena_token = token
-            self.endpoint.arena_tokens[token] = arena
             self.send(SharedArena(token, arena.arena_size, self.session.granted_segments(credit)))
         self.send(PartitionCreated(credit, self.daemon.segment_size))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.task_reports.clear()
         if self._arena_token is not None:
-            self.endpoint.arena_tokens.pop(self._arena_token, None)
+            self.daemon.shared_arenas.revoke(self._arena_token)
         session = self.session
         if session is not None:
             self.endpoint.producers -= 1

@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 
 from exchange.errors import SharedMemoryUnavailableError
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.memory.shared_arena import SHM_DIR, create_arena
+from exchange.protocol.local_messages import ARENA_TOKEN_SIZE
 from server.config import DaemonConfig
 
 __all__ = ["SharedArenas"]
@@ -37,6 +39,9 @@ class SharedArenas:
         self._pools: dict[str, NetworkBufferPool] = {}
         self._refused: set[str] = set()  # applications told (in the log) they get none
         self._release_pending = False
+        #: one-time token -> the arena whose descriptor it fetches; an arena with a token
+        #: out is never dropped (its task has yet to map it)
+        self._tokens: dict[bytes, NetworkBufferPool] = {}
         #: why producers push over the socket instead (None: shared memory is used)
         self.unavailable: str | None = None
         if not config.shared_memory:
@@ -97,6 +102,27 @@ class SharedArenas:
             self._refused.add(app_id)
             log.warning(message)
 
+    def issue_token(self, pool: NetworkBufferPool) -> bytes:
+        """A one-time token for ``pool``'s descriptor; the arena stays until the token is
+        redeemed or revoked (a partition released before its task mapped the arena must
+        not take the arena from under the task: it gets the partition's typed error)."""
+        token = secrets.token_bytes(ARENA_TOKEN_SIZE)
+        self._tokens[token] = pool
+        return token
+
+    def redeem(self, token: bytes) -> NetworkBufferPool | None:
+        """The arena of a token, once (None: unknown, used or revoked)."""
+        pool = self._tokens.pop(token, None)
+        if pool is not None and pool.is_whole():
+            self._on_whole()  # dropped once this hand-out is done, if nothing took it
+        return pool
+
+    def revoke(self, token: bytes) -> None:
+        """The token's connection is gone: the token is good no more."""
+        pool = self._tokens.pop(token, None)
+        if pool is not None and pool.is_whole():
+            self._on_whole()
+
     def _on_whole(self) -> None:
         """An arena got every segment back: drop it once the current callback is done
         (not inside the pool's own call; a new partition may take it first)."""
@@ -115,8 +141,9 @@ class SharedArenas:
 
     def release_idle(self) -> None:
         """Drop the arenas no partition uses any more (their segments all back)."""
+        pinned = {id(p) for p in self._tokens.values()}
         for app_id, pool in list(self._pools.items()):
-            if pool.is_whole():
+            if pool.is_whole() and id(pool) not in pinned:
                 del self._pools[app_id]
                 pool.destroy()
 
@@ -130,4 +157,5 @@ class SharedArenas:
                 log.error("shutdown: shared arena of %r not whole: %s", app_id, pool.stats())
             pool.destroy()
         self._pools.clear()
+        self._tokens.clear()
         return whole

@@ -140,3 +140,29 @@ def test_a_shared_pool_hands_out_segments_of_its_arena() -> None:
         pool.destroy()
     with pytest.raises(UsageError):
         create_arena(0, "x")
+
+
+@pytest.mark.parametrize("end", ["redeemed", "revoked"])
+def test_an_arena_whose_token_is_out_stays_until_the_token_is_used_or_revoked(end: str) -> None:
+    """A partition released (by its consumer, by a failover) before its producer task
+    fetched the arena leaves the arena whole: it must stay while the token is out, so the
+    task maps it and then meets the partition's own typed error, not a refused token
+    (seen under load in a full run: SharedMemoryUnavailableError for a released
+    partition)."""
+    arenas = SharedArenas(DaemonConfig(network_memory="2mb", shared_memory_per_app="1mb"))
+    a = arenas.pool_for("a")
+    assert a is not None
+    pool_a = a.create_buffer_pool(1, 2)
+    token = arenas.issue_token(a)
+    pool_a.destroy()  # released before the task came for the descriptor
+    arenas.release_idle()
+    assert arenas.pools() == [a] and a.arena_fd is not None
+    if end == "redeemed":
+        assert arenas.redeem(token) is a
+        assert arenas.redeem(token) is None  # once
+    else:
+        arenas.revoke(token)
+        assert arenas.redeem(token) is None
+    arenas.release_idle()
+    assert len(arenas) == 0 and a.is_destroyed
+    assert arenas.close()
