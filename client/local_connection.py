@@ -36,6 +36,7 @@ from exchange.errors import (
     UsageError,
 )
 from exchange.memory.shared_arena import map_arena
+from exchange.paths import default_socket_path
 from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, max_frame_size_for
 from exchange.protocol.handshake import (
     APP_CREDENTIAL_PREFIX,
@@ -67,7 +68,6 @@ from exchange.protocol.local_messages import (
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_for_response
 from exchange.writer.record_writer import OutputBuffer
-from server.config import DaemonConfig
 
 __all__ = [
     "DAEMON_ENV",
@@ -92,12 +92,6 @@ _PUSH_FRAME: Final = struct.Struct(">IIBIB")
 _PUSH_BODY_HEADER: Final = 5
 #: A CommitSegments frame's header (its body: 12-byte entries).
 _COMMIT_FRAME: Final = struct.Struct(">IIB")
-
-
-def default_socket_path() -> str:
-    """The socket a daemon started without ``local_socket`` or ``spill_dir`` listens on
-    (derived from the daemon's own defaults, so the two never disagree)."""
-    return DaemonConfig().resolved_local_socket()
 
 
 #: Environment variable naming a file that holds the daemons' shared secret.

@@ -37,6 +37,7 @@ from exchange.config_values import (
     parse_size,
 )
 from exchange.errors import ConfigError
+from exchange.paths import DEFAULT_SOCKET_NAME, default_spill_dir
 from exchange.writer.record_writer import MIN_BUFFER_SIZE
 
 __all__ = [
@@ -80,16 +81,6 @@ LOG_LEVELS: Final = ("DEBUG", "INFO", "WARNING", "ERROR")
 _LOG_LEVEL_ALIASES: Final = {"WARN": "WARNING"}
 _NONE_WORDS: Final = frozenset({"", "none"})
 _UNLIMITED_WORDS: Final = frozenset({"", "none", "unlimited", "-1"})
-
-
-#: The local socket's file name under spill_dir when ``local_socket`` is not set.
-DEFAULT_SOCKET_NAME: Final = "exchange-daemon.sock"
-
-
-def default_spill_dir() -> str:
-    """``$TMPDIR/exchange-<uid>``: the daemon's user's own (docs/security.md, Spill files);
-    tasks of the same user find its socket there (``client.local_connection``)."""
-    return os.path.join(tempfile.gettempdir(), f"exchange-{os.geteuid()}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -68,6 +67,7 @@ from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.partition.spill_space import SpillAccount, spill_error
 from exchange.partition.states import PARTITION_TRANSITIONS, ResultPartitionState, transition
 from exchange.partition.subpartition_view import BufferAvailabilityListener, ResultSubpartitionView
+from exchange.paths import default_spill_dir
 
 __all__ = ["ALL_SUBPARTITIONS", "ResultPartition", "ResultPartitionStats", "ResultSubpartition"]
 
@@ -614,7 +614,7 @@ def _run_all(steps: list[Callable[[], None]]) -> None:
 def _default_spill_dir() -> Path:
     """Where an in-process partition spills when given no directory: this user's own
     (never a name every user shares), apart from a daemon's files."""
-    return Path(tempfile.gettempdir()) / f"exchange-{os.geteuid()}" / "in-process"
+    return Path(default_spill_dir()) / "in-process"
 
 
 def _safe(name: str) -> str:
