@@ -551,9 +551,16 @@ async def release_dataset(
     ``$EXCHANGE_APP_ID``) created on the daemon at ``address`` (its local socket path,
     ``unix:/path``, or its data port ``host:port``); another application's stay.
     ``secret`` None: ``$EXCHANGE_SECRET_FILE``'s."""
+    return await _count_request(address, ReleaseDataset(dataset_id), secret, app_id)
+
+
+async def _count_request(
+    address: str, message: Message, secret: bytes | None, app_id: str | None
+) -> int:
+    """One request answered by Released, on a connection of its own; the count."""
     conn = await LocalConnection.connect(address, secret=secret_or_env(secret), app_id=app_id)
     try:
-        reply = await conn.request(ReleaseDataset(dataset_id))
+        reply = await conn.request(message)
     finally:
         await conn.aclose()
     assert isinstance(reply, Released)
@@ -579,10 +586,4 @@ async def abandon_subpartition(
         message = AbandonSubpartition(dataset_id, subpartition)
     except ProtocolError as e:
         raise UsageError(str(e)) from None
-    conn = await LocalConnection.connect(address, secret=secret_or_env(secret), app_id=app_id)
-    try:
-        reply = await conn.request(message)
-    finally:
-        await conn.aclose()
-    assert isinstance(reply, Released)
-    return reply.count
+    return await _count_request(address, message, secret, app_id)
