@@ -6,6 +6,7 @@ restored (the persisted input replayed first), output exact; and the settings' e
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -300,3 +301,93 @@ def test_priority_barriers_cut_records_spanning_buffers_and_a_restore_joins_them
     check_exact(result.collected["totals"], n)
     restored = restored_ids(caplog)
     assert restored == [killed_at], (restored, killed_at)
+
+
+def padded_event(i: int) -> tuple[int, int, bytes]:
+    """``event`` with 1 kB of padding: a few dozen records per buffer, so the buffers a
+    task holds are many records for a slow consumer."""
+    return (i % KEYS, i, b"p" * 1000)
+
+
+_MARKED: list[bool] = []
+
+
+def pass_marking(pids: str, value: Any) -> Any:
+    """An identity map that leaves its process id in ``pids`` (once per process)."""
+    if not _MARKED:
+        _MARKED.append(True)
+        tmp = os.path.join(pids, f".{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(tmp, os.path.join(pids, str(os.getpid())))
+    return value
+
+
+def test_a_task_blocked_on_its_output_takes_the_barrier_and_restores_exactly_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """source -> rebalance -> map -> key_by -> slow sum: the map's output is blocked (the
+    sum is far slower) and the buffers handed to it wait in its reader. A priority barrier
+    reaches the map while it waits for room: it takes it there (its record boundary),
+    forwards its own barrier and persists what it held as input channel state, so
+    checkpoints complete with the map's input in them. The map SIGKILLed after such a
+    checkpoint: the job restores it, replays the map's input before new input, output
+    exact."""
+    caplog.set_level(logging.INFO, logger="exchange.streaming.driver")
+    n = 3000
+    pids, sums = tmp_path / "pids", tmp_path / "sums"
+    pids.mkdir()
+    sums.mkdir()
+    env = StreamEnvironment(
+        None,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_interval=0.1,
+        mode="unaligned",
+        retained_checkpoints=1000,
+    )
+    (
+        env.from_generator(padded_event, count=n, rate=1000.0, parallelism=1)
+        .rebalance()
+        .map(functools.partial(pass_marking, str(pids)), parallelism=1)
+        .key_by(lambda e: e[0])
+        .process(SlowSum(str(sums), 0.002), parallelism=1)
+        .collect(name="totals")
+    )
+    storage = CheckpointStorage(str(tmp_path / "ckpt"))
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = env.execute(runner=LocalRunner(), restart_backoff=0.1)
+        except BaseException as e:
+            outcome["error"] = e
+
+    def map_input_persisted() -> bool:
+        ids = storage.completed_ids()
+        if not ids:
+            return False
+        try:
+            meta = storage.load(ids[-1])
+        except Exception:
+            return False
+        return bool(meta.extra.get("persisted_bytes", {}).get("v1-0"))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (map_input_persisted() and len(list(pids.iterdir())) == 1):
+            assert time.monotonic() < deadline, "no checkpoint with the map's input in 120 s"
+            assert thread.is_alive(), outcome
+            time.sleep(0.005)
+        (first,) = pids.iterdir()
+        os.kill(int(first.read_text()), signal.SIGKILL)
+    finally:
+        thread.join(240)
+    assert not thread.is_alive()
+    result = outcome["result"]
+    assert result.restarts == 1, result.failures
+    check_exact(result.collected["totals"], n)
+    restored = restored_ids(caplog)
+    assert len(restored) == 1, restored
+    assert storage.load(restored[0]).extra["persisted_bytes"].get("v1-0")
