@@ -943,7 +943,6 @@ class PartitionReader:
     def _jumping_lists(self, on_available: Callable[[], None] | None) -> Iterator[list[Any]]:
         """``_batch_lists`` for an unaligned reader: one item decoded at a time, so that a
         priority barrier taken between two record lists overtakes the rest."""
-        receive, poll = self._handoff.receive, self._handoff.poll
         ready, undecoded = self._ready, self._undecoded
         try:
             while not self._done:
@@ -953,19 +952,10 @@ class PartitionReader:
                 elif undecoded:
                     ready.extend(self._decode([undecoded.popleft()]))
                 else:
-                    try:
-                        if on_available is None:
-                            batch = receive()
-                        else:
-                            got = poll(on_available)
-                            if got is None:
-                                yield []  # nothing yet: on_available() will be called
-                                continue
-                            batch = got
-                    except ChannelClosedError:
-                        raise IllegalStateError(
-                            "the PartitionReader was closed while reading"
-                        ) from None
+                    batch = self._take_batch(on_available)
+                    if batch is None:
+                        yield []  # nothing yet: on_available() will be called
+                        continue
                     undecoded.extend(batch)
                 if self._closed and not self._done:
                     raise IllegalStateError(_CLOSED_WHILE_READING)
@@ -1002,23 +992,23 @@ class PartitionReader:
             else:
                 self._run_calls([(kind, ch, item)])
 
+    def _take_batch(self, on_available: Callable[[], None] | None) -> list[_Item] | None:
+        """The next hand-off batch: waits for it without ``on_available``; with it, None
+        when nothing was handed over yet (``on_available()`` is armed)."""
+        try:
+            if on_available is None:
+                return self._handoff.receive()
+            return self._handoff.poll(on_available)
+        except ChannelClosedError:
+            raise IllegalStateError("the PartitionReader was closed while reading") from None
+
     def _batch_lists(self, on_available: Callable[[], None] | None) -> Iterator[list[Any]]:
-        receive, poll = self._handoff.receive, self._handoff.poll
         try:
             while not self._done:
-                try:
-                    if on_available is None:
-                        batch = receive()
-                    else:
-                        got = poll(on_available)
-                        if got is None:
-                            yield []  # nothing yet: on_available() will be called
-                            continue
-                        batch = got
-                except ChannelClosedError:
-                    raise IllegalStateError(
-                        "the PartitionReader was closed while reading"
-                    ) from None
+                batch = self._take_batch(on_available)
+                if batch is None:
+                    yield []  # nothing yet: on_available() will be called
+                    continue
                 yield from self._dispatch(self._decode(batch))
                 if self._closed and not self._done:
                     raise IllegalStateError(_CLOSED_WHILE_READING)

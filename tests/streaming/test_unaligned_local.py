@@ -13,7 +13,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,47 @@ def job(
     return env, pids
 
 
+def run_killing_once(
+    env: StreamEnvironment, pids: Path, ready: Callable[[], bool], what: str
+) -> Any:
+    """Run ``env`` on a LocalRunner; once ``ready()`` and the one process watched left its
+    id in ``pids``, SIGKILL that process; the job's result (after its restore)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = env.execute(runner=LocalRunner(), restart_backoff=0.1)
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (ready() and len(list(pids.iterdir())) == 1):
+            assert time.monotonic() < deadline, f"not within 120 s: {what}"
+            assert thread.is_alive(), outcome
+            time.sleep(0.005)
+        (first,) = pids.iterdir()
+        os.kill(int(first.read_text()), signal.SIGKILL)
+    finally:
+        thread.join(240)
+    assert not thread.is_alive()
+    return outcome["result"]
+
+
+def newest_persisted(storage: CheckpointStorage) -> dict[str, int]:
+    """The in-flight bytes each task persisted in the newest completed checkpoint."""
+    ids = storage.completed_ids()
+    if not ids:
+        return {}
+    try:
+        meta = storage.load(ids[-1])
+    except Exception:  # being written
+        return {}
+    return dict(meta.extra.get("persisted_bytes", {}))
+
+
 def test_unaligned_checkpoints_under_back_pressure_persist_in_flight_input(
     tmp_path: Path,
 ) -> None:
@@ -142,41 +183,14 @@ def test_a_killed_task_restores_its_persisted_input_exactly_once(
     n = 9000
     env, pids = job(tmp_path, n, 0.0005, 1500.0, retained_checkpoints=1000)
     storage = CheckpointStorage(str(tmp_path / "ckpt"))
-    runner = LocalRunner()
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = env.execute(runner=runner, restart_backoff=0.1)
-        except BaseException as e:
-            outcome["error"] = e
-
-    def persisted_restorable() -> bool:
-        """The newest committed checkpoint holds in-flight data (a source's output, the
-        keyed task's input)."""
-        ids = storage.completed_ids()
-        if not ids:
-            return False
-        try:
-            meta = storage.load(ids[-1])
-        except Exception:
-            return False
-        return any(meta.extra.get("persisted_bytes", {}).values())
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not (persisted_restorable() and len(list(pids.iterdir())) == 1):
-            assert time.monotonic() < deadline, "no unaligned checkpoint with input in 120 s"
-            assert thread.is_alive(), outcome
-            time.sleep(0.005)
-        (first,) = pids.iterdir()
-        os.kill(int(first.read_text()), signal.SIGKILL)
-    finally:
-        thread.join(240)
-    assert not thread.is_alive()
-    result = outcome["result"]
+    # the newest committed checkpoint holds in-flight data (a source's output, the keyed
+    # task's input)
+    result = run_killing_once(
+        env,
+        pids,
+        lambda: any(newest_persisted(storage).values()),
+        "an unaligned checkpoint with input",
+    )
     assert result.restarts == 1, result.failures
     check_exact(result.collected["totals"], n)
     # the restored checkpoint held in-flight input of the keyed task: it was replayed
@@ -354,38 +368,12 @@ def test_a_task_blocked_on_its_output_takes_the_barrier_and_restores_exactly_onc
         .collect(name="totals")
     )
     storage = CheckpointStorage(str(tmp_path / "ckpt"))
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = env.execute(runner=LocalRunner(), restart_backoff=0.1)
-        except BaseException as e:
-            outcome["error"] = e
-
-    def map_input_persisted() -> bool:
-        ids = storage.completed_ids()
-        if not ids:
-            return False
-        try:
-            meta = storage.load(ids[-1])
-        except Exception:
-            return False
-        return bool(meta.extra.get("persisted_bytes", {}).get("v1-0"))
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not (map_input_persisted() and len(list(pids.iterdir())) == 1):
-            assert time.monotonic() < deadline, "no checkpoint with the map's input in 120 s"
-            assert thread.is_alive(), outcome
-            time.sleep(0.005)
-        (first,) = pids.iterdir()
-        os.kill(int(first.read_text()), signal.SIGKILL)
-    finally:
-        thread.join(240)
-    assert not thread.is_alive()
-    result = outcome["result"]
+    result = run_killing_once(
+        env,
+        pids,
+        lambda: bool(newest_persisted(storage).get("v1-0")),
+        "a checkpoint with the map's input",
+    )
     assert result.restarts == 1, result.failures
     check_exact(result.collected["totals"], n)
     restored = restored_ids(caplog)
