@@ -379,3 +379,68 @@ def test_a_task_blocked_on_its_output_takes_the_barrier_and_restores_exactly_onc
     restored = restored_ids(caplog)
     assert len(restored) == 1, restored
     assert storage.load(restored[0]).extra["persisted_bytes"].get("v1-0")
+
+
+class HeldSum(PidMark):
+    """PidMark's keyed running sum that processes nothing until ``flag`` exists: its
+    upstream's output fills and stays full (full back pressure, no credit ever)."""
+
+    def __init__(self, pids: str, flag: str) -> None:
+        super().__init__(pids)
+        self.flag = flag
+
+    def process_element(self, value: tuple[int, int], ctx: Any, out: Any) -> None:
+        while not os.path.exists(self.flag):
+            time.sleep(0.005)
+        super().process_element(value, ctx, out)
+
+
+def test_a_task_whose_output_never_frees_still_snapshots_at_a_priority_barrier(
+    tmp_path: Path,
+) -> None:
+    """source -> map -> keyed sum that is held (it processes nothing): the map's output is
+    full and no buffer frees while the hold lasts. The map still takes the priority barrier
+    (waiting for room *or* a priority barrier) and writes its state file, with the input it
+    held as channel state, before the sum is released; before, it read no input while its
+    output was blocked and never saw the barrier. Released, the job ends exact."""
+    n = 50_000  # 50 MB in 10 s: the exchanges fill, the source still runs at the trigger
+    pids, ckpt = tmp_path / "pids", tmp_path / "ckpt"
+    pids.mkdir()
+    flag = tmp_path / "release"
+    env = StreamEnvironment(
+        None, checkpoint_dir=str(ckpt), checkpoint_interval=1.0, mode="unaligned"
+    )
+    (
+        env.from_generator(padded_event, count=n, rate=5000.0, parallelism=1)
+        .rebalance()
+        .map(lambda e: e, parallelism=1)
+        .key_by(lambda e: e[0])
+        .process(HeldSum(str(pids), str(flag)), parallelism=1)
+        .collect(name="totals")
+    )
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = env.execute(runner=LocalRunner())
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        # the map (v1) snapshots while the sum holds everything back
+        deadline = time.monotonic() + 120
+        while not list(ckpt.glob("*/v1-0-*.state")):
+            assert time.monotonic() < deadline, "the map never snapshotted under the hold"
+            assert thread.is_alive(), outcome
+            time.sleep(0.01)
+        assert not list(ckpt.glob("*/_metadata")), "completed while the sum was held"
+    finally:
+        flag.touch()
+        thread.join(240)
+    assert not thread.is_alive()
+    result = outcome["result"]
+    check_exact(result.collected["totals"], n)
+    first = result.checkpoints[0]
+    assert first.unaligned and first.persisted_bytes.get("v1-0"), result.checkpoints
