@@ -29,6 +29,7 @@ import functools
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -67,7 +68,7 @@ from exchange.debloat.buffer_debloater import BufferDebloaterStats
 from exchange.debloat.config import DebloatConfig
 from exchange.debloat.gate_debloater import GateDebloater
 from exchange.errors import ConfigError, IllegalStateError, UsageError
-from exchange.events.events import CheckpointBarrier, CheckpointOptions
+from exchange.events.events import CancelCheckpointMarker, CheckpointBarrier, CheckpointOptions
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.local_messages import TASK_METRIC_NAMES, TaskMetrics
@@ -462,6 +463,12 @@ _OVERTAKEN: Final = 8
 _PARTIAL: Final = 9
 #: the gate had nothing more after a priority barrier: every buffer it overtook is in
 _DRAINED: Final = 10
+#: the place in the hand-off of a priority barrier that jumped it (unaligned, see _jump)
+_JUMPED: Final = 11
+#: kinds the task thread runs at once when it decodes ahead (the listener's calls)
+_CALLS: Final = frozenset((_TRIGGER, _ABORT, _PERSIST, _STATE_COMPLETE, _PARTIAL))
+#: events that meet the handler in order with the records (decoding ahead stops at them)
+_IN_ORDER_EVENTS: Final = (CheckpointBarrier, CancelCheckpointMarker)
 #: what a PartitionReader's listener needs in unaligned mode
 _UNALIGNED_METHODS: Final = ("persist_records", "persist_partial_record", "input_state_complete")
 
@@ -558,6 +565,19 @@ class PartitionReader:
             isinstance(self._handler, AlignedBarrierHandler)
             and self._handler.strategy is AlignmentStrategy.PARKING
         )
+        # Unaligned: a priority barrier jumps the hand-off (Flink's priority events reach
+        # the mailbox at once). The pump puts it here and leaves _JUMPED at its place; the
+        # task thread takes it at its next record boundary (_jump): the items of its
+        # channel still before that place are buffers it overtook (channel state).
+        self._jumping = isinstance(self._handler, UnalignedBarrierHandler)
+        self._priority: deque[tuple[int, CheckpointBarrier]] = deque()  # loop -> task
+        self._on_priority: Callable[[], None] | None = None
+        # task thread only: channel -> checkpoints whose barrier jumped its items in the
+        # hand-off; items received not decoded yet; decoded items not dispatched yet
+        self._jumped: dict[int, list[int]] = {}
+        self._undecoded: deque[_Item] = deque()
+        self._ready: deque[_Item] = deque()
+        self._ahead = False  # decoding ahead until the jumped checkpoint's state is complete
         self._closed = False
         # Loop thread -> task thread: buffers and events, every one queued taken at once
         # (one wake-up per batch, and only when the task waits for it).
@@ -683,9 +703,16 @@ class PartitionReader:
                         batch.append((_DATA, boe.channel_index, boe.buffer))
                     else:
                         event = boe.event
+                        kind = _EVENT
                         if isinstance(event, CheckpointBarrier) and event.options.unaligned:
                             priority = True
-                        batch.append((_EVENT, boe.channel_index, event))
+                            if self._jumping:  # ahead of what the hand-off holds
+                                self._priority.append((boe.channel_index, event))
+                                kind = _JUMPED
+                                notify = self._on_priority
+                                if notify is not None:
+                                    notify()
+                        batch.append((kind, boe.channel_index, event))
                     if len(batch) >= _BATCH_BUFFERS:
                         break
                     boe = gate.poll_next()
@@ -806,14 +833,7 @@ class PartitionReader:
         out: list[_Item] = []
         self._calls.out = out
         h.poll_next()
-        assert self._listener is not None
-        for kind, _, item in out:
-            if kind == _TRIGGER:
-                self._listener.trigger_checkpoint(*item)
-            elif kind == _STATE_COMPLETE:
-                self._listener.input_state_complete(item)  # type: ignore[attr-defined]
-            elif kind == _ABORT:
-                self._listener.abort_checkpoint(*item)
+        self._run_calls(out)
 
     @property
     def end_of_data(self) -> bool:
@@ -821,48 +841,175 @@ class PartitionReader:
         from the event handler on, the records of every producer are in)."""
         return self._stream.end_of_data
 
+    def set_priority_notify(self, notify: Callable[[], None]) -> None:
+        """Unaligned: ``notify()`` is called (loop thread) when a priority barrier jumped
+        the hand-off, and when input comes while the reader decodes ahead for a jumped
+        checkpoint; the task thread then calls ``take_priority()`` (a task whose output is
+        blocked waits for this as well as for room)."""
+        self._on_priority = notify
+        if self._priority:
+            notify()
+
+    def take_priority(self) -> None:
+        """The iterating thread, at a record boundary (between two record lists): handle
+        the priority barriers that jumped the hand-off, and decode ahead what their
+        checkpoint still needs as channel state (a task whose output is blocked calls this
+        while it waits: Flink's mailbox takes the barrier while the output is unavailable)."""
+        if not self._jumping or self._closed or self._done:
+            return
+        if self._priority and not self._ready:
+            self._jump()
+        if self._ahead:
+            self._decode_ahead()
+
+    def _jump(self) -> None:
+        """The barriers in the priority slot overtake everything received and not processed
+        yet (nothing decoded is waiting: ``_ready`` is empty, so every record before them
+        was processed): the handler triggers now; the items of each barrier's channel up to
+        its ``_JUMPED`` place are flagged as overtaken by it when decoded (channel state)."""
+        out: list[_Item] = []
+        self._calls.out = out
+        self._take_priority_into()
+        self._run_calls(out)
+        self._ahead = True
+
+    def _take_priority_into(self) -> None:
+        handler = self._handler
+        assert handler is not None
+        while self._priority:
+            ch, barrier = self._priority.popleft()
+            self._jumped.setdefault(ch, []).append(barrier.checkpoint_id)
+            handler.process(BufferOrEvent(None, barrier, ch, False))
+
+    def _decode_ahead(self) -> None:
+        """After a jump, until the checkpoint's channel state is complete: decode what was
+        handed over at once (the buffers are persisted, Flink's ChannelStateWriter takes
+        them when the barrier comes) and keep the records for the task in order, rather
+        than making the checkpoint wait until the task processed them. Stops before what
+        must meet the handler in order with the records: an in-order barrier or marker,
+        the place of a barrier not jumped yet, the end."""
+        handler = self._handler
+        assert isinstance(handler, UnalignedBarrierHandler)
+        while handler.collecting_unaligned:
+            if not self._undecoded:
+                notify = self._on_priority
+                if notify is not None:
+                    got = self._handoff.poll(notify)  # input while collecting wakes the task
+                else:
+                    got = self._handoff.receive_nowait() or None
+                if got is None:
+                    return
+                self._undecoded.extend(got)
+            kind, _, item = self._undecoded[0]
+            if (
+                (kind == _JUMPED and self._priority)
+                or (kind == _EVENT and isinstance(item, _IN_ORDER_EVENTS))
+                or kind in (_END, _ERROR)
+            ):
+                return
+            for got_item in self._decode([self._undecoded.popleft()]):
+                if got_item[0] in _CALLS:
+                    self._run_calls([got_item])
+                else:
+                    self._ready.append(got_item)
+        self._ahead = False
+
+    def _run_calls(self, out: list[_Item]) -> None:
+        """Make the listener's calls of ``out`` (no records among them)."""
+        listener = self._listener
+        assert listener is not None
+        for kind, _, item in out:
+            if kind == _TRIGGER:
+                listener.trigger_checkpoint(*item)
+            elif kind == _ABORT:
+                listener.abort_checkpoint(*item)
+            elif kind == _PERSIST:
+                listener.persist_records(*item)  # type: ignore[attr-defined]
+            elif kind == _STATE_COMPLETE:
+                listener.input_state_complete(item)  # type: ignore[attr-defined]
+            elif kind == _PARTIAL:
+                listener.persist_partial_record(*item)  # type: ignore[attr-defined]
+            else:
+                raise IllegalStateError(f"reader: item {kind} where a listener call was due")
+
     def _record_lists(self, on_available: Callable[[], None] | None = None) -> Iterator[list[Any]]:
         if self._closed and not self._done:
             raise IllegalStateError("the PartitionReader was closed before the end of its input")
-        receive, poll = self._handoff.receive, self._handoff.poll
+        if self._jumping:
+            yield from self._jumping_lists(on_available)
+        else:
+            yield from self._batch_lists(on_available)
+
+    def _jumping_lists(self, on_available: Callable[[], None] | None) -> Iterator[list[Any]]:
+        """``_batch_lists`` for an unaligned reader: one item decoded at a time, so that a
+        priority barrier taken between two record lists overtakes the rest."""
+        ready, undecoded = self._ready, self._undecoded
         try:
             while not self._done:
-                try:
-                    if on_available is None:
-                        batch = receive()
-                    else:
-                        got = poll(on_available)
-                        if got is None:
-                            yield []  # nothing yet: on_available() will be called
-                            continue
-                        batch = got
-                except ChannelClosedError:
-                    raise IllegalStateError(
-                        "the PartitionReader was closed while reading"
-                    ) from None
-                out = self._decode(batch)
-                for kind, ch, item in out:
-                    if kind == _DATA:
-                        yield item
-                    elif kind == _EVENT:
-                        self._stream.on_event(item, ch)
-                    elif kind == _TRIGGER:
-                        assert self._listener is not None
-                        self._listener.trigger_checkpoint(*item)
-                    elif kind == _ABORT:
-                        assert self._listener is not None
-                        self._listener.abort_checkpoint(*item)
-                    elif kind == _PERSIST:
-                        self._listener.persist_records(*item)  # type: ignore[union-attr]
-                    elif kind == _STATE_COMPLETE:
-                        self._listener.input_state_complete(item)  # type: ignore[union-attr]
-                    elif kind == _PARTIAL:
-                        self._listener.persist_partial_record(*item)  # type: ignore[union-attr]
-                    elif kind == _END:
-                        self._done = True
-                    else:
-                        self._done = True
-                        raise item
+                self.take_priority()
+                if ready:
+                    yield from self._dispatch([ready.popleft()])
+                elif undecoded:
+                    ready.extend(self._decode([undecoded.popleft()]))
+                else:
+                    batch = self._take_batch(on_available)
+                    if batch is None:
+                        yield []  # nothing yet: on_available() will be called
+                        continue
+                    undecoded.extend(batch)
+                if self._closed and not self._done:
+                    raise IllegalStateError(_CLOSED_WHILE_READING)
+        finally:
+            self._return_undecoded()
+            self.close()
+
+    def _return_undecoded(self) -> None:
+        """Give back the buffers received and not decoded (any thread: pops one by one)."""
+        buffers: list[Buffer] = []
+        while True:
+            try:
+                buffers.extend(_buffers_of([self._undecoded.popleft()]))
+            except IndexError:
+                break
+        if buffers:
+            try:
+                self._back.send_nowait(buffers, force=True)
+            except ChannelBrokenError:  # closed while this thread decoded (timed out)
+                self._rt.call_soon(self._give_back, buffers)
+
+    def _dispatch(self, out: list[_Item]) -> Iterator[list[Any]]:
+        """Yield the records of ``out``, run its events and listener calls in order."""
+        for kind, ch, item in out:
+            if kind == _DATA:
+                yield item
+            elif kind == _EVENT:
+                self._stream.on_event(item, ch)
+            elif kind == _END:
+                self._done = True
+            elif kind == _ERROR:
+                self._done = True
+                raise item
+            else:
+                self._run_calls([(kind, ch, item)])
+
+    def _take_batch(self, on_available: Callable[[], None] | None) -> list[_Item] | None:
+        """The next hand-off batch: waits for it without ``on_available``; with it, None
+        when nothing was handed over yet (``on_available()`` is armed)."""
+        try:
+            if on_available is None:
+                return self._handoff.receive()
+            return self._handoff.poll(on_available)
+        except ChannelClosedError:
+            raise IllegalStateError("the PartitionReader was closed while reading") from None
+
+    def _batch_lists(self, on_available: Callable[[], None] | None) -> Iterator[list[Any]]:
+        try:
+            while not self._done:
+                batch = self._take_batch(on_available)
+                if batch is None:
+                    yield []  # nothing yet: on_available() will be called
+                    continue
+                yield from self._dispatch(self._decode(batch))
                 if self._closed and not self._done:
                     raise IllegalStateError(_CLOSED_WHILE_READING)
         finally:
@@ -882,6 +1029,9 @@ class PartitionReader:
                     if kind == _OVERTAKEN:
                         # a priority barrier overtook it (unaligned mode: nothing parks)
                         item, overtaken_by = item
+                    jumped = self._jumped.get(ch)
+                    if jumped:  # before the place of barriers that jumped the hand-off
+                        overtaken_by = tuple(sorted({*overtaken_by, *jumped}))
                     if parking:
                         assert handler is not None
                         # the handler may park the buffer (keep it, or spill and release
@@ -896,8 +1046,19 @@ class PartitionReader:
                         handler.process(BufferOrEvent(item, None, ch, False, overtaken_by))
                     self._feed(out, ch, item)
                 elif kind == _DRAINED:
-                    if isinstance(handler, UnalignedBarrierHandler):
+                    # not while items a jumped barrier overtook are still to come: its
+                    # own _DRAINED follows its place
+                    if isinstance(handler, UnalignedBarrierHandler) and not self._jumped:
                         handler.input_drained()
+                elif kind == _JUMPED:
+                    # the barrier's own place: taken now if not yet (in order, then); the
+                    # items of its channel from here on are not overtaken by it
+                    if self._priority:
+                        self._take_priority_into()
+                    ids = self._jumped[ch]
+                    ids.remove(item.checkpoint_id)
+                    if not ids:
+                        del self._jumped[ch]
                 elif kind == _EVENT and handler is not None:
                     if handler.process(BufferOrEvent(None, item, ch, False)) is not None:
                         out.append((kind, ch, item))
@@ -956,6 +1117,7 @@ class PartitionReader:
             return
         self._closed = True
         self._left = self._handoff.close_receiver()  # wakes a records() waiting
+        self._return_undecoded()
         self._pump_future.cancel()
         self._rt.run(self._close_async())
         if self._handler is not None:

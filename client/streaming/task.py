@@ -904,8 +904,11 @@ class StreamTask:
         assert self.ctl is not None
         inbox = self.ctl.inbox
         blocked.add_done_callback(lambda _: inbox.put({"type": _OUTPUT_AVAILABLE}))
+        reader = self.reader
         while not (blocked.done() or self._finish or self._stop):
             self._wait_for_mail()
+            if reader is not None:  # at a record boundary: a priority barrier goes now
+                reader.take_priority()
 
     def _run_reader(self, start: dict[str, Any]) -> None:
         self.reader = reader = self._open_reader(start)
@@ -913,6 +916,8 @@ class StreamTask:
         inbox = self.ctl.inbox
         wake = {"type": _INPUT_AVAILABLE}
         process = self._process
+        if self.job.mode == "unaligned":  # a priority barrier wakes a task blocked on output
+            reader.set_priority_notify(lambda: inbox.put(wake))
         for key, data in self._replay_partials.items():  # heads of records cut at the cut
             reader.restore_unconsumed(self._channel_keys.index(key), data)
         self._replay_partials = {}

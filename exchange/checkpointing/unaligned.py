@@ -216,6 +216,11 @@ class UnalignedBarrierHandler(CheckpointBarrierHandler):
     def num_open_channels(self) -> int:
         return len(self._open)
 
+    @property
+    def collecting_unaligned(self) -> bool:
+        """A checkpoint triggered unaligned whose channel state is not complete yet."""
+        return self._pending is not None and self._state is UnalignedState.COLLECTING_UNALIGNED
+
     def persisting_channels(self) -> frozenset[int]:
         """Channels whose input is channel state now (after the trigger, before barrier)."""
         p = self._pending

@@ -6,13 +6,14 @@ restored (the persisted input replayed first), output exact; and the settings' e
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,47 @@ def job(
     return env, pids
 
 
+def run_killing_once(
+    env: StreamEnvironment, pids: Path, ready: Callable[[], bool], what: str
+) -> Any:
+    """Run ``env`` on a LocalRunner; once ``ready()`` and the one process watched left its
+    id in ``pids``, SIGKILL that process; the job's result (after its restore)."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = env.execute(runner=LocalRunner(), restart_backoff=0.1)
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not (ready() and len(list(pids.iterdir())) == 1):
+            assert time.monotonic() < deadline, f"not within 120 s: {what}"
+            assert thread.is_alive(), outcome
+            time.sleep(0.005)
+        (first,) = pids.iterdir()
+        os.kill(int(first.read_text()), signal.SIGKILL)
+    finally:
+        thread.join(240)
+    assert not thread.is_alive()
+    return outcome["result"]
+
+
+def newest_persisted(storage: CheckpointStorage) -> dict[str, int]:
+    """The in-flight bytes each task persisted in the newest completed checkpoint."""
+    ids = storage.completed_ids()
+    if not ids:
+        return {}
+    try:
+        meta = storage.load(ids[-1])
+    except Exception:  # being written
+        return {}
+    return dict(meta.extra.get("persisted_bytes", {}))
+
+
 def test_unaligned_checkpoints_under_back_pressure_persist_in_flight_input(
     tmp_path: Path,
 ) -> None:
@@ -141,41 +183,14 @@ def test_a_killed_task_restores_its_persisted_input_exactly_once(
     n = 9000
     env, pids = job(tmp_path, n, 0.0005, 1500.0, retained_checkpoints=1000)
     storage = CheckpointStorage(str(tmp_path / "ckpt"))
-    runner = LocalRunner()
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = env.execute(runner=runner, restart_backoff=0.1)
-        except BaseException as e:
-            outcome["error"] = e
-
-    def persisted_restorable() -> bool:
-        """The newest committed checkpoint holds in-flight data (a source's output, the
-        keyed task's input)."""
-        ids = storage.completed_ids()
-        if not ids:
-            return False
-        try:
-            meta = storage.load(ids[-1])
-        except Exception:
-            return False
-        return any(meta.extra.get("persisted_bytes", {}).values())
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not (persisted_restorable() and len(list(pids.iterdir())) == 1):
-            assert time.monotonic() < deadline, "no unaligned checkpoint with input in 120 s"
-            assert thread.is_alive(), outcome
-            time.sleep(0.005)
-        (first,) = pids.iterdir()
-        os.kill(int(first.read_text()), signal.SIGKILL)
-    finally:
-        thread.join(240)
-    assert not thread.is_alive()
-    result = outcome["result"]
+    # the newest committed checkpoint holds in-flight data (a source's output, the keyed
+    # task's input)
+    result = run_killing_once(
+        env,
+        pids,
+        lambda: any(newest_persisted(storage).values()),
+        "an unaligned checkpoint with input",
+    )
     assert result.restarts == 1, result.failures
     check_exact(result.collected["totals"], n)
     # the restored checkpoint held in-flight input of the keyed task: it was replayed
@@ -300,3 +315,132 @@ def test_priority_barriers_cut_records_spanning_buffers_and_a_restore_joins_them
     check_exact(result.collected["totals"], n)
     restored = restored_ids(caplog)
     assert restored == [killed_at], (restored, killed_at)
+
+
+def padded_event(i: int) -> tuple[int, int, bytes]:
+    """``event`` with 1 kB of padding: a few dozen records per buffer, so the buffers a
+    task holds are many records for a slow consumer."""
+    return (i % KEYS, i, b"p" * 1000)
+
+
+_MARKED: list[bool] = []
+
+
+def pass_marking(pids: str, value: Any) -> Any:
+    """An identity map that leaves its process id in ``pids`` (once per process)."""
+    if not _MARKED:
+        _MARKED.append(True)
+        tmp = os.path.join(pids, f".{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(tmp, os.path.join(pids, str(os.getpid())))
+    return value
+
+
+def test_a_task_blocked_on_its_output_takes_the_barrier_and_restores_exactly_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """source -> rebalance -> map -> key_by -> slow sum: the map's output is blocked (the
+    sum is far slower) and the buffers handed to it wait in its reader. A priority barrier
+    reaches the map while it waits for room: it takes it there (its record boundary),
+    forwards its own barrier and persists what it held as input channel state, so
+    checkpoints complete with the map's input in them. The map SIGKILLed after such a
+    checkpoint: the job restores it, replays the map's input before new input, output
+    exact."""
+    caplog.set_level(logging.INFO, logger="exchange.streaming.driver")
+    n = 3000
+    pids, sums = tmp_path / "pids", tmp_path / "sums"
+    pids.mkdir()
+    sums.mkdir()
+    env = StreamEnvironment(
+        None,
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_interval=0.1,
+        mode="unaligned",
+        retained_checkpoints=1000,
+    )
+    (
+        env.from_generator(padded_event, count=n, rate=1000.0, parallelism=1)
+        .rebalance()
+        .map(functools.partial(pass_marking, str(pids)), parallelism=1)
+        .key_by(lambda e: e[0])
+        .process(SlowSum(str(sums), 0.002), parallelism=1)
+        .collect(name="totals")
+    )
+    storage = CheckpointStorage(str(tmp_path / "ckpt"))
+    result = run_killing_once(
+        env,
+        pids,
+        lambda: bool(newest_persisted(storage).get("v1-0")),
+        "a checkpoint with the map's input",
+    )
+    assert result.restarts == 1, result.failures
+    check_exact(result.collected["totals"], n)
+    restored = restored_ids(caplog)
+    assert len(restored) == 1, restored
+    assert storage.load(restored[0]).extra["persisted_bytes"].get("v1-0")
+
+
+class HeldSum(PidMark):
+    """PidMark's keyed running sum that processes nothing until ``flag`` exists: its
+    upstream's output fills and stays full (full back pressure, no credit ever)."""
+
+    def __init__(self, pids: str, flag: str) -> None:
+        super().__init__(pids)
+        self.flag = flag
+
+    def process_element(self, value: tuple[int, int], ctx: Any, out: Any) -> None:
+        while not os.path.exists(self.flag):
+            time.sleep(0.005)
+        super().process_element(value, ctx, out)
+
+
+def test_a_task_whose_output_never_frees_still_snapshots_at_a_priority_barrier(
+    tmp_path: Path,
+) -> None:
+    """source -> map -> keyed sum that is held (it processes nothing): the map's output is
+    full and no buffer frees while the hold lasts. The map still takes the priority barrier
+    (waiting for room *or* a priority barrier) and writes its state file, with the input it
+    held as channel state, before the sum is released; before, it read no input while its
+    output was blocked and never saw the barrier. Released, the job ends exact."""
+    n = 50_000  # 50 MB in 10 s: the exchanges fill, the source still runs at the trigger
+    pids, ckpt = tmp_path / "pids", tmp_path / "ckpt"
+    pids.mkdir()
+    flag = tmp_path / "release"
+    env = StreamEnvironment(
+        None, checkpoint_dir=str(ckpt), checkpoint_interval=1.0, mode="unaligned"
+    )
+    (
+        env.from_generator(padded_event, count=n, rate=5000.0, parallelism=1)
+        .rebalance()
+        .map(lambda e: e, parallelism=1)
+        .key_by(lambda e: e[0])
+        .process(HeldSum(str(pids), str(flag)), parallelism=1)
+        .collect(name="totals")
+    )
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = env.execute(runner=LocalRunner())
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        # the map (v1) snapshots while the sum holds everything back
+        deadline = time.monotonic() + 120
+        while not list(ckpt.glob("*/v1-0-*.state")):
+            assert time.monotonic() < deadline, "the map never snapshotted under the hold"
+            assert thread.is_alive(), outcome
+            time.sleep(0.01)
+        assert not list(ckpt.glob("*/_metadata")), "completed while the sum was held"
+    finally:
+        flag.touch()
+        thread.join(240)
+    assert not thread.is_alive()
+    result = outcome["result"]
+    check_exact(result.collected["totals"], n)
+    first = result.checkpoints[0]
+    assert first.unaligned and first.persisted_bytes.get("v1-0"), result.checkpoints
