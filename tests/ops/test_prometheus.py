@@ -27,6 +27,7 @@ import pytest
 from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
 from exchange.partition.result_partition_id import ResultPartitionID
+from tests.kit.jobs import JobThread
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -301,7 +302,6 @@ def test_the_streaming_job_panels_answer_for_a_running_job(
     measures their back pressure) restarts once and runs on, its driver publishing its
     status there; a real Prometheus scrapes that daemon, and every query of the
     dashboard's Streaming jobs row answers with the job's series."""
-    import threading
 
     from client import spark as xs
     from client.streaming import LocalRunner, StreamEnvironment
@@ -317,16 +317,8 @@ def test_the_streaming_job_panels_answer_for_a_running_job(
         .process(lambda value, ctx, out: out.collect(value))
         .sink_to(lambda: _restart_once_sink_factory(marks))
     )
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = env.execute(runner=LocalRunner(), restart_backoff=0.1)
-        except BaseException as e:
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    job = JobThread(env, runner=LocalRunner(), restart_backoff=0.1)
+    thread, outcome = job.thread, job.outcome
     dashboard = json.loads(
         (ROOT / "deploy" / "grafana" / "dashboards" / "exchange.json").read_text()
     )

@@ -27,6 +27,7 @@ from client.streaming import (
     StreamEnvironment,
 )
 from exchange.errors import UsageError
+from tests.kit.jobs import JobThread
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -145,16 +146,8 @@ def test_a_killed_task_process_restarts_the_job_from_its_checkpoint_exactly_once
         .collect(name="totals")
     )
     runner = LocalRunner()
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = env.execute(runner=runner, restart_backoff=0.1)
-        except BaseException as e:
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    job = JobThread(env, runner=runner, restart_backoff=0.1)
+    thread, outcome = job.thread, job.outcome
     try:
         deadline = time.monotonic() + 120
         while not (

@@ -11,9 +11,8 @@ import logging
 import os
 import re
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from client.streaming import LocalRunner, StreamEnvironment
 from client.streaming.checkpoint_storage import CheckpointStorage
 from client.streaming.connectors import CollectSink
 from exchange.errors import ConfigError
+from tests.kit.jobs import JobThread, run_killing_once
 from tests.streaming.test_local_runner import (
     KEYS,
     PidMark,
@@ -110,35 +110,6 @@ def job(
         .collect(name="totals")
     )
     return env, pids
-
-
-def run_killing_once(
-    env: StreamEnvironment, pids: Path, ready: Callable[[], bool], what: str
-) -> Any:
-    """Run ``env`` on a LocalRunner; once ``ready()`` and the one process watched left its
-    id in ``pids``, SIGKILL that process; the job's result (after its restore)."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = env.execute(runner=LocalRunner(), restart_backoff=0.1)
-        except BaseException as e:
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not (ready() and len(list(pids.iterdir())) == 1):
-            assert time.monotonic() < deadline, f"not within 120 s: {what}"
-            assert thread.is_alive(), outcome
-            time.sleep(0.005)
-        (first,) = pids.iterdir()
-        os.kill(int(first.read_text()), signal.SIGKILL)
-    finally:
-        thread.join(240)
-    assert not thread.is_alive()
-    return outcome["result"]
 
 
 def newest_persisted(storage: CheckpointStorage) -> dict[str, int]:
@@ -418,16 +389,8 @@ def test_a_task_whose_output_never_frees_still_snapshots_at_a_priority_barrier(
         .process(HeldSum(str(pids), str(flag)), parallelism=1)
         .collect(name="totals")
     )
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = env.execute(runner=LocalRunner())
-        except BaseException as e:
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    job = JobThread(env, runner=LocalRunner())
+    thread, outcome = job.thread, job.outcome
     try:
         # the map (v1) snapshots while the sum holds everything back
         deadline = time.monotonic() + 120
