@@ -715,6 +715,13 @@ class PartitionReader:
                         batch.append((kind, boe.channel_index, event))
                     if len(batch) >= _BATCH_BUFFERS:
                         break
+                    # data buffers a channel holds, taken at once (no BufferOrEvent each)
+                    data = gate.poll_data(_BATCH_BUFFERS - len(batch))
+                    if data is not None:
+                        ch_index, buffers = data
+                        batch.extend([(_DATA, ch_index, buf) for buf in buffers])
+                        if len(batch) >= _BATCH_BUFFERS:
+                            break
                     boe = gate.poll_next()
             except asyncio.CancelledError:
                 raise  # only get_next() waits: the batch is empty

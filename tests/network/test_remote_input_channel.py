@@ -633,3 +633,96 @@ async def test_malformed_priority_event_fails_the_channel(nbp: NetworkBufferPool
     with pytest.raises(CorruptRecordError):
         gate.poll_next()
     gate.close()
+
+
+def _taken_batched(gate: SingleInputGate) -> list[tuple[int, object, tuple[int, ...]]]:
+    """``_taken`` through the reader pump's path: ``poll_data`` (data buffers of a
+    channel at once) first, ``poll_next`` for what it leaves."""
+    out: list[tuple[int, object, tuple[int, ...]]] = []
+    while True:
+        data = gate.poll_data(64)
+        if data is not None:
+            index, buffers = data
+            assert buffers, "poll_data returns None, never an empty batch"
+            for buf in buffers:
+                out.append((index, struct.unpack(">II", buf.to_bytes())[1], ()))
+                buf.release()
+            continue
+        rest = _taken_one_any(gate)
+        if rest is None:
+            return out
+        out.append(rest)
+
+
+def _taken_one_any(gate: SingleInputGate) -> tuple[int, object, tuple[int, ...]] | None:
+    boe = gate.poll_next()
+    if boe is None:
+        return None
+    if boe.buffer is None:
+        return boe.channel_index, boe.event, ()
+    tag = struct.unpack(">II", boe.buffer.to_bytes())[1]
+    boe.buffer.release()
+    return boe.channel_index, tag, boe.overtaken_by
+
+
+@pytest.mark.asyncio
+async def test_poll_data_takes_a_channels_buffers_at_once_in_order(
+    nbp: NetworkBufferPool,
+) -> None:
+    """The pump's batch path: every data buffer at the head of a channel in one call, up
+    to the limit, round robin over the channels, stopping at an event (which poll_next
+    returns), each buffer exactly once."""
+    client = RecordingClient()
+    gate, [ch0, ch1] = make_gate(nbp, 2, client, floating=8, exclusive=4)
+    await gate.request_partitions()
+    s0, s1 = Sender(ch0, total=10), Sender(ch1, total=10)
+    for _ in range(3):
+        s0.send_data()
+    s1.send_data()
+    got = gate.poll_data(2)  # the limit: channel 0 keeps its third buffer, goes last
+    assert got is not None and got[0] == 0 and len(got[1]) == 2
+    for buf in got[1]:
+        buf.release()
+    s0.send_end_of_partition()
+    assert _taken_batched(gate) == [
+        (1, 0, ()),
+        (0, 2, ()),
+        (0, EndOfPartitionEvent.INSTANCE, ()),  # not a data buffer: poll_next's
+    ]
+    assert gate.poll_data(64) is None and gate.poll_next() is None
+    gate.close()
+    assert nbp.num_available == nbp.total_segments
+
+
+@pytest.mark.asyncio
+async def test_poll_data_leaves_overtaken_buffers_to_poll_next(nbp: NetworkBufferPool) -> None:
+    """After a priority barrier the batch path takes nothing: the barrier and the
+    buffers it overtook (flagged) come from poll_next, in the same order as without it."""
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client, floating=8, exclusive=6)
+    await gate.request_partitions()
+    s = Sender(ch, total=10)
+    s.send_data()
+    s.send_data()
+    s.deliver(_barrier_buffer(ch, 1))  # overtakes 0, 1
+    s.send_data()
+    assert gate.poll_data(64) is None
+    b1 = CheckpointBarrier(1, 0, CheckpointOptions(unaligned=True))
+    assert _taken_batched(gate) == [(0, b1, ()), (0, 0, (1,)), (0, 1, (1,)), (0, 2, ())]
+    s.send_data()
+    assert _taken_batched(gate) == [(0, 3, ())]
+    gate.close()
+    assert nbp.num_available == nbp.total_segments
+
+
+@pytest.mark.asyncio
+async def test_poll_data_raises_the_channels_error(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client)
+    await gate.request_partitions()
+    s = Sender(ch, total=3)
+    s.send_data()
+    ch.set_error(TransportError("connection to daemon 127.0.0.1:1 lost"))
+    with pytest.raises(TransportError):
+        gate.poll_data(64)
+    gate.close()
