@@ -1027,6 +1027,8 @@ class PartitionReader:
         thread (also when decoding fails: the buffers not reached yet go back too)."""
         out: list[_Item] = []
         handler = self._handler
+        if handler is None and not self._jumped:
+            return self._decode_plain(batch, out)
         parking = self._parking
         self._calls.out = out
         try:
@@ -1076,13 +1078,35 @@ class PartitionReader:
             if handler is not None and self._barrier_snapshot is not None:
                 self._barrier_snapshot = handler.stats()
         finally:
-            buffers = _buffers_of(batch)
-            if buffers:
-                try:
-                    self._back.send_nowait(buffers, force=True)
-                except ChannelBrokenError:  # closed while this thread decoded (timed out)
-                    self._rt.call_soon(self._give_back, buffers)
+            self._give_back_decoded(batch)
         return out
+
+    def _decode_plain(self, batch: list[_Item], out: list[_Item]) -> list[_Item]:
+        """``_decode`` with no barrier handler (nothing parks, jumps or is persisted):
+        each buffer's records straight into ``out``; the buffers go back the same way."""
+        feed = self._stream.feed
+        try:
+            for kind, ch, item in batch:
+                if kind in (_DATA, _OVERTAKEN):
+                    buf: Buffer = item if kind == _DATA else item[0]
+                    with buf.memoryview() as view:
+                        records = feed(ch, view)
+                    if records:
+                        out.append((_DATA, ch, records))
+                elif kind != _DRAINED:  # _DRAINED only concerns an unaligned handler
+                    out.append((kind, ch, item))
+        finally:
+            self._give_back_decoded(batch)
+        return out
+
+    def _give_back_decoded(self, batch: list[_Item]) -> None:
+        """Task thread: the batch's buffers back to the loop thread in one send."""
+        buffers = _buffers_of(batch)
+        if buffers:
+            try:
+                self._back.send_nowait(buffers, force=True)
+            except ChannelBrokenError:  # closed while this thread decoded (timed out)
+                self._rt.call_soon(self._give_back, buffers)
 
     def _feed(self, out: list[_Item], ch: int, buf: Buffer) -> None:
         view = buf.memoryview()
