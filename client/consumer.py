@@ -482,6 +482,15 @@ def _buffers_of(batch: list[_Item]) -> list[Buffer]:
     ]
 
 
+def _poll_data_into(gate: SingleInputGate, batch: list[_Item]) -> None:
+    """The data buffers a channel holds, up to the batch's room, into the hand-off batch
+    at once (``poll_data``: no BufferOrEvent each); events stay for ``poll_next``."""
+    data = gate.poll_data(_BATCH_BUFFERS - len(batch))
+    if data is not None:
+        ch_index, buffers = data
+        batch.extend([(_DATA, ch_index, buf) for buf in buffers])
+
+
 class _CallsInOrder:
     """The barrier handler's listener in the synchronous reader: the handler runs while a
     batch is decoded, before the batch's records reach the task, so its callbacks are
@@ -685,8 +694,9 @@ class PartitionReader:
         while not last:
             batch: list[_Item] = []
             try:
-                boe = gate.poll_next()
-                if boe is None:
+                _poll_data_into(gate, batch)
+                boe = gate.poll_next() if len(batch) < _BATCH_BUFFERS else None
+                if boe is None and not batch:
                     if priority:  # everything it overtook is handed over: say so
                         priority = False
                         with contextlib.suppress(ChannelBrokenError):  # closed: ends next
@@ -715,13 +725,9 @@ class PartitionReader:
                         batch.append((kind, boe.channel_index, event))
                     if len(batch) >= _BATCH_BUFFERS:
                         break
-                    # data buffers a channel holds, taken at once (no BufferOrEvent each)
-                    data = gate.poll_data(_BATCH_BUFFERS - len(batch))
-                    if data is not None:
-                        ch_index, buffers = data
-                        batch.extend([(_DATA, ch_index, buf) for buf in buffers])
-                        if len(batch) >= _BATCH_BUFFERS:
-                            break
+                    _poll_data_into(gate, batch)
+                    if len(batch) >= _BATCH_BUFFERS:
+                        break
                     boe = gate.poll_next()
             except asyncio.CancelledError:
                 raise  # only get_next() waits: the batch is empty
