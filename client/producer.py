@@ -541,6 +541,15 @@ class PartitionWriter:
         finally:
             self._gather = None
 
+    def records_per_shipment(self) -> int:
+        """About how many records one shipment holds (one debloated buffer, else
+        ``_SHIP_BYTES``), from the mean record size so far (``_FIRST_CHUNK`` before the
+        first batch); 1 with a buffer timeout of 0. Emitting this many after
+        ``available()`` said there is room waits for the daemon once at most, so a task
+        that emits in bounded steps (a source's poll) gets back to its mailbox about once
+        per buffer the consumer frees."""
+        return self._chunk_size()
+
     def _chunk_size(self) -> int:
         """Records to gather at a time: about one shipment's worth of bytes (a few large
         records, thousands of small ones), one with a buffer timeout of 0."""

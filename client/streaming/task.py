@@ -882,7 +882,7 @@ class StreamTask:
                     self._await_output(blocked)
                     continue
                 before = out.count
-                alive = source.poll(out, _POLL_BATCH)
+                alive = source.poll(out, self._poll_batch())
                 emitted = out.count - before
             if alive and emitted == 0:  # idle, rate-limited or watching: wait, never spin
                 self._wait_for_mail(_idle_wait(source))
@@ -890,6 +890,17 @@ class StreamTask:
                 self._end_input()  # nothing may follow the final checkpoint's barrier
                 assert self.ctl is not None
                 self.ctl.send({"type": "exhausted"})
+
+    def _poll_batch(self) -> int:
+        """Records a source emits in one poll: ``_POLL_BATCH``, or fewer when a writer's
+        shipment holds fewer (debloated buffers): an emit that finds the window full
+        waits inside the poll, where no mail is run, so under back pressure a poll of
+        ``_POLL_BATCH`` small records would hold a checkpoint's trigger (and the
+        priority barrier it sends) until the consumer freed that many records."""
+        batch = _POLL_BATCH
+        for _, w in self.writers:
+            batch = min(batch, w.records_per_shipment())
+        return max(1, batch)
 
     def _blocked_output(self) -> concurrent.futures.Future[None] | None:
         """The first writer without room (back pressure): its availability future."""

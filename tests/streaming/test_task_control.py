@@ -201,6 +201,82 @@ def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
             t.join(30)
 
 
+class _Held(Operator):
+    """A sink that processes nothing until ``release`` is set (its reader still reads,
+    and announces its debloated buffer size upstream)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    def process(self, record: Any, out: Collector) -> None:
+        while not self.release.wait(0.005):
+            pass
+
+
+def test_a_source_held_with_debloated_buffers_still_takes_triggers(
+    start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Debloating shrinks the source's buffers to 256 bytes (two records each) and the
+    sink processes nothing, so credit runs out. A poll of the old fixed 256 records
+    shipped a hundred buffers, and the emit that found the window full waited inside
+    the poll, where no mail is run: the source never saw a trigger again (this test got
+    no acknowledgement). Now a poll emits about one shipment (one debloated buffer), and
+    the source waits for room *between* polls, handling its mail: every trigger is
+    acknowledged (twice with the same record count: held), the snapshot holding exactly
+    the records emitted."""
+    daemon = start_daemon(
+        "--debloat",
+        "--debloat-min-buffer-size=256",
+        "--debloat-initial-buffer-size=256",
+        "--debloat-target=1ms",
+    )
+    ckpt = str(tmp_path / "ckpt")
+    release = threading.Event()
+    pad = b"p" * 100
+    source = Node(0, "gen", lambda: GeneratorSource(lambda i: (i, pad)), 1, is_source=True)
+    sink = Node(1, "held", lambda: _Held(release), 1)
+    sink.inputs.append((source, Partitioning.REBALANCE, None))
+    source.outputs.append(sink)
+    graph = JobGraph.build([source, sink], DEFAULT_MAX_PARALLELISM)
+    tasks = ["v0-0", "v1-0"]
+    token = secrets.token_hex(8)
+    server = ControlServer(token, 5, set(tasks))
+    job = JobSpec("dbl", 5, token, server.address, graph, ckpt, "unaligned")
+    # no buffer timeout: only the task thread ships (a flush timer's shipment may overrun
+    # the window by one batch, which the next full buffer then waits for)
+    job = JobSpec(**{**job.__dict__, "daemon_hint": daemon.local_socket, "buffer_timeout": -1})
+    errors: dict[int, BaseException] = {}
+    threads: list[threading.Thread] = []
+    try:
+        threads = _start_tasks(server, job, tasks, errors)
+        counts: list[int] = []
+        for cid in itertools.count(1):
+            assert cid <= 500, f"the source never stopped emitting: {counts[-5:]}"
+            server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
+            ack = _next(server, "ack", timeout=20.0, task="v0-0")
+            assert ack["checkpoint"] == cid
+            counts.append(ack["metrics"]["records_out"])
+            if len(counts) >= 2 and counts[-1] == counts[-2] > 0:
+                break
+        state = decode_snapshot(
+            Path(ack["handle"]).read_bytes(), SnapshotKind.TASK_STATE, ack["handle"]
+        )
+        gen = OperatorStateBackend(0, 1)
+        gen.restore([("v0-0", state["operators"]["gen"]["operator"])])
+        assert [tuple(x) for x in gen.union_list_state("gen", "generator-splits").get()] == [
+            (0, 1, counts[-1])
+        ]
+    finally:
+        release.set()
+        for task in reversed(tasks):
+            server.send(task, {"type": "cancel"})
+        for t in threads:
+            t.join(30)
+        server.close()
+    assert not any(t.is_alive() for t in threads)
+    assert all("cancelled by the driver" in str(e) for e in errors.values()), errors
+
+
 class _IdleAfter(Source):
     """Unbounded: emits ``k`` records, then nothing (``ready_in`` infinite: only mail)."""
 
