@@ -543,11 +543,15 @@ class PartitionWriter:
 
     def records_per_shipment(self) -> int:
         """About how many records one shipment holds (one debloated buffer, else
-        ``_SHIP_BYTES``), from the mean record size so far (``_FIRST_CHUNK`` before the
-        first batch); 1 with a buffer timeout of 0. Emitting this many after
-        ``available()`` said there is room waits for the daemon once at most, so a task
+        ``_SHIP_BYTES``) at the buffer sizes the consumers announced so far, from the
+        mean record size so far (``_FIRST_CHUNK`` before the first batch); 1 with a
+        buffer timeout of 0. Emitting this many after ``available()`` said there is room
+        waits for the daemon once at most (unless a new size comes meanwhile), so a task
         that emits in bounded steps (a source's poll) gets back to its mailbox about once
         per buffer the consumer frees."""
+        with self._lock:
+            if self._new_sizes:
+                self._apply_new_sizes()
         return self._chunk_size()
 
     def _chunk_size(self) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from client.producer import PartitionWriter
 from client.streaming.checkpoint_storage import (
     CheckpointMetadata,
     CheckpointStorage,
@@ -213,8 +214,19 @@ class _Held(Operator):
             pass
 
 
+class _GatedGenerator(GeneratorSource):
+    """A GeneratorSource that emits nothing before ``gate`` is set."""
+
+    def __init__(self, gate: threading.Event, fn: Callable[[int], Any]) -> None:
+        super().__init__(fn)
+        self.gate = gate
+
+    def poll(self, out: Collector, max_records: int) -> bool:
+        return super().poll(out, max_records) if self.gate.is_set() else True
+
+
 def test_a_source_held_with_debloated_buffers_still_takes_triggers(
-    start_daemon: Callable[..., Any], tmp_path: Path
+    start_daemon: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Debloating shrinks the source's buffers to 256 bytes (two records each) and the
     sink processes nothing, so credit runs out. A poll of the old fixed 256 records
@@ -223,7 +235,16 @@ def test_a_source_held_with_debloated_buffers_still_takes_triggers(
     no acknowledgement). Now a poll emits about one shipment (one debloated buffer), and
     the source waits for room *between* polls, handling its mail: every trigger is
     acknowledged (twice with the same record count: held), the snapshot holding exactly
-    the records emitted."""
+    the records emitted. The source emits once its writer cuts 256-byte buffers (a size
+    that comes while a poll runs applies to the next poll only)."""
+    writers: list[PartitionWriter] = []
+    original = PartitionWriter.__init__
+
+    def recording_init(self: PartitionWriter, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        writers.append(self)
+
+    monkeypatch.setattr(PartitionWriter, "__init__", recording_init)
     daemon = start_daemon(
         "--debloat",
         "--debloat-min-buffer-size=256",
@@ -231,9 +252,9 @@ def test_a_source_held_with_debloated_buffers_still_takes_triggers(
         "--debloat-target=1ms",
     )
     ckpt = str(tmp_path / "ckpt")
-    release = threading.Event()
+    release, gate = threading.Event(), threading.Event()
     pad = b"p" * 100
-    source = Node(0, "gen", lambda: GeneratorSource(lambda i: (i, pad)), 1, is_source=True)
+    source = Node(0, "gen", lambda: _GatedGenerator(gate, lambda i: (i, pad)), 1, is_source=True)
     sink = Node(1, "held", lambda: _Held(release), 1)
     sink.inputs.append((source, Partitioning.REBALANCE, None))
     source.outputs.append(sink)
@@ -249,6 +270,9 @@ def test_a_source_held_with_debloated_buffers_still_takes_triggers(
     threads: list[threading.Thread] = []
     try:
         threads = _start_tasks(server, job, tasks, errors)
+        _until(lambda: len(writers) == 1, "the source's writer opened")
+        _until(lambda: writers[0].buffer_size(0) == 256, "the sink's buffer size announced")
+        gate.set()
         counts: list[int] = []
         for cid in itertools.count(1):
             assert cid <= 500, f"the source never stopped emitting: {counts[-5:]}"
