@@ -105,6 +105,12 @@ log = logging.getLogger("exchange.streaming.task")
 
 #: Records a source emits between two looks at the mailbox.
 _POLL_BATCH: Final = 256
+#: Batches a task's writer may ship beyond its window within one step (a source's poll,
+#: one record list) before an emit waits: the task waits for room between steps, where
+#: it runs its mail (``PartitionWriter(overdraft=)``). Without it, a flush timer that
+#: shipped beyond the window made the next emit wait inside the step, so under back
+#: pressure a priority barrier waited for the consumer to free a whole batch.
+_OUTPUT_OVERDRAFT: Final = 2
 #: Records a reading task processes between two looks at the mailbox.
 _MAIL_EVERY: Final = 64
 #: How long an idle source without ``ready_in()`` waits for mail before it polls again.
@@ -356,6 +362,7 @@ class StreamTask:
                 daemon_socket=self.daemon_socket,
                 buffer_timeout=self.job.buffer_timeout,
                 secret=self.job.credential,
+                overdraft=_OUTPUT_OVERDRAFT,
             )
             self.writers.append((edge, w))
         self._finished_on_restore = bool(finished) and all(finished)
@@ -628,8 +635,9 @@ class StreamTask:
         self, checkpoint_id: int, channel: int, records: list[Any], nbytes: int
     ) -> None:
         """Unaligned: ``records`` (decoded from ``nbytes`` of input that arrived after the
-        trigger, before the channel's barrier) are input channel state of the checkpoint;
-        pickled now, so what operators do to them later changes nothing."""
+        trigger, before the channel's barrier; 0: decoded before the trigger and not
+        processed yet, counted at their pickled size) are input channel state of the
+        checkpoint; pickled now, so what operators do to them later changes nothing."""
         pending = self._pending_snapshots.get(checkpoint_id)
         if pending is None:
             return
@@ -638,6 +646,8 @@ class StreamTask:
             key = self._channel_keys[channel]
             blob = pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL)
             pending.channels.setdefault(key, []).append(blob)
+            if not nbytes:
+                pending.persisted_bytes += len(blob)
 
     def persist_partial_record(self, checkpoint_id: int, channel: int, data: bytes) -> None:
         """Unaligned, after a priority barrier: ``data`` is the head of the record the

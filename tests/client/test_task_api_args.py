@@ -113,6 +113,16 @@ def test_partition_writer_refuses_a_bad_window_before_connecting(
     assert not listener.connected()
 
 
+@pytest.mark.parametrize("overdraft", [-1, 1.5, None, True])
+def test_partition_writer_refuses_a_bad_overdraft_before_connecting(
+    unix_listener: tuple[str, Listener], overdraft: Any
+) -> None:
+    path, listener = unix_listener
+    with pytest.raises(UsageError, match="overdraft"):
+        PartitionWriter(PID, 1, daemon_socket=path, overdraft=overdraft)
+    assert not listener.connected()
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize(("name", "bad"), BAD_WRITER_ARGS)
 async def test_async_partition_writer_refuses_bad_arguments_before_connecting(
