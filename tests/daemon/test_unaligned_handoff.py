@@ -14,8 +14,9 @@ channel state.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -62,6 +63,38 @@ class Task:
         return [v for k, v in self.log if k == kind]
 
 
+@contextlib.contextmanager
+def _barrier_behind_the_hand_off(
+    d: Any, w: PartitionWriter, task: Task, jumped: threading.Event
+) -> Iterator[tuple[Iterator[list[Any]], list[Any]]]:
+    """``N`` records from ``w``, one per buffer; an unaligned reader whose task processes
+    the first buffer's records and stops reading while the loop thread hands it more;
+    then barrier ``CHECKPOINT`` (unaligned) at the reader: its record lists and the
+    first list."""
+    for i in range(N):
+        w.emit((i, RECORD))
+        w.flush()
+    pid = w.partition_id
+    loc = PartitionLocation(pid, 0, d.data_address, d.daemon_id, d.local_socket)
+    with PartitionReader([loc], checkpoint_listener=task, checkpointing_mode="unaligned") as reader:
+        reader.set_priority_notify(jumped.set)
+        lists = reader.record_lists(on_available=lambda: None)
+        first: list[Any] = []
+        while not first:  # the task processes one buffer's records, then stops reading
+            first = next(lists)
+        task.processed(first)
+        # the loop thread hands over what the gate's credit let in meanwhile (in the
+        # hand-off, or taken by the task thread and not decoded yet)
+        wait_for(
+            lambda: reader.handoff_statistics()[0].items_sent >= 6,
+            60,
+            "buffers handed to the task thread",
+        )
+        w.broadcast_barrier(CHECKPOINT, 1, unaligned=True)
+        wait_for(jumped.is_set, 60, "the barrier at the reader")
+        yield lists, first
+
+
 def test_a_priority_barrier_jumps_the_buffers_handed_to_the_task(
     start_daemon: Callable[..., Any],
 ) -> None:
@@ -71,28 +104,7 @@ def test_a_priority_barrier_jumps_the_buffers_handed_to_the_task(
     task = Task()
     jumped = threading.Event()
     try:
-        for i in range(N):
-            w.emit((i, RECORD))
-            w.flush()
-        loc = PartitionLocation(pid, 0, d.data_address, d.daemon_id, d.local_socket)
-        with PartitionReader(
-            [loc], checkpoint_listener=task, checkpointing_mode="unaligned"
-        ) as reader:
-            reader.set_priority_notify(jumped.set)
-            lists = reader.record_lists(on_available=lambda: None)
-            first: list[Any] = []
-            while not first:  # the task processes one buffer's records, then stops reading
-                first = next(lists)
-            task.processed(first)
-            # the loop thread hands over what the gate's credit let in meanwhile (in the
-            # hand-off, or taken by the task thread and not decoded yet)
-            wait_for(
-                lambda: reader.handoff_statistics()[0].items_sent >= 6,
-                60,
-                "buffers handed to the task thread",
-            )
-            w.broadcast_barrier(CHECKPOINT, 1, unaligned=True)
-            wait_for(jumped.is_set, 60, "the barrier at the reader")
+        with _barrier_behind_the_hand_off(d, w, task, jumped) as (lists, first):
             assert task.of("trigger") == []  # the task is busy: the barrier waits for it
             # the task's next record boundary: the barrier goes first, and the channel
             # state (the buffers it overtook in the hand-off) completes right away
@@ -156,26 +168,7 @@ def test_a_priority_barrier_jumps_record_lists_decoded_and_not_processed_yet(
     task = CidTask()
     jumped = threading.Event()
     try:
-        for i in range(N):
-            w.emit((i, RECORD))
-            w.flush()
-        loc = PartitionLocation(pid, 0, d.data_address, d.daemon_id, d.local_socket)
-        with PartitionReader(
-            [loc], checkpoint_listener=task, checkpointing_mode="unaligned"
-        ) as reader:
-            reader.set_priority_notify(jumped.set)
-            lists = reader.record_lists(on_available=lambda: None)
-            first: list[Any] = []
-            while not first:
-                first = next(lists)
-            task.processed(first)
-            wait_for(
-                lambda: reader.handoff_statistics()[0].items_sent >= 6,
-                60,
-                "buffers handed to the task thread",
-            )
-            w.broadcast_barrier(CHECKPOINT, 1, unaligned=True)
-            wait_for(jumped.is_set, 60, "barrier 5 at the reader")
+        with _barrier_behind_the_hand_off(d, w, task, jumped) as (lists, _):
             nxt: list[Any] = []
             while not nxt:
                 nxt = next(lists)

@@ -137,6 +137,28 @@ def test_a_stopped_source_ends_its_input_and_the_final_checkpoint_holds_its_posi
     ]
 
 
+def _trigger_until_the_source_is_held(server: ControlServer) -> None:
+    """Trigger checkpoints 1, 2, ... of the generator source ``v0-0`` until two in a row
+    are acknowledged with the same record count (held: every trigger still answered at
+    once); its snapshot holds exactly the records emitted."""
+    counts: list[int] = []
+    for cid in itertools.count(1):
+        assert cid <= 500, f"the source never stopped emitting: {counts[-5:]}"
+        server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
+        ack = _next(server, "ack", timeout=20.0, task="v0-0")
+        assert ack["checkpoint"] == cid
+        counts.append(ack["metrics"]["records_out"])
+        if len(counts) >= 2 and counts[-1] == counts[-2] > 0:
+            break
+    handle = ack["handle"]
+    state = decode_snapshot(Path(handle).read_bytes(), SnapshotKind.TASK_STATE, handle)
+    gen = OperatorStateBackend(0, 1)
+    gen.restore([("v0-0", state["operators"]["gen"]["operator"])])
+    assert [tuple(x) for x in gen.union_list_state("gen", "generator-splits").get()] == [
+        (0, 1, counts[-1])
+    ]
+
+
 @pytest.mark.parametrize("held", ["source", "map"])
 def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
     daemon: Any, tmp_path: Path, held: str
@@ -172,23 +194,7 @@ def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
     threads: list[threading.Thread] = []
     try:
         threads = _start_tasks(server, job, tasks, errors)
-        counts: list[int] = []
-        for cid in itertools.count(1):
-            assert cid <= 500, f"the source never stopped emitting: {counts[-5:]}"
-            server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
-            ack = _next(server, "ack", timeout=20.0, task="v0-0")
-            assert ack["checkpoint"] == cid
-            counts.append(ack["metrics"]["records_out"])
-            if len(counts) >= 2 and counts[-1] == counts[-2] > 0:
-                break
-        state = decode_snapshot(
-            Path(ack["handle"]).read_bytes(), SnapshotKind.TASK_STATE, ack["handle"]
-        )
-        gen = OperatorStateBackend(0, 1)
-        gen.restore([("v0-0", state["operators"]["gen"]["operator"])])
-        assert [tuple(x) for x in gen.union_list_state("gen", "generator-splits").get()] == [
-            (0, 1, counts[-1])
-        ]
+        _trigger_until_the_source_is_held(server)
         for task in reversed(tasks):  # the map first: the source alone cannot free it
             server.send(task, {"type": "cancel"})
         for t in threads:
@@ -273,23 +279,7 @@ def test_a_source_held_with_debloated_buffers_still_takes_triggers(
         _until(lambda: len(writers) == 1, "the source's writer opened")
         _until(lambda: writers[0].buffer_size(0) == 256, "the sink's buffer size announced")
         gate.set()
-        counts: list[int] = []
-        for cid in itertools.count(1):
-            assert cid <= 500, f"the source never stopped emitting: {counts[-5:]}"
-            server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
-            ack = _next(server, "ack", timeout=20.0, task="v0-0")
-            assert ack["checkpoint"] == cid
-            counts.append(ack["metrics"]["records_out"])
-            if len(counts) >= 2 and counts[-1] == counts[-2] > 0:
-                break
-        state = decode_snapshot(
-            Path(ack["handle"]).read_bytes(), SnapshotKind.TASK_STATE, ack["handle"]
-        )
-        gen = OperatorStateBackend(0, 1)
-        gen.restore([("v0-0", state["operators"]["gen"]["operator"])])
-        assert [tuple(x) for x in gen.union_list_state("gen", "generator-splits").get()] == [
-            (0, 1, counts[-1])
-        ]
+        _trigger_until_the_source_is_held(server)
     finally:
         release.set()
         for task in reversed(tasks):
