@@ -44,6 +44,8 @@ def test_checkpointing_bench_smoke() -> None:
         "--warmup-checkpoints=0",
         "--alignments=spill",
         "--alignment-seconds=3",
+        "--throughput-rounds=1",
+        "--throughput-records=20000",
     )
     assert r["bench"] == "checkpointing"
     assert r["checkpoints_off"] >= 1 and r["checkpoints_on"] >= 1
@@ -59,6 +61,11 @@ def test_checkpointing_bench_smoke() -> None:
     assert r["ratio_align_spill_vs_block_upstream"] == pytest.approx(
         r["median_ms_align_spill"] / r["median_ms_align_block_upstream"], rel=1e-3
     )
+    # the throughput cost of unaligned checkpoints every second, against none
+    assert r["throughput_rounds"] == 1
+    none, unaligned = r["records_per_s_no_checkpoints"], r["records_per_s_unaligned_every_1s"]
+    assert none > 0 and unaligned > 0
+    assert r["unaligned_throughput_cost"] == pytest.approx(1 - unaligned / none, abs=1e-3)
 
 
 def test_vs_structured_streaming_bench_smoke() -> None:
