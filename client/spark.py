@@ -735,6 +735,11 @@ def _pipelined(
             read_all = False
             try:
                 try:
+                    # started by run() up to here, so that the finally below runs however
+                    # Spark drops the output: also never started (a downstream function
+                    # that ignores its input), when a generator never started would be
+                    # dropped without running any of its code
+                    yield []
                     reader = _open_reader(dataset, producers, t, spec, codec)
                     if reader is not None:
                         yield from reader.record_lists()
@@ -744,12 +749,13 @@ def _pipelined(
                     if reader is not None:
                         reader.close()
                     if not read_all:
-                        # This task left its input early (Spark stopped iterating, or a
-                        # read failed): the exchange cannot complete. Every producer's
-                        # daemon learns that our subpartition is abandoned (a partition
-                        # we never got to ask for, created now or later, must not keep
-                        # it), and our writer, which may wait forever for a consumer that
-                        # gave up before it ever asked for our partition, is failed.
+                        # This task left its input early (Spark stopped iterating or
+                        # never started, or a read failed): the exchange cannot
+                        # complete. Every producer's daemon learns that our
+                        # subpartition is abandoned (a partition we never got to ask
+                        # for, created now or later, must not keep it), and our
+                        # writer, which may wait forever for a consumer that gave up
+                        # before it ever asked for our partition, is failed.
                         get_runtime().run(abandon_everywhere(dataset, t, daemons))
                         writer_handle.cancel(f"task {t} of exchange {dataset} left early")
                     writer.join()
@@ -759,7 +765,9 @@ def _pipelined(
                 report_abort(ticket, t, attempt, round_id=stage)
                 raise
 
-        return itertools.chain.from_iterable(chunks())
+        lists = chunks()
+        next(lists)  # into its try: from here on, dropping it leaves the exchange cleanly
+        return itertools.chain.from_iterable(lists)
 
     out = rdd.barrier().mapPartitions(run)
     # Preserving partitioning passes the Partitioner set on the result on to what is

@@ -442,6 +442,60 @@ def test_a_pipelined_partition_created_after_its_consumer_left_is_not_left_behin
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
+def _writer_threads_in_workers(sc: Any) -> list[str]:
+    """The writer threads of pipelined exchanges alive in the Python workers a small job
+    runs on (workers are reused: a thread a task left behind is still there)."""
+
+    def writers(_: Any) -> list[str]:
+        import threading
+
+        return [t.name for t in threading.enumerate() if t.name.startswith("exchange-writer-")]
+
+    names: list[str] = sc.parallelize(range(2), 2).mapPartitions(writers).collect()
+    return names
+
+
+@pytest.mark.parametrize("task_1", ["never starts either", "reads to the end"])
+def test_a_pipelined_output_spark_never_starts_leaves_no_writer_and_nothing_on_the_daemon(
+    spark: Any, task_1: str
+) -> None:
+    """The function after the exchange returns without ever iterating its input, so Spark
+    drops task 0's output iterator unstarted, with ~100 MB written by the two producers
+    (more than the daemon's 64 MiB of buffers). Task 0 leaves as a task stopping early
+    does: its subpartition abandoned on every producer's daemon, its writer failed and
+    joined before the task ends. Nothing of the run stays on the daemon and no writer
+    thread is left in a worker. (Before: a generator never started runs none of its code
+    when dropped; the job succeeded, the writers stayed blocked in the reused workers for
+    ever and the daemon kept their partitions and buffers.)"""
+    sc = spark.sparkContext
+    payload = b"x" * 1024
+
+    def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
+        return ((k, payload) for k in range(i, 100_000, 2))
+
+    reads = task_1 == "reads to the end"
+
+    def consume(i: int, it: Iterator[Any]) -> list[str]:
+        if i == 1 and reads:
+            return [f"read {sum(1 for _ in it)}"]
+        return ["never started"]
+
+    rdd = sc.parallelize(range(2), 2).mapPartitionsWithIndex(rows)
+    out = exchange_shuffle(rdd, 2, mode="pipelined")
+    try:
+        result = out.mapPartitionsWithIndex(consume).collect()
+    except Exception as e:  # task 1 read a partition whose writer task 0 failed
+        assert reads, str(e)[-2000:]
+        text = str(e)
+        assert "released by its consumer before the end" in text or "ProducerFailedError" in text, (
+            text[-2000:]
+        )
+    else:  # every writer had finished (task 1 reading: before task 0 left)
+        assert result[0] == "never started" and len(result) == 2, result
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+    assert _writer_threads_in_workers(sc) == []
+
+
 def _jobs_run(sc: Any, action: Callable[[], Any]) -> list[Any]:
     """The Spark jobs ``action`` ran (``SparkJobInfo``s, from the status tracker)."""
     group = f"count-jobs-{time.monotonic_ns()}"
