@@ -482,6 +482,15 @@ def _buffers_of(batch: list[_Item]) -> list[Buffer]:
     ]
 
 
+def _poll_data_into(gate: SingleInputGate, batch: list[_Item]) -> None:
+    """The data buffers a channel holds, up to the batch's room, into the hand-off batch
+    at once (``poll_data``: no BufferOrEvent each); events stay for ``poll_next``."""
+    data = gate.poll_data(_BATCH_BUFFERS - len(batch))
+    if data is not None:
+        ch_index, buffers = data
+        batch.extend([(_DATA, ch_index, buf) for buf in buffers])
+
+
 class _CallsInOrder:
     """The barrier handler's listener in the synchronous reader: the handler runs while a
     batch is decoded, before the batch's records reach the task, so its callbacks are
@@ -685,8 +694,9 @@ class PartitionReader:
         while not last:
             batch: list[_Item] = []
             try:
-                boe = gate.poll_next()
-                if boe is None:
+                _poll_data_into(gate, batch)
+                boe = gate.poll_next() if len(batch) < _BATCH_BUFFERS else None
+                if boe is None and not batch:
                     if priority:  # everything it overtook is handed over: say so
                         priority = False
                         with contextlib.suppress(ChannelBrokenError):  # closed: ends next
@@ -713,6 +723,9 @@ class PartitionReader:
                                 if notify is not None:
                                     notify()
                         batch.append((kind, boe.channel_index, event))
+                    if len(batch) >= _BATCH_BUFFERS:
+                        break
+                    _poll_data_into(gate, batch)
                     if len(batch) >= _BATCH_BUFFERS:
                         break
                     boe = gate.poll_next()
@@ -1020,6 +1033,8 @@ class PartitionReader:
         thread (also when decoding fails: the buffers not reached yet go back too)."""
         out: list[_Item] = []
         handler = self._handler
+        if handler is None and not self._jumped:
+            return self._decode_plain(batch, out)
         parking = self._parking
         self._calls.out = out
         try:
@@ -1069,13 +1084,35 @@ class PartitionReader:
             if handler is not None and self._barrier_snapshot is not None:
                 self._barrier_snapshot = handler.stats()
         finally:
-            buffers = _buffers_of(batch)
-            if buffers:
-                try:
-                    self._back.send_nowait(buffers, force=True)
-                except ChannelBrokenError:  # closed while this thread decoded (timed out)
-                    self._rt.call_soon(self._give_back, buffers)
+            self._give_back_decoded(batch)
         return out
+
+    def _decode_plain(self, batch: list[_Item], out: list[_Item]) -> list[_Item]:
+        """``_decode`` with no barrier handler (nothing parks, jumps or is persisted):
+        each buffer's records straight into ``out``; the buffers go back the same way."""
+        feed = self._stream.feed
+        try:
+            for kind, ch, item in batch:
+                if kind in (_DATA, _OVERTAKEN):
+                    buf: Buffer = item if kind == _DATA else item[0]
+                    with buf.memoryview() as view:
+                        records = feed(ch, view)
+                    if records:
+                        out.append((_DATA, ch, records))
+                elif kind != _DRAINED:  # _DRAINED only concerns an unaligned handler
+                    out.append((kind, ch, item))
+        finally:
+            self._give_back_decoded(batch)
+        return out
+
+    def _give_back_decoded(self, batch: list[_Item]) -> None:
+        """Task thread: the batch's buffers back to the loop thread in one send."""
+        buffers = _buffers_of(batch)
+        if buffers:
+            try:
+                self._back.send_nowait(buffers, force=True)
+            except ChannelBrokenError:  # closed while this thread decoded (timed out)
+                self._rt.call_soon(self._give_back, buffers)
 
     def _feed(self, out: list[_Item], ch: int, buf: Buffer) -> None:
         view = buf.memoryview()

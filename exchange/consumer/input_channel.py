@@ -93,6 +93,14 @@ class InputChannel(ABC):
     def get_next_buffer(self) -> BufferAndAvailability | None:
         """The next buffer, or None; raises the channel's error if it failed."""
 
+    def take_data_buffers(self, limit: int) -> tuple[list[Buffer], bool]:
+        """Up to ``limit`` data buffers from the head of what was received, taken at once,
+        and whether anything is left after them: the gate's batch path (``poll_data``).
+        Takes none when the head is an event or when anything received needs the
+        one-by-one path of ``get_next_buffer`` (priority events, overtaken buffers); this
+        base takes none: its channels go one by one."""
+        return [], True
+
     @abstractmethod
     def resume_consumption(self) -> None:
         """Unblock the subpartition after an aligned checkpoint barrier."""

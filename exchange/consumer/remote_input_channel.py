@@ -372,6 +372,20 @@ class RemoteInputChannel(InputChannel):
             overtaken_by,
         )
 
+    def take_data_buffers(self, limit: int) -> tuple[list[Buffer], bool]:
+        self.check_error()
+        received = self._received
+        if self._num_priority or self._overtaken or not received:
+            return [], bool(received)
+        n = min(limit, len(received))
+        taken: list[Buffer] = []
+        append, popleft = taken.append, received.popleft
+        for _ in range(n):
+            if not received[0].is_buffer:
+                break
+            append(popleft())
+        return taken, bool(received)
+
     @property
     def has_priority_event(self) -> bool:
         return self._num_priority > 0

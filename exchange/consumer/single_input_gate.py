@@ -210,6 +210,32 @@ class SingleInputGate:
                 self.debloater.on_gate_empty()
         return None
 
+    def poll_data(self, limit: int) -> tuple[int, list[Buffer]] | None:
+        """Up to ``limit`` data buffers of the first channel with data, taken at once, and
+        that channel's index: what ``poll_next`` would return for them one by one (a
+        channel with more goes to the back of the queue). None when nothing is queued
+        or the next thing must go through ``poll_next`` (an event, a priority event, a
+        buffer a priority barrier overtook, nothing received)."""
+        if self._closed:
+            raise IllegalStateError(f"input gate {self.name} is closed")
+        queue = self._with_data
+        if not queue or self._num_priority_channels:
+            return None
+        ch = queue[0]
+        taken, more = ch.take_data_buffers(limit)
+        if not taken:
+            return None
+        if not more:
+            queue.popleft()
+            ch.queued = False
+        elif len(queue) > 1:
+            queue.rotate(-1)  # round robin, as poll_next re-queues a channel with more
+        debloater = self.debloater
+        if debloater is not None:
+            for buf in taken:
+                debloater.on_data(buf.size)
+        return ch.channel_index, taken
+
     async def get_next(self) -> BufferOrEvent | None:
         """The next buffer or event; None once every channel delivered EndOfPartition."""
         while True:

@@ -1,7 +1,7 @@
 """The wire protocol, sans I/O: messages, framing codec, handshake state machines.
 
 Nothing here touches a socket; ``server`` and ``client`` feed received bytes to a
-``FrameDecoder`` and write what ``encode`` returns. See ``docs/protocol.md``.
+``InPlaceFrameDecoder`` and write what ``encode`` returns. See ``docs/protocol.md``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from exchange.protocol.codec import (
     LOCAL_ENDPOINT_MESSAGE_IDS,
     MAGIC,
     MAX_CONTROL_FRAME_SIZE,
-    FrameDecoder,
+    InPlaceFrameDecoder,
     encode,
     encode_buffer_response_header,
     max_frame_size_for,
@@ -74,7 +74,7 @@ __all__ = [
     "DataType",
     "ErrorCode",
     "ErrorResponse",
-    "FrameDecoder",
+    "InPlaceFrameDecoder",
     "Message",
     "MessageId",
     "NewBufferSize",

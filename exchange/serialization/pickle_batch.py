@@ -26,7 +26,7 @@ twice within a batch may come back as equal copies instead of one shared object.
 Decoding: a frame lying entirely inside a fed piece is unpickled straight from it (no
 copy); only a frame cut by the end of a piece is copied, once its header (checked against
 the limit first) is complete, into a scratch ``bytearray`` the decoder reuses (frames up
-to ``codec._SCRATCH_KEEP``) or one of the frame's size.
+to ``framing.SCRATCH_KEEP``) or one of the frame's size.
 Unpickled objects never refer to the fed memory (pickle copies what it reads), so the
 caller may recycle it as soon as ``feed`` returns.
 
@@ -43,10 +43,10 @@ import struct
 from typing import Any, Final
 
 from exchange.errors import CorruptRecordError, RecordTooLargeError, UsageError
+from exchange.serialization.framing import LengthPrefixedDecoder
 from exchange.serialization.record_codec import (
     DEFAULT_MAX_RECORD_SIZE,
     MAX_FRAMED_RECORD_SIZE,
-    LengthPrefixedDecoder,
     _check_limit,
     unencodable_record,
 )

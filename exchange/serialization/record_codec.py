@@ -41,6 +41,8 @@ from typing import Any, Final, Protocol
 import msgpack
 
 from exchange.errors import CorruptRecordError, RecordTooLargeError, UsageError, fresh_error
+from exchange.serialization.framing import DecoderBase as _DecoderBase
+from exchange.serialization.framing import LengthPrefixedDecoder
 
 __all__ = [
     "DEFAULT_MAX_RECORD_SIZE",
@@ -77,8 +79,6 @@ _UNPACKER_RENEW_ABOVE: Final = 4 * _UNPACKER_READ_SIZE
 _STREAM_KEEP: Final = 4 * 1024 * 1024
 
 _LEN: Final = struct.Struct(">I")
-#: A cut frame up to this size is assembled in a reused scratch buffer.
-_SCRATCH_KEEP: Final = 256 * 1024
 _LIMIT_MESSAGE: Final = re.compile(r"(\d+) exceeds max_(str|bin|ext|array|map)_len")
 
 
@@ -185,35 +185,6 @@ def unencodable_record(record: Any, fmt: str, exc: BaseException) -> UsageError:
     )
     error.__cause__ = exc
     return error
-
-
-class _DecoderBase:
-    """Delivery of decoded records and of a deferred error."""
-
-    __slots__ = ("_error", "_ready")
-
-    def __init__(self) -> None:
-        self._ready: list[Any] = []
-        self._error: CorruptRecordError | None = None
-
-    def take(self) -> list[Any]:
-        ready = self._ready
-        if ready:
-            self._ready = []
-            return ready
-        if self._error is not None:
-            raise fresh_error(self._error)
-        return []
-
-    def __iter__(self) -> Iterator[Any]:
-        while True:
-            records = self.take()
-            if not records:
-                return
-            yield from records
-
-    def _fail(self, error: CorruptRecordError) -> None:
-        self._error = error
 
 
 # -- msgpack -------------------------------------------------------------------------------
@@ -584,138 +555,6 @@ class FramedEncoder:
             out += pack(n)
             out += payload
         return out
-
-
-class LengthPrefixedDecoder(_DecoderBase):
-    """Frames of ``u32 length | payload``: whole frames are handed to ``_deliver`` straight
-    from the fed memory; only a frame cut by a piece boundary is copied (into a reused
-    scratch buffer up to ``_SCRATCH_KEEP`` bytes).
-
-    A cut frame waits as ``_head`` (its first 1-3 header bytes) or, once the header is
-    known, in ``_frame`` (at least ``_need`` bytes: the payload's size) filled up to
-    ``_have``.
-    """
-
-    __slots__ = ("_frame", "_have", "_head", "_limit", "_need", "_scratch")
-
-    def __init__(self, max_record_size: int) -> None:
-        super().__init__()
-        self._limit = max_record_size
-        self._head = bytearray()
-        self._frame: bytearray | None = None
-        self._need = 0
-        self._have = 0
-        self._scratch = bytearray()
-
-    @property
-    def has_partial_record(self) -> bool:
-        return bool(self._head) or self._frame is not None or self._error is not None
-
-    @property
-    def buffered_bytes(self) -> int:
-        """Bytes of the cut frame received so far (header included)."""
-        return len(self._head) + (0 if self._frame is None else 4 + self._have)
-
-    def unconsumed_bytes(self) -> bytes:
-        """The cut frame's bytes as fed: its header bytes, then the payload bytes so far."""
-        if self._error is not None:
-            raise fresh_error(self._error)
-        if self._frame is None:
-            return bytes(self._head)
-        return _LEN.pack(self._need) + bytes(memoryview(self._frame)[: self._have])
-
-    def feed(self, data: BytesLike) -> None:
-        if self._error is not None:
-            raise fresh_error(self._error)
-        with memoryview(data) as view:
-            try:
-                if view.format == "B" and view.c_contiguous:
-                    self._feed(view)
-                else:
-                    with view.cast("B") as flat:
-                        self._feed(flat)
-            except CorruptRecordError as exc:
-                self._fail(exc)
-
-    def _feed(self, data: memoryview) -> None:
-        end = data.nbytes
-        pos = 0
-        if self._head or self._frame is not None:
-            pos = self._complete(data)
-            if pos < 0:
-                return
-        limit = self._limit
-        unpack_from = _LEN.unpack_from
-        deliver = self._deliver
-        while end - pos >= 4:
-            (n,) = unpack_from(data, pos)
-            if n > limit:
-                raise RecordTooLargeError(n, limit)
-            stop = pos + 4 + n
-            if stop > end:
-                # The header is known and within the limit: hold the frame's start.
-                frame = self._start_frame(n)
-                have = self._have = end - pos - 4
-                frame[:have] = data[pos + 4 : end]
-                return
-            deliver(data[pos + 4 : stop])
-            pos = stop
-        if pos < end:
-            self._head = bytearray(data[pos:end])
-
-    def _complete(self, data: memoryview) -> int:
-        """Move bytes of ``data`` into the cut frame; its end in ``data``, or -1."""
-        end = data.nbytes
-        pos = 0
-        frame = self._frame
-        if frame is None:
-            head = self._head
-            pos = min(4 - len(head), end)
-            head += data[:pos]
-            if len(head) < 4:
-                return -1
-            (n,) = _LEN.unpack_from(head, 0)
-            if n > self._limit:
-                raise RecordTooLargeError(n, self._limit)
-            self._head = bytearray()
-            frame = self._start_frame(n)
-            self._have = 0
-        have = self._have
-        need = self._need
-        take = min(need - have, end - pos)
-        frame[have : have + take] = data[pos : pos + take]
-        have += take
-        if have < need:
-            self._have = have
-            return -1
-        self._frame = None
-        self._have = 0
-        with memoryview(frame) as view, view[:need] as payload:
-            self._deliver(payload)
-        return pos + take
-
-    def _start_frame(self, n: int) -> bytearray:
-        """The buffer for a cut frame of ``n`` payload bytes (``n`` within the limit)."""
-        self._need = n
-        if n > _SCRATCH_KEEP:
-            frame = self._frame = bytearray(n)
-            return frame
-        if len(self._scratch) < n:
-            self._scratch = bytearray(_SCRATCH_KEEP if n > 4096 else 4096)
-        frame = self._frame = self._scratch
-        return frame
-
-    def clear(self) -> None:
-        self._head = bytearray()
-        self._frame = None
-        self._need = 0
-        self._have = 0
-        self._ready = []
-        self._error = None
-
-    def _deliver(self, payload: memoryview) -> None:
-        """Decode one frame's payload and queue what it holds (subclasses)."""
-        raise NotImplementedError
 
 
 class FramedDecoder(LengthPrefixedDecoder):

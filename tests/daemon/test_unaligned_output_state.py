@@ -31,7 +31,7 @@ from exchange.events.events import (
     EventSerializer,
 )
 from exchange.partition.result_partition_id import ResultPartitionID
-from exchange.protocol.codec import FrameDecoder, encode
+from exchange.protocol.codec import InPlaceFrameDecoder, encode
 from exchange.protocol.handshake import ClientHandshake
 from exchange.protocol.messages import (
     AddCredit,
@@ -56,7 +56,7 @@ class RawConsumer:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
-        self.decoder = FrameDecoder()
+        self.decoder = InPlaceFrameDecoder()
         self.pending: list[Message] = []
 
     @classmethod

@@ -7,7 +7,8 @@ Usage::
     python tests/fuzz/fuzz_targets.py TARGET --replay FILE...   # run inputs once
     python tests/fuzz/fuzz_targets.py TARGET --corpus DIR --save-to tests/fuzz/corpus/TARGET
 
-Targets (``TARGETS``): ``frame`` (``FrameDecoder`` and ``InPlaceFrameDecoder``, data-port and
+Targets (``TARGETS``): ``frame`` (the compiled ``InPlaceFrameDecoder``, beside the pure-Python
+reference ``FrameDecoder`` of ``tests/kit/reference_frame_decoder.py``; data-port and
 local-endpoint ids), ``handshake`` (``ServerHandshake``/``ClientHandshake`` fed the messages
 the frame decoder makes of the input), ``local_messages`` (the bodies of the local-endpoint
 messages, ids 64..75), ``msgpack`` (``MsgpackDecoder``), ``framed`` (``FramedDecoder`` of
@@ -99,7 +100,6 @@ with _instrumented():
     from exchange.protocol.codec import (
         FRAME_HEADER_SIZE,
         MAGIC,
-        FrameDecoder,
         InPlaceFrameDecoder,
         PayloadReceived,
         encode,
@@ -133,6 +133,7 @@ with _instrumented():
     )
     from exchange.serialization.pickle_batch import PickleBatchDecoder
     from exchange.serialization.record_codec import BytesCodec, FramedCodec, MsgpackCodec
+    from tests.kit.reference_frame_decoder import FrameDecoder
 
 __all__ = ["DOCUMENTED", "TARGETS", "InvariantError", "check", "seeds"]
 
@@ -248,7 +249,8 @@ def _agree(results: Iterable[tuple[str, tuple[list[Any], Any, bool]]]) -> None:
 
 
 def run_frame(data: bytes) -> None:
-    """The data port's and the local endpoint's frame decoders, every way of feeding."""
+    """The compiled frame decoder (data port and local endpoint, payloads landing in a sink or
+    decoded inline) against the pure-Python reference, every way of feeding."""
     results = []
     for i, pieces in enumerate(_splits(data)):
         results.append((f"FrameDecoder/{i}", _decode_frames(FrameDecoder, pieces)))
@@ -257,7 +259,7 @@ def run_frame(data: bytes) -> None:
     _agree(results)
     for m in results[0][1][0]:  # whatever decodes re-encodes
         frame = b"".join(bytes(p) for p in encode(m))
-        again, err2, _ = _decode_frames(FrameDecoder, [frame])
+        again, err2, _ = _decode_frames(_in_place(False), [frame])
         if err2 is not None or [_norm(x) for x in again] != [_norm(m)]:
             raise InvariantError(f"{m!r} does not survive re-encoding: {again!r} / {err2}")
 
@@ -278,7 +280,7 @@ def run_handshake(data: bytes) -> None:
         return
     mode, rest = data[0], data[1:]
     try:
-        msgs = FrameDecoder().feed(rest)
+        msgs = InPlaceFrameDecoder().feed(rest)
     except ProtocolError:
         return
     secret = SECRET if mode & 1 else None
@@ -323,7 +325,7 @@ def run_local_messages(data: bytes) -> None:
     body = data[1:]
     frame = _HEADER.pack(FRAME_HEADER_SIZE + len(body), MAGIC, msg_id) + body
     try:
-        msgs = FrameDecoder().feed(frame)
+        msgs = InPlaceFrameDecoder().feed(frame)
     except ProtocolError:
         return
     if len(msgs) != 1:
@@ -332,7 +334,7 @@ def run_local_messages(data: bytes) -> None:
     frame_again = b"".join(bytes(p) for p in encode(msg))
     if frame_again[8] != msg_id:  # (MESSAGE_ID is not set on every class: see the replay test)
         raise InvariantError(f"id {msg_id} decoded as {msg!r}, which encodes as {frame_again[8]}")
-    again = FrameDecoder().feed(frame_again)
+    again = InPlaceFrameDecoder().feed(frame_again)
     if [_norm(m) for m in again] != [_norm(msg)]:
         raise InvariantError(f"{msg!r} re-encodes as {again!r}")
 

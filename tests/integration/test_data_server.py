@@ -23,7 +23,7 @@ from exchange.partition import (
     ResultPartitionManager,
     ResultPartitionType,
 )
-from exchange.protocol.codec import FrameDecoder, encode
+from exchange.protocol.codec import InPlaceFrameDecoder, encode
 from exchange.protocol.handshake import ClientHandshake
 from exchange.protocol.local_messages import CreatePartition
 from exchange.protocol.messages import (
@@ -41,7 +41,7 @@ SEG = 32 * 1024
 
 
 async def read_until_closed(reader: asyncio.StreamReader, timeout: float) -> list[Message]:
-    decoder = FrameDecoder()
+    decoder = InPlaceFrameDecoder()
     out: list[Message] = []
     async with asyncio.timeout(timeout):
         while data := await reader.read(65536):
@@ -119,7 +119,7 @@ async def raw_handshake(host: str, port: int) -> tuple[asyncio.StreamReader, asy
     hs = ClientHandshake(None)
     for m in hs.start():
         writer.write(b"".join(encode(m)))
-    decoder = FrameDecoder()
+    decoder = InPlaceFrameDecoder()
     async with asyncio.timeout(5):
         while not hs.is_established:
             data = await reader.read(65536)

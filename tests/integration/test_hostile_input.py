@@ -25,7 +25,7 @@ from exchange.consumer.remote_input_channel import RemoteInputChannel
 from exchange.errors import AuthenticationError, ProtocolError
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartitionID
-from exchange.protocol.codec import MAGIC, FrameDecoder, encode, max_frame_size_for
+from exchange.protocol.codec import MAGIC, InPlaceFrameDecoder, encode, max_frame_size_for
 from exchange.protocol.handshake import ClientHandshake
 from exchange.protocol.messages import (
     AddCredit,
@@ -86,7 +86,7 @@ async def raw_session(
 ) -> Outcome:
     """Send ``chunks`` (after a real handshake if asked) and read until the server closes."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    decoder = FrameDecoder(max_frame_size_for(SEG))
+    decoder = InPlaceFrameDecoder(max_frame_size_for(SEG))
     messages: list[Message] = []
     closed = False
     error: ProtocolError | None = None

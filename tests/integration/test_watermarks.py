@@ -26,7 +26,7 @@ from exchange.partition import (
 )
 from exchange.protocol.codec import (
     BUFFER_RESPONSE_HEADER_SIZE,
-    FrameDecoder,
+    InPlaceFrameDecoder,
     encode,
     max_frame_size_for,
 )
@@ -49,7 +49,7 @@ class RawClient(asyncio.Protocol):
 
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()
-        self.decoder = FrameDecoder(max_frame_size_for(SEG))
+        self.decoder = InPlaceFrameDecoder(max_frame_size_for(SEG))
         self.handshake = ClientHandshake(None)
         self.established: asyncio.Future[None] = loop.create_future()
         self.closed: asyncio.Future[None] = loop.create_future()

@@ -19,7 +19,7 @@ from exchange.events.events import CheckpointBarrier, CheckpointOptions, EventSe
 from exchange.local import ProducerSession
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ALL_SUBPARTITIONS, ResultPartition, ResultPartitionType
-from exchange.protocol.codec import FrameDecoder, encode
+from exchange.protocol.codec import InPlaceFrameDecoder, encode
 from exchange.protocol.local_messages import (
     OutputChannelState,
     OutputChannelStateComplete,
@@ -37,7 +37,7 @@ def _barrier(cid: int) -> memoryview:
 def _wire(messages: list[Message]) -> list[Message]:
     """Encode and decode, byte by byte: what the task receives."""
     data = b"".join(b"".join(bytes(p) for p in encode(m)) for m in messages)
-    dec = FrameDecoder()
+    dec = InPlaceFrameDecoder()
     out: list[Message] = []
     for i in range(len(data)):
         out.extend(dec.feed(data[i : i + 1]))

@@ -17,7 +17,7 @@ import pytest
 from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
 from exchange.partition.result_partition_id import ResultPartitionID
-from exchange.protocol.codec import FrameDecoder, encode
+from exchange.protocol.codec import InPlaceFrameDecoder, encode
 from exchange.protocol.messages import (
     PROTOCOL_VERSION,
     ClientHello,
@@ -40,7 +40,7 @@ def hello(address: str) -> list[Message]:
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=20) as s:
         s.sendall(b"".join(encode(ClientHello(PROTOCOL_VERSION, os.urandom(16)))))
-        decoder = FrameDecoder()
+        decoder = InPlaceFrameDecoder()
         out: list[Message] = []
         while not any(isinstance(m, ServerHello) for m in out):
             data = s.recv(65536)

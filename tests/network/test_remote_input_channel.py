@@ -26,7 +26,7 @@ from exchange.consumer.remote_input_channel import (
     AvailableBufferQueue,
     RemoteInputChannel,
 )
-from exchange.consumer.single_input_gate import SingleInputGate
+from exchange.consumer.single_input_gate import BufferOrEvent, SingleInputGate
 from exchange.errors import (
     CorruptRecordError,
     IllegalStateError,
@@ -546,16 +546,20 @@ def _barrier_buffer(ch: RemoteInputChannel, checkpoint_id: int) -> Buffer:
     return ch.receive_event(data, DataType.PRIORITIZED_EVENT_BUFFER)
 
 
+def _item(boe: BufferOrEvent) -> tuple[int, object, tuple[int, ...]]:
+    """(channel, data tag or event, overtaken_by) of what the gate returned (released)."""
+    if boe.buffer is None:
+        return boe.channel_index, boe.event, boe.overtaken_by
+    tag = struct.unpack(">II", boe.buffer.to_bytes())[1]
+    boe.buffer.release()
+    return boe.channel_index, tag, boe.overtaken_by
+
+
 def _taken(gate: SingleInputGate) -> list[tuple[int, object, tuple[int, ...]]]:
     """(channel, data tag or event, overtaken_by) of everything the gate returns now."""
     out: list[tuple[int, object, tuple[int, ...]]] = []
     while (boe := gate.poll_next()) is not None:
-        if boe.buffer is not None:
-            item: object = struct.unpack(">II", boe.buffer.to_bytes())[1]
-            boe.buffer.release()
-        else:
-            item = boe.event
-        out.append((boe.channel_index, item, boe.overtaken_by))
+        out.append(_item(boe))
     return out
 
 
@@ -596,15 +600,18 @@ async def test_priority_barrier_overtakes_received_buffers_and_flags_them(
 def _taken_one(gate: SingleInputGate) -> tuple[int, object, tuple[int, ...]]:
     boe = gate.poll_next()
     assert boe is not None and boe.buffer is not None
-    tag = struct.unpack(">II", boe.buffer.to_bytes())[1]
-    boe.buffer.release()
-    return boe.channel_index, tag, boe.overtaken_by
+    return _item(boe)
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("take", ["poll_next", "poll_data_first"])
 async def test_nested_priority_barriers_flag_buffers_with_every_checkpoint(
-    nbp: NetworkBufferPool,
+    nbp: NetworkBufferPool, take: str
 ) -> None:
+    """Also through the reader pump's batch path: ``poll_data`` takes nothing behind a
+    priority barrier, the barriers and the buffers they overtook (flagged) come from
+    ``poll_next`` in the same order."""
+    taken = _taken if take == "poll_next" else _taken_batched
     client = RecordingClient()
     gate, [ch] = make_gate(nbp, 1, client, floating=8, exclusive=6)
     await gate.request_partitions()
@@ -616,9 +623,9 @@ async def test_nested_priority_barriers_flag_buffers_with_every_checkpoint(
     s.deliver(_barrier_buffer(ch, 2))  # overtakes 0, 1, 2 (behind barrier 1)
     b1 = CheckpointBarrier(1, 0, CheckpointOptions(unaligned=True))
     b2 = CheckpointBarrier(2, 0, CheckpointOptions(unaligned=True))
-    assert _taken(gate) == [(0, b1, ()), (0, b2, ()), (0, 0, (1, 2)), (0, 1, (1, 2)), (0, 2, (2,))]
+    assert taken(gate) == [(0, b1, ()), (0, b2, ()), (0, 0, (1, 2)), (0, 1, (1, 2)), (0, 2, (2,))]
     s.send_data()
-    assert _taken(gate) == [(0, 3, ())]
+    assert taken(gate) == [(0, 3, ())]
     gate.close()
 
 
@@ -632,4 +639,65 @@ async def test_malformed_priority_event_fails_the_channel(nbp: NetworkBufferPool
     s.deliver(ch.receive_event(data, DataType.PRIORITIZED_EVENT_BUFFER))
     with pytest.raises(CorruptRecordError):
         gate.poll_next()
+    gate.close()
+
+
+def _taken_batched(gate: SingleInputGate) -> list[tuple[int, object, tuple[int, ...]]]:
+    """``_taken`` through the reader pump's path: ``poll_data`` (data buffers of a
+    channel at once) first, ``poll_next`` for what it leaves."""
+    out: list[tuple[int, object, tuple[int, ...]]] = []
+    while True:
+        data = gate.poll_data(64)
+        if data is not None:
+            index, buffers = data
+            assert buffers, "poll_data returns None, never an empty batch"
+            for buf in buffers:
+                out.append((index, struct.unpack(">II", buf.to_bytes())[1], ()))
+                buf.release()
+            continue
+        boe = gate.poll_next()
+        if boe is None:
+            return out
+        out.append(_item(boe))
+
+
+@pytest.mark.asyncio
+async def test_poll_data_takes_a_channels_buffers_at_once_in_order(
+    nbp: NetworkBufferPool,
+) -> None:
+    """The pump's batch path: every data buffer at the head of a channel in one call, up
+    to the limit, round robin over the channels, stopping at an event (which poll_next
+    returns), each buffer exactly once."""
+    client = RecordingClient()
+    gate, [ch0, ch1] = make_gate(nbp, 2, client, floating=8, exclusive=4)
+    await gate.request_partitions()
+    s0, s1 = Sender(ch0, total=10), Sender(ch1, total=10)
+    for _ in range(3):
+        s0.send_data()
+    s1.send_data()
+    got = gate.poll_data(2)  # the limit: channel 0 keeps its third buffer, goes last
+    assert got is not None and got[0] == 0 and len(got[1]) == 2
+    for buf in got[1]:
+        buf.release()
+    s0.send_end_of_partition()
+    assert _taken_batched(gate) == [
+        (1, 0, ()),
+        (0, 2, ()),
+        (0, EndOfPartitionEvent.INSTANCE, ()),  # not a data buffer: poll_next's
+    ]
+    assert gate.poll_data(64) is None and gate.poll_next() is None
+    gate.close()
+    assert nbp.num_available == nbp.total_segments
+
+
+@pytest.mark.asyncio
+async def test_poll_data_raises_the_channels_error(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client)
+    await gate.request_partitions()
+    s = Sender(ch, total=3)
+    s.send_data()
+    ch.set_error(TransportError("connection to daemon 127.0.0.1:1 lost"))
+    with pytest.raises(TransportError):
+        gate.poll_data(64)
     gate.close()

@@ -5,7 +5,7 @@
 *as the very memoryviews written* (so a buffer recycled too early would show up as
 corrupted bytes on the wire), and crossing the high / low watermark calls
 ``pause_writing`` / ``resume_writing``. ``FakeTimers`` is a virtual clock. What the server
-wrote is decoded with the real ``FrameDecoder``.
+wrote is decoded with the real ``InPlaceFrameDecoder``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from exchange.network.server_connection import (
 )
 from exchange.partition import ResultPartition, ResultPartitionID, ResultPartitionManager
 from exchange.partition.bounded_data import HEADER as BOUNDED_DATA_HEADER
-from exchange.protocol.codec import FrameDecoder, encode, max_frame_size_for
+from exchange.protocol.codec import InPlaceFrameDecoder, encode, max_frame_size_for
 from exchange.protocol.handshake import ClientHandshake
 from exchange.protocol.local_messages import (
     CreatePartition,
@@ -216,7 +216,7 @@ class Peer:
     def __init__(self, conn: ServerConnection, transport: FakeTransport, segment_size: int):
         self.conn = conn
         self.transport = transport
-        self.decoder = FrameDecoder(max_frame_size_for(segment_size))
+        self.decoder = InPlaceFrameDecoder(max_frame_size_for(segment_size))
         self._read = 0
         self.received: list[Message] = []
         self.payloads: dict[int, list[bytes]] = {}

@@ -41,7 +41,7 @@ from exchange.protocol import (
     CloseRequest,
     ErrorCode,
     ErrorResponse,
-    FrameDecoder,
+    InPlaceFrameDecoder,
     Message,
     NewBufferSize,
     PartitionRequest,
@@ -70,7 +70,7 @@ def frames(*msgs: Message) -> bytes:
 
 
 def sent(conn: PartitionRequestClientConnection) -> list[Message]:
-    return FrameDecoder().feed(b"".join(bytes(p) for p in conn.data_to_send()))
+    return InPlaceFrameDecoder().feed(b"".join(bytes(p) for p in conn.data_to_send()))
 
 
 class Provider:

@@ -44,7 +44,7 @@ from exchange.protocol import (
     DataType,
     ErrorCode,
     ErrorResponse,
-    FrameDecoder,
+    InPlaceFrameDecoder,
     Message,
     MessageId,
     NewBufferSize,
@@ -61,7 +61,6 @@ from exchange.protocol import (
     register_message,
     unregister_message,
 )
-from exchange.protocol.codec import InPlaceFrameDecoder
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -94,7 +93,7 @@ def frame_bytes(msg: Message) -> bytes:
     return b"".join(encode(msg))
 
 
-def feed_all(decoder: FrameDecoder, chunks: Iterable[bytes]) -> list[Message]:
+def feed_all(decoder: InPlaceFrameDecoder, chunks: Iterable[bytes]) -> list[Message]:
     out: list[Message] = []
     for chunk in chunks:
         out.extend(decoder.feed(chunk))
@@ -119,7 +118,7 @@ def raw_frame(msg_id: int, body: bytes, length: int | None = None, magic: int = 
 @given(st.lists(MESSAGES, min_size=1, max_size=6))
 def test_round_trip_in_one_chunk(msgs: list[Message]) -> None:
     stream = b"".join(frame_bytes(m) for m in msgs)
-    decoder = FrameDecoder()
+    decoder = InPlaceFrameDecoder()
     assert decoder.feed(stream) == msgs
     assert decoder.buffered == 0
 
@@ -128,7 +127,7 @@ def test_round_trip_in_one_chunk(msgs: list[Message]) -> None:
 @given(st.lists(MESSAGES, min_size=1, max_size=3))
 def test_round_trip_byte_by_byte(msgs: list[Message]) -> None:
     stream = b"".join(frame_bytes(m) for m in msgs)
-    decoder = FrameDecoder()
+    decoder = InPlaceFrameDecoder()
     assert feed_all(decoder, (stream[i : i + 1] for i in range(len(stream)))) == msgs
     assert decoder.buffered == 0
 
@@ -137,7 +136,7 @@ def test_round_trip_byte_by_byte(msgs: list[Message]) -> None:
 @given(st.lists(MESSAGES, min_size=1, max_size=6), st.lists(st.integers(0, 10**6), max_size=12))
 def test_round_trip_in_random_splits(msgs: list[Message], cuts: list[int]) -> None:
     stream = b"".join(frame_bytes(m) for m in msgs)
-    decoder = FrameDecoder()
+    decoder = InPlaceFrameDecoder()
     assert feed_all(decoder, split_at(stream, cuts)) == msgs
     assert decoder.buffered == 0
 
@@ -146,7 +145,7 @@ def test_round_trip_in_random_splits(msgs: list[Message], cuts: list[int]) -> No
 @given(MESSAGES, st.sampled_from([bytearray, memoryview]))
 def test_accepts_bytearray_and_memoryview(msg: Message, kind: Callable[[bytes], object]) -> None:
     data = frame_bytes(msg)
-    assert FrameDecoder().feed(kind(data)) == [msg]  # type: ignore[arg-type]
+    assert InPlaceFrameDecoder().feed(kind(data)) == [msg]  # type: ignore[arg-type]
 
 
 # -- exact layout -------------------------------------------------------------------------
@@ -199,7 +198,7 @@ def test_hello_and_auth_layouts() -> None:
     assert frame_bytes(AuthResponse(mac, "app-1")) == (
         bytes.fromhex("0000002f badc0ffe 03") + mac + b"\x05app-1"
     )
-    assert FrameDecoder().feed(frame_bytes(AuthResponse(mac, "app-1"))) == [
+    assert InPlaceFrameDecoder().feed(frame_bytes(AuthResponse(mac, "app-1"))) == [
         AuthResponse(mac, "app-1")
     ]
     assert frame_bytes(AuthOk(mac)) == bytes.fromhex("00000029 badc0ffe 04") + mac
@@ -219,37 +218,9 @@ def test_encode_passes_the_payload_object_through() -> None:
     assert struct.unpack_from(">I", header, 27)[0] == 500
 
 
-def test_payload_is_a_view_of_the_fed_chunk() -> None:
-    a = BufferResponse(1, 0, 3, DataType.DATA_BUFFER, False, b"a" * 100)
-    b = BufferResponse(1, 1, 2, DataType.EVENT_BUFFER, False, b"b" * 50)
-    chunk = frame_bytes(a) + frame_bytes(b)
-    out = FrameDecoder().feed(chunk)
-    assert out == [a, b]
-    for msg in out:
-        assert isinstance(msg, BufferResponse)
-        assert isinstance(msg.payload, memoryview)
-        assert msg.payload.obj is chunk
-        assert msg.payload.readonly
-
-
-def test_frame_after_a_spanning_one_is_still_zero_copy() -> None:
-    a = frame_bytes(BufferResponse(1, 0, 0, DataType.DATA_BUFFER, False, b"a" * 100))
-    b = frame_bytes(BufferResponse(1, 1, 0, DataType.DATA_BUFFER, False, b"b" * 100))
-    decoder = FrameDecoder()
-    assert decoder.feed(a[:40]) == []
-    second = a[40:] + b
-    first_msg, second_msg = decoder.feed(second)
-    assert isinstance(first_msg, BufferResponse) and isinstance(second_msg, BufferResponse)
-    assert isinstance(first_msg.payload, memoryview)
-    assert isinstance(second_msg.payload, memoryview)
-    assert bytes(first_msg.payload) == b"a" * 100
-    assert first_msg.payload.obj is not second  # joined from both chunks
-    assert second_msg.payload.obj is second
-
-
 def test_bytearray_input_is_copied() -> None:
     data = bytearray(frame_bytes(BufferResponse(1, 0, 0, DataType.DATA_BUFFER, False, b"x" * 8)))
-    (msg,) = FrameDecoder().feed(data)
+    (msg,) = InPlaceFrameDecoder().feed(data)
     data[-8:] = b"y" * 8
     assert isinstance(msg, BufferResponse)
     assert bytes(msg.payload) == b"x" * 8
@@ -266,7 +237,7 @@ def test_buffer_response_helpers() -> None:
 
 
 def test_oversized_length_rejected_from_the_header_alone() -> None:
-    decoder = FrameDecoder()
+    decoder = InPlaceFrameDecoder()
     with pytest.raises(FrameTooLargeError) as info:
         decoder.feed(struct.pack(">IIB", 2**31, MAGIC, MessageId.BUFFER_RESPONSE))
     assert info.value.size == 2**31
@@ -275,7 +246,7 @@ def test_oversized_length_rejected_from_the_header_alone() -> None:
 
 def test_oversized_length_rejected_when_header_arrives_byte_by_byte() -> None:
     header = struct.pack(">IIB", 2**31, MAGIC, MessageId.BUFFER_RESPONSE)
-    decoder = FrameDecoder()
+    decoder = InPlaceFrameDecoder()
     for i in range(FRAME_HEADER_SIZE - 1):
         assert decoder.feed(header[i : i + 1]) == []
     with pytest.raises(FrameTooLargeError):
@@ -286,10 +257,10 @@ def test_frame_at_the_limit_passes_one_byte_more_fails() -> None:
     limit = max_frame_size_for(8192)
     fits = limit - BUFFER_RESPONSE_HEADER_SIZE
     msg = BufferResponse(1, 0, 0, DataType.DATA_BUFFER, False, bytes(fits))
-    assert FrameDecoder(limit).feed(frame_bytes(msg)) == [msg]
+    assert InPlaceFrameDecoder(limit).feed(frame_bytes(msg)) == [msg]
     big = BufferResponse(1, 0, 0, DataType.DATA_BUFFER, False, bytes(fits + 1))
     with pytest.raises(FrameTooLargeError) as info:
-        FrameDecoder(limit).feed(frame_bytes(big)[:FRAME_HEADER_SIZE])
+        InPlaceFrameDecoder(limit).feed(frame_bytes(big)[:FRAME_HEADER_SIZE])
     assert (info.value.size, info.value.limit) == (limit + 1, limit)
 
 
@@ -306,25 +277,23 @@ def _at_the_limit(limit: int, extra: int = 0) -> tuple[BufferResponse, bytes]:
 def test_a_frame_at_the_limit_decodes_when_its_header_arrives_split(
     split: int, after: bool
 ) -> None:
-    """The header checked across reads (``_complete_pending``) as in one read: a frame of
+    """The header checked across reads as in one read: a frame of
     exactly the limit passes, one byte more fails, at every split of the header, alone or
-    behind a whole frame in the same read. Both decoders."""
+    behind a whole frame in the same read."""
     limit = max_frame_size_for(8192)
     msg, data = _at_the_limit(limit)
     assert len(data) == limit
     lead = frame_bytes(AddCredit(1, 1)) if after else b""
     first, rest = lead + data[:split], data[split:]
     expected = [AddCredit(1, 1), msg] if after else [msg]
-    assert feed_all(FrameDecoder(limit), [first, rest]) == expected
-    in_place = InPlaceFrameDecoder(limit)
-    assert [*in_place.feed(first), *in_place.feed(rest)] == expected
+    assert feed_all(InPlaceFrameDecoder(limit), [first, rest]) == expected
     _, big = _at_the_limit(limit, 1)
     first = lead + big[:split]
-    for decoder in (FrameDecoder(limit), InPlaceFrameDecoder(limit)):
-        with pytest.raises(FrameTooLargeError) as info:
-            decoder.feed(first)
-            decoder.feed(big[split:])
-        assert (info.value.size, info.value.limit) == (limit + 1, limit)
+    decoder = InPlaceFrameDecoder(limit)
+    with pytest.raises(FrameTooLargeError) as info:
+        decoder.feed(first)
+        decoder.feed(big[split:])
+    assert (info.value.size, info.value.limit) == (limit + 1, limit)
 
 
 @pytest.mark.parametrize(
@@ -334,9 +303,8 @@ def test_a_dataset_id_of_exactly_255_bytes_is_decoded(name: str) -> None:
     assert len(name.encode("utf-8")) == 255
     msg = PartitionRequest(ResultPartitionID(name, 7, 9), 3, 2, 1)
     data = frame_bytes(msg)
-    assert FrameDecoder().feed(data) == [msg]
     assert InPlaceFrameDecoder().feed(data) == [msg]
-    assert feed_all(FrameDecoder(), [data[i : i + 1] for i in range(len(data))]) == [msg]
+    assert feed_all(InPlaceFrameDecoder(), [data[i : i + 1] for i in range(len(data))]) == [msg]
 
 
 def test_a_dataset_id_of_256_bytes_is_refused_both_ways() -> None:
@@ -351,15 +319,14 @@ def test_a_dataset_id_of_256_bytes_is_refused_both_ways() -> None:
     struct.pack_into(">H", body, 0, 256)
     body[2:2] = b"x"
     patched = struct.pack(">IIB", length + 1, MAGIC, MessageId.PARTITION_REQUEST) + bytes(body)
-    for decoder in (FrameDecoder(), InPlaceFrameDecoder()):
-        with pytest.raises(ProtocolError, match="dataset id of 256 bytes"):
-            decoder.feed(patched)
+    with pytest.raises(ProtocolError, match="dataset id of 256 bytes"):
+        InPlaceFrameDecoder().feed(patched)
 
 
 def test_length_shorter_than_the_header() -> None:
     for length in (0, 1, FRAME_HEADER_SIZE - 1):
         with pytest.raises(ProtocolError, match="shorter"):
-            FrameDecoder().feed(raw_frame(MessageId.CLOSE_REQUEST, b"", length=length))
+            InPlaceFrameDecoder().feed(raw_frame(MessageId.CLOSE_REQUEST, b"", length=length))
 
 
 def test_max_frame_size_for() -> None:
@@ -371,21 +338,21 @@ def test_max_frame_size_for() -> None:
         with pytest.raises(UsageError):
             max_frame_size_for(bad)
     with pytest.raises(UsageError):
-        FrameDecoder(MAX_CONTROL_FRAME_SIZE - 1)
+        InPlaceFrameDecoder(MAX_CONTROL_FRAME_SIZE - 1)
 
 
 def test_largest_control_frame_fits_the_smallest_limit() -> None:
     msg = ErrorResponse(ErrorCode.INTERNAL, "\u20ac" * 5000, 1)
     frame = frame_bytes(msg)
     assert len(frame) <= MAX_CONTROL_FRAME_SIZE
-    assert FrameDecoder(MAX_CONTROL_FRAME_SIZE).feed(frame) == [msg]
+    assert InPlaceFrameDecoder(MAX_CONTROL_FRAME_SIZE).feed(frame) == [msg]
     pid = ResultPartitionID("x" * 255, 1, 2)
     assert len(frame_bytes(PartitionRequest(pid, 0, 0, 0))) <= MAX_CONTROL_FRAME_SIZE
 
 
 def test_buffered_reports_a_partial_frame() -> None:
     frame = frame_bytes(AddCredit(1, 1))
-    decoder = FrameDecoder()
+    decoder = InPlaceFrameDecoder()
     decoder.feed(frame[:5])
     assert decoder.buffered == 5
     decoder.feed(frame[5:12])
@@ -399,7 +366,7 @@ def test_buffered_reports_a_partial_frame() -> None:
 
 def test_bad_magic() -> None:
     with pytest.raises(BadMagicError) as info:
-        FrameDecoder().feed(raw_frame(MessageId.CLOSE_REQUEST, b"", magic=0xCAFEBABE))
+        InPlaceFrameDecoder().feed(raw_frame(MessageId.CLOSE_REQUEST, b"", magic=0xCAFEBABE))
     assert info.value.magic == 0xCAFEBABE
 
 
@@ -407,7 +374,7 @@ def test_bad_magic() -> None:
 @pytest.mark.parametrize("msg_id", [0, 5, 9, 20, 63, 100, 127, 128, 255])
 def test_unknown_id_rejected_before_the_body(msg_id: int) -> None:
     with pytest.raises(UnknownMessageError) as info:
-        FrameDecoder().feed(struct.pack(">IIB", 100, MAGIC, msg_id))
+        InPlaceFrameDecoder().feed(struct.pack(">IIB", 100, MAGIC, msg_id))
     assert info.value.msg_id == msg_id
 
 
@@ -432,7 +399,7 @@ VALID: list[Message] = [
 def test_valid_corpus_covers_every_message_id() -> None:
     assert [type(m).MESSAGE_ID for m in VALID] == [int(i) for i in MessageId]
     stream = b"".join(frame_bytes(m) for m in VALID)
-    assert FrameDecoder().feed(stream) == VALID
+    assert InPlaceFrameDecoder().feed(stream) == VALID
 
 
 @pytest.mark.parametrize("msg", VALID, ids=lambda m: type(m).__name__)
@@ -441,10 +408,10 @@ def test_truncated_and_trailing_bodies(msg: Message) -> None:
     msg_id, body = frame[8], frame[FRAME_HEADER_SIZE:]
     if body:
         with pytest.raises(ProtocolError):
-            FrameDecoder().feed(raw_frame(msg_id, body[:-1]))
+            InPlaceFrameDecoder().feed(raw_frame(msg_id, body[:-1]))
     with pytest.raises(ProtocolError):
-        FrameDecoder().feed(raw_frame(msg_id, body + b"\x00"))
-    assert FrameDecoder().feed(raw_frame(msg_id, body)) == [msg]
+        InPlaceFrameDecoder().feed(raw_frame(msg_id, body + b"\x00"))
+    assert InPlaceFrameDecoder().feed(raw_frame(msg_id, body)) == [msg]
 
 
 def _patched(msg: Message, offset: int, value: bytes) -> bytes:
@@ -484,14 +451,14 @@ BAD_BODIES = {
 @pytest.mark.parametrize("frame", BAD_BODIES.values(), ids=BAD_BODIES.keys())
 def test_bad_bodies_raise_protocol_error(frame: bytes) -> None:
     with pytest.raises(ProtocolError):
-        FrameDecoder().feed(frame)
-    decoder = FrameDecoder()
+        InPlaceFrameDecoder().feed(frame)
+    decoder = InPlaceFrameDecoder()
     with pytest.raises(ProtocolError):
         feed_all(decoder, (frame[i : i + 1] for i in range(len(frame))))
 
 
 def test_error_poisons_the_decoder() -> None:
-    decoder = FrameDecoder()
+    decoder = InPlaceFrameDecoder()
     with pytest.raises(BadMagicError):
         decoder.feed(raw_frame(MessageId.CLOSE_REQUEST, b"", magic=0))
     assert isinstance(decoder.error, BadMagicError)
@@ -501,7 +468,7 @@ def test_error_poisons_the_decoder() -> None:
 
 
 def test_empty_feed() -> None:
-    decoder = FrameDecoder()
+    decoder = InPlaceFrameDecoder()
     assert decoder.feed(b"") == []
     decoder.feed(b"\x00")
     assert decoder.feed(b"") == []
@@ -558,10 +525,10 @@ def test_error_response_truncates_long_and_unencodable_messages() -> None:
     msg = ErrorResponse(ErrorCode.INTERNAL, "\u00e9" * 3000)
     assert len(msg.message.encode("utf-8")) <= MAX_ERROR_MESSAGE_BYTES
     assert msg.message.endswith("...")
-    assert FrameDecoder().feed(frame_bytes(msg)) == [msg]
+    assert InPlaceFrameDecoder().feed(frame_bytes(msg)) == [msg]
     odd = ErrorResponse(ErrorCode.INTERNAL, "a\ud800b")
     assert odd.message == "a?b"
-    assert FrameDecoder().feed(frame_bytes(odd)) == [odd]
+    assert InPlaceFrameDecoder().feed(frame_bytes(odd)) == [odd]
 
 
 def test_error_response_fatality() -> None:
@@ -604,14 +571,14 @@ def ping_registered() -> Iterable[None]:
 def test_registered_message_round_trips() -> None:
     frame = frame_bytes(Ping(b"hello"))
     assert frame[:FRAME_HEADER_SIZE] == struct.pack(">IIB", 14, MAGIC, 100)
-    decoder = FrameDecoder()
+    decoder = InPlaceFrameDecoder()
     assert decoder.feed(frame + frame_bytes(AddCredit(1, 1))) == [Ping(b"hello"), AddCredit(1, 1)]
 
 
 @pytest.mark.usefixtures("ping_registered")
 def test_registered_decoder_errors_become_protocol_errors() -> None:
     with pytest.raises(ProtocolError, match="empty ping"):
-        FrameDecoder().feed(raw_frame(100, b""))
+        InPlaceFrameDecoder().feed(raw_frame(100, b""))
 
 
 @pytest.mark.usefixtures("ping_registered")
@@ -635,7 +602,7 @@ def test_unregistered_message_is_unknown_again() -> None:
     frame = frame_bytes(Ping(b"x"))
     unregister_message(100)
     with pytest.raises(UnknownMessageError):
-        FrameDecoder().feed(frame)
+        InPlaceFrameDecoder().feed(frame)
     with pytest.raises(UsageError):
         encode(Ping(b"x"))
 

@@ -1,4 +1,4 @@
-"""Hostile input for FrameDecoder: every input either decodes or raises ProtocolError.
+"""Hostile input for InPlaceFrameDecoder: every input either decodes or raises ProtocolError.
 
 Anything else escaping (struct.error, UnicodeDecodeError, ValueError, IndexError, a
 UsageError from a message constructor) fails these tests. Each input is also fed in one
@@ -28,7 +28,7 @@ from exchange.protocol import (
     DataType,
     ErrorCode,
     ErrorResponse,
-    FrameDecoder,
+    InPlaceFrameDecoder,
     Message,
     MessageId,
     NewBufferSize,
@@ -66,7 +66,7 @@ Outcome = tuple[list[Message], type[ProtocolError] | None, int]
 
 def decode(data: bytes, chunks: list[bytes]) -> Outcome:
     """Messages, the error type (or None) and the bytes left over."""
-    decoder = FrameDecoder(MAX_CONTROL_FRAME_SIZE)
+    decoder = InPlaceFrameDecoder(MAX_CONTROL_FRAME_SIZE)
     out: list[Message] = []
     try:
         for chunk in chunks:

@@ -28,7 +28,7 @@ from exchange.protocol import (
     DataType,
     ErrorCode,
     ErrorResponse,
-    FrameDecoder,
+    InPlaceFrameDecoder,
     Message,
     PartitionRequest,
     ServerHandshake,
@@ -64,7 +64,7 @@ def server(secret: bytes | None, **kw: object) -> ServerHandshake:
 
 def over_the_wire(msgs: list[Message]) -> list[Message]:
     """Encode and decode, as the real transport would."""
-    decoder = FrameDecoder()
+    decoder = InPlaceFrameDecoder()
     out = decoder.feed(b"".join(b"".join(encode(m)) for m in msgs))
     assert out == msgs
     return out

@@ -30,7 +30,7 @@ from exchange.protocol import (
     CloseRequest,
     ErrorCode,
     ErrorResponse,
-    FrameDecoder,
+    InPlaceFrameDecoder,
     Message,
     MessageId,
     PartitionRequest,
@@ -40,10 +40,10 @@ from exchange.protocol import (
 from exchange.protocol.codec import (
     BufferResponseHeader,
     DataFrameSpec,
-    InPlaceFrameDecoder,
     PayloadReceived,
 )
 from exchange.protocol.local_messages import PushBuffer
+from tests.kit.reference_frame_decoder import FrameDecoder
 
 SEG = 4096
 
@@ -123,7 +123,7 @@ def test_payload_lands_in_the_sink_view_and_control_frames_decode(chunking: str)
     assert landed[0].payload.obj is sink.segments[0]
 
 
-def test_without_a_sink_it_decodes_like_frame_decoder() -> None:
+def test_without_a_sink_it_decodes_like_the_reference_decoder() -> None:
     msgs = [*CONTROL, DATA, EVENT, PartitionRequest(ResultPartitionID("x", 1), 0, 2, 3)]
     stream = b"".join(frame(m) for m in msgs)
     assert InPlaceFrameDecoder().feed(stream) == FrameDecoder().feed(stream) == msgs

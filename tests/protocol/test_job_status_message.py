@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from exchange.errors import ProtocolError
-from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, FrameDecoder, encode
+from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, InPlaceFrameDecoder, encode
 from exchange.protocol.local_messages import (
     MAX_JOB_CHECKPOINTS,
     MAX_JOB_TASKS,
@@ -58,14 +58,14 @@ def body_of(msg: JobStatus) -> dict[str, Any]:
 
 def test_round_trip_whole_and_byte_by_byte() -> None:
     data = frame_bytes(FULL)
-    assert FrameDecoder().feed(data) == [FULL]
-    dec = FrameDecoder()
+    assert InPlaceFrameDecoder().feed(data) == [FULL]
+    dec = InPlaceFrameDecoder()
     out = []
     for i in range(len(data)):
         out.extend(dec.feed(data[i : i + 1]))
     assert out == [FULL]
     minimal = JobStatus("j", "FINISHED", 0, 0, 0, 0, 0)
-    assert FrameDecoder().feed(frame_bytes(minimal)) == [minimal]
+    assert InPlaceFrameDecoder().feed(frame_bytes(minimal)) == [minimal]
 
 
 def test_the_wire_keys_are_the_documented_ones() -> None:
@@ -129,7 +129,7 @@ def _mutated(path: tuple[Any, ...], value: Any) -> dict[str, Any]:
     ],
 )
 def test_a_body_out_of_bounds_is_a_protocol_error(path: tuple[Any, ...], value: Any) -> None:
-    dec = FrameDecoder()
+    dec = InPlaceFrameDecoder()
     with pytest.raises(ProtocolError):
         dec.feed(raw_frame(_mutated(path, value)))
     with pytest.raises(ProtocolError):  # poisoned: the stream is out of sync

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from exchange.errors import ProtocolError
-from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, FrameDecoder, encode
+from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, InPlaceFrameDecoder, encode
 from exchange.protocol.local_messages import (
     MAX_TASK_NAME_LENGTH,
     TASK_METRIC_NAMES,
@@ -35,7 +35,7 @@ def raw_frame(body: Any, *, packed: bytes | None = None) -> bytes:
 
 
 def decode_all(data: bytes, *, byte_by_byte: bool = False) -> list[Any]:
-    dec = FrameDecoder()
+    dec = InPlaceFrameDecoder()
     if not byte_by_byte:
         return list(dec.feed(data))
     out: list[Any] = []
@@ -158,7 +158,7 @@ def test_malformed_msgpack_is_a_protocol_error(packed: bytes) -> None:
 
 
 def test_the_decoder_stays_poisoned() -> None:
-    dec = FrameDecoder()
+    dec = InPlaceFrameDecoder()
     with pytest.raises(ProtocolError):
         dec.feed(raw_frame({**GOOD, "metrics": {"throughput": math.nan}}))
     with pytest.raises(ProtocolError):
