@@ -417,7 +417,7 @@ def test_a_pipelined_partition_created_after_its_consumer_left_is_not_left_behin
             return
         next(it)  # a record of producer 0's partition: producer 1 has none yet
         # producer 0 done (then task 1 reads its part of it to the end). Bounded well
-        # within the ~22 s task 1's reader retries producer 1's partition: if the count
+        # within the ~20 s task 1's reader retries producer 1's partition: if the count
         # is thrown off (another test's partition released meanwhile), task 0 leaves
         # anyway and the run fails instead, which must leave the daemon clean just as well
         deadline = time.monotonic() + 8
