@@ -41,6 +41,18 @@ task's memory) and ``spill`` (parked in private spill files). Per mode: the medi
 checkpoint duration, the median alignment (first to last barrier, the longest task) and
 the median bytes processed (block_upstream) or parked (buffer, spill) while aligning, per
 checkpoint, all tasks. ``--alignments=`` (empty) skips them.
+
+First, the throughput cost of unaligned checkpoints (issue 22): the same pipeline with a
+sink that does nothing (no backpressure: the job runs at its max rate, so a cost cannot
+hide behind a slow sink), on one daemon of default settings, ``--throughput-rounds``
+(default 4) alternated rounds of ``--throughput-records`` (default 1,000,000) each:
+no checkpoints (an interval longer than the run), then unaligned checkpoints every second
+(no ``min_pause``). Each sink writes the monotonic times of its record ``n/4`` and
+``9n/10`` (n: its share) to a file: the rate over the middle of the run, the job's start
+and end left out. Keys ``records_per_s_no_checkpoints``,
+``records_per_s_unaligned_every_1s`` (medians), ``unaligned_throughput_cost``
+(``1 - unaligned/none``; negative: within the noise) and ``target_unaligned_cost_met``
+(<= 0.10). ``--only throughput`` runs only these; ``--throughput-rounds=0`` skips them.
 The last line printed is one JSON object.
 """
 
@@ -74,6 +86,11 @@ TARGET_RATIO = 5.0
 #: aligned with debloating
 TARGET_UNALIGNED_MS = 100.0
 TARGET_UNALIGNED_RATIO = 10.0
+#: throughput at max rate (no slow sink): unaligned checkpoints every second vs none,
+#: alternated rounds, medians; the cost target
+THROUGHPUT_ROUNDS = 4
+THROUGHPUT_RECORDS = 1_000_000
+TARGET_UNALIGNED_COST = 0.10
 #: the exactly-once alignment modes measured after the debloating pair
 ALIGNMENTS = ("block_upstream", "buffer", "spill")
 
@@ -96,6 +113,79 @@ def slow_sink_factory() -> Any:
             time.sleep(SINK_DELAY)
 
     return SlowSink()
+
+
+def rate_sink_factory(path: str, first: int, last: int) -> Any:
+    """A sink that does nothing per record (the pipeline runs at its max rate) and writes
+    to ``path`` (one file per subtask) the monotonic times at which it took its ``first``
+    and ``last`` record: the steady-state rate, without the job's start and end."""
+    from client.streaming.functions import Collector, Operator
+
+    class RateSink(Operator):
+        n = 0
+        t_first = 0.0
+
+        def process(self, record: Any, out: Collector) -> None:
+            self.n += 1
+            if self.n == first:
+                self.t_first = time.monotonic()
+            elif self.n == last:
+                elapsed = time.monotonic() - self.t_first
+                Path(path, f"sink-{self.ctx.subtask_index}").write_text(f"{last - first} {elapsed}")
+
+    return RateSink()
+
+
+def run_throughput(
+    spark: Any, daemon: Daemon, count: int, args: argparse.Namespace, *, mode: str | None
+) -> float:
+    """Records per second of the pipeline with a sink that does nothing (max rate), over
+    the middle of the run (the sinks' records ``count/p/4`` to ``count/p*9/10``): ``mode``
+    ``"unaligned"`` checkpoints every second (no ``min_pause``), None none (an interval
+    longer than the run: only the final checkpoint, after the window)."""
+    from client.streaming.environment import StreamEnvironment
+
+    p = args.parallelism
+    share = count // p
+    first, last = share // 4, share * 9 // 10
+    ckpt = tempfile.mkdtemp(prefix="xbench-ckpt-")
+    marks = tempfile.mkdtemp(prefix="xbench-rate-")
+    try:
+        env = StreamEnvironment(
+            spark,
+            checkpoint_dir=ckpt,
+            checkpoint_interval=1.0 if mode else 86400.0,
+            mode=mode or "exactly_once",
+            daemon=daemon.socket_path,
+            buffer_timeout=args.buffer_timeout,
+        )
+        (
+            env.from_generator(
+                functools.partial(make_record, args.record_bytes), count=count, parallelism=p
+            )
+            .rebalance()
+            .map(identity, parallelism=p)
+            .rebalance()
+            .sink_to(functools.partial(rate_sink_factory, marks, first, last), parallelism=p)
+        )
+        result = env.execute(restart_attempts=0)
+        files = list(Path(marks).iterdir())
+        if len(files) != p:
+            raise BenchError(f"throughput: {len(files)} of {p} sinks reported their window")
+        rate = 0.0
+        for f in files:
+            n, elapsed = f.read_text().split()
+            rate += int(n) / float(elapsed)
+    finally:
+        shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.rmtree(marks, ignore_errors=True)
+    done = [c for c in result.checkpoints if not c.is_final]
+    if mode and len(done) < 2:
+        raise BenchError(
+            f"throughput: only {len(done)} checkpoints in {result.duration:.1f} s: more "
+            f"--throughput-records"
+        )
+    return rate
 
 
 def run_job(
@@ -202,7 +292,23 @@ def main() -> None:
         "--buffer-timeout", default=BUFFER_TIMEOUT, help="a task's output buffer timeout"
     )
     ap.add_argument("--warmup-checkpoints", type=int, default=WARMUP, help="left out at the start")
-    ap.add_argument("--only", choices=("off", "on"), help="run one configuration (no ratio)")
+    ap.add_argument(
+        "--only",
+        choices=("off", "on", "throughput"),
+        help="run one configuration (no ratio), or only the throughput rounds",
+    )
+    ap.add_argument(
+        "--throughput-rounds",
+        type=int,
+        default=THROUGHPUT_ROUNDS,
+        help="rounds of (no checkpoints, unaligned every 1 s) at max rate; 0: none",
+    )
+    ap.add_argument(
+        "--throughput-records",
+        type=int,
+        default=THROUGHPUT_RECORDS,
+        help="records per throughput run (all sources)",
+    )
     ap.add_argument(
         "--alignments",
         default=",".join(ALIGNMENTS),
@@ -230,12 +336,15 @@ def main() -> None:
     aligned: dict[str, dict[str, Any]] = {}
     results: dict[str, dict[str, Any]] = {}
     unaligned: dict[str, dict[str, Any]] = {}
+    throughput: dict[str, list[float]] = {}
     try:
+        if args.throughput_rounds > 0 and args.only in (None, "throughput"):
+            throughput = run_throughput_rounds(spark, args)
         for name, flags in (
             ("off", ()),
             ("on", ("--debloat", f"--debloat-target={TARGET_MS}ms")),
         ):
-            if args.only not in (None, name):
+            if args.only is not None and args.only != name:
                 continue
             r = results[name] = run_on_daemon(flags, f"debloat {name}", spark, count, args)
             print(
@@ -282,6 +391,9 @@ def main() -> None:
             )
     finally:
         spark.stop()
+    if args.only == "throughput":
+        print(json_line({"bench": "checkpointing", **_throughput_keys(throughput)}))
+        return
     if args.only:
         return
     off, on = results["off"]["median_ms"], results["on"]["median_ms"]
@@ -311,9 +423,46 @@ def main() -> None:
                 "target_design_met": vs_design <= TARGET_VS_DESIGN,
                 **_alignment_keys(aligned, ap_),
                 **_unaligned_keys(unaligned, results),
+                **_throughput_keys(throughput),
             }
         )
     )
+
+
+def run_throughput_rounds(spark: Any, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Alternated rounds on one daemon (default settings): no checkpoints, then unaligned
+    checkpoints every second; records/s of each run."""
+    rates: dict[str, list[float]] = {"none": [], "unaligned": []}
+    with Daemon() as daemon:
+        for i in range(args.throughput_rounds):
+            for key, mode in (("none", None), ("unaligned", "unaligned")):
+                rates[key].append(
+                    run_throughput(spark, daemon, args.throughput_records, args, mode=mode)
+                )
+            print(
+                f"throughput round {i + 1}: no checkpoints {rates['none'][-1]:.0f} records/s, "
+                f"unaligned every 1 s {rates['unaligned'][-1]:.0f} records/s",
+                flush=True,
+            )
+        if not daemon.stop():
+            raise BenchError("throughput: the daemon's pool was not whole at stop")
+    return rates
+
+
+def _throughput_keys(rates: dict[str, list[float]]) -> dict[str, Any]:
+    """The JSON keys of the throughput rounds (none when skipped). Target (issue 22): the
+    medians of unaligned checkpoints every second cost <= 10 % of none's."""
+    if not rates:
+        return {}
+    none, unaligned = median(rates["none"]), median(rates["unaligned"])
+    cost = 1 - unaligned / none
+    return {
+        "throughput_rounds": len(rates["none"]),
+        "records_per_s_no_checkpoints": none,
+        "records_per_s_unaligned_every_1s": unaligned,
+        "unaligned_throughput_cost": cost,
+        "target_unaligned_cost_met": cost <= TARGET_UNALIGNED_COST,
+    }
 
 
 def _unaligned_keys(

@@ -870,20 +870,30 @@ class PartitionReader:
         while it waits: Flink's mailbox takes the barrier while the output is unavailable)."""
         if not self._jumping or self._closed or self._done:
             return
-        if self._priority and not self._ready:
+        if self._priority and all(kind == _DATA for kind, _, _ in self._ready):
             self._jump()
         if self._ahead:
             self._decode_ahead()
 
     def _jump(self) -> None:
         """The barriers in the priority slot overtake everything received and not processed
-        yet (nothing decoded is waiting: ``_ready`` is empty, so every record before them
-        was processed): the handler triggers now; the items of each barrier's channel up to
-        its ``_JUMPED`` place are flagged as overtaken by it when decoded (channel state)."""
+        yet: the handler triggers now; the items of each barrier's channel up to its
+        ``_JUMPED`` place are flagged as overtaken by it when decoded (channel state).
+        Record lists decoded before and not processed yet (``_ready``: only record lists,
+        or no jump) were before the cut for the handler but are in no state: they are
+        persisted as channel state of each checkpoint triggered now, first of their
+        channel's, and processed after the trigger (Flink persists the unconsumed part of
+        the buffer the task is in). ``nbytes`` 0: the task counts their pickled size."""
         out: list[_Item] = []
         self._calls.out = out
         self._take_priority_into()
-        self._run_calls(out)
+        listener = self._listener
+        assert listener is not None
+        for call in out:
+            self._run_calls([call])
+            if call[0] == _TRIGGER:  # before anything else of the checkpoint
+                for _, ch, records in self._ready:
+                    listener.persist_records(call[2][0], ch, records, 0)  # type: ignore[attr-defined]
         self._ahead = True
 
     def _take_priority_into(self) -> None:

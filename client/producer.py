@@ -243,13 +243,24 @@ class PartitionWriter:
         *,
         runtime: ClientRuntime | None = None,
         window: int = _WINDOW,
+        overdraft: int = 0,
         **overrides: Any,
     ) -> None:
         """``options`` with ``overrides`` as in ``AsyncPartitionWriter.open``; at most
-        ``window`` batches of buffers are in flight to the loop."""
+        ``window`` batches of buffers are in flight to the loop.
+
+        ``overdraft`` (batches, default 0): with 0 an emit waits whenever more than
+        ``window`` batches are in flight (the flush timer's batches, which it ships
+        beyond the window, included). With more, an emit waits only after it shipped a
+        batch itself, and only while more than ``window + overdraft`` are in flight: for
+        a task that waits for ``available()`` between its steps (a streaming task), so a
+        step under back pressure ends and the task gets back to its mailbox (a priority
+        barrier, a trigger) rather than waiting inside the step (Flink's overdraft
+        buffers: a record is finished beyond the pool)."""
         opts = WriterOptions.of(options, overrides)
         _check_partition(partition_id, num_subpartitions)
         check_count("window", window, 1)
+        check_count("overdraft", overdraft, 0)
         self._rt = runtime if runtime is not None else get_runtime()
         conn, created = self._rt.run(_open_partition(partition_id, num_subpartitions, opts))
         self._sink = DaemonSink(conn, partition_id)
@@ -264,6 +275,7 @@ class PartitionWriter:
         self.codec = self._writer.codec
         self._timeout = float(opts.buffer_timeout)
         self._window = window
+        self._overdraft = overdraft
         # Task thread (and the flush timer) -> the loop's sender: batches of cut buffers.
         self._out: Channel[list[OutputBuffer]] = Channel(window, f"writer[{partition_id}]")
         # batches the sender pushed to the daemon; a flush waits for them (loop thread)
@@ -335,10 +347,11 @@ class PartitionWriter:
             raise fresh_error(self._error)
         raise WriterClosedError(f"writer of {self.partition_id} is closed")
 
-    def _ship(self, force: bool = False) -> None:
-        """Hand the cut buffers to the loop; called with the lock held, so batches are
-        queued in the order they were cut, whichever thread cut them. Never waits (the
-        room is waited for after the lock is released: ``_wait_room``)."""
+    def _ship(self, force: bool = False) -> bool:
+        """Hand the cut buffers to the loop (True when it did); called with the lock
+        held, so batches are queued in the order they were cut, whichever thread cut
+        them. Never waits (the room is waited for after the lock is released:
+        ``_wait_room``)."""
         writer = self._writer
         if self._new_sizes:
             self._apply_new_sizes()
@@ -348,6 +361,8 @@ class PartitionWriter:
         if writer.has_output and (force or flushed or writer.output_bytes >= self._ship_bytes()):
             self._flushes_shipped = writer.stats.flushes
             self._hand(writer.take_output())
+            return True
+        return False
 
     def _hand(self, outs: list[OutputBuffer]) -> None:
         """Queue one batch for the sender, beyond the window if need be (lock held)."""
@@ -401,7 +416,7 @@ class PartitionWriter:
         if out.capacity != window:
             out.set_capacity(window)
         try:
-            out.wait_room(0)
+            out.wait_room(-self._overdraft)  # at most window + overdraft in flight
         except (ChannelBrokenError, ChannelClosedError):
             self._raise_failed()
 
@@ -418,8 +433,9 @@ class PartitionWriter:
 
     def _after(self, force: bool = False) -> None:
         with self._lock:
-            self._ship(force or self._timeout == 0)
-        self._wait_room()
+            shipped = self._ship(force or self._timeout == 0)
+        if shipped or not self._overdraft:
+            self._wait_room()
 
     def _after_event(self) -> None:
         """Ship an event, and what was emitted before it, without waiting for room in the
@@ -540,6 +556,19 @@ class PartitionWriter:
                     return total
         finally:
             self._gather = None
+
+    def records_per_shipment(self) -> int:
+        """About how many records one shipment holds (one debloated buffer, else
+        ``_SHIP_BYTES``) at the buffer sizes the consumers announced so far, from the
+        mean record size so far (``_FIRST_CHUNK`` before the first batch); 1 with a
+        buffer timeout of 0. Emitting this many after ``available()`` said there is room
+        waits for the daemon once at most (unless a new size comes meanwhile), so a task
+        that emits in bounded steps (a source's poll) gets back to its mailbox about once
+        per buffer the consumer frees."""
+        with self._lock:
+            if self._new_sizes:
+                self._apply_new_sizes()
+        return self._chunk_size()
 
     def _chunk_size(self) -> int:
         """Records to gather at a time: about one shipment's worth of bytes (a few large

@@ -105,6 +105,12 @@ log = logging.getLogger("exchange.streaming.task")
 
 #: Records a source emits between two looks at the mailbox.
 _POLL_BATCH: Final = 256
+#: Batches a task's writer may ship beyond its window within one step (a source's poll,
+#: one record list) before an emit waits: the task waits for room between steps, where
+#: it runs its mail (``PartitionWriter(overdraft=)``). Without it, a flush timer that
+#: shipped beyond the window made the next emit wait inside the step, so under back
+#: pressure a priority barrier waited for the consumer to free a whole batch.
+_OUTPUT_OVERDRAFT: Final = 2
 #: Records a reading task processes between two looks at the mailbox.
 _MAIL_EVERY: Final = 64
 #: How long an idle source without ``ready_in()`` waits for mail before it polls again.
@@ -356,6 +362,7 @@ class StreamTask:
                 daemon_socket=self.daemon_socket,
                 buffer_timeout=self.job.buffer_timeout,
                 secret=self.job.credential,
+                overdraft=_OUTPUT_OVERDRAFT,
             )
             self.writers.append((edge, w))
         self._finished_on_restore = bool(finished) and all(finished)
@@ -628,8 +635,9 @@ class StreamTask:
         self, checkpoint_id: int, channel: int, records: list[Any], nbytes: int
     ) -> None:
         """Unaligned: ``records`` (decoded from ``nbytes`` of input that arrived after the
-        trigger, before the channel's barrier) are input channel state of the checkpoint;
-        pickled now, so what operators do to them later changes nothing."""
+        trigger, before the channel's barrier; 0: decoded before the trigger and not
+        processed yet, counted at their pickled size) are input channel state of the
+        checkpoint; pickled now, so what operators do to them later changes nothing."""
         pending = self._pending_snapshots.get(checkpoint_id)
         if pending is None:
             return
@@ -638,6 +646,8 @@ class StreamTask:
             key = self._channel_keys[channel]
             blob = pickle.dumps(records, protocol=pickle.HIGHEST_PROTOCOL)
             pending.channels.setdefault(key, []).append(blob)
+            if not nbytes:
+                pending.persisted_bytes += len(blob)
 
     def persist_partial_record(self, checkpoint_id: int, channel: int, data: bytes) -> None:
         """Unaligned, after a priority barrier: ``data`` is the head of the record the
@@ -882,7 +892,7 @@ class StreamTask:
                     self._await_output(blocked)
                     continue
                 before = out.count
-                alive = source.poll(out, _POLL_BATCH)
+                alive = source.poll(out, self._poll_batch())
                 emitted = out.count - before
             if alive and emitted == 0:  # idle, rate-limited or watching: wait, never spin
                 self._wait_for_mail(_idle_wait(source))
@@ -890,6 +900,17 @@ class StreamTask:
                 self._end_input()  # nothing may follow the final checkpoint's barrier
                 assert self.ctl is not None
                 self.ctl.send({"type": "exhausted"})
+
+    def _poll_batch(self) -> int:
+        """Records a source emits in one poll: ``_POLL_BATCH``, or fewer when a writer's
+        shipment holds fewer (debloated buffers): an emit that finds the window full
+        waits inside the poll, where no mail is run, so under back pressure a poll of
+        ``_POLL_BATCH`` small records would hold a checkpoint's trigger (and the
+        priority barrier it sends) until the consumer freed that many records."""
+        batch = _POLL_BATCH
+        for _, w in self.writers:
+            batch = min(batch, w.records_per_shipment())
+        return max(1, batch)
 
     def _blocked_output(self) -> concurrent.futures.Future[None] | None:
         """The first writer without room (back pressure): its availability future."""

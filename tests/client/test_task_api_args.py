@@ -103,13 +103,16 @@ def test_partition_writer_refuses_bad_arguments_before_connecting(
     assert not listener.connected()
 
 
-@pytest.mark.parametrize("window", [0, -1, 1.5, None])
-def test_partition_writer_refuses_a_bad_window_before_connecting(
-    unix_listener: tuple[str, Listener], window: Any
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [("window", v) for v in (0, -1, 1.5, None)] + [("overdraft", v) for v in (-1, 1.5, None, True)],
+)
+def test_partition_writer_refuses_a_bad_window_or_overdraft_before_connecting(
+    unix_listener: tuple[str, Listener], name: str, bad: Any
 ) -> None:
     path, listener = unix_listener
-    with pytest.raises(UsageError, match="window"):
-        PartitionWriter(PID, 1, daemon_socket=path, window=window)
+    with pytest.raises(UsageError, match=name):
+        PartitionWriter(PID, 1, daemon_socket=path, **{name: bad})
     assert not listener.connected()
 
 

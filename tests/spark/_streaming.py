@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -38,13 +39,18 @@ def key_of(value: int) -> int:
 
 
 def _mark(probes: str, name: str, text: str = "") -> bool:
-    """Create ``probes/name`` once (False if it exists: the mark is taken)."""
+    """Create ``probes/name`` once (False if it exists: the mark is taken), with its text
+    in it from the first moment it exists: written to a file of its own, then linked
+    (a test that sees the mark reads the whole text, never an empty file)."""
+    tmp = os.path.join(probes, f".{name}.{os.getpid()}.{threading.get_ident()}")
+    with open(tmp, "w") as f:
+        f.write(text)
     try:
-        fd = os.open(os.path.join(probes, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        os.link(tmp, os.path.join(probes, name))
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    finally:
+        os.unlink(tmp)
     return True
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from client.producer import PartitionWriter
 from client.streaming.checkpoint_storage import (
     CheckpointMetadata,
     CheckpointStorage,
@@ -136,6 +137,28 @@ def test_a_stopped_source_ends_its_input_and_the_final_checkpoint_holds_its_posi
     ]
 
 
+def _trigger_until_the_source_is_held(server: ControlServer) -> None:
+    """Trigger checkpoints 1, 2, ... of the generator source ``v0-0`` until two in a row
+    are acknowledged with the same record count (held: every trigger still answered at
+    once); its snapshot holds exactly the records emitted."""
+    counts: list[int] = []
+    for cid in itertools.count(1):
+        assert cid <= 500, f"the source never stopped emitting: {counts[-5:]}"
+        server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
+        ack = _next(server, "ack", timeout=20.0, task="v0-0")
+        assert ack["checkpoint"] == cid
+        counts.append(ack["metrics"]["records_out"])
+        if len(counts) >= 2 and counts[-1] == counts[-2] > 0:
+            break
+    handle = ack["handle"]
+    state = decode_snapshot(Path(handle).read_bytes(), SnapshotKind.TASK_STATE, handle)
+    gen = OperatorStateBackend(0, 1)
+    gen.restore([("v0-0", state["operators"]["gen"]["operator"])])
+    assert [tuple(x) for x in gen.union_list_state("gen", "generator-splits").get()] == [
+        (0, 1, counts[-1])
+    ]
+
+
 @pytest.mark.parametrize("held", ["source", "map"])
 def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
     daemon: Any, tmp_path: Path, held: str
@@ -171,23 +194,7 @@ def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
     threads: list[threading.Thread] = []
     try:
         threads = _start_tasks(server, job, tasks, errors)
-        counts: list[int] = []
-        for cid in itertools.count(1):
-            assert cid <= 500, f"the source never stopped emitting: {counts[-5:]}"
-            server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
-            ack = _next(server, "ack", timeout=20.0, task="v0-0")
-            assert ack["checkpoint"] == cid
-            counts.append(ack["metrics"]["records_out"])
-            if len(counts) >= 2 and counts[-1] == counts[-2] > 0:
-                break
-        state = decode_snapshot(
-            Path(ack["handle"]).read_bytes(), SnapshotKind.TASK_STATE, ack["handle"]
-        )
-        gen = OperatorStateBackend(0, 1)
-        gen.restore([("v0-0", state["operators"]["gen"]["operator"])])
-        assert [tuple(x) for x in gen.union_list_state("gen", "generator-splits").get()] == [
-            (0, 1, counts[-1])
-        ]
+        _trigger_until_the_source_is_held(server)
         for task in reversed(tasks):  # the map first: the source alone cannot free it
             server.send(task, {"type": "cancel"})
         for t in threads:
@@ -199,6 +206,89 @@ def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
         server.close()
         for t in threads:
             t.join(30)
+
+
+class _Held(Operator):
+    """A sink that processes nothing until ``release`` is set (its reader still reads,
+    and announces its debloated buffer size upstream)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+
+    def process(self, record: Any, out: Collector) -> None:
+        while not self.release.wait(0.005):
+            pass
+
+
+class _GatedGenerator(GeneratorSource):
+    """A GeneratorSource that emits nothing before ``gate`` is set."""
+
+    def __init__(self, gate: threading.Event, fn: Callable[[int], Any]) -> None:
+        super().__init__(fn)
+        self.gate = gate
+
+    def poll(self, out: Collector, max_records: int) -> bool:
+        return super().poll(out, max_records) if self.gate.is_set() else True
+
+
+def test_a_source_held_with_debloated_buffers_still_takes_triggers(
+    start_daemon: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Debloating shrinks the source's buffers to 256 bytes (two records each) and the
+    sink processes nothing, so credit runs out. A poll of the old fixed 256 records
+    shipped a hundred buffers, and the emit that found the window full waited inside
+    the poll, where no mail is run: the source never saw a trigger again (this test got
+    no acknowledgement). Now a poll emits about one shipment (one debloated buffer), and
+    the source waits for room *between* polls, handling its mail: every trigger is
+    acknowledged (twice with the same record count: held), the snapshot holding exactly
+    the records emitted. The source emits once its writer cuts 256-byte buffers (a size
+    that comes while a poll runs applies to the next poll only)."""
+    writers: list[PartitionWriter] = []
+    original = PartitionWriter.__init__
+
+    def recording_init(self: PartitionWriter, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        writers.append(self)
+
+    monkeypatch.setattr(PartitionWriter, "__init__", recording_init)
+    daemon = start_daemon(
+        "--debloat",
+        "--debloat-min-buffer-size=256",
+        "--debloat-initial-buffer-size=256",
+        "--debloat-target=1ms",
+    )
+    ckpt = str(tmp_path / "ckpt")
+    release, gate = threading.Event(), threading.Event()
+    pad = b"p" * 100
+    source = Node(0, "gen", lambda: _GatedGenerator(gate, lambda i: (i, pad)), 1, is_source=True)
+    sink = Node(1, "held", lambda: _Held(release), 1)
+    sink.inputs.append((source, Partitioning.REBALANCE, None))
+    source.outputs.append(sink)
+    graph = JobGraph.build([source, sink], DEFAULT_MAX_PARALLELISM)
+    tasks = ["v0-0", "v1-0"]
+    token = secrets.token_hex(8)
+    server = ControlServer(token, 5, set(tasks))
+    job = JobSpec("dbl", 5, token, server.address, graph, ckpt, "unaligned")
+    # no buffer timeout: only the task thread ships (a flush timer's shipment may overrun
+    # the window by one batch, which the next full buffer then waits for)
+    job = JobSpec(**{**job.__dict__, "daemon_hint": daemon.local_socket, "buffer_timeout": -1})
+    errors: dict[int, BaseException] = {}
+    threads: list[threading.Thread] = []
+    try:
+        threads = _start_tasks(server, job, tasks, errors)
+        _until(lambda: len(writers) == 1, "the source's writer opened")
+        _until(lambda: writers[0].buffer_size(0) == 256, "the sink's buffer size announced")
+        gate.set()
+        _trigger_until_the_source_is_held(server)
+    finally:
+        release.set()
+        for task in reversed(tasks):
+            server.send(task, {"type": "cancel"})
+        for t in threads:
+            t.join(30)
+        server.close()
+    assert not any(t.is_alive() for t in threads)
+    assert all("cancelled by the driver" in str(e) for e in errors.values()), errors
 
 
 class _IdleAfter(Source):
