@@ -68,7 +68,7 @@ def test_checkpointing_throughput_smoke() -> None:
         "bench_checkpointing.py",
         "--only=throughput",
         "--throughput-rounds=1",
-        "--throughput-records=400000",
+        "--throughput-records=1500000",
     )
     assert r["throughput_rounds"] == 1
     none, unaligned = r["records_per_s_no_checkpoints"], r["records_per_s_unaligned_every_1s"]
