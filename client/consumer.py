@@ -585,6 +585,7 @@ class PartitionReader:
         # hand-off; items received not decoded yet; decoded items not dispatched yet
         self._jumped: dict[int, list[int]] = {}
         self._undecoded: deque[_Item] = deque()
+        self._held: deque[_Item] = deque()  # debloating: decoded, records not processed yet
         self._ready: deque[_Item] = deque()
         self._ahead = False  # decoding ahead until the jumped checkpoint's state is complete
         self._closed = False
@@ -994,13 +995,15 @@ class PartitionReader:
             self.close()
 
     def _return_undecoded(self) -> None:
-        """Give back the buffers received and not decoded (any thread: pops one by one)."""
+        """Give back the buffers received and not decoded, and a held one (any thread:
+        pops one by one)."""
         buffers: list[Buffer] = []
-        while True:
-            try:
-                buffers.extend(_buffers_of([self._undecoded.popleft()]))
-            except IndexError:
-                break
+        for items in (self._undecoded, self._held):
+            while True:
+                try:
+                    buffers.extend(_buffers_of([items.popleft()]))
+                except IndexError:
+                    break
         if buffers:
             try:
                 self._back.send_nowait(buffers, force=True)
@@ -1051,17 +1054,35 @@ class PartitionReader:
     def _held_lists(self, batch: list[_Item]) -> Iterator[list[Any]]:
         """``_dispatch(_decode(batch))`` one item at a time, each item's buffer given back
         once its records were processed (the caller asked for the next list): see
-        ``_hold_until_processed``. What is left of the batch goes back on any way out."""
-        pending = deque(batch)
+        ``_hold_until_processed``. The rest of the batch waits in ``_undecoded`` and the
+        item being processed in ``_held``, where ``close()`` from any thread finds them
+        (both pop one by one); the held item also goes back on any way out of here."""
+        undecoded, held = self._undecoded, self._held
+        undecoded.extend(batch)
         try:
-            while pending:
-                item = pending[0]
-                yield from self._dispatch(self._decode([item], give_back=False))
-                pending.popleft()
-                self._give_back_decoded([item])
+            while True:
+                try:
+                    item = undecoded.popleft()
+                except IndexError:
+                    return
+                try:
+                    out = self._decode([item], give_back=False)
+                except BaseException:
+                    self._give_back_decoded([item])
+                    raise
+                held.append(item)  # decoded: close() may give it back from now on
+                yield from self._dispatch(out)
+                self._give_back_held()
         finally:
-            if pending:
-                self._give_back_decoded(list(pending))
+            self._give_back_held()
+
+    def _give_back_held(self) -> None:
+        """Give back the item whose records were processed (any thread; once)."""
+        try:
+            item = self._held.popleft()
+        except IndexError:
+            return
+        self._give_back_decoded([item])
 
     def _decode(self, batch: list[_Item], *, give_back: bool = True) -> list[_Item]:
         """Decode a batch's buffers, then give them all back in one send to the loop

@@ -256,3 +256,34 @@ def test_a_buffer_counts_in_flight_until_the_task_processed_its_records(
         if not closed:
             writer.fail(AssertionError("the test failed"))
     d.wait_pool_whole()
+
+
+def test_a_reader_closed_while_the_task_holds_a_buffer_gives_it_back(start_daemon: Any) -> None:
+    # The held buffer and the rest of its batch go back with close(), from another
+    # thread too; the reader's pool is whole (close raises otherwise), so is the daemon's.
+    d = start_daemon(*DEBLOAT)
+    pid = ResultPartitionID("held-close", 0, 0)
+    writer = PartitionWriter(pid, 1, daemon_socket=d.local_socket, buffer_timeout=-1)
+    for i in range(4):
+        writer.emit_to((i, b"r" * 2000), 0)
+        writer.flush()
+    reader = _reader(d, "held-close", 1)
+    try:
+        wait_for(
+            lambda: reader.handoff_statistics()[0].items_sent >= 4,
+            DEADLINE,
+            "the buffers reach the hand-off",
+        )
+        lists = reader.record_lists()
+        assert [r[0] for r in next(lists)] == [0]
+        assert reader.handoff_statistics()[1].items_sent == 0  # all four held
+        closer = threading.Thread(target=reader.close)
+        closer.start()
+        closer.join(DEADLINE)
+        assert not closer.is_alive()
+        with pytest.raises(Exception, match="closed"):
+            next(lists)
+    finally:
+        reader.close()
+        writer.fail(AssertionError("the reader left early"))
+    d.wait_pool_whole()
