@@ -80,6 +80,11 @@ __all__ = [
 
 CONF_DAEMON_ADDRESS: Final = "spark.exchange.daemon.address"
 MODES: Final = ("blocking", "pipelined")
+#: A pipelined task's first partition request backoff at most (seconds). Its producers
+#: start with it, at the rendezvous, so a partition not there yet is milliseconds away
+#: (Flink's 100 ms assumes a producer still being deployed): at 100 ms most runs lost
+#: 100 ms of one producer's stream on a job of about a second.
+PIPELINED_BACKOFF_INITIAL: Final = 0.01
 
 
 def exchange_hash(key: Any) -> int:
@@ -411,11 +416,19 @@ def _open_reader(
     subpartition: int,
     spec: _DaemonSpec,
     codec: RecordCodec,
+    *,
+    backoff_initial: float | None = None,
 ) -> PartitionReader | None:
-    """The reader of one output partition (None: no input partitions, nothing to read)."""
+    """The reader of one output partition (None: no input partitions, nothing to read).
+    ``backoff_initial``: the first partition request backoff at most (the daemon's when
+    it is shorter); the daemon's backoff cap stays."""
     if not producers:
         return None
     sock, info = _local_daemon(spec)
+    overrides: dict[str, Any] = {}
+    if backoff_initial is not None:
+        daemon_initial = ReaderOptions.from_daemon(info).backoff_initial
+        overrides["backoff_initial"] = min(daemon_initial, backoff_initial)
     locations = [
         PartitionLocation(
             ResultPartitionID(exchange_id, p.index, p.attempt),
@@ -433,6 +446,7 @@ def _open_reader(
         metrics_socket=sock,
         task_name=f"{exchange_id}/{subpartition}",
         segment_size=producers[0].segment_size,
+        **overrides,
     )
     return PartitionReader(locations, options)
 
@@ -735,7 +749,19 @@ def _pipelined(
             read_all = False
             try:
                 try:
-                    reader = _open_reader(dataset, producers, t, spec, codec)
+                    # started by run() up to here, so that the finally below runs however
+                    # Spark drops the output: also never started (a downstream function
+                    # that ignores its input), when a generator never started would be
+                    # dropped without running any of its code
+                    yield []
+                    reader = _open_reader(
+                        dataset,
+                        producers,
+                        t,
+                        spec,
+                        codec,
+                        backoff_initial=PIPELINED_BACKOFF_INITIAL,
+                    )
                     if reader is not None:
                         yield from reader.record_lists()
                     read_all = True
@@ -744,12 +770,13 @@ def _pipelined(
                     if reader is not None:
                         reader.close()
                     if not read_all:
-                        # This task left its input early (Spark stopped iterating, or a
-                        # read failed): the exchange cannot complete. Every producer's
-                        # daemon learns that our subpartition is abandoned (a partition
-                        # we never got to ask for, created now or later, must not keep
-                        # it), and our writer, which may wait forever for a consumer that
-                        # gave up before it ever asked for our partition, is failed.
+                        # This task left its input early (Spark stopped iterating or
+                        # never started, or a read failed): the exchange cannot
+                        # complete. Every producer's daemon learns that our
+                        # subpartition is abandoned (a partition we never got to ask
+                        # for, created now or later, must not keep it), and our
+                        # writer, which may wait forever for a consumer that gave up
+                        # before it ever asked for our partition, is failed.
                         get_runtime().run(abandon_everywhere(dataset, t, daemons))
                         writer_handle.cancel(f"task {t} of exchange {dataset} left early")
                     writer.join()
@@ -759,7 +786,9 @@ def _pipelined(
                 report_abort(ticket, t, attempt, round_id=stage)
                 raise
 
-        return itertools.chain.from_iterable(chunks())
+        lists = chunks()
+        next(lists)  # into its try: from here on, dropping it leaves the exchange cleanly
+        return itertools.chain.from_iterable(lists)
 
     out = rdd.barrier().mapPartitions(run)
     # Preserving partitioning passes the Partitioner set on the result on to what is

@@ -44,6 +44,7 @@ def test_checkpointing_bench_smoke() -> None:
         "--warmup-checkpoints=0",
         "--alignments=spill",
         "--alignment-seconds=3",
+        "--throughput-rounds=0",  # test_checkpointing_throughput_smoke
     )
     assert r["bench"] == "checkpointing"
     assert r["checkpoints_off"] >= 1 and r["checkpoints_on"] >= 1
@@ -59,6 +60,20 @@ def test_checkpointing_bench_smoke() -> None:
     assert r["ratio_align_spill_vs_block_upstream"] == pytest.approx(
         r["median_ms_align_spill"] / r["median_ms_align_block_upstream"], rel=1e-3
     )
+
+
+def test_checkpointing_throughput_smoke() -> None:
+    """The throughput cost of unaligned checkpoints every second, against none (one round)."""
+    r = run_bench(
+        "bench_checkpointing.py",
+        "--only=throughput",
+        "--throughput-rounds=1",
+        "--throughput-records=400000",
+    )
+    assert r["throughput_rounds"] == 1
+    none, unaligned = r["records_per_s_no_checkpoints"], r["records_per_s_unaligned_every_1s"]
+    assert none > 0 and unaligned > 0
+    assert r["unaligned_throughput_cost"] == pytest.approx(1 - unaligned / none, abs=1e-3)
 
 
 def test_vs_structured_streaming_bench_smoke() -> None:
