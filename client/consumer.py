@@ -585,6 +585,7 @@ class PartitionReader:
         # hand-off; items received not decoded yet; decoded items not dispatched yet
         self._jumped: dict[int, list[int]] = {}
         self._undecoded: deque[_Item] = deque()
+        self._held: deque[_Item] = deque()  # debloating: decoded, records not processed yet
         self._ready: deque[_Item] = deque()
         self._ahead = False  # decoding ahead until the jumped checkpoint's state is complete
         self._closed = False
@@ -631,6 +632,13 @@ class PartitionReader:
 
             self._handoff.on_starved = starved
         self._on_busy = debloater.on_gate_non_empty if debloater is not None else None
+        # Debloating: a buffer goes back only once the task processed its records (Flink
+        # recycles a buffer when its deserializer leaves it), not once decoded: records
+        # decoded ahead are in-flight data the debloater must count (they hold their
+        # buffers, so ``in_flight`` counts them), and credit comes back one buffer at a
+        # time, so the producer's backlog arrives with every buffer rather than with the
+        # last of a burst (when the daemon's queue is at its lowest).
+        self._hold_until_processed = debloater is not None
         self._in_flight = 0  # buffers handed to the task thread, not yet given back
         self._all_back: asyncio.Event | None = None
         self._rt.call_soon(self._recycle)  # arms the give-back's first notification
@@ -987,13 +995,15 @@ class PartitionReader:
             self.close()
 
     def _return_undecoded(self) -> None:
-        """Give back the buffers received and not decoded (any thread: pops one by one)."""
+        """Give back the buffers received and not decoded, and a held one (any thread:
+        pops one by one)."""
         buffers: list[Buffer] = []
-        while True:
-            try:
-                buffers.extend(_buffers_of([self._undecoded.popleft()]))
-            except IndexError:
-                break
+        for items in (self._undecoded, self._held):
+            while True:
+                try:
+                    buffers.extend(_buffers_of([items.popleft()]))
+                except IndexError:
+                    break
         if buffers:
             try:
                 self._back.send_nowait(buffers, force=True)
@@ -1032,19 +1042,56 @@ class PartitionReader:
                 if batch is None:
                     yield []  # nothing yet: on_available() will be called
                     continue
-                yield from self._dispatch(self._decode(batch))
+                if self._hold_until_processed:
+                    yield from self._held_lists(batch)
+                else:
+                    yield from self._dispatch(self._decode(batch))
                 if self._closed and not self._done:
                     raise IllegalStateError(_CLOSED_WHILE_READING)
         finally:
             self.close()
 
-    def _decode(self, batch: list[_Item]) -> list[_Item]:
+    def _held_lists(self, batch: list[_Item]) -> Iterator[list[Any]]:
+        """``_dispatch(_decode(batch))`` one item at a time, each item's buffer given back
+        once its records were processed (the caller asked for the next list): see
+        ``_hold_until_processed``. The rest of the batch waits in ``_undecoded`` and the
+        item being processed in ``_held``, where ``close()`` from any thread finds them
+        (both pop one by one); the held item also goes back on any way out of here."""
+        undecoded, held = self._undecoded, self._held
+        undecoded.extend(batch)
+        try:
+            while True:
+                try:
+                    item = undecoded.popleft()
+                except IndexError:
+                    return
+                try:
+                    out = self._decode([item], give_back=False)
+                except BaseException:
+                    self._give_back_decoded([item])
+                    raise
+                held.append(item)  # decoded: close() may give it back from now on
+                yield from self._dispatch(out)
+                self._give_back_held()
+        finally:
+            self._give_back_held()
+
+    def _give_back_held(self) -> None:
+        """Give back the item whose records were processed (any thread; once)."""
+        try:
+            item = self._held.popleft()
+        except IndexError:
+            return
+        self._give_back_decoded([item])
+
+    def _decode(self, batch: list[_Item], *, give_back: bool = True) -> list[_Item]:
         """Decode a batch's buffers, then give them all back in one send to the loop
-        thread (also when decoding fails: the buffers not reached yet go back too)."""
+        thread (also when decoding fails: the buffers not reached yet go back too);
+        ``give_back`` False: the caller gives them back."""
         out: list[_Item] = []
         handler = self._handler
         if handler is None and not self._jumped:
-            return self._decode_plain(batch, out)
+            return self._decode_plain(batch, out, give_back)
         parking = self._parking
         self._calls.out = out
         try:
@@ -1094,10 +1141,11 @@ class PartitionReader:
             if handler is not None and self._barrier_snapshot is not None:
                 self._barrier_snapshot = handler.stats()
         finally:
-            self._give_back_decoded(batch)
+            if give_back:
+                self._give_back_decoded(batch)
         return out
 
-    def _decode_plain(self, batch: list[_Item], out: list[_Item]) -> list[_Item]:
+    def _decode_plain(self, batch: list[_Item], out: list[_Item], give_back: bool) -> list[_Item]:
         """``_decode`` with no barrier handler (nothing parks, jumps or is persisted):
         each buffer's records straight into ``out``; the buffers go back the same way."""
         feed = self._stream.feed
@@ -1112,7 +1160,8 @@ class PartitionReader:
                 elif kind != _DRAINED:  # _DRAINED only concerns an unaligned handler
                     out.append((kind, ch, item))
         finally:
-            self._give_back_decoded(batch)
+            if give_back:
+                self._give_back_decoded(batch)
         return out
 
     def _give_back_decoded(self, batch: list[_Item]) -> None:

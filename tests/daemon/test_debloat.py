@@ -7,6 +7,7 @@ debloating off nothing changes; tiny buffers still carry records of 1 MiB.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import threading
 import time
@@ -20,11 +21,13 @@ from client.options import ReaderOptions
 from client.producer import PartitionWriter
 from client.runtime import get_runtime
 from exchange.partition.result_partition_id import ResultPartitionID
+from tests.kit.polling import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
 SEG = 32 * 1024
 TARGET = 0.2
+DEADLINE = 60.0
 DEBLOAT = ("--debloat", f"--debloat-target={int(TARGET * 1000)}ms", "--debloat-period=50ms")
 
 
@@ -201,4 +204,86 @@ def test_tiny_buffers_still_carry_records_of_one_mib(start_daemon: Any) -> None:
     t.join(60)
     assert not t.is_alive()
     assert out == [(i, rec) for i, rec in enumerate(big)]
+    d.wait_pool_whole()
+
+
+def test_a_buffer_counts_in_flight_until_the_task_processed_its_records(
+    start_daemon: Any,
+) -> None:
+    # Flink recycles a buffer when its deserializer leaves it. A reader that gave a decoded
+    # batch back at once hid the records still to process from the debloater (they are in
+    # flight: a barrier waits behind them) and returned the batch's credit in one burst,
+    # so the producer's backlog came with the last buffer of a burst, at its lowest: the
+    # aligned checkpoint of bench_checkpointing took 1.7x its design for that.
+    d = start_daemon(*DEBLOAT)
+    pid = ResultPartitionID("held", 0, 0)
+    buffers = 6  # fewer than the reader's credit (2 exclusive + 8 floating)
+    writer = PartitionWriter(pid, 1, daemon_socket=d.local_socket, buffer_timeout=-1)
+    for i in range(buffers):  # written before the reader announces a size: whole buffers
+        writer.emit_to((i, b"r" * 2000), 0)
+        writer.flush()  # one record per buffer
+    reader = _reader(d, "held", 1)
+    closed = False
+    try:
+        # every buffer handed over to the task thread, which takes them in one batch
+        wait_for(
+            lambda: reader.handoff_statistics()[0].items_sent >= buffers,
+            DEADLINE,
+            "the buffers reach the hand-off",
+        )
+        lists = reader.record_lists()
+        for k in range(buffers):
+            records = next(lists)
+            assert [r[0] for r in records] == [k]
+            hand, back = reader.handoff_statistics()
+            assert hand.items_received == buffers  # the task took them all at once
+            # the buffers of the lists processed before go back, this one's not yet
+            assert back.items_sent == k
+            if k == 0:  # and the debloater counts the whole batch as in use
+                wait_for(
+                    lambda: (
+                        (st := reader.debloat_stats) is not None and st.buffers_in_use == buffers
+                    ),
+                    DEADLINE,
+                    "the debloater counts the records still to process",
+                )
+        writer.close()
+        closed = True
+        assert list(itertools.chain.from_iterable(lists)) == []
+        assert reader.handoff_statistics()[1].items_sent == buffers
+    finally:
+        reader.close()
+        if not closed:
+            writer.fail(AssertionError("the test failed"))
+    d.wait_pool_whole()
+
+
+def test_a_reader_closed_while_the_task_holds_a_buffer_gives_it_back(start_daemon: Any) -> None:
+    # The held buffer and the rest of its batch go back with close(), from another
+    # thread too; the reader's pool is whole (close raises otherwise), so is the daemon's.
+    d = start_daemon(*DEBLOAT)
+    pid = ResultPartitionID("held-close", 0, 0)
+    writer = PartitionWriter(pid, 1, daemon_socket=d.local_socket, buffer_timeout=-1)
+    for i in range(4):
+        writer.emit_to((i, b"r" * 2000), 0)
+        writer.flush()
+    reader = _reader(d, "held-close", 1)
+    try:
+        wait_for(
+            lambda: reader.handoff_statistics()[0].items_sent >= 4,
+            DEADLINE,
+            "the buffers reach the hand-off",
+        )
+        lists = reader.record_lists()
+        assert [r[0] for r in next(lists)] == [0]
+        assert reader.handoff_statistics()[1].items_sent == 0  # all four held
+        closer = threading.Thread(target=reader.close)
+        closer.start()
+        closer.join(DEADLINE)
+        assert not closer.is_alive()
+        with pytest.raises(Exception, match="closed"):
+            next(lists)
+    finally:
+        reader.close()
+        writer.fail(AssertionError("the reader left early"))
     d.wait_pool_whole()
