@@ -226,8 +226,7 @@ class SingleInputGate:
         if not taken:
             return None
         if not more:
-            queue.popleft()
-            ch.queued = False
+            self._dequeued(queue.popleft())
         elif len(queue) > 1:
             queue.rotate(-1)  # round robin, as poll_next re-queues a channel with more
         debloater = self.debloater
