@@ -40,6 +40,7 @@ from exchange.errors import IllegalStateError, UsageError
 from exchange.network.partition_request_queue import PartitionRequestQueue
 from exchange.network.server_connection import (
     DATA_PORT_MESSAGES,
+    DEFAULT_WRITE_BATCH_BYTES,
     ServerConnection,
     ServerConnectionSettings,
 )
@@ -252,8 +253,11 @@ class DataServer:
             max_requests=self.max_requests,
             close_timeout=self.close_timeout,
             max_frame_size=self.max_frame_size,
-            # Netty's rule: output not flushed yet counts towards the high watermark
-            write_batch_bytes=self.high_watermark,
+            # One writelines per callback carries up to 256 KiB (8 buffers of 32 KiB): a
+            # flush at the high watermark (2 segments) cost a send syscall, and a wake-up
+            # of the consumer, per 2 buffers. The watermarks still stop the queue: the
+            # transport pauses once it holds more than the high one.
+            write_batch_bytes=max(self.high_watermark, DEFAULT_WRITE_BATCH_BYTES),
         )
 
     def protocol_factory(self) -> PartitionRequestServerProtocol:
