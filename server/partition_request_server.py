@@ -40,13 +40,13 @@ from exchange.errors import IllegalStateError, UsageError
 from exchange.network.partition_request_queue import PartitionRequestQueue
 from exchange.network.server_connection import (
     DATA_PORT_MESSAGES,
-    DEFAULT_WRITE_BATCH_BYTES,
     ServerConnection,
     ServerConnectionSettings,
 )
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.protocol.codec import DataFrameSpec
 from exchange.protocol.messages import ErrorCode, ErrorResponse, Message
+from server.config import DEFAULT_HIGH_WATERMARK_SEGMENTS, DEFAULT_LOW_WATERMARK_SEGMENTS
 
 __all__ = ["DataServer", "PartitionRequestServerProtocol", "is_loopback"]
 
@@ -91,8 +91,16 @@ class DataServer:
         )
         self.segment_size = segment_size
         self.secret = secret
-        self.high_watermark = high_watermark if high_watermark is not None else 2 * segment_size
-        self.low_watermark = low_watermark if low_watermark is not None else segment_size + 1
+        self.high_watermark = (
+            high_watermark
+            if high_watermark is not None
+            else DEFAULT_HIGH_WATERMARK_SEGMENTS * segment_size
+        )
+        self.low_watermark = (
+            low_watermark
+            if low_watermark is not None
+            else DEFAULT_LOW_WATERMARK_SEGMENTS * segment_size
+        )
         if not 0 <= self.low_watermark < self.high_watermark:
             raise UsageError(
                 f"need 0 <= low watermark < high watermark, got {self.low_watermark}, "
@@ -253,11 +261,8 @@ class DataServer:
             max_requests=self.max_requests,
             close_timeout=self.close_timeout,
             max_frame_size=self.max_frame_size,
-            # One writelines per callback carries up to 256 KiB (8 buffers of 32 KiB): a
-            # flush at the high watermark (2 segments) cost a send syscall, and a wake-up
-            # of the consumer, per 2 buffers. The watermarks still stop the queue: the
-            # transport pauses once it holds more than the high one.
-            write_batch_bytes=max(self.high_watermark, DEFAULT_WRITE_BATCH_BYTES),
+            # Netty's rule: output not flushed yet counts towards the high watermark
+            write_batch_bytes=self.high_watermark,
         )
 
     def protocol_factory(self) -> PartitionRequestServerProtocol:

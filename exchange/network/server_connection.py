@@ -17,10 +17,9 @@ Lifecycle, every transition in ``_transition``::
 Output: what one callback (received bytes, a deferred queue notification, ``resume_writing``,
 the recycling timer) writes is gathered and written with one ``writelines`` when it returns
 (one send syscall for many frames), or as soon as the output pending here and in the
-transport reaches ``write_batch_bytes`` (256 KiB on the data port, at least its high
-watermark), so the transport's watermarks still stop the queue: it pauses once it holds
-more than the high one; a write from outside these callbacks (the local endpoint answering
-its producer) goes out at once.
+transport reaches ``write_batch_bytes`` (the high watermark: Netty counts unflushed bytes
+too), so the transport's watermarks still stop the queue; a write from outside these callbacks (the
+local endpoint answering its producer) goes out at once.
 
 Recycling: buffers are written zero-copy (``writelines([header, memoryview, ...])``), so a
 buffer may only be recycled once the transport no longer holds its bytes. The transport
@@ -94,7 +93,6 @@ from exchange.protocol.messages import (
 
 __all__ = [
     "DATA_PORT_MESSAGES",
-    "DEFAULT_WRITE_BATCH_BYTES",
     "Cancellable",
     "ServerConnection",
     "ServerConnectionSettings",
@@ -162,9 +160,6 @@ class ServerConnectionState(Enum):
     __hash__ = object.__hash__
 
 
-#: Output of one callback gathered at most before it is written (one ``writelines``).
-DEFAULT_WRITE_BATCH_BYTES: Final = 256 * 1024
-
 _S = ServerConnectionState
 _TRANSITIONS: Final[dict[ServerConnectionState, frozenset[ServerConnectionState]]] = {
     _S.HANDSHAKE: frozenset({_S.ESTABLISHED, _S.CLOSING, _S.CLOSED}),
@@ -195,7 +190,7 @@ class ServerConnectionSettings:
     max_frame_size: int = MAX_CONTROL_FRAME_SIZE
     reap_interval: float = 0.005
     #: Output of one callback pending at most before it is written (one writelines).
-    write_batch_bytes: int = DEFAULT_WRITE_BATCH_BYTES
+    write_batch_bytes: int = 256 * 1024
     peer_timeout: float | None = 60.0
     #: Partition requests (readers) open at once on one connection; more are refused
     #: with LimitExceededError, per channel.
