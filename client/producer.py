@@ -528,13 +528,26 @@ class PartitionWriter:
         Records are gathered from ``records`` a chunk at a time outside the lock, then
         routed and encoded under it. The iterable may block on slow input: meanwhile the
         flush timer takes the records gathered so far and flushes them, so a stalled
-        input never holds back what came before it.
+        input never holds back what came before it. Without a flush timer (a blocking
+        partition) they are routed straight from ``records``, a chunk at a time.
         """
         self._check_open()
         writer = self._writer
         it = iter(records)
         islice = itertools.islice
         total = 0
+        if not self._timer_started and self._timeout != 0:
+            # no flush timer (a blocking partition): nothing takes records while the
+            # input stalls, so they are routed straight from the input, with no copy
+            while True:
+                chunk_size = self._chunk_size()
+                with self._lock:
+                    taken = writer.emit_all(islice(it, chunk_size), partition_func, key_func)
+                    self._ship(False)
+                total += taken
+                self._wait_room()
+                if taken < chunk_size:
+                    return total
         self._gather_routing = (partition_func, key_func)
         try:
             while True:
