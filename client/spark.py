@@ -61,7 +61,7 @@ from exchange.errors import ExchangeError, TransportError, UsageError
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.serialization.record_codec import RecordCodec, default_codec
 from exchange.writer.hashing import deterministic_hash
-from exchange.writer.routing import register_int_value_hash
+from exchange.writer.routing import register_int_value_hash, register_str_hash
 
 log = logging.getLogger("exchange.client.spark")
 
@@ -102,11 +102,13 @@ def _writer_partition_func(
 ) -> Callable[[Any], int] | None:
     """What the task's writer is given: None for the exchange's own hash (its default,
     hashed inline), else the function itself. Called in the task, it tells the writer
-    that ``portable_hash`` of an int is the int (Python's hash: routed inline)."""
+    that ``portable_hash`` of an int is the int (Python's hash: routed inline), and of a
+    str or bytes Python's hash when ``PYTHONHASHSEED`` is set (hashed in C)."""
     from pyspark.rdd import portable_hash
 
     if partition_func is portable_hash:
         register_int_value_hash(portable_hash)
+        register_str_hash(portable_hash, "PYTHONHASHSEED")
     if partition_func is exchange_hash or partition_func is deterministic_hash:
         return None
     return partition_func

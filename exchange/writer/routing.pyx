@@ -11,6 +11,10 @@ Per record: the key (``record[0]``, or ``key_func(record)``), then
 * with a partition function registered by ``register_int_value_hash`` (Python's ``hash``,
   PySpark's ``portable_hash``: the int itself), an ``int`` key in [0, 2**61 - 1) goes
   to ``key % n`` inline, with no call;
+* with a partition function registered by ``register_str_hash`` (PySpark's
+  ``portable_hash``: Python's ``hash`` of a ``str`` or ``bytes`` when ``PYTHONHASHSEED``
+  is set), a ``str``/``bytes`` key missing from the cache is hashed in C, with no call
+  (without the variable set, the function is called: it raises its own error);
 * any other key of exactly type ``int``, or ``str``/``bytes`` of at most ``KEY_CACHE_LEN``
   items, is looked up in the writer's key -> target cache (a dict, cleared when it holds
   ``KEY_CACHE`` keys), filled from ``hashing.c_hash(key) % n`` or
@@ -27,14 +31,23 @@ interpreter's (a raising ``key_func`` or ``partition_func``, a key the hash cann
 from cpython.dict cimport PyDict_Clear, PyDict_SetItem, PyDict_Size
 from cpython.list cimport PyList_Append, PyList_GET_ITEM
 from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_AsSsize_t
-from cpython.object cimport PyObject, PyObject_GetItem
+from cpython.object cimport PyObject, PyObject_GetItem, PyObject_Hash
 from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 
 from exchange.writer.hashing cimport c_hash, fib_hash
 
+import os
+
 from exchange.errors import NotAPairError, UsageError
 
-__all__ = ["KEY_CACHE", "KEY_CACHE_LEN", "partition_of", "register_int_value_hash", "route"]
+__all__ = [
+    "KEY_CACHE",
+    "KEY_CACHE_LEN",
+    "partition_of",
+    "register_int_value_hash",
+    "register_str_hash",
+    "route",
+]
 
 cdef extern from "Python.h":
     PyObject* PyDict_GetItemWithError(object d, object k) except? NULL
@@ -54,6 +67,9 @@ cdef object _ZERO = 0
 cdef long long _VALUE_BELOW = (1LL << 61) - 1
 #: Partition functions known to return ``key`` itself for an int ``key`` in [0, 2**61 - 1).
 cdef set _INT_VALUE_HASHES = {hash}
+#: Partition function -> the environment variable that must be set for it to equal
+#: Python's ``hash`` on ``str`` and ``bytes`` keys (None: always).
+cdef dict _STR_HASHES = {hash: None}
 
 
 def register_int_value_hash(func):
@@ -63,6 +79,17 @@ def register_int_value_hash(func):
     if not callable(func):
         raise UsageError(f"expected a partition function, got {func!r}")
     _INT_VALUE_HASHES.add(func)
+
+
+def register_str_hash(func, str requires_env=None):
+    """Declare that ``func(k) == hash(k)`` for every ``str`` and ``bytes`` key ``k`` (as
+    PySpark's ``portable_hash`` is when ``PYTHONHASHSEED`` is set), provided the
+    environment variable ``requires_env`` is set when ``route`` runs (None: always), so
+    ``route`` hashes such keys in C on a cache miss. Other keys still go through
+    ``func``."""
+    if not callable(func):
+        raise UsageError(f"expected a partition function, got {func!r}")
+    _STR_HASHES[func] = requires_env
 
 
 cdef object key_of(object record):
@@ -98,6 +125,8 @@ def route(it, list lists, object partition_func, object key_func, dict cache, Py
     cdef bint hash_ints = partition_func is None
     cdef bint value_ints = not hash_ints and partition_func in _INT_VALUE_HASHES
     cdef bint cacheable
+    cdef bint str_hash = False
+    cdef Py_hash_t h
     cdef int overflow
     cdef long long v
     cdef type t
@@ -107,6 +136,9 @@ def route(it, list lists, object partition_func, object key_func, dict cache, Py
         raise UsageError("no subpartition to route to")
     if limit <= 0:
         return 0
+    if not hash_ints and partition_func in _STR_HASHES:
+        env = _STR_HASHES[partition_func]
+        str_hash = env is None or env in os.environ
     for record in it:
         if key_func is None:
             if type(record) is tuple and PyTuple_GET_SIZE(record) > 0:
@@ -149,6 +181,11 @@ def route(it, list lists, object partition_func, object key_func, dict cache, Py
         else:
             if hash_ints:
                 target = <Py_ssize_t>(c_hash(key) % <unsigned long long>n)
+            elif str_hash and (t is str or t is bytes):
+                h = PyObject_Hash(key)
+                target = <Py_ssize_t>(h % n)
+                if target < 0:
+                    target += n
             else:
                 target = c_partition(key, partition_func, n)
             if cacheable:

@@ -35,7 +35,7 @@ from exchange.writer import (
     deterministic_hash,
 )
 from exchange.writer.record_writer import MIN_BUFFER_SIZE
-from exchange.writer.routing import register_int_value_hash
+from exchange.writer.routing import register_int_value_hash, register_str_hash
 
 
 class Clock:
@@ -706,3 +706,40 @@ def test_user_event_types_pass_through() -> None:
     w.emit_to((1,), 0)
     w.broadcast_event(Watermark(5))
     assert decode(w.close(), 2) == [[(1,), Watermark(5)], [Watermark(5)]]
+
+
+def test_a_hash_that_is_python_s_on_strings_hashes_them_in_c_only_with_its_variable_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a function registered as Python's hash on str/bytes keys (PySpark's portable_hash
+    # with PYTHONHASHSEED set) is not called for them while its variable is set, and each
+    # key lands where hash(key) % n says (negative hashes included); without the variable
+    # it is called for every key it is asked about (portable_hash raises its own error)
+    calls: list[Any] = []
+
+    def str_hash(k: Any) -> int:
+        calls.append(k)
+        return hash(k)
+
+    register_str_hash(str_hash, "EXCHANGE_TEST_STR_HASH")
+    keys: list[Any] = [f"user-{i}" for i in range(300)] + [b"k%d" % i for i in range(100)]
+    assert any(hash(k) < 0 for k in keys)
+    records = [(k, i) for i, k in enumerate([*keys, 12, 2.5, None, ("t", 1)])]
+    want: list[list[Any]] = [[] for _ in range(7)]
+    for r in records:
+        want[hash(r[0]) % 7].append(r)
+
+    monkeypatch.setenv("EXCHANGE_TEST_STR_HASH", "0")
+    w = RecordWriter(7, buffer_size=1024, buffer_timeout=-1)
+    w.emit_all(records, partition_func=str_hash)
+    assert decode(w.close(), 7) == want
+    assert calls == [12, 2.5, None, ("t", 1)]  # the other keys still call it
+
+    calls.clear()
+    monkeypatch.delenv("EXCHANGE_TEST_STR_HASH")
+    w = RecordWriter(7, buffer_size=1024, buffer_timeout=-1)
+    w.emit_all(records, partition_func=str_hash)
+    assert decode(w.close(), 7) == want
+    assert calls == [r[0] for r in records]
+    with pytest.raises(UsageError):
+        register_str_hash("not a function")  # type: ignore[arg-type]
