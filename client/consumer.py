@@ -47,7 +47,7 @@ from client.local_connection import LocalConnection, secret_or_env
 from client.network import UNIX_PREFIX, ConnectionManager
 from client.options import ReaderOptions
 from client.runtime import ClientRuntime, get_runtime
-from exchange.best_effort import cancel_and_wait
+from exchange.best_effort import cancel_and_wait, wait_quietly
 from exchange.buffers.buffer import Buffer
 from exchange.checkpointing import (
     AlignedBarrierHandler,
@@ -642,13 +642,7 @@ class PartitionReader:
         self._in_flight = 0  # buffers handed to the task thread, not yet given back
         self._all_back: asyncio.Event | None = None
         self._rt.call_soon(self._recycle)  # arms the give-back's first notification
-        # the pump's state (loop thread only)
-        self._pending: list[_Item] | None = None  # a batch waiting for room
-        self._awaiting: asyncio.Future[None] | None = None  # the gate's, while it is empty
-        self._priority_seen = False  # a priority barrier went by since the gate was empty
-        self._pump_last = False  # the batch pending or sent last ends the input
-        self._pump_ended = False
-        self._rt.call_soon(self._pump_run)
+        self._pump_future = self._rt.submit(self._pump())
         self._done = False
         # The handler runs in the task thread: its figures are taken there after each batch
         # (handler.stats() is not safe from the loop thread), the reporter reads the last.
@@ -694,113 +688,72 @@ class PartitionReader:
         """The gate's debloating figures (None when debloating is off)."""
         return self._core.debloat_stats
 
-    # -- the pump: loop thread, gate -> hand-off ---------------------------------------------
-    #
-    # A callback, not a coroutine: it runs when the gate has input (the gate's availability
-    # future calls it), when the hand-off has room again (the hand-off's room notification,
-    # from the task thread), and once at the start; each run moves everything the gate
-    # holds, batch by batch, and returns. A batch that did not fit waits in ``_pending``.
-    # No Task, no awaited future per batch.
-
-    def _pump_run(self, _fut: object = None) -> None:
+    async def _pump(self) -> None:
         """Loop thread: move buffers (themselves) and events to the task thread.
 
         The end of the input, or the gate's error (a channel that failed), is the last item
         of the last batch, after the buffers polled before it: those reach the task (and
         go back to their channels) like any others, in order before the error."""
-        if self._pump_ended:
-            return
-        self._awaiting = None
-        handoff = self._handoff
+        gate = self._core.gate
+        send = self._handoff.asend
         on_busy = self._on_busy
-        while True:
-            batch = self._pending
-            if batch is None:
-                batch = self._next_batch()
-                if batch is None:
-                    return  # the gate's availability runs this again
-                buffers = _buffers_of(batch)
-                self._in_flight += len(buffers)
-                self._pending = batch
+        last = False
+        priority = False  # a priority barrier went by since the gate was last empty
+        while not last:
+            batch: list[_Item] = []
             try:
-                if not handoff.poll_room(len(batch), self._pump_room):
-                    return  # the task thread's next receive makes room and runs this again
-                fed = handoff.send_nowait(batch)
+                _poll_data_into(gate, batch)
+                boe = gate.poll_next() if len(batch) < _BATCH_BUFFERS else None
+                if boe is None and not batch:
+                    if priority:  # everything it overtook is handed over: say so
+                        priority = False
+                        with contextlib.suppress(ChannelBrokenError):  # closed: ends next
+                            await send([(_DRAINED, 0, None)])
+                    boe = await gate.get_next()
+                    if boe is None:
+                        batch.append((_END, 0, None))
+                        last = True
+                while boe is not None:
+                    if boe.buffer is not None and boe.overtaken_by:
+                        item = (boe.buffer, boe.overtaken_by)
+                        batch.append((_OVERTAKEN, boe.channel_index, item))
+                    elif boe.buffer is not None:
+                        batch.append((_DATA, boe.channel_index, boe.buffer))
+                    else:
+                        event = boe.event
+                        kind = _EVENT
+                        if isinstance(event, CheckpointBarrier) and event.options.unaligned:
+                            priority = True
+                            if self._jumping:  # ahead of what the hand-off holds
+                                self._priority.append((boe.channel_index, event))
+                                kind = _JUMPED
+                                notify = self._on_priority
+                                if notify is not None:
+                                    notify()
+                        batch.append((kind, boe.channel_index, event))
+                    if len(batch) >= _BATCH_BUFFERS:
+                        break
+                    _poll_data_into(gate, batch)
+                    if len(batch) >= _BATCH_BUFFERS:
+                        break
+                    boe = gate.poll_next()
+            except asyncio.CancelledError:
+                raise  # only get_next() waits: the batch is empty
+            except BaseException as e:  # a channel failed, maybe after others' buffers
+                batch.append((_ERROR, 0, e))
+                last = True
+            buffers = _buffers_of(batch)
+            self._in_flight += len(buffers)
+            try:
+                fed = await send(batch)
+            except asyncio.CancelledError:
+                self._give_back(buffers)  # closed while waiting for room
+                raise
             except ChannelBrokenError:  # the reader closed: nobody will decode them
-                self._end_pump()
+                self._give_back(buffers)
                 return
-            self._pending = None
             if fed and on_busy is not None:  # input reached a task that waited for it
                 on_busy()
-            if self._pump_last:
-                self._end_pump()
-                return
-
-    def _pump_room(self) -> None:
-        """Any thread: the hand-off has room for the pending batch (or an end closed)."""
-        self._rt.call_soon(self._pump_run)
-
-    def _next_batch(self) -> list[_Item] | None:
-        """Loop thread: the next hand-off batch from the gate; None when the gate has
-        nothing (the pump then runs again once it has)."""
-        gate = self._core.gate
-        batch: list[_Item] = []
-        try:
-            _poll_data_into(gate, batch)
-            boe = gate.poll_next() if len(batch) < _BATCH_BUFFERS else None
-            if boe is None and not batch:
-                if self._priority_seen:  # everything it overtook is handed over: say so
-                    self._priority_seen = False
-                    return [(_DRAINED, 0, None)]
-                if gate.is_finished:
-                    self._pump_last = True
-                    return [(_END, 0, None)]
-                fut = gate.get_available_future()
-                self._awaiting = fut
-                fut.add_done_callback(self._pump_run)
-                return None
-            while boe is not None:
-                if boe.buffer is not None and boe.overtaken_by:
-                    item = (boe.buffer, boe.overtaken_by)
-                    batch.append((_OVERTAKEN, boe.channel_index, item))
-                elif boe.buffer is not None:
-                    batch.append((_DATA, boe.channel_index, boe.buffer))
-                else:
-                    event = boe.event
-                    kind = _EVENT
-                    if isinstance(event, CheckpointBarrier) and event.options.unaligned:
-                        # a priority barrier went by since the gate was last empty
-                        self._priority_seen = True
-                        if self._jumping:  # ahead of what the hand-off holds
-                            self._priority.append((boe.channel_index, event))
-                            kind = _JUMPED
-                            notify = self._on_priority
-                            if notify is not None:
-                                notify()
-                    batch.append((kind, boe.channel_index, event))
-                if len(batch) >= _BATCH_BUFFERS:
-                    break
-                _poll_data_into(gate, batch)
-                if len(batch) >= _BATCH_BUFFERS:
-                    break
-                boe = gate.poll_next()
-        except BaseException as e:  # a channel failed, maybe after others' buffers
-            batch.append((_ERROR, 0, e))
-            self._pump_last = True
-        return batch
-
-    def _end_pump(self) -> None:
-        """Loop thread: the pump stops (the input ended, or the reader closes); a batch not
-        handed over goes back to its channels."""
-        if self._pump_ended:
-            return
-        self._pump_ended = True
-        fut, self._awaiting = self._awaiting, None
-        if fut is not None:
-            fut.remove_done_callback(self._pump_run)
-        batch, self._pending = self._pending, None
-        if batch is not None:
-            self._give_back(_buffers_of(batch))
 
     def _report_idle(self) -> None:
         """Loop thread: the task found no input; idle unless input reached it meanwhile."""
@@ -1261,12 +1214,13 @@ class PartitionReader:
         self._closed = True
         self._left = self._handoff.close_receiver()  # wakes a records() waiting
         self._return_undecoded()
+        self._pump_future.cancel()
         self._rt.run(self._close_async())
         if self._handler is not None:
             self._handler.close()
 
     async def _close_async(self) -> None:
-        self._end_pump()
+        await wait_quietly(asyncio.wrap_future(self._pump_future), log, "reader pump")
         left, self._left = self._left, []
         self._give_back(_buffers_of(left))
         if self._in_flight:  # the task thread is decoding a batch: wait for its buffers
