@@ -117,7 +117,7 @@ class ReaderOptions(_Options):
     secret: bytes | None = field(default=None, repr=False)  # never in a log line
     segment_size: int = 32 * 1024
     num_exclusive: int = 2
-    num_floating: int = 32
+    num_floating: int = 8
     backoff_initial: float = DEFAULT_BACKOFF_INITIAL
     backoff_max: float = DEFAULT_BACKOFF_MAX
     event_handler: EventHandler | None = None

@@ -98,7 +98,7 @@ class DaemonConfig:
     network_memory: int = 64 * MIB
     segment_size: int = 32 * KIB
     exclusive_buffers_per_channel: int = 2
-    floating_buffers_per_gate: int = 32
+    floating_buffers_per_gate: int = 8
     producer_credit: int = 8
     max_overdraft_buffers_per_partition: int = 5
     high_watermark: int | None = None

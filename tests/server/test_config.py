@@ -211,7 +211,7 @@ def test_defaults_are_flinks() -> None:
     assert config.segment_size == 32 * KIB
     assert config.num_segments == 2048
     assert config.exclusive_buffers_per_channel == 2
-    assert config.floating_buffers_per_gate == 32  # Flink: 8 (see docs/architecture.md)
+    assert config.floating_buffers_per_gate == 8
     assert (config.high_watermark, config.low_watermark) == (None, None)
     assert config.effective_high_watermark == 2 * 32 * KIB
     assert config.effective_low_watermark == 32 * KIB + 1
