@@ -27,6 +27,7 @@ through the daemons so that output partition *i* holds exactly the pairs
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import itertools
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -85,6 +87,10 @@ MODES: Final = ("blocking", "pipelined")
 #: (Flink's 100 ms assumes a producer still being deployed): at 100 ms most runs lost
 #: 100 ms of one producer's stream on a job of about a second.
 PIPELINED_BACKOFF_INITIAL: Final = 0.01
+#: How long a task of a pipelined exchange in an ordinary stage (``n_in != n``) waits
+#: for the others to start (seconds): Spark starts such a stage's tasks as slots free
+#: up, so a run short of free slots fails with a ``SchedulingError`` after this.
+PIPELINED_START_TIMEOUT: Final = 60.0
 
 
 def exchange_hash(key: Any) -> int:
@@ -652,6 +658,56 @@ class _CancellableWriter:
             writer.cancel(reason)
 
 
+def _in_partitions(rdd: RDD[Any], n: int) -> RDD[Any]:
+    """The input as ``n`` partitions without a shuffle: more are coalesced (task *t*
+    writes a group of them, one after another, as one producer), fewer are padded with
+    empty ones (those tasks write nothing and read)."""
+    from pyspark.rdd import RDD
+
+    n_in = rdd.getNumPartitions()
+    if n_in > n:
+        return rdd.coalesce(n)
+    # an empty partition has no bytes to deserialize: the input's deserializer, so that
+    # union joins the JVM RDDs as they are (different ones: a Python pass over the input)
+    empty: RDD[Any] = rdd.context.parallelize([], n - n_in)
+    return rdd.union(RDD(empty._jrdd, rdd.context, rdd._jrdd_deserializer))
+
+
+def _check_no_speculation(sc: SparkContext, n_in: int, n: int) -> None:
+    """A speculative copy of a task would meet the exchange as a second attempt of its
+    index, which an ordinary stage's exchange refuses (failing the job)."""
+    if str(sc.getConf().get("spark.speculation", "false")).strip().lower() == "true":
+        raise UsageError(
+            f"a pipelined exchange of {n_in} input partitions into {n} runs an ordinary Spark "
+            "stage, and spark.speculation is on: a speculative copy of one of its tasks "
+            "cannot join the exchange. Turn speculation off, give the input as many "
+            "partitions as the output (a barrier stage: never speculated), or use "
+            "mode='blocking'"
+        )
+
+
+def _stage_runs_every_task(sc: SparkContext, stage: int, n: int) -> str | None:
+    """Why the run of an ordinary stage can never bring its ``n`` tasks together, or None:
+    the job computes only some of its partitions (``take``, ``first``, ``lookup``).
+    Asked of Spark's status tracker (on the driver) when the run's first task arrives."""
+    tracker = sc.statusTracker()
+    deadline = time.monotonic() + 10
+    info = tracker.getStageInfo(stage)
+    while info is None:  # the listener bus may not have told the status store yet
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+        info = tracker.getStageInfo(stage)
+    if info.numTasks < n:
+        return (
+            f"the job runs {info.numTasks} of the {n} tasks of its pipelined exchange "
+            "(take, first, lookup and the like compute some partitions only), and every "
+            "output partition needs all of its writers running: use collect() (then "
+            "[:k]), or mode='blocking'"
+        )
+    return None
+
+
 def _pipelined(
     rdd: RDD[Any],
     n: int,
@@ -660,19 +716,9 @@ def _pipelined(
     exchange_id: str,
     codec: RecordCodec,
 ) -> RDD[Any]:
-    from pyspark import BarrierTaskContext
+    from pyspark import TaskContext
 
     sc = rdd.context
-    n_in = rdd.getNumPartitions()
-    if n_in != n:
-        # Spark's barrier mode refuses stages whose RDD chain changes the partition count
-        # (union, coalesce), so the input cannot be padded or merged inside the stage.
-        raise UsageError(
-            f"a pipelined exchange runs one barrier stage where task i writes input partition "
-            f"i and reads output partition i: it needs as many input partitions as output "
-            f"partitions, got {n_in} and {n}; use mode='blocking' or give the input {n} "
-            "partitions"
-        )
     slots = _slots(sc)
     if n > slots:
         raise UsageError(
@@ -680,7 +726,17 @@ def _pipelined(
             f"only {slots} are available; use mode='blocking', fewer partitions, or more "
             "executor cores"
         )
+    n_in = rdd.getNumPartitions()
+    # n_in == n: a barrier stage (Spark starts its tasks together, re-runs it whole).
+    # Otherwise an ordinary stage over the input brought to n partitions (Spark's barrier
+    # mode refuses any RDD chain in the stage whose partition count differs from its
+    # task count: coalesce, union), whose tasks meet at the rendezvous within a deadline.
+    barrier = n_in == n
+    if not barrier:
+        _check_no_speculation(sc, n_in, n)
+        rdd = _in_partitions(rdd, n)
     secret = spec.secret
+    start_timeout = PIPELINED_START_TIMEOUT
 
     async def release_everywhere(stage: int, locations: list[Any]) -> None:
         """A task of the stage failed: release that run's pipelined partitions on every
@@ -689,7 +745,18 @@ def _pipelined(
             with contextlib.suppress(ExchangeError):
                 await release_dataset(address, _run_dataset(exchange_id, stage), secret=secret)
 
-    ticket = _rendezvous_server(sc).open_group(exchange_id, n, release_everywhere)
+    async def check_round(stage: int) -> str | None:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, _stage_runs_every_task, sc, stage, n
+        )
+
+    ticket = _rendezvous_server(sc).open_group(
+        exchange_id,
+        n,
+        release_everywhere,
+        whole_stage_retries=barrier,
+        check_round=None if barrier else check_round,
+    )
 
     async def abandon_everywhere(dataset: str, t: int, addresses: list[str]) -> None:
         """Task ``t`` left its input early: subpartition ``t`` of the run's partitions is
@@ -704,7 +771,8 @@ def _pipelined(
                 )
 
     def run(records: Iterable[Any]) -> Iterator[Any]:
-        ctx = BarrierTaskContext.get()
+        ctx = TaskContext.get()
+        assert ctx is not None
         t = ctx.partitionId()
         attempt = ctx.taskAttemptId()
         # Each action on the result runs the barrier stage again, as a new stage: its
@@ -713,7 +781,10 @@ def _pipelined(
         dataset = _run_dataset(exchange_id, stage)
         sock, info = _local_daemon(spec)
         me = [t, attempt, info.daemon_id, info.data_address, sock, info.segment_size]
-        everyone = rendezvous(ticket, t, attempt, me, round_id=stage)
+        if barrier:
+            everyone = rendezvous(ticket, t, attempt, me, round_id=stage)
+        else:
+            everyone = rendezvous(ticket, t, attempt, me, round_id=stage, timeout=start_timeout)
         producers = [_Produced(p[0], p[1], p[2], p[3], p[4], p[5], 0) for p in everyone]
         # the producers' daemons (our own: over its local socket)
         daemons = sorted(
@@ -790,7 +861,7 @@ def _pipelined(
         next(lists)  # into its try: from here on, dropping it leaves the exchange cleanly
         return itertools.chain.from_iterable(lists)
 
-    out = rdd.barrier().mapPartitions(run)
+    out = rdd.barrier().mapPartitions(run) if barrier else rdd.mapPartitions(run)
     # Preserving partitioning passes the Partitioner set on the result on to what is
     # pipelined after it, and makes the stage's JVM RDD claim its JVM parent's
     # partitioner: right only when that parent (the input's first JVM RDD) has none.
