@@ -3,9 +3,10 @@
 One ``local[2]`` session for the module (the ``spark`` fixture, with the embedded daemon).
 Every dataset goes through both modes and is compared with ``partitionBy`` partition by
 partition: the same records, equal (``==``) and of the same types all the way down.
-Pipelined runs one barrier stage of ``n`` tasks, so there ``n`` is 2 with 2 input
-partitions (``local[2]`` has 2 slots). The retry test runs ``local[2,2]`` in a process
-of its own (``tests/kit/spark_retry_job.py``).
+Pipelined runs all its ``n`` tasks at once, so there ``n`` is 2 (``local[2]`` has 2
+slots), from the dataset's 2 or 3 input partitions (2: one barrier stage; any other
+count: an ordinary stage over the input coalesced or padded to ``n`` partitions). The
+retry test runs ``local[2,2]`` in a process of its own (``tests/kit/spark_retry_job.py``).
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def test_exchange_shuffle_equals_partition_by(
 ) -> None:
     _, slices, n = DATASETS[name]
     if mode == "pipelined":
-        slices, n = 2, 2
+        n = 2  # from 2 input partitions or 3
     sc = spark.sparkContext
     rdd = sc.parallelize(records_of(name), slices)
     out = exchange_shuffle(rdd, n, mode=mode)
@@ -276,17 +277,14 @@ def test_release_exchange_frees_partitions_and_rereading_fails_typed(spark: Any)
     assert net["available_segments"] == net["total_segments"], net
 
 
-def test_pipelined_needs_as_many_slots_as_partitions(spark: Any) -> None:
+@pytest.mark.parametrize("n_in", [3, 2])
+def test_pipelined_needs_as_many_slots_as_partitions(spark: Any, n_in: int) -> None:
     sc = spark.sparkContext
     with pytest.raises(UsageError) as excinfo:
-        exchange_shuffle(sc.parallelize(range(30), 3).map(lambda i: (i, i)), 3, mode="pipelined")
+        exchange_shuffle(sc.parallelize(range(30), n_in).map(lambda i: (i, i)), 3, mode="pipelined")
     msg = str(excinfo.value)
     assert "3 task slots" in msg and "only 2" in msg, msg
     assert "blocking" in msg  # says what to do instead
-
-    with pytest.raises(UsageError) as excinfo:
-        exchange_shuffle(sc.parallelize(range(30), 2).map(lambda i: (i, i)), 3, mode="pipelined")
-    assert "got 2 and 3" in str(excinfo.value), str(excinfo.value)
 
 
 @pytest.mark.parametrize(
@@ -299,7 +297,12 @@ def test_bad_arguments_are_usage_errors(spark: Any, args: tuple[Any, str]) -> No
         exchange_shuffle(rdd, args[0], mode=args[1])
 
 
-def test_failing_pipelined_producer_fails_the_job_never_a_short_result(spark: Any) -> None:
+@pytest.mark.parametrize("slices", [2, 3])
+def test_failing_pipelined_producer_fails_the_job_never_a_short_result(
+    spark: Any, slices: int
+) -> None:
+    """2 input partitions: a barrier stage; 3: an ordinary stage over the input coalesced
+    to 2 partitions (Spark does not kill the other tasks there: they fail on their own)."""
     sc = spark.sparkContext
 
     def explode(index: int, it: Iterator[Any]) -> Iterator[Any]:
@@ -308,7 +311,8 @@ def test_failing_pipelined_producer_fails_the_job_never_a_short_result(spark: An
                 raise RuntimeError("producer 0 breaks mid-stream")
             yield rec
 
-    rdd = sc.parallelize([(i % 13, i) for i in range(20_000)], 2).mapPartitionsWithIndex(explode)
+    records = [(i % 13, i) for i in range(20_000)]
+    rdd = sc.parallelize(records, slices).mapPartitionsWithIndex(explode)
     out = exchange_shuffle(rdd, 2, mode="pipelined")
     # the job failed: a Python task's error, or the barrier stage's (a JVM SparkException)
     with pytest.raises((PythonException, Py4JJavaError)) as excinfo:
@@ -343,19 +347,22 @@ def test_retried_producer_task_leaves_no_duplicates(tmp_path: Path, sx: ModuleTy
     assert result["pool_whole"] is True
 
 
+@pytest.mark.parametrize("slices", [2, 3, 1])
 def test_pipelined_consumer_stopping_early_ends_the_stage_and_frees_the_daemon(
-    spark: Any,
+    spark: Any, slices: int
 ) -> None:
     """Each task takes one record and drops its reader with ~150 MB (more than the daemon's
     64 MiB of buffers) still to come: the reader is closed before the task waits for its writer,
-    so the writer (held back by an unread stream) is failed, never left blocked."""
+    so the writer (held back by an unread stream) is failed, never left blocked. From 2
+    input partitions (a barrier stage), 3 (coalesced: a task writes two one after the
+    other) and 1 (padded: task 1 writes nothing)."""
     sc = spark.sparkContext
     payload = b"x" * 1024
 
     def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
-        return ((k, payload) for k in range(i, 150_000, 2))
+        return ((k, payload) for k in range(i, 150_000, slices))
 
-    rdd = sc.parallelize(range(2), 2).mapPartitionsWithIndex(rows)
+    rdd = sc.parallelize(range(slices), slices).mapPartitionsWithIndex(rows)
     out = exchange_shuffle(rdd, 2, mode="pipelined")
     try:
         firsts = out.mapPartitions(lambda it: [type(next(it)[1]).__name__]).collect()
@@ -457,9 +464,12 @@ def _writer_threads_in_workers(sc: Any) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("task_1", ["never starts either", "reads to the end"])
+@pytest.mark.parametrize(
+    ("task_1", "slices"),
+    [("never starts either", 2), ("reads to the end", 2), ("never starts either", 3)],
+)
 def test_a_pipelined_output_spark_never_starts_leaves_no_writer_and_nothing_on_the_daemon(
-    spark: Any, task_1: str
+    spark: Any, task_1: str, slices: int
 ) -> None:
     """The function after the exchange returns without ever iterating its input, so Spark
     drops task 0's output iterator unstarted, with ~100 MB written by the two producers
@@ -473,7 +483,7 @@ def test_a_pipelined_output_spark_never_starts_leaves_no_writer_and_nothing_on_t
     payload = b"x" * 1024
 
     def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
-        return ((k, payload) for k in range(i, 100_000, 2))
+        return ((k, payload) for k in range(i, 100_000, slices))
 
     reads = task_1 == "reads to the end"
 
@@ -482,7 +492,7 @@ def test_a_pipelined_output_spark_never_starts_leaves_no_writer_and_nothing_on_t
             return [f"read {sum(1 for _ in it)}"]
         return ["never started"]
 
-    rdd = sc.parallelize(range(2), 2).mapPartitionsWithIndex(rows)
+    rdd = sc.parallelize(range(slices), slices).mapPartitionsWithIndex(rows)
     out = exchange_shuffle(rdd, 2, mode="pipelined")
     try:
         result = out.mapPartitionsWithIndex(consume).collect()
@@ -498,8 +508,9 @@ def test_a_pipelined_output_spark_never_starts_leaves_no_writer_and_nothing_on_t
     assert _writer_threads_in_workers(sc) == []
 
 
+@pytest.mark.parametrize("slices", [2, 3])
 def test_a_pipelined_job_cancelled_while_its_tasks_read_leaves_nothing_on_the_daemon(
-    spark: Any,
+    spark: Any, slices: int
 ) -> None:
     """The action is cancelled (its job tag, with interruption: a user's cancel, or the
     failure of a job it belongs to) while both tasks read slowly with ~100 MB to come.
@@ -510,7 +521,7 @@ def test_a_pipelined_job_cancelled_while_its_tasks_read_leaves_nothing_on_the_da
     payload = b"x" * 1024
 
     def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
-        return ((k, payload) for k in range(i, 100_000, 2))
+        return ((k, payload) for k in range(i, 100_000, slices))
 
     def slow(it: Iterator[Any]) -> Iterator[int]:
         n = 0
@@ -520,7 +531,7 @@ def test_a_pipelined_job_cancelled_while_its_tasks_read_leaves_nothing_on_the_da
                 time.sleep(0.05)
         yield n
 
-    rdd = sc.parallelize(range(2), 2).mapPartitionsWithIndex(rows)
+    rdd = sc.parallelize(range(slices), slices).mapPartitionsWithIndex(rows)
     out = exchange_shuffle(rdd, 2, mode="pipelined")
     tag = f"cancel-{out.exchange_id}"
     cancelled: list[BaseException | None] = []
@@ -575,18 +586,21 @@ def _stages_run(sc: Any, action: Callable[[], Any]) -> int:
     return sum(len(j.stageIds) for j in jobs)
 
 
-@pytest.mark.parametrize("mode", ["blocking", "pipelined"])
-def test_the_next_by_key_operation_does_not_shuffle_again(spark: Any, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "n_in"), [("blocking", 2), ("pipelined", 2), ("pipelined", 3), ("pipelined", 1)]
+)
+def test_the_next_by_key_operation_does_not_shuffle_again(spark: Any, mode: str, n_in: int) -> None:
     """The result carries ``partitionBy``'s ``Partitioner``: reduceByKey, groupByKey and
     partitionBy with the same partitioning run in the reading stage, with no shuffle of
-    their own.
+    their own; so does a pipelined result from another count of input partitions (its
+    ordinary stage coalesces or pads the input: no shuffle either).
     (A fresh exchange per action: a pipelined exchange runs again with each.)"""
     from pyspark.rdd import Partitioner, portable_hash
 
     sc = spark.sparkContext
     records = [(f"k{i % 97}", i) for i in range(20_000)]
     # a map in front: pipelined mode's barrier stage takes it in
-    rdd = sc.parallelize(records, 2).map(lambda r: r)
+    rdd = sc.parallelize(records, n_in).map(lambda r: r)
     sums: dict[str, int] = collections.Counter()
     for k, v in records:
         sums[k] += v
@@ -774,6 +788,123 @@ def test_a_join_of_two_blocking_exchanges_with_one_partitioning_does_not_shuffle
     for out in (a, b):
         release_exchange(out)
         wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+@pytest.mark.parametrize(("n_in", "n"), [(4, 2), (1, 2), (5, 1), (0, 2)])
+def test_a_pipelined_exchange_of_another_input_partition_count_equals_partition_by(
+    spark: Any, sx: ModuleType, n_in: int, n: int
+) -> None:
+    """More input partitions than output (coalesced: a task writes several, one after the
+    other, as one producer), fewer (padded with empty ones: those tasks only read), none:
+    one job of one stage (an ordinary one: Spark's barrier mode refuses a stage whose RDD
+    chain changes the partition count), and partitionBy's partitions and partitioner."""
+    sc = spark.sparkContext
+    rdd = sc.parallelize(records_of("mixed-types"), n_in) if n_in else sc.emptyRDD()
+    out = exchange_shuffle(rdd, n, mode="pipelined")
+    assert out.getNumPartitions() == n
+    assert out.partitioner == rdd.partitionBy(n).partitioner
+    got: list[Any] = []
+    jobs = _jobs_run(sc, lambda: got.extend(out.glom().collect()))
+    assert len(jobs) == 1 and len(jobs[0].stageIds) == 1, jobs
+    sx.assert_exact_partitions(got, rdd.partitionBy(n).glom().collect())
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+@pytest.mark.parametrize("n_in", [4, 1])
+def test_a_pipelined_exchange_of_another_input_partition_count_streams(
+    spark: Any, n_in: int
+) -> None:
+    """~100 MB (more than the daemon's 64 MiB of buffers) from 4 input partitions or 1
+    into 2: pipelined partitions hold no more than their buffers, so the writers can end
+    only while the readers of the same run read (a task's writer and reader at once)."""
+    sc = spark.sparkContext
+    payload = b"x" * 1024
+    count = 100_000
+
+    def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
+        return ((k, payload) for k in range(i, count, n_in))
+
+    def summary(i: int, it: Iterator[Any]) -> Iterator[tuple[int, int, int, int]]:
+        records = total = wrong = 0
+        for k, v in it:
+            records += 1
+            total += k
+            wrong += k % 2 != i or v != payload  # portable_hash of a small int is the int
+        yield (i, records, total, wrong)
+
+    out = exchange_shuffle(
+        sc.parallelize(range(n_in), n_in).mapPartitionsWithIndex(rows), 2, mode="pipelined"
+    )
+    got = sorted(out.mapPartitionsWithIndex(summary).collect())
+    assert got == [(i, count // 2, sum(range(i, count, 2)), 0) for i in range(2)]
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_take_of_a_pipelined_exchange_of_another_partition_count_is_refused_at_once(
+    spark: Any,
+) -> None:
+    """take and first run a job over some partitions only: the ordinary stage's
+    task that starts is told at once (the driver asks Spark how many tasks the stage
+    runs) with a UsageError naming the way out, not left waiting for the others. (With
+    as many input as output partitions Spark itself refuses them on a barrier stage.)"""
+    sc = spark.sparkContext
+    records = [(i % 11, i) for i in range(1000)]
+    rdd = sc.parallelize(records, 3)
+    out = exchange_shuffle(rdd, 2, mode="pipelined")
+    for action in (lambda: out.take(1), out.first):
+        with pytest.raises(PythonException) as excinfo:
+            action()
+        text = str(excinfo.value)
+        assert "exchange.errors.UsageError" in text, text[-3000:]
+        assert "the job runs 1 of the 2 tasks of its pipelined exchange" in text, text[-3000:]
+        assert "use collect()" in text, text[-3000:]
+    assert sorted(out.collect()) == sorted(records)
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_a_pipelined_exchange_short_of_free_slots_fails_typed_never_hangs(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another job holds one of the 2 slots: the ordinary stage of a 1-into-2 exchange
+    starts one task, which waits for the other at the rendezvous until the start
+    deadline and fails the job with a SchedulingError saying what it needs (no silent
+    deadlock). Once the slot is free the same exchange runs."""
+    from client import spark as xs
+
+    monkeypatch.setattr(xs, "PIPELINED_START_TIMEOUT", 5.0)  # read by exchange_shuffle
+    sc = spark.sparkContext
+    started, release = tmp_path / "started", tmp_path / "release"
+
+    def hold(_: Any) -> list[int]:
+        started.touch()
+        deadline = time.monotonic() + 240
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [1]
+
+    held: list[Any] = []
+    holder = threading.Thread(
+        target=lambda: held.append(sc.parallelize([0], 1).mapPartitions(hold).collect()),
+        name="hold-a-slot",
+    )
+    records = [(i % 17, i) for i in range(2000)]
+    holder.start()
+    try:
+        wait_for(started.exists, 120, "the job holding a slot")
+        out = exchange_shuffle(sc.parallelize(records, 1), 2, mode="pipelined")
+        with pytest.raises(PythonException) as excinfo:
+            out.collect()
+    finally:
+        release.touch()
+        holder.join(240)
+    text = str(excinfo.value)
+    assert "exchange.errors.SchedulingError" in text, text[-3000:]
+    assert "waited 5s for the other 1 tasks" in text and "needs 2 free task slots" in text, text[
+        -3000:
+    ]
+    assert held == [[1]]
+    assert sorted(out.collect()) == sorted(records)
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
 def test_a_lost_daemon_fails_the_read_typed_naming_it(spark: Any) -> None:
