@@ -907,6 +907,42 @@ def test_a_pipelined_exchange_short_of_free_slots_fails_typed_never_hangs(
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
+def test_a_pipelined_task_retried_alone_fails_its_job_typed_never_hangs(
+    tmp_path: Path, sx: ModuleType
+) -> None:
+    """local[2,2] in its own process: a task of a 3-into-2 pipelined exchange (an
+    ordinary stage) fails on its first attempt; Spark retries it alone, which cannot
+    complete a pipelined exchange: the retry is refused at once at the rendezvous and the
+    job fails with a SchedulingError naming the way out; the daemon is left whole."""
+    result = run_job("pipelined-retry", tmp_path, sx.child_env())
+    marks = [p.name.rsplit("-", 1)[0] for p in tmp_path.iterdir()]
+    assert marks == ["pipelined-retry-producer"], "no attempt failed once"
+    text = result["error"]
+    assert "exchange.errors.SchedulingError" in text, text[-3000:]
+    assert "cannot run again alone" in text and "mode='blocking'" in text, text[-3000:]
+    assert result["partitions_left"] == 0, result
+    assert result["pool_whole"] is True
+
+
+def test_a_pipelined_exchange_of_another_partition_count_refuses_speculation(
+    spark: Any,
+) -> None:
+    """A speculative copy of a task would meet the exchange as a second attempt of its
+    index: refused at the call (the live conf is changed here: only the check reads it)."""
+    sc = spark.sparkContext
+    conf = sc._conf
+    conf.set("spark.speculation", "true")
+    try:
+        with pytest.raises(UsageError) as excinfo:
+            exchange_shuffle(sc.parallelize([(1, 1)], 3), 2, mode="pipelined")
+        msg = str(excinfo.value)
+        assert "spark.speculation is on" in msg and "mode='blocking'" in msg, msg
+        # a barrier stage is never speculated: as many input as output partitions go on
+        exchange_shuffle(sc.parallelize([(1, 1)], 2), 2, mode="pipelined")
+    finally:
+        conf.set("spark.speculation", "false")
+
+
 def test_a_lost_daemon_fails_the_read_typed_naming_it(spark: Any) -> None:
     """The daemon holding an exchange's partitions dies between two actions: the next
     read fails with the exchange's TransportError naming that daemon. (Last in the
