@@ -16,13 +16,23 @@ through the daemons so that output partition *i* holds exactly the pairs
   committed are read, never a retried task's other attempt. Later actions skip the map
   stage and read again. ``release_exchange`` frees them (a time to live frees forgotten
   ones).
-* ``mode="pipelined"``: one barrier stage; task *i* writes input partition *i* (from a
+* ``mode="pipelined"``: one stage of ``n`` tasks; task *i* writes its input (from a
   background thread) while it reads output partition *i*, so data streams between running
   tasks with bounded memory. The tasks find each other through a rendezvous service on
   the driver (``client.rendezvous``; ``allGather`` costs about a second), in a round per
-  run of the stage (each action runs it anew, as a new stage). The input
-  must have ``n`` partitions (barrier stages cannot change the partition count) and the
-  cluster ``n`` free task slots.
+  run of the stage (each action runs it anew, as a new stage). The cluster needs ``n``
+  task slots. With ``n`` input partitions the stage is a barrier stage (Spark starts its
+  tasks together and re-runs it whole). With another count it cannot be: Spark's barrier
+  mode refuses a stage whose RDD chain holds an RDD of another partition count than its
+  task count (``DAGScheduler.checkBarrierStageWithRDDChainPattern``: ``coalesce``,
+  ``union``), so it is an ordinary stage over the input coalesced to ``n`` partitions
+  (task *i* writes a group of input partitions one after the other) or padded with empty
+  ones (those tasks only read). Spark starts an ordinary stage's tasks as slots free up
+  and retries them one by one; the rendezvous makes that safe: a run whose tasks do not
+  all start within ``PIPELINED_START_TIMEOUT`` fails with ``SchedulingError`` (never a
+  silent wait), a job running only some of its tasks (``take``) is refused at once
+  (``UsageError``), a task run again alone (a retry) fails its job at once
+  (``SchedulingError``), and ``spark.speculation`` is refused up front.
 """
 
 from __future__ import annotations
