@@ -92,11 +92,6 @@ __all__ = [
 
 CONF_DAEMON_ADDRESS: Final = "spark.exchange.daemon.address"
 MODES: Final = ("blocking", "pipelined")
-#: A pipelined task's first partition request backoff at most (seconds). Its producers
-#: start with it, at the rendezvous, so a partition not there yet is milliseconds away
-#: (Flink's 100 ms assumes a producer still being deployed): at 100 ms most runs lost
-#: 100 ms of one producer's stream on a job of about a second.
-PIPELINED_BACKOFF_INITIAL: Final = 0.01
 #: How long a task of a pipelined exchange in an ordinary stage (``n_in != n``) waits
 #: for the others to start (seconds): Spark starts such a stage's tasks as slots free
 #: up, so a run short of free slots fails with a ``SchedulingError`` after this.
@@ -400,6 +395,34 @@ def _local_daemon(spec: _DaemonSpec) -> tuple[str, Any]:
     return sock, info
 
 
+def _open_writer(
+    exchange_id: str,
+    index: int,
+    attempt: int,
+    num_partitions: int,
+    spec: _DaemonSpec,
+    codec: RecordCodec,
+    blocking: bool,
+) -> PartitionWriter:
+    """The writer of one input partition: the partition exists on the local daemon once
+    this returns."""
+    sock, info = _local_daemon(spec)
+    pid = ResultPartitionID(exchange_id, index, attempt)
+    # the daemon's buffer timeout; a blocking partition flushes only full buffers
+    options = WriterOptions.from_daemon(
+        info, blocking=blocking, daemon_socket=sock, codec=codec, secret=spec.secret
+    )
+    return PartitionWriter(pid, num_partitions, options)
+
+
+def _write_all(
+    writer: PartitionWriter, records: Iterable[Any], partition_func: Callable[[Any], int]
+) -> int:
+    """Write the records and finish the partition (fail it on an error)."""
+    with writer:
+        return writer.emit_all(records, _writer_partition_func(partition_func))
+
+
 def _write_partition(
     exchange_id: str,
     index: int,
@@ -410,19 +433,11 @@ def _write_partition(
     spec: _DaemonSpec,
     codec: RecordCodec,
     blocking: bool,
-    opened: Callable[[PartitionWriter], None] | None = None,
 ) -> _Produced:
-    """Write one input partition; ``opened`` gets the writer before any record is read."""
+    """Write one input partition."""
+    writer = _open_writer(exchange_id, index, attempt, num_partitions, spec, codec, blocking)
+    n = _write_all(writer, records, partition_func)
     sock, info = _local_daemon(spec)
-    pid = ResultPartitionID(exchange_id, index, attempt)
-    # the daemon's buffer timeout; a blocking partition flushes only full buffers
-    options = WriterOptions.from_daemon(
-        info, blocking=blocking, daemon_socket=sock, codec=codec, secret=spec.secret
-    )
-    with PartitionWriter(pid, num_partitions, options) as writer:
-        if opened is not None:
-            opened(writer)
-        n = writer.emit_all(records, _writer_partition_func(partition_func))
     return _Produced(index, attempt, info.daemon_id, info.data_address, sock, info.segment_size, n)
 
 
@@ -432,19 +447,11 @@ def _open_reader(
     subpartition: int,
     spec: _DaemonSpec,
     codec: RecordCodec,
-    *,
-    backoff_initial: float | None = None,
 ) -> PartitionReader | None:
-    """The reader of one output partition (None: no input partitions, nothing to read).
-    ``backoff_initial``: the first partition request backoff at most (the daemon's when
-    it is shorter); the daemon's backoff cap stays."""
+    """The reader of one output partition (None: no input partitions, nothing to read)."""
     if not producers:
         return None
     sock, info = _local_daemon(spec)
-    overrides: dict[str, Any] = {}
-    if backoff_initial is not None:
-        daemon_initial = ReaderOptions.from_daemon(info).backoff_initial
-        overrides["backoff_initial"] = min(daemon_initial, backoff_initial)
     locations = [
         PartitionLocation(
             ResultPartitionID(exchange_id, p.index, p.attempt),
@@ -462,7 +469,6 @@ def _open_reader(
         metrics_socket=sock,
         task_name=f"{exchange_id}/{subpartition}",
         segment_size=producers[0].segment_size,
-        **overrides,
     )
     return PartitionReader(locations, options)
 
@@ -646,28 +652,6 @@ def _run_dataset(exchange_id: str, stage: int) -> str:
     return f"{exchange_id}.s{stage}"
 
 
-class _CancellableWriter:
-    """A pipelined task's handle on its writer thread's PartitionWriter: ``cancel`` fails
-    it, also when it comes before the writer opened (it is then failed on opening)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._writer: PartitionWriter | None = None
-        self._reason: str | None = None
-
-    def opened(self, writer: PartitionWriter) -> None:
-        with self._lock:
-            self._writer, reason = writer, self._reason
-        if reason is not None:
-            writer.cancel(reason)
-
-    def cancel(self, reason: str) -> None:
-        with self._lock:
-            self._reason, writer = reason, self._writer
-        if writer is not None:
-            writer.cancel(reason)
-
-
 def _in_partitions(rdd: RDD[Any], n: int) -> RDD[Any]:
     """The input as ``n`` partitions without a shuffle: more are coalesced (task *t*
     writes a group of them, one after another, as one producer), fewer are padded with
@@ -791,32 +775,28 @@ def _pipelined(
         dataset = _run_dataset(exchange_id, stage)
         sock, info = _local_daemon(spec)
         me = [t, attempt, info.daemon_id, info.data_address, sock, info.segment_size]
-        if barrier:
-            everyone = rendezvous(ticket, t, attempt, me, round_id=stage)
-        else:
-            everyone = rendezvous(ticket, t, attempt, me, round_id=stage, timeout=start_timeout)
+        # Every task creates its partition before it meets the others, so no reader of
+        # the run ever asks for a partition that does not exist yet (no not-found
+        # retries), and none is created after a reader left (its subpartition would wait)
+        pw = _open_writer(dataset, t, attempt, n, spec, codec, False)
+        try:
+            if barrier:
+                everyone = rendezvous(ticket, t, attempt, me, round_id=stage)
+            else:
+                everyone = rendezvous(ticket, t, attempt, me, round_id=stage, timeout=start_timeout)
+        except BaseException as e:
+            pw.fail(e)
+            raise
         producers = [_Produced(p[0], p[1], p[2], p[3], p[4], p[5], 0) for p in everyone]
         # the producers' daemons (our own: over its local socket)
         daemons = sorted(
             {p.local_socket if p.daemon_id == info.daemon_id else p.data_address for p in producers}
         )
         failure: list[BaseException] = []
-        writer_handle = _CancellableWriter()
 
         def produce() -> None:
             try:
-                _write_partition(
-                    dataset,
-                    t,
-                    attempt,
-                    records,
-                    n,
-                    partition_func,
-                    spec,
-                    codec,
-                    False,
-                    writer_handle.opened,
-                )
+                _write_all(pw, records, partition_func)
             except BaseException as e:
                 failure.append(e)
 
@@ -835,14 +815,7 @@ def _pipelined(
                     # that ignores its input), when a generator never started would be
                     # dropped without running any of its code
                     yield []
-                    reader = _open_reader(
-                        dataset,
-                        producers,
-                        t,
-                        spec,
-                        codec,
-                        backoff_initial=PIPELINED_BACKOFF_INITIAL,
-                    )
+                    reader = _open_reader(dataset, producers, t, spec, codec)
                     if reader is not None:
                         yield from reader.record_lists()
                     read_all = True
@@ -859,7 +832,7 @@ def _pipelined(
                         # writer, which may wait forever for a consumer that gave up
                         # before it ever asked for our partition, is failed.
                         get_runtime().run(abandon_everywhere(dataset, t, daemons))
-                        writer_handle.cancel(f"task {t} of exchange {dataset} left early")
+                        pw.cancel(f"task {t} of exchange {dataset} left early")
                     writer.join()
                 if failure:
                     raise failure[0]

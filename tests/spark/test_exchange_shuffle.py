@@ -376,71 +376,42 @@ def test_pipelined_consumer_stopping_early_ends_the_stage_and_frees_the_daemon(
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
-def test_a_pipelined_partition_created_after_its_consumer_left_is_not_left_behind(
+def test_a_pipelined_consumer_leaving_before_a_producer_wrote_leaves_nothing_behind(
     spark: Any, tmp_path: Path
 ) -> None:
-    """The race of issue 21, made certain: task 0 reads one record and leaves while its
-    request for producer 1's partition is still being retried (producer 1 opens its
-    partition only once task 0 has left: its worker waits for a flag file task 0 writes).
-    Producer 1's subpartition 0 has no reader left: the daemon, told by task 0 that it
-    abandoned subpartition 0 of the run's dataset, releases it as soon as the partition
-    exists, so nothing of the exchange stays on the daemon. (Before, producer 1 finished,
-    task 1 read its own input to the end, the job succeeded, and the partition kept
-    subpartition 0's buffers for ever.)"""
+    """Task 0 reads one record of producer 0 and leaves while producer 1 has written
+    nothing yet (its first record waits for a flag file task 0 writes once it left).
+    Producer 1's partition exists already (every task creates its partition before the
+    rendezvous, so none is created after a reader left, the race of issue 21); task 0's
+    subpartition of it is released (its reader closed, or, had its request not reached
+    the daemon, abandoned), so producer 1 is never left waiting for it and nothing of
+    the exchange stays on the daemon."""
     sc = spark.sparkContext
     flag = tmp_path / "task-0-left"
-    http = get_embedded_daemon().http_address
 
     def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
-        if i == 1:  # producer 1 opens its partition once task 0 has left
-            # (the task's code is unpickled by value; _write_partition, a function of the
-            # module, looks PartitionWriter up in the worker's module when it runs)
-            from client import spark as xs
-
-            writer_class = xs.PartitionWriter
-
-            def when_task_0_left(pid: Any, *args: Any, **kwargs: Any) -> Any:
-                xs.PartitionWriter = writer_class  # type: ignore[misc]
-                deadline = time.monotonic() + 240
-                while not flag.exists() and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                return writer_class(pid, *args, **kwargs)
-
-            xs.PartitionWriter = when_task_0_left  # type: ignore[misc,assignment]
-        return ((k, b"r" * 1000) for k in range(i * 100, i * 100 + 40))  # both subpartitions
-
-    def pipelined_finished() -> int:
-        """Finished pipelined partitions on the daemon (a count over all of them: the
-        listed items stop at the first few partitions registered)."""
-        from urllib.request import urlopen
-
-        with urlopen(f"http://{http}/api/stats", timeout=10) as r:
-            count: int = json.loads(r.read())["partitions"]["finished_by_type"]["pipelined"]
-            return count
+        # a generator: producer 1's writer thread waits at its first record, once its
+        # task has met the others (a function waiting when called would hold the task)
+        if i == 1:  # producer 1 writes once task 0 has left
+            deadline = time.monotonic() + 240
+            while not flag.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        yield from ((k, b"r" * 1000) for k in range(i * 100, i * 100 + 40))  # both subparts
 
     def consume(i: int, it: Iterator[Any]) -> Iterator[str]:
         if i == 1:
             yield f"read {sum(1 for _ in it)}"
             return
-        next(it)  # a record of producer 0's partition: producer 1 has none yet
-        # producer 0 done (then task 1 reads its part of it to the end). Bounded well
-        # within the ~20 s task 1's reader retries producer 1's partition: if the count
-        # is thrown off (another test's partition released meanwhile), task 0 leaves
-        # anyway and the run fails instead, which must leave the daemon clean just as well
-        deadline = time.monotonic() + 8
-        while pipelined_finished() <= before and time.monotonic() < deadline:
-            time.sleep(0.05)
+        next(it)  # a record of producer 0's partition: producer 1 has written none
         del it  # the reader goes: task 0 leaves its input early
         flag.touch()
         yield "left"
 
     rdd = sc.parallelize(range(2), 2).mapPartitionsWithIndex(rows)
     out = exchange_shuffle(rdd, 2, mode="pipelined")
-    # read before the action: the tasks' closures are pickled then
-    before = daemon_stats()["partitions"]["finished_by_type"]["pipelined"]
     try:
         result = out.mapPartitionsWithIndex(consume).collect()
-    except Exception as e:  # producer 1 is told its subpartition 0 has no reader
+    except Exception as e:  # producer 1 (or 0) is told its subpartition 0 has no reader
         text = str(e)
         assert "released by its consumer before the end" in text or "ProducerFailedError" in text, (
             text[-2000:]
@@ -448,6 +419,59 @@ def test_a_pipelined_partition_created_after_its_consumer_left_is_not_left_behin
     else:
         assert result == ["left", "read 40"], result
     assert flag.exists(), "task 0 never left"
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_a_pipelined_run_short_of_a_slot_has_its_partitions_made_and_runs_once_it_frees(
+    spark: Any, tmp_path: Path
+) -> None:
+    """Another job holds one of the 2 slots: the ordinary stage of a 1-into-2 exchange
+    starts one task, which creates its partition on the daemon before it waits at the
+    rendezvous (so no reader of a run ever asks for a partition not there yet); once
+    the slot frees, within the start deadline, the run completes."""
+    sc = spark.sparkContext
+    started, release = tmp_path / "started", tmp_path / "release"
+
+    def hold(_: Any) -> list[int]:
+        started.touch()
+        deadline = time.monotonic() + 240
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [1]
+
+    records = [(i % 17, i) for i in range(2000)]
+    out = exchange_shuffle(sc.parallelize(records, 1), 2, mode="pipelined")
+    results: dict[str, Any] = {}
+
+    def run(name: str, action: Callable[[], Any]) -> threading.Thread:
+        def target() -> None:
+            try:
+                results[name] = action()
+            except BaseException as e:  # the test fails below, naming it
+                results[name] = e
+
+        thread = threading.Thread(target=target, name=name)
+        thread.start()
+        return thread
+
+    holder = run("hold", lambda: sc.parallelize([0], 1).mapPartitions(hold).collect())
+    exchanging: threading.Thread | None = None
+    try:
+        wait_for(started.exists, 120, "the job holding a slot")
+        exchanging = run("exchange", out.collect)
+        wait_for(
+            lambda: any(out.exchange_id in str(p) for p in daemon_stats()["partitions"]["items"]),
+            50,  # within the 60 s start deadline
+            "task 0's partition on the daemon while it waits for task 1",
+        )
+        assert "exchange" not in results, results  # still waiting for its second slot
+    finally:
+        release.touch()
+        holder.join(240)
+        if exchanging is not None:
+            exchanging.join(240)
+    assert results["hold"] == [1]
+    assert sorted(results["exchange"]) == sorted(records), results["exchange"]
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
