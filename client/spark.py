@@ -20,8 +20,9 @@ through the daemons so that output partition *i* holds exactly the pairs
   background thread) while it reads output partition *i*, so data streams between running
   tasks with bounded memory. The tasks find each other through a rendezvous service on
   the driver (``client.rendezvous``; ``allGather`` costs about a second), in a round per
-  run of the stage (each action runs it anew, as a new stage). The cluster needs ``n``
-  task slots. With ``n`` input partitions the stage is a barrier stage (Spark starts its
+  run of the stage (each action runs it anew, as a new stage); each task creates its
+  partition before it meets the others, so no reader asks for one not there yet. The
+  cluster needs ``n`` task slots. With ``n`` input partitions the stage is a barrier stage (Spark starts its
   tasks together and re-runs it whole). With another count it cannot be: Spark's barrier
   mode refuses a stage whose RDD chain holds an RDD of another partition count than its
   task count (``DAGScheduler.checkBarrierStageWithRDDChainPattern``: ``coalesce``,
