@@ -22,13 +22,14 @@ through the daemons so that output partition *i* holds exactly the pairs
   the driver (``client.rendezvous``; ``allGather`` costs about a second), in a round per
   run of the stage (each action runs it anew, as a new stage); each task creates its
   partition before it meets the others, so no reader asks for one not there yet. The
-  cluster needs ``n`` task slots. With ``n`` input partitions the stage is a barrier stage (Spark starts its
-  tasks together and re-runs it whole). With another count it cannot be: Spark's barrier
-  mode refuses a stage whose RDD chain holds an RDD of another partition count than its
-  task count (``DAGScheduler.checkBarrierStageWithRDDChainPattern``: ``coalesce``,
-  ``union``), so it is an ordinary stage over the input coalesced to ``n`` partitions
-  (task *i* writes a group of input partitions one after the other) or padded with empty
-  ones (those tasks only read). Spark starts an ordinary stage's tasks as slots free up
+  cluster needs ``n`` task slots. With ``n`` input partitions the stage is a barrier
+  stage (Spark starts its tasks together and re-runs it whole). With another count it
+  cannot be: Spark's barrier mode refuses a stage whose RDD chain holds an RDD of
+  another partition count than its task count
+  (``DAGScheduler.checkBarrierStageWithRDDChainPattern``: ``coalesce``, ``union``), so
+  it is an ordinary stage over the input coalesced to ``n`` partitions (task *i* writes
+  a group of input partitions one after the other) or padded with empty ones (those
+  tasks only read). Spark starts an ordinary stage's tasks as slots free up
   and retries them one by one; the rendezvous makes that safe: a run whose tasks do not
   all start within ``PIPELINED_START_TIMEOUT`` fails with ``SchedulingError`` (never a
   silent wait), a job running only some of its tasks (``take``) is refused at once

@@ -422,6 +422,20 @@ def test_a_pipelined_consumer_leaving_before_a_producer_wrote_leaves_nothing_beh
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
+def _slot_holder(started: Path, release: Path) -> Callable[[Any], list[int]]:
+    """A task function that holds its slot: it marks ``started``, then waits for
+    ``release`` (at most 240 s)."""
+
+    def hold(_: Any) -> list[int]:
+        started.touch()
+        deadline = time.monotonic() + 240
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [1]
+
+    return hold
+
+
 def test_a_pipelined_run_short_of_a_slot_has_its_partitions_made_and_runs_once_it_frees(
     spark: Any, tmp_path: Path
 ) -> None:
@@ -431,13 +445,7 @@ def test_a_pipelined_run_short_of_a_slot_has_its_partitions_made_and_runs_once_i
     the slot frees, within the start deadline, the run completes."""
     sc = spark.sparkContext
     started, release = tmp_path / "started", tmp_path / "release"
-
-    def hold(_: Any) -> list[int]:
-        started.touch()
-        deadline = time.monotonic() + 240
-        while not release.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return [1]
+    hold = _slot_holder(started, release)
 
     records = [(i % 17, i) for i in range(2000)]
     out = exchange_shuffle(sc.parallelize(records, 1), 2, mode="pipelined")
@@ -898,13 +906,7 @@ def test_a_pipelined_exchange_short_of_free_slots_fails_typed_never_hangs(
     monkeypatch.setattr(xs, "PIPELINED_START_TIMEOUT", 5.0)  # read by exchange_shuffle
     sc = spark.sparkContext
     started, release = tmp_path / "started", tmp_path / "release"
-
-    def hold(_: Any) -> list[int]:
-        started.touch()
-        deadline = time.monotonic() + 240
-        while not release.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return [1]
+    hold = _slot_holder(started, release)
 
     held: list[Any] = []
     holder = threading.Thread(
