@@ -9,7 +9,7 @@ key's values), the checkpoints report the bytes processed or parked while aligni
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,24 +92,44 @@ def skewed_job(tmp_path: Path, **settings: Any) -> StreamEnvironment:
     return env
 
 
+def runs_until(
+    tmp_path: Path, premise: Callable[[Any], bool], **settings: Any
+) -> tuple[Any, list[Any]]:
+    """Run the skewed job until ``premise(result)`` holds, at most three times: whether
+    an alignment overlaps the steady source's sending depends on the machine's
+    scheduling, not on the product (on a loaded machine a run can align only while that
+    source sends nothing). Every run is checked exact, restart-free and without a spill
+    file left; a premise no run meets fails with the results."""
+    results = []
+    for attempt in range(3):
+        spill = tmp_path / f"spill-{attempt}"
+        spill.mkdir()
+        env = skewed_job(tmp_path / f"run-{attempt}", alignment_spill_dir=str(spill), **settings)
+        result = env.execute(runner=LocalRunner(), restart_attempts=0)
+        results.append(result)
+        assert result.restarts == 0 and result.checkpoints[-1].is_final
+        check_exactly_once(result.collected["sums"])
+        assert len(result.checkpoints) >= 2
+        assert all(c.alignment >= 0 for c in result.checkpoints)
+        # every task's private spill directory (``spill`` mode) went when its reader closed
+        assert list(spill.iterdir()) == []
+        if premise(result):
+            return result, results
+    raise AssertionError(f"no run of 3 met the premise: {[r.checkpoints for r in results]}")
+
+
 @pytest.mark.parametrize("alignment", ["block_upstream", "buffer", "spill"])
 def test_each_alignment_mode_under_backpressure_is_exactly_once(
     tmp_path: Path, alignment: str
 ) -> None:
-    spill = tmp_path / "spill"
-    spill.mkdir()
-    env = skewed_job(tmp_path, alignment=alignment, alignment_spill_dir=str(spill))
-    result = env.execute(runner=LocalRunner(), restart_attempts=0)
-    assert result.restarts == 0 and result.checkpoints[-1].is_final
-    check_exactly_once(result.collected["sums"])
-    # the keyed subtasks aligned two channels under backpressure: some checkpoint saw
-    # bytes arrive between its first and last barrier (processed, or parked in memory or
-    # in spill files)
-    assert len(result.checkpoints) >= 2
-    assert any(c.aligned_bytes > 0 for c in result.checkpoints), result.checkpoints
-    assert all(c.alignment >= 0 for c in result.checkpoints)
-    # every task's private spill directory (``spill`` mode) went when its reader closed
-    assert list(spill.iterdir()) == []
+    """Exact output in every mode, and some checkpoint saw bytes arrive between its
+    first and last barrier (processed, or parked in memory or in spill files): a report
+    that always says 0 fails."""
+    runs_until(
+        tmp_path,
+        lambda r: any(c.aligned_bytes > 0 for c in r.checkpoints),
+        alignment=alignment,
+    )
 
 
 def test_the_alignment_limit_aborts_spilling_alignments_and_the_job_goes_on(
@@ -118,23 +138,17 @@ def test_the_alignment_limit_aborts_spilling_alignments_and_the_job_goes_on(
     """``alignment_limit``: an alignment that parked more than 16 KiB (one record is
     about 2 KB) is aborted with ALIGNMENT_LIMIT, its parked input replayed, and the job
     goes on (the failures are tolerated here) with its output exact and no spill file
-    left."""
-    spill = tmp_path / "spill"
-    spill.mkdir()
-    env = skewed_job(
+    left; no checkpoint completes with more than 16 KiB aligned, in any run."""
+    _, results = runs_until(
         tmp_path,
+        # the task declined with ALIGNMENT_LIMIT (the driver's reason says so in words)
+        lambda r: any(
+            "alignment exceeded the maximum aligned bytes" in reason
+            for _, reason in r.aborted_checkpoints
+        ),
         alignment="spill",
         alignment_limit="16kb",
-        alignment_spill_dir=str(spill),
         tolerable_failed_checkpoints=1000,
     )
-    result = env.execute(runner=LocalRunner(), restart_attempts=0)
-    assert result.restarts == 0 and result.checkpoints[-1].is_final
-    check_exactly_once(result.collected["sums"])
-    # the task declined with ALIGNMENT_LIMIT (the driver's reason says so in words)
-    assert any(
-        "alignment exceeded the maximum aligned bytes" in reason
-        for _, reason in result.aborted_checkpoints
-    ), result.aborted_checkpoints
-    assert all(c.aligned_bytes <= 16 * 1024 for c in result.checkpoints)
-    assert list(spill.iterdir()) == []
+    for result in results:
+        assert all(c.aligned_bytes <= 16 * 1024 for c in result.checkpoints)
