@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from client.local_connection import LocalConnection, _fetch_arena_fd
+from client.arena_handout import fetch_arena_fd
+from client.local_connection import LocalConnection
 from client.runtime import get_runtime
 from exchange.buffers.buffer import DataType
 from exchange.errors import SharedMemoryUnavailableError
@@ -61,7 +62,7 @@ def test_each_application_maps_only_its_own_arena(start_daemon: Any, secret_file
                 )
                 offer = conn_a2._offer
                 assert offer is not None
-                fd = await _fetch_arena_fd(hand_out, offer.token, 10.0)
+                fd = await fetch_arena_fd(hand_out, offer.token, 10.0)
                 try:
                     st = os.fstat(fd)
                     seen["a2_same_arena"] = st.st_ino == conn_a.arena_inode
@@ -70,7 +71,7 @@ def test_each_application_maps_only_its_own_arena(start_daemon: Any, secret_file
                     os.close(fd)
                 for token in (offer.token, os.urandom(len(offer.token))):
                     with pytest.raises(SharedMemoryUnavailableError, match="refused"):
-                        await _fetch_arena_fd(hand_out, token, 10.0)
+                        await fetch_arena_fd(hand_out, token, 10.0)
             finally:
                 await conn_a2.aclose()
             return seen
