@@ -126,7 +126,7 @@ class PartitionRequestClientHandler(HandshakingClientProtocol):
         self._arena_view: memoryview | None = None
         self._mapping: asyncio.Task[None] | None = None
         # set once the daemon answered RequestArena (the arena mapped, or why not)
-        self._arena_answer: asyncio.Future[None] = self._loop.create_future()
+        self._arena_answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         #: the inode of the shared arena mapped (None: buffers come over the socket)
         self.arena_inode: int | None = None
         super().__init__(address, secret, max_frame_size, app_id)

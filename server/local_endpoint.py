@@ -481,12 +481,12 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         app_id = self._conn().app_id
         pool = arenas.existing(app_id)
         if pool is None:
+            why = arenas.unavailable or (
+                f"application {app_id!r} has no shared arena here yet (no producer of it "
+                "wrote into one)"
+            )
             if not self._no_arena_logged:
                 self._no_arena_logged = True
-                why: str | None = arenas.unavailable or (
-                    f"application {app_id!r} has no shared arena here yet (no producer of "
-                    "it wrote into one)"
-                )
                 log.info("consumer %s reads over the socket for now: %s", self.peer, why)
             return why
         self._read_offer = pool
