@@ -21,7 +21,7 @@ import pytest
 from client.consumer import AsyncPartitionReader, PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
 from exchange.partition.result_partition_id import ResultPartitionID
-from tests.daemon._daemon import READY_TIMEOUT, child_env
+from tests.daemon._daemon import READY_TIMEOUT, ROOT, ChildProducer, _LineReader, child_env
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -100,3 +100,56 @@ def test_a_reader_over_tcp_and_a_daemon_without_shared_memory_use_the_socket(
     assert local["consumer_bytes_socket"] > local["bytes_received"]
     off.stop_clean()
     assert "reads over the socket for now: shared_memory = off" in off.stderr
+
+
+#: A consumer task in a child process: reads 10 records of subpartition 0 of a pipelined
+#: partition on its own host's daemon, says so, and stalls holding what it received.
+_STALLED_READER = """
+import json, sys
+from client.consumer import PartitionLocation, PartitionReader
+from exchange.partition.result_partition_id import ResultPartitionID
+sock, daemon_id, data, dataset = sys.argv[1:5]
+loc = PartitionLocation(ResultPartitionID(dataset, 0, 0), 0, data, daemon_id, sock)
+reader = PartitionReader([loc], local_daemon_id=daemon_id)
+it = reader.records()
+print(json.dumps({"read": len([next(it) for _ in range(10)])}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_reader_sigkilled_holding_segments_gives_them_back(start_daemon: Any) -> None:
+    d = start_daemon()
+    producer = ChildProducer(d.local_socket, "killed-reader", 0, 1)
+    reader: subprocess.Popen[str] | None = None
+    try:
+        producer.wait_writing()  # its partition, and the application's arena, exist
+        reader = subprocess.Popen(
+            [sys.executable, "-c", _STALLED_READER, d.local_socket, d.daemon_id,
+             d.data_address, "killed-reader"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, cwd=ROOT, env=child_env(),
+        )  # fmt: skip
+        out = _LineReader(reader.stdout, "reader-stdout")
+        line = out.next_line(READY_TIMEOUT)
+        assert line is not None and json.loads(line) == {"read": 10}
+        # stalled: it holds what it received, at most its credit (2 exclusive + 8 floating)
+        local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)["local"]
+        assert local["consumer_bytes_shared_memory"] > 0
+        held = local["consumer_segments_held"]
+        assert 0 < held <= 10
+        assert local["shared_segments_in_use"] >= held  # never back in the pool meanwhile
+        os.kill(reader.pid, signal.SIGKILL)
+        assert reader.wait(10) == -signal.SIGKILL
+        d.wait_stats(lambda s: s["local"]["consumer_segments_held"] == 0, timeout=30)
+    finally:
+        if reader is not None and reader.poll() is None:
+            reader.kill()
+            reader.wait(10)
+        if reader is not None:
+            for pipe in (reader.stdin, reader.stdout, reader.stderr):
+                if pipe is not None:
+                    pipe.close()
+        producer.sigkill()
+    d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 0, timeout=30)
+    d.wait_pool_whole()
+    d.stop_clean()
