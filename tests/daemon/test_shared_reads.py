@@ -20,6 +20,7 @@ import pytest
 
 from client.consumer import AsyncPartitionReader, PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
+from exchange.errors import TransportError
 from exchange.partition.result_partition_id import ResultPartitionID
 from tests.daemon._daemon import READY_TIMEOUT, ROOT, ChildProducer, _LineReader, child_env
 
@@ -153,3 +154,23 @@ def test_a_reader_sigkilled_holding_segments_gives_them_back(start_daemon: Any) 
     d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 0, timeout=30)
     d.wait_pool_whole()
     d.stop_clean()
+
+
+def test_a_local_reader_whose_daemon_dies_gets_the_transport_error_and_its_pool_back(
+    start_daemon: Any,
+) -> None:
+    d = start_daemon()
+    producer = ChildProducer(d.local_socket, "orphan-reader", 0, 1)
+    try:
+        producer.wait_writing()
+        loc = location(d, ResultPartitionID("orphan-reader", 0, 0), 0)
+        with PartitionReader([loc], local_daemon_id=d.daemon_id) as reader:
+            it = reader.records()
+            assert [next(it)[0] for _ in range(10)] == list(range(10))
+            d.wait_stats(lambda s: s["local"]["consumer_bytes_shared_memory"] > 0)
+            d.kill()  # the arena stays mapped in this process: what it holds stays readable
+            with pytest.raises(TransportError, match="lost|closed"):
+                for i, record in enumerate(it, 10):
+                    assert record[0] == i  # exact up to the error
+    finally:
+        producer.sigkill()
