@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from exchange.buffers.buffer import DataType
-from exchange.errors import IllegalStateError, UsageError
+from exchange.errors import IllegalStateError, ProtocolError, UsageError
 from exchange.memory import NetworkBufferPool
 from exchange.network.server_connection import (
     DATA_PORT_MESSAGES,
@@ -40,6 +40,7 @@ from exchange.protocol.local_messages import (
     PushBuffer,
     Released,
     ReleaseDataset,
+    SharedBufferResponse,
 )
 from exchange.protocol.messages import (
     AddCredit,
@@ -711,6 +712,41 @@ def test_connection_lost_recycles_buffers_still_in_flight(
     assert s.conn.statistics().in_flight_buffers == 0
     assert s.conn.queue.num_readers == 0
     assert part.is_released  # its consumer is gone
+    assert s.timers.pending_timers == 0
+
+
+def test_buffers_in_the_read_arena_go_as_descriptors_held_until_given_back(
+    make_partition: PartitionFactory, manager: ResultPartitionManager, nbp: NetworkBufferPool
+) -> None:
+    seg = nbp.segment_size
+    part = make_partition(1, "pipelined", 1, (1, 8))
+    s = connect(manager, seg)
+    s.conn.read_arena = nbp  # the consumer mapped the pool these segments come from
+    s.peer.send(PartitionRequest(part.partition_id, 0, 1, 100))
+    add_full_buffers(part, 0, 3)
+    part.finish()
+    s.timers.run()
+    got = s.peer.read()
+    descs = [m for m in got if isinstance(m, SharedBufferResponse)]
+    assert [(d.receiver_id, d.sequence_number, d.size) for d in descs] == [
+        (1, 0, seg),
+        (1, 1, seg),
+        (1, 2, seg),
+    ]
+    for i, d in enumerate(descs):  # the bytes are where the descriptor says, in place
+        view = nbp._segments[d.segment].view()[d.offset : d.offset + d.size]
+        assert bytes(view) == expected_payload(seg, i)
+    # the end of the partition is an event: it still comes as bytes, after them
+    (end,) = s.peer.buffers(1)
+    assert end.data_type is DataType.EVENT_BUFFER and end.sequence_number == 3
+    assert s.conn.num_held == 3 and s.conn.bytes_shared == 3 * seg
+    in_use = nbp.num_in_use
+    s.conn.give_back([descs[1].segment])  # only that one returns
+    assert s.conn.num_held == 2 and nbp.num_in_use == in_use - 1
+    with pytest.raises(ProtocolError, match="not held"):
+        s.conn.give_back([descs[1].segment])
+    s.conn.connection_lost(None)  # the consumer died holding two: they return too
+    assert s.conn.num_held == 0 and nbp.num_in_use == in_use - 3
     assert s.timers.pending_timers == 0
 
 
