@@ -6,7 +6,6 @@ own application."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from client.consumer import AsyncPartitionReader, PartitionLocation, PartitionReader
+from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
 from exchange.errors import TransportError
 from exchange.partition.result_partition_id import ResultPartitionID
@@ -48,9 +47,7 @@ def exchange(
     got: list[list[Any]] = [[] for _ in range(n)]
     with PartitionWriter(pid, n, blocking=False, daemon_socket=d.local_socket) as w:
         readers = [
-            PartitionReader(
-                [location(d, pid, sub)], local_daemon_id=d.daemon_id if local else None
-            )
+            PartitionReader([location(d, pid, sub)], local_daemon_id=d.daemon_id if local else None)
             for sub in range(n)
         ]
         threads = [
@@ -151,7 +148,9 @@ def test_a_reader_sigkilled_holding_segments_gives_them_back(start_daemon: Any) 
                 if pipe is not None:
                     pipe.close()
         producer.sigkill()
-    d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 0, timeout=30)
+    d.wait_stats(
+        lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 0, timeout=30
+    )
     d.wait_pool_whole()
     d.stop_clean()
 
@@ -169,7 +168,7 @@ def test_a_local_reader_whose_daemon_dies_gets_the_transport_error_and_its_pool_
             assert [next(it)[0] for _ in range(10)] == list(range(10))
             d.wait_stats(lambda s: s["local"]["consumer_bytes_shared_memory"] > 0)
             d.kill()  # the arena stays mapped in this process: what it holds stays readable
-            with pytest.raises(TransportError, match="lost|closed"):
+            with pytest.raises(TransportError, match=r"lost|closed"):
                 for i, record in enumerate(it, 10):
                     assert record[0] == i  # exact up to the error
     finally:

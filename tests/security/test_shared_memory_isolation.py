@@ -109,8 +109,7 @@ def test_a_reader_maps_only_its_own_applications_arena(start_daemon: Any, secret
                 [OutputBuffer(0, DataType.DATA_BUFFER, len(marker_a), [marker_a])]
             )
             readers = {
-                app: await m.create_partition_request_client(address)
-                for app, m in managers.items()
+                app: await m.create_partition_request_client(address) for app, m in managers.items()
             }
             return {
                 "a": readers["app-a"].arena_inode == conn_a.arena_inode,
