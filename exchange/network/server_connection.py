@@ -84,10 +84,13 @@ from exchange.protocol.codec import (
 )
 from exchange.protocol.handshake import NonceFactory, ServerHandshake
 from exchange.protocol.local_messages import (
+    MAX_SHARED_BUFFERS,
+    SHARED_BUFFER_ENTRY_SIZE,
     AbandonSubpartition,
     Released,
     ReleaseDataset,
-    encode_shared_buffer_response,
+    encode_shared_buffers,
+    pack_shared_buffer,
 )
 from exchange.protocol.messages import (
     AddCredit,
@@ -327,6 +330,8 @@ class ServerConnection:
         self.num_held = 0
         #: payload bytes sent as descriptors into ``read_arena`` (not over the socket)
         self.bytes_shared = 0
+        # descriptors of this callback not framed yet: one SharedBufferResponse per run
+        self._descriptors: list[bytes] = []
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -516,15 +521,17 @@ class ServerConnection:
         arena = self.read_arena
         if arena is not None and buf.is_buffer and arena.owns(buf.segment):
             index = buf.segment.index
-            frame = encode_shared_buffer_response(
-                receiver_id,
-                sequence_number,
-                backlog,
-                buf.data_type,
-                buf.compressed,
-                index,
-                buf.offset,
-                size,
+            descriptors = self._descriptors
+            descriptors.append(
+                pack_shared_buffer(
+                    receiver_id,
+                    sequence_number,
+                    backlog,
+                    buf.compressed,
+                    index,
+                    buf.offset,
+                    size,
+                )
             )
             held = self._held.get(index)
             if held is None:
@@ -533,11 +540,14 @@ class ServerConnection:
                 held.append((receiver_id, buf))
             self.num_held += 1
             self.bytes_shared += size
-            self._out.append(frame)
-            self._out_bytes += len(frame)
-            if not self._corked:
-                self._flush()
+            self._out_bytes += SHARED_BUFFER_ENTRY_SIZE
+            if not self._corked or len(descriptors) >= MAX_SHARED_BUFFERS:
+                self._frame_descriptors()
+                if not self._corked:
+                    self._flush()
             return
+        if self._descriptors:  # the stream's order: the descriptors before go first
+            self._frame_descriptors()
         header = encode_buffer_response_header(
             receiver_id, sequence_number, backlog, buf.data_type, buf.compressed, size
         )
@@ -557,6 +567,8 @@ class ServerConnection:
         """Write a control message (dropped once the transport is closing)."""
         if self._write_closed():
             return
+        if self._descriptors:
+            self._frame_descriptors()
         pieces = encode(message)
         self._out.extend(pieces)
         self._out_bytes += sum(len(p) for p in pieces)
@@ -571,8 +583,17 @@ class ServerConnection:
             or self._transport.is_closing()
         )
 
+    def _frame_descriptors(self) -> None:
+        """The descriptors gathered so far, as one SharedBufferResponse in the output."""
+        descriptors, self._descriptors = self._descriptors, []
+        frame = encode_shared_buffers(descriptors)
+        self._out.append(frame)
+        self._out_bytes += len(frame) - SHARED_BUFFER_ENTRY_SIZE * len(descriptors)
+
     def _flush(self) -> None:
         """One ``writelines`` for everything written since the last one (per callback)."""
+        if self._descriptors:
+            self._frame_descriptors()
         out = self._out
         if not out:
             return
@@ -804,7 +825,9 @@ class ServerConnection:
                 log.exception("%s: recycling a buffer of receiver %d failed", self.peer, rid)
 
     def _discard_output(self) -> None:
-        """Drop output not written yet; its buffers are recycled."""
+        """Drop output not written yet; its buffers are recycled (descriptors not written
+        yet stay held: ``connection_lost`` returns them)."""
+        self._descriptors = []
         buffers = self._out_buffers
         self._out, self._out_bytes, self._out_buffers = [], 0, []
         for _, rid, buf in buffers:

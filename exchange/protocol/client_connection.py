@@ -408,6 +408,8 @@ class PartitionRequestClientConnection(ClientConnection):
         self._segment_size = 0
         self._offered = False
         self._arena: memoryview | None = None
+        # the arena's segments, by index (made once mapped)
+        self._segments: list[MemorySegment] = []
         # indices of shared segments released, for the next RecycleSegments
         self._give_backs: list[int] = []
         #: called when the first index is queued since the last flush (I/O side: flush)
@@ -468,7 +470,7 @@ class PartitionRequestClientConnection(ClientConnection):
         if type(msg) is BufferResponse:
             self._on_buffer_response(msg)
         elif type(msg) is SharedBufferResponse:
-            self._on_shared_buffer(msg)
+            self._on_shared_buffers(msg)
         elif type(msg) is SharedArena:
             if self._offered or msg.segments:
                 raise ProtocolError(f"unexpected SharedArena from daemon {self.address}")
@@ -504,35 +506,47 @@ class PartitionRequestClientConnection(ClientConnection):
         if not self._offered or self._arena is not None:
             raise IllegalStateError("arena_mapped without an offer, or twice")
         self._arena = arena
+        size = self._segment_size
+        self._segments = [
+            MemorySegment(arena[i : i + size], i // size)
+            for i in range(0, arena.nbytes - size + 1, size)
+        ]
         self.send(ArenaMapped())
 
-    def _on_shared_buffer(self, msg: SharedBufferResponse) -> None:
+    def _on_shared_buffers(self, msg: SharedBufferResponse) -> None:
         arena, seg_size = self._arena, self._segment_size
         if arena is None:
             raise ProtocolError(f"SharedBufferResponse from {self.address} before ArenaMapped")
-        index, offset, size = msg.segment, msg.offset, msg.size
-        start = index * seg_size + offset
-        if offset + size > seg_size or start + size > arena.nbytes:
-            raise ProtocolError(
-                f"SharedBufferResponse outside the arena: segment {index}, offset {offset}, "
-                f"size {size} (segments of {seg_size} bytes, arena of {arena.nbytes})"
-            )
-        self.segments_held += 1
-        self.bytes_shared += size
-        ch = self._channels.get(msg.receiver_id)
-        if ch is None:
-            self.give_back(index)  # cancelled meanwhile: straight back
-            return
-        credit = ch.request_buffer()
-        if credit is None:
-            self.give_back(index)
-            raise ProtocolError(
-                f"daemon {self.address} sent a buffer to receiver {msg.receiver_id} without credit"
-            )
-        segment = MemorySegment(arena[start : start + size], index)
-        buf = Buffer(segment, _SharedSegment(self, credit), size)
-        buf.compressed = msg.compressed
-        ch.on_buffer(buf, msg.sequence_number, msg.backlog)
+        segments = self._segments
+        channels = self._channels
+        for rid, seq, backlog, _, compressed, index, offset, size in msg.buffers:
+            if offset + size > seg_size or index >= len(segments):
+                raise ProtocolError(
+                    f"SharedBufferResponse outside the arena: segment {index}, offset "
+                    f"{offset}, size {size} (segments of {seg_size} bytes, arena of "
+                    f"{arena.nbytes})"
+                )
+            self.segments_held += 1
+            self.bytes_shared += size
+            ch = channels.get(rid)
+            if ch is None:
+                self.give_back(index)  # cancelled meanwhile: straight back
+                continue
+            credit = ch.request_buffer()
+            if credit is None:
+                self.give_back(index)
+                raise ProtocolError(
+                    f"daemon {self.address} sent a buffer to receiver {rid} without credit"
+                )
+            if offset:  # a slice of a segment (the daemon's own buffers): a view of it
+                start = index * seg_size + offset
+                segment = MemorySegment(arena[start : start + size], index)
+            else:
+                segment = segments[index]
+            buf = Buffer(segment, _SharedSegment(self, credit), size)
+            if compressed:
+                buf.compressed = True
+            ch.on_buffer(buf, seq, backlog)
 
     def give_back(self, index: int) -> None:
         """A shared segment is released: its index goes in the next RecycleSegments."""
@@ -662,6 +676,7 @@ class PartitionRequestClientConnection(ClientConnection):
 
     def on_connection_lost(self, error: ExchangeError) -> None:
         self._release_landing()
+        self._segments, self._arena = [], None  # (buffers still held keep their views)
         channels = list(self._channels.values())
         self._channels.clear()
         self._credit_pending.clear()

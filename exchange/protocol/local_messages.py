@@ -77,8 +77,10 @@ __all__ = [
     "MAX_JOB_FAILURES",
     "MAX_JOB_TASKS",
     "MAX_OVERDRAFT_REQUEST",
+    "MAX_SHARED_BUFFERS",
     "MAX_TASK_METRICS",
     "MAX_TASK_NAME_LENGTH",
+    "SHARED_BUFFER_ENTRY_SIZE",
     "TASK_METRIC_NAMES",
     "AbandonSubpartition",
     "AddProducerCredit",
@@ -110,15 +112,20 @@ __all__ = [
     "TaskMetrics",
     "encode_commit",
     "encode_recycle",
-    "encode_shared_buffer_response",
+    "encode_shared_buffers",
+    "pack_shared_buffer",
 ]
 
 _PUSH: Final = struct.Struct(">IB")
 _COMMIT: Final = struct.Struct(">III")
-#: SharedBufferResponse: frame length, magic, id | receiver id, sequence number, backlog,
-#: data type, compressed, segment, offset, size
-_SHARED_BR: Final = struct.Struct(">IIBQIIBBIII")
-_SHARED_BR_BODY: Final = struct.Struct(">QIIBBIII")
+#: A SharedBufferResponse entry: receiver id, sequence number, backlog, data type,
+#: compressed, segment, offset, size
+_SHARED_BUFFER: Final = struct.Struct(">QIIBBIII")
+#: Bytes of one SharedBufferResponse entry.
+SHARED_BUFFER_ENTRY_SIZE: Final = _SHARED_BUFFER.size
+#: Entries one SharedBufferResponse carries at most (its frame fits the smallest
+#: client frame limit, 4 KiB).
+MAX_SHARED_BUFFERS: Final = 128
 _U32: Final = struct.Struct(">I")
 #: Bytes of the one-time token that fetches a shared arena's descriptor.
 ARENA_TOKEN_SIZE: Final = 32
@@ -246,19 +253,14 @@ class ArenaMapped(Message):
 
 @dataclass(frozen=True, slots=True)
 class SharedBufferResponse(Message):
-    """Daemon -> consumer task: a data buffer of receiver ``receiver_id`` lies in the
-    mapped arena, ``size`` bytes at ``offset`` of segment ``segment``; the consumer gives
-    the segment back (RecycleSegments) when it is done with it."""
+    """Daemon -> consumer task: data buffers that lie in the mapped arena, one entry
+    ``(receiver_id, sequence_number, backlog, data_type, compressed, segment, offset,
+    size)`` per buffer (what a BufferResponse carries, with where its ``size`` bytes are
+    instead of them; ``data_type`` is always DATA_BUFFER), in stream order; the consumer
+    gives each segment back (RecycleSegments) when it is done with it."""
 
     MESSAGE_ID: ClassVar[int] = 85
-    receiver_id: int
-    sequence_number: int
-    backlog: int
-    data_type: DataType
-    compressed: bool
-    segment: int
-    offset: int
-    size: int
+    buffers: tuple[tuple[int, int, int, int, int, int, int, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -746,57 +748,49 @@ def encode_commit(segment: int, length: int, subpartition: int) -> bytes:
     return _COMMIT.pack(segment, length, subpartition)
 
 
-def encode_shared_buffer_response(
+def pack_shared_buffer(
     receiver_id: int,
     sequence_number: int,
     backlog: int,
-    data_type: int,
     compressed: bool,
     segment: int,
     offset: int,
     size: int,
 ) -> bytes:
-    """A whole SharedBufferResponse frame (the daemon's hot path: no message object)."""
-    return _SHARED_BR.pack(
-        FRAME_HEADER_SIZE + _SHARED_BR_BODY.size,
-        MAGIC,
-        SharedBufferResponse.MESSAGE_ID,
-        receiver_id,
-        sequence_number,
-        backlog,
-        data_type,
-        compressed,
-        segment,
-        offset,
-        size,
+    """One SharedBufferResponse entry (a frame's body is a run of 1 to 128 of them)."""
+    return _SHARED_BUFFER.pack(
+        receiver_id, sequence_number, backlog, 0, compressed, segment, offset, size
     )
 
 
-def _dec_shared_br(body: memoryview) -> SharedBufferResponse:
-    if len(body) != _SHARED_BR_BODY.size:
+def encode_shared_buffers(entries: list[bytes]) -> bytes:
+    """A whole SharedBufferResponse frame of packed entries (``pack_shared_buffer``)."""
+    n = len(entries)
+    if not 0 < n <= MAX_SHARED_BUFFERS:
+        raise ProtocolError(f"SharedBufferResponse of {n} buffers (1 to {MAX_SHARED_BUFFERS})")
+    body = b"".join(entries)
+    header = _COMMIT_HEADER.pack(
+        FRAME_HEADER_SIZE + len(body), MAGIC, SharedBufferResponse.MESSAGE_ID
+    )
+    return header + body
+
+
+def _dec_shared_buffers(body: memoryview) -> SharedBufferResponse:
+    n, rest = divmod(len(body), _SHARED_BUFFER.size)
+    if not 0 < n <= MAX_SHARED_BUFFERS or rest:
         raise ProtocolError(f"SharedBufferResponse body of {len(body)} bytes")
-    rid, seq, backlog, dt, comp, seg, off, size = _SHARED_BR_BODY.unpack(body)
-    try:
-        data_type = DataType(dt)
-    except ValueError:
-        raise ProtocolError(f"bad data type {dt}") from None
-    if not data_type.is_buffer or comp > 1:
-        raise ProtocolError(f"SharedBufferResponse of {data_type.name}, compressed {comp}")
-    return SharedBufferResponse(rid, seq, backlog, data_type, bool(comp), seg, off, size)
+    entries = tuple(_SHARED_BUFFER.iter_unpack(body))
+    for e in entries:
+        if e[3] or e[4] > 1:  # not a data buffer, or compressed neither 0 nor 1
+            raise ProtocolError(
+                f"SharedBufferResponse entry of data type {e[3]}, compressed {e[4]}"
+            )
+    return SharedBufferResponse(entries)
 
 
-def _enc_shared_br(m: SharedBufferResponse) -> list[bytes]:
-    frame = encode_shared_buffer_response(
-        m.receiver_id,
-        m.sequence_number,
-        m.backlog,
-        m.data_type,
-        m.compressed,
-        m.segment,
-        m.offset,
-        m.size,
-    )
-    return [frame[FRAME_HEADER_SIZE:]]
+def _enc_shared_buffers(m: SharedBufferResponse) -> list[bytes]:
+    body = [_SHARED_BUFFER.pack(*e) for e in m.buffers]
+    return [encode_shared_buffers(body)[FRAME_HEADER_SIZE:]]
 
 
 def encode_recycle(segments: list[int]) -> bytes:
@@ -994,7 +988,7 @@ def _register() -> None:
         lambda b: NoArena(_str(_unpack_map(b, ("reason",))["reason"], "reason")),
         lambda m: _pack({"reason": m.reason[:2048]}),
     )
-    register_message(85, SharedBufferResponse, _dec_shared_br, _enc_shared_br)
+    register_message(85, SharedBufferResponse, _dec_shared_buffers, _enc_shared_buffers)
     register_message(
         86,
         RecycleSegments,

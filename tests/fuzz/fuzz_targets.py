@@ -555,7 +555,7 @@ def _local_frames() -> list[bytes]:
         lm.RequestArena(),
         lm.NoArena("shared_memory = off"),
         lm.ArenaMapped(),
-        lm.SharedBufferResponse(1, 0, 3, DataType.DATA_BUFFER, False, 7, 0, 4096),
+        lm.SharedBufferResponse(((1, 0, 3, 0, 0, 7, 0, 4096), (1, 1, 2, 0, 1, 3, 512, 100))),
         lm.RecycleSegments((7, 7, 3)),
     ]
     if hasattr(lm, "TaskMetrics"):  # local message 76

@@ -727,24 +727,26 @@ def test_buffers_in_the_read_arena_go_as_descriptors_held_until_given_back(
     part.finish()
     s.timers.run()
     got = s.peer.read()
-    descs = [m for m in got if isinstance(m, SharedBufferResponse)]
-    assert [(d.receiver_id, d.sequence_number, d.size) for d in descs] == [
-        (1, 0, seg),
-        (1, 1, seg),
-        (1, 2, seg),
+    (batch,) = [m for m in got if isinstance(m, SharedBufferResponse)]  # one per callback
+    descs = batch.buffers
+    assert [(rid, seq, dt, size) for rid, seq, _, dt, _, _, _, size in descs] == [
+        (1, 0, 0, seg),
+        (1, 1, 0, seg),
+        (1, 2, 0, seg),
     ]
-    for i, d in enumerate(descs):  # the bytes are where the descriptor says, in place
-        view = nbp._segments[d.segment].view()[d.offset : d.offset + d.size]
+    segments = [d[5] for d in descs]
+    for i, (*_, index, offset, size) in enumerate(descs):  # the bytes are there, in place
+        view = nbp._segments[index].view()[offset : offset + size]
         assert bytes(view) == expected_payload(seg, i)
     # the end of the partition is an event: it still comes as bytes, after them
     (end,) = s.peer.buffers(1)
     assert end.data_type is DataType.EVENT_BUFFER and end.sequence_number == 3
     assert s.conn.num_held == 3 and s.conn.bytes_shared == 3 * seg
     in_use = nbp.num_in_use
-    s.conn.give_back([descs[1].segment])  # only that one returns
+    s.conn.give_back([segments[1]])  # only that one returns
     assert s.conn.num_held == 2 and nbp.num_in_use == in_use - 1
     with pytest.raises(ProtocolError, match="not held"):
-        s.conn.give_back([descs[1].segment])
+        s.conn.give_back([segments[1]])
     s.conn.connection_lost(None)  # the consumer died holding two: they return too
     assert s.conn.num_held == 0 and nbp.num_in_use == in_use - 3
     assert s.timers.pending_timers == 0

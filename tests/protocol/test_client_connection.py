@@ -458,7 +458,7 @@ async def sh(nbp: NetworkBufferPool) -> AsyncIterator[SharedSetup]:
 
 
 def descriptor(rid: int, seq: int, segment: int, offset: int, size: int) -> SharedBufferResponse:
-    return SharedBufferResponse(rid, seq, 0, DataType.DATA_BUFFER, False, segment, offset, size)
+    return SharedBufferResponse(((rid, seq, 0, 0, 0, segment, offset, size),))
 
 
 @pytest.mark.asyncio

@@ -13,6 +13,7 @@ from exchange.errors import ProtocolError
 from exchange.protocol import FRAME_HEADER_SIZE, MAGIC, InPlaceFrameDecoder, Message, encode
 from exchange.protocol.local_messages import (
     ARENA_TOKEN_SIZE,
+    MAX_SHARED_BUFFERS,
     ArenaMapped,
     NoArena,
     RecycleSegments,
@@ -20,7 +21,8 @@ from exchange.protocol.local_messages import (
     SharedArena,
     SharedBufferResponse,
     encode_recycle,
-    encode_shared_buffer_response,
+    encode_shared_buffers,
+    pack_shared_buffer,
 )
 
 TOKEN = bytes(range(ARENA_TOKEN_SIZE))
@@ -30,7 +32,8 @@ VALID: list[Message] = [
     SharedArena(TOKEN, 1 << 20, (), 32768),
     SharedArena(TOKEN, 1 << 20, (0, 1, 31), 32768),
     ArenaMapped(),
-    SharedBufferResponse(2**64 - 1, 2**32 - 1, 0, DataType.DATA_BUFFER, True, 31, 512, 4096),
+    SharedBufferResponse(((2**64 - 1, 2**32 - 1, 0, 0, 1, 31, 512, 4096),)),
+    SharedBufferResponse(tuple((1, i, 0, 0, 0, i, 0, 100) for i in range(MAX_SHARED_BUFFERS))),
     RecycleSegments((7,)),
     RecycleSegments(tuple(range(1000))),
 ]
@@ -58,19 +61,12 @@ def test_round_trip_in_one_chunk_and_byte_by_byte(msg: Message) -> None:
 def test_the_hot_path_encoders_write_the_same_frames() -> None:
     msg = VALID[5]
     assert isinstance(msg, SharedBufferResponse)
-    assert frame(msg) == encode_shared_buffer_response(
-        msg.receiver_id,
-        msg.sequence_number,
-        msg.backlog,
-        msg.data_type,
-        msg.compressed,
-        msg.segment,
-        msg.offset,
-        msg.size,
-    )
+    ((rid, seq, backlog, _, compressed, segment, offset, size),) = msg.buffers
+    entry = pack_shared_buffer(rid, seq, backlog, bool(compressed), segment, offset, size)
+    assert frame(msg) == encode_shared_buffers([entry])
     assert frame(RecycleSegments((5, 6))) == encode_recycle([5, 6])
     # 30 bytes of descriptor instead of the buffer
-    assert len(frame(msg)) == FRAME_HEADER_SIZE + 30
+    assert len(entry) == 30
 
 
 def _sbr_body(**patch: int) -> bytes:
@@ -85,6 +81,8 @@ BAD = {
     "descriptor compressed 2": raw(85, _sbr_body(comp=2)),
     "descriptor truncated": raw(85, _sbr_body()[:-1]),
     "descriptor trailing byte": raw(85, _sbr_body() + b"\x00"),
+    "no descriptor": raw(85, b""),
+    "too many descriptors": raw(85, _sbr_body() * (MAX_SHARED_BUFFERS + 1)),
     "recycle of nothing": raw(86, b""),
     "recycle not whole indices": raw(86, b"\x00\x00\x01"),
     "recycle of too many": raw(86, bytes(4 * (1 << 16) + 4)),
@@ -102,8 +100,12 @@ def test_malformed_bodies_are_protocol_errors(data: bytes) -> None:
         InPlaceFrameDecoder().feed(data)
 
 
-def test_encode_recycle_refuses_empty_and_oversized_batches() -> None:
+def test_encoders_refuse_empty_and_oversized_batches() -> None:
     with pytest.raises(ProtocolError):
         encode_recycle([])
     with pytest.raises(ProtocolError):
         encode_recycle([0] * ((1 << 16) + 1))
+    with pytest.raises(ProtocolError):
+        encode_shared_buffers([])
+    with pytest.raises(ProtocolError):
+        encode_shared_buffers([_sbr_body()] * (MAX_SHARED_BUFFERS + 1))
