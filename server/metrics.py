@@ -738,27 +738,27 @@ class ExchangeCollector:
             "Buffers received from producer tasks on this host.",
             _num(local, "buffers_received"),
         )
-        by_path = CounterMetricFamily(
-            "exchange_producer_bytes_total",
-            "Bytes local producer tasks handed over, by path: written into their "
-            "application's shared arena and committed by index (shared_memory), or pushed "
-            "over the Unix socket (socket).",
-            labels=["path"],
-        )
-        by_path.add_metric(["shared_memory"], _num(local, "bytes_shared_memory"))
-        by_path.add_metric(["socket"], _num(local, "bytes_socket"))
-        yield by_path
-        read_path = CounterMetricFamily(
-            "exchange_consumer_bytes_total",
-            "Bytes consumer tasks on this host read from the daemon's local socket, by path: "
-            "read in place in their application's shared arena, given as segment descriptors "
-            "(shared_memory), or sent over the Unix socket (socket: events, and buffers "
-            "outside an arena the reader mapped).",
-            labels=["path"],
-        )
-        read_path.add_metric(["shared_memory"], _num(local, "consumer_bytes_shared_memory"))
-        read_path.add_metric(["socket"], _num(local, "consumer_bytes_socket"))
-        yield read_path
+        for name, doc, prefix in (
+            (
+                "exchange_producer_bytes_total",
+                "Bytes local producer tasks handed over, by path: written into their "
+                "application's shared arena and committed by index (shared_memory), or "
+                "pushed over the Unix socket (socket).",
+                "",
+            ),
+            (
+                "exchange_consumer_bytes_total",
+                "Bytes consumer tasks on this host read from the daemon's local socket, by "
+                "path: read in place in their application's shared arena, given as segment "
+                "descriptors (shared_memory), or sent over the Unix socket (socket: events, "
+                "and buffers outside an arena the reader mapped).",
+                "consumer_",
+            ),
+        ):
+            by_path = CounterMetricFamily(name, doc, labels=["path"])
+            for path in ("shared_memory", "socket"):
+                by_path.add_metric([path], _num(local, f"{prefix}bytes_{path}"))
+            yield by_path
         yield gauge(
             "exchange_consumer_shared_segments_held",
             "Shared arena segments consumer tasks on this host hold now (read in place, not "

@@ -381,11 +381,11 @@ class ServerConnection:
                 self.close_with(resp if resp is not None else error_response_for(e))
             except Exception as e:
                 self._fail(e)
-            if self._out:
+            if self._out or self._descriptors:
                 self._flush_or_fail()
         finally:
             self._corked -= 1
-            if self._corked == 0 and self._out:
+            if self._corked == 0 and (self._out or self._descriptors):
                 self._uncork_flush()
 
     def _receive(self, msg: Message) -> None:
@@ -631,7 +631,7 @@ class ServerConnection:
 
     def _uncork(self) -> None:
         self._corked -= 1
-        if self._corked == 0 and self._out:
+        if self._corked == 0 and (self._out or self._descriptors):
             self._uncork_flush()
 
     def _uncork_flush(self) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -22,16 +21,11 @@ from client.producer import PartitionWriter
 from exchange.errors import TransportError
 from exchange.partition.result_partition_id import ResultPartitionID
 from tests.daemon._daemon import READY_TIMEOUT, ROOT, ChildProducer, _LineReader, child_env
+from tests.daemon.test_shared_memory import bytes_by_path
 
 pytestmark = pytest.mark.timeout(180)
 
 RECORDS = [(i, f"value-{i}" * 3) for i in range(30_000)]
-
-
-def consumer_bytes(d: Any) -> dict[str, float]:
-    text = d.http_get("/metrics").decode()
-    found = re.findall(r'^exchange_consumer_bytes_total\{path="(\w+)"\} (\S+)$', text, re.M)
-    return {path: float(v) for path, v in found}
 
 
 def location(d: Any, pid: ResultPartitionID, sub: int) -> PartitionLocation:
@@ -74,7 +68,7 @@ def test_a_local_reader_reads_the_arena_in_place_and_the_metrics_say_so(start_da
     assert local["consumer_bytes_shared_memory"] == data
     assert 0 < local["consumer_bytes_socket"] < 1024
     assert local["consumer_segments_held"] == 0
-    by_path = consumer_bytes(d)
+    by_path = bytes_by_path(d, "consumer")
     assert by_path["shared_memory"] == data
     assert by_path["socket"] == local["consumer_bytes_socket"]
     d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0)  # the arena went once whole

@@ -752,6 +752,30 @@ def test_buffers_in_the_read_arena_go_as_descriptors_held_until_given_back(
     assert s.timers.pending_timers == 0
 
 
+@pytest.mark.parametrize("byte_by_byte", [False, True])
+def test_descriptors_written_by_a_read_alone_go_out_at_its_end(
+    make_partition: PartitionFactory,
+    manager: ResultPartitionManager,
+    nbp: NetworkBufferPool,
+    byte_by_byte: bool,
+) -> None:
+    """A callback whose only output is descriptors (the consumer's AddCredit let the
+    queue send on) writes them when it returns, as it would BufferResponses."""
+    part = make_partition(1, "pipelined", 1, (1, 8))
+    s = connect(manager, nbp.segment_size)
+    s.conn.read_arena = nbp
+    s.peer.send(PartitionRequest(part.partition_id, 0, 1, 2))  # credit for two
+    add_full_buffers(part, 0, 6)
+    s.timers.run()
+    (first,) = [m for m in s.peer.read() if isinstance(m, SharedBufferResponse)]
+    assert [e[1] for e in first.buffers] == [0, 1]
+    s.peer.send(AddCredit(1, 3), byte_by_byte=byte_by_byte)  # no timer runs after it
+    (more,) = [m for m in s.peer.read() if isinstance(m, SharedBufferResponse)]
+    assert [e[1] for e in more.buffers] == [2, 3, 4]
+    s.conn.connection_lost(None)
+    part.release()
+
+
 def test_cancel_and_close_request(
     make_partition: PartitionFactory, manager: ResultPartitionManager
 ) -> None:
