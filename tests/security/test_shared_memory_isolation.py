@@ -4,7 +4,9 @@ Each application's local producers write into an arena of their own: the descrip
 task gets is its application's arena (another file than the other application's, mode
 0600), bytes one application wrote never appear in the memory the other maps, and a
 descriptor is handed out only for a one-time token the daemon sent on that very
-connection (a guessed, reused or another connection's spent token gets nothing).
+connection (a guessed, reused or another connection's spent token gets nothing). A
+consumer reading in place is offered only its own application's arena, and none where
+its application has none.
 """
 
 from __future__ import annotations
