@@ -27,6 +27,7 @@ from client.arena_handout import map_offered_arena
 from client.connection_base import HandshakingClientProtocol
 from client.network import parse_address
 from client.tls import client_ssl_context, connect_kwargs
+from exchange.buffers.buffer import DataType
 from exchange.errors import (
     ConfigError,
     ExchangeError,
@@ -390,15 +391,18 @@ class LocalConnection(HandshakingClientProtocol):
 
     async def push_buffers(self, outs: list[OutputBuffer]) -> None:
         """Push buffers in order, as many per write as credit allows (one syscall for
-        several buffers, their pieces gathered: no copy here)."""
+        several buffers, their pieces gathered: no copy here). A push that runs out of
+        credit inside a record asks for overdraft in that same write."""
         i, n = 0, len(outs)
+        data = DataType.DATA_BUFFER
+        asked = -1  # the index of the buffer overdraft was asked for
         while i < n:
-            asked = False
-            while self.credit <= 0 and not outs[i].is_event:
+            while self.credit <= 0 and outs[i].data_type is data:
                 self.check()
-                if not asked:
-                    asked = True
+                if asked != i:
+                    asked = i
                     self._ask_overdraft(outs, i)
+                    self._flush()
                 self._credit_waiter = self._loop.create_future()
                 self._pushing, self._push_index = outs, i
                 try:
@@ -415,17 +419,21 @@ class LocalConnection(HandshakingClientProtocol):
             pack = _PUSH_FRAME.pack
             arena = self._arena_view
             commits: list[bytes] = []
+            mid_record = self._mid_record
             while i < n:
                 out = outs[i]
-                if not out.is_event:
+                if out.data_type is data:
                     if self.credit <= 0:
+                        if asked != i:  # it waits for credit next: ask now, in this write
+                            asked = i
+                            self._ask_overdraft(outs, i)
                         break
                     self.credit -= 1
                     target = out.target
                     if out.ends_mid_record:
-                        self._mid_record.add(target)
+                        mid_record.add(target)
                     else:
-                        self._mid_record.discard(target)
+                        mid_record.discard(target)
                     if arena is not None:  # written in place, committed by index
                         seg = self.segments.popleft()
                         pos = seg * self._segment_size
@@ -456,25 +464,28 @@ class LocalConnection(HandshakingClientProtocol):
                 i += 1
             if commits:
                 _add_commits(frames, commits)
+            frames.extend(self.connection.data_to_send())  # a RequestOverdraft, if asked
             t.writelines(frames)
             self.bytes_pushed += pushed
 
     def _ask_overdraft(self, outs: list[OutputBuffer], i: int) -> None:
         """Out of credit with ``outs[i]`` continuing a record already partly pushed: ask
         the daemon for overdraft segments for the buffers up to that record's end (Flink's
-        overdraft: the record ends without waiting for a consumer to free a segment)."""
+        overdraft: the record ends without waiting for a consumer to free a segment).
+        Queued on the connection: the caller writes it."""
         if outs[i].target not in self._mid_record:
             return
         target, count = outs[i].target, 0
+        data = DataType.DATA_BUFFER
         for out in itertools.islice(outs, i, None):
-            if out.is_event:
+            if out.data_type is not data:
                 break
             count += 1
             if out.target == target and not out.ends_mid_record:
                 break
         count = min(count, MAX_OVERDRAFT_REQUEST)
         self.overdraft_requested += count
-        self.send(RequestOverdraft(count))
+        self.connection.send(RequestOverdraft(count))
 
 
 def _add_commits(frames: list[bytes | memoryview], commits: list[bytes]) -> None:

@@ -40,6 +40,14 @@ from exchange.errors import ConfigError
 from exchange.paths import DEFAULT_SOCKET_NAME, default_spill_dir
 from exchange.writer.record_writer import MIN_BUFFER_SIZE
 
+#: The data port's write watermarks by default, in segments (256 / 128 KiB at 32 KiB).
+#: The queue stops once this much output is pending (in the connection and its
+#: transport), so the high one is also the most one ``writelines`` carries: at 2 segments
+#: (Flink's Netty setting, where every buffer is a flush of its own anyway) that was a
+#: send syscall, and a wake-up of the consumer, per 2 buffers.
+DEFAULT_HIGH_WATERMARK_SEGMENTS: Final = 8
+DEFAULT_LOW_WATERMARK_SEGMENTS: Final = 4
+
 __all__ = [
     "CONFIG_ENV_VAR",
     "ENV_PREFIX",
@@ -99,7 +107,7 @@ class DaemonConfig:
     segment_size: int = 32 * KIB
     exclusive_buffers_per_channel: int = 2
     floating_buffers_per_gate: int = 8
-    producer_credit: int = 8
+    producer_credit: int = 16
     max_overdraft_buffers_per_partition: int = 5
     high_watermark: int | None = None
     low_watermark: int | None = None
@@ -296,13 +304,17 @@ class DaemonConfig:
 
     @property
     def effective_high_watermark(self) -> int:
-        """The write high watermark in bytes; 2 * segment_size unless set."""
-        return 2 * self.segment_size if self.high_watermark is None else self.high_watermark
+        """The write high watermark in bytes; 8 * segment_size unless set."""
+        if self.high_watermark is None:
+            return DEFAULT_HIGH_WATERMARK_SEGMENTS * self.segment_size
+        return self.high_watermark
 
     @property
     def effective_low_watermark(self) -> int:
-        """The write low watermark in bytes; segment_size + 1 unless set."""
-        return self.segment_size + 1 if self.low_watermark is None else self.low_watermark
+        """The write low watermark in bytes; 4 * segment_size unless set."""
+        if self.low_watermark is None:
+            return DEFAULT_LOW_WATERMARK_SEGMENTS * self.segment_size
+        return self.low_watermark
 
     def resolved_local_socket(self) -> str:
         """The Unix socket path for local tasks; by default ``DEFAULT_SOCKET_NAME`` under
@@ -655,10 +667,10 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         "a record that spans buffers (Flink's overdraft buffers; 0: none)",
     ),
     "high_watermark": _Setting(
-        _optional_size(1), _SIZE, "SIZE", "write high watermark; default 2 x segment_size"
+        _optional_size(1), _SIZE, "SIZE", "write high watermark; default 8 x segment_size"
     ),
     "low_watermark": _Setting(
-        _optional_size(0), _SIZE, "SIZE", "write low watermark; default segment_size + 1"
+        _optional_size(0), _SIZE, "SIZE", "write low watermark; default 4 x segment_size"
     ),
     "partition_request_backoff_initial": _Setting(
         _duration(positive=True), _DURATION, "DURATION", "first retry delay of a partition request"

@@ -381,9 +381,9 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         session.fail(str(e))
         self.fail_producer(error_response_for(e))
 
-    def _count_push(self, n: int) -> None:
+    def _count_push(self, n: int, buffers: int = 1) -> None:
         self.endpoint.bytes_received += n
-        self.endpoint.buffers_received += 1
+        self.endpoint.buffers_received += buffers
         self.daemon.bytes_in += n
 
     def on_message(self, msg: Message) -> None:
@@ -456,22 +456,21 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 super().on_message(msg)
 
     def _commit(self, msg: CommitSegments) -> None:
-        """Filled segments of the shared arena: queued where they lie."""
+        """Filled segments of the shared arena: queued where they lie (one batch)."""
         if self._producer_failed:
             return  # in flight before the task learned its partition is gone
         session = self.session
         if session is None:
             raise ProtocolError("CommitSegments before CreatePartition")
-        n = 0
+        buffers, size = session.buffers_received, session.bytes_received
         try:
-            for segment, size, subpartition in msg.commits:
-                session.commit(segment, size, subpartition)
-                n += size
-                self._count_push(size)
+            session.commit_all(msg.commits)
         except PartitionError as e:
             self._push_refused(session, e)
         finally:
-            self.endpoint.bytes_shared_memory += n
+            size = session.bytes_received - size
+            self._count_push(size, session.buffers_received - buffers)
+            self.endpoint.bytes_shared_memory += size
 
     def _offer_arena(self) -> str | None:
         """Offer a consumer its application's arena, once, if there is one; else why not."""

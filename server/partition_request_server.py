@@ -46,6 +46,7 @@ from exchange.network.server_connection import (
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.protocol.codec import DataFrameSpec
 from exchange.protocol.messages import ErrorCode, ErrorResponse, Message
+from server.config import DEFAULT_HIGH_WATERMARK_SEGMENTS, DEFAULT_LOW_WATERMARK_SEGMENTS
 
 __all__ = ["DataServer", "PartitionRequestServerProtocol", "is_loopback"]
 
@@ -90,8 +91,16 @@ class DataServer:
         )
         self.segment_size = segment_size
         self.secret = secret
-        self.high_watermark = high_watermark if high_watermark is not None else 2 * segment_size
-        self.low_watermark = low_watermark if low_watermark is not None else segment_size + 1
+        self.high_watermark = (
+            high_watermark
+            if high_watermark is not None
+            else DEFAULT_HIGH_WATERMARK_SEGMENTS * segment_size
+        )
+        self.low_watermark = (
+            low_watermark
+            if low_watermark is not None
+            else DEFAULT_LOW_WATERMARK_SEGMENTS * segment_size
+        )
         if not 0 <= self.low_watermark < self.high_watermark:
             raise UsageError(
                 f"need 0 <= low watermark < high watermark, got {self.low_watermark}, "

@@ -39,7 +39,7 @@ from __future__ import annotations
 import struct
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Final, NamedTuple
 
@@ -342,24 +342,37 @@ class ProducerSession:
         """The task filled granted segment ``segment`` with ``size`` bytes for
         ``subpartition``: queue it there in place. Segments are committed in the order
         they were granted; anything else is a ProtocolError."""
+        self.commit_all(((segment, size, subpartition),))
+
+    def commit_all(self, commits: Iterable[tuple[int, int, int]]) -> None:
+        """``commit`` for each ``(segment, size, subpartition)`` of a CommitSegments, in
+        order; the segments freed meanwhile are reserved and granted once, after the
+        batch. An error stops the batch: the commits before it are queued."""
         if not self.shared:
             raise ProtocolError("CommitSegments on a partition without shared memory")
-        if self.state is not _OPEN:
-            if self.state is ProducerSessionState.FINISHED:
-                raise ProtocolError("CommitSegments after FinishPartition")
-            return  # the partition went while the commit was in flight: dropped
-        if self._granted <= 0:
-            raise ProtocolError(f"commit of segment {segment} without credit")
-        buf = self._reserved[0]
-        if buf.segment.index != segment:
-            raise ProtocolError(
-                f"commit of segment {segment}; the oldest granted is {buf.segment.index}"
-            )
-        if not 0 < size <= buf.segment.size:
-            raise ProtocolError(f"commit of {size} bytes into a {buf.segment.size}-byte segment")
-        self._granted -= 1
-        self._reserved.popleft()
-        self._queue(buf, subpartition, size)
+        try:
+            for segment, size, subpartition in commits:
+                if self.state is not _OPEN:
+                    if self.state is ProducerSessionState.FINISHED:
+                        raise ProtocolError("CommitSegments after FinishPartition")
+                    return  # the partition went while the commit was in flight: dropped
+                if self._granted <= 0:
+                    raise ProtocolError(f"commit of segment {segment} without credit")
+                buf = self._reserved[0]
+                seg = buf.segment
+                if seg.index != segment:
+                    raise ProtocolError(
+                        f"commit of segment {segment}; the oldest granted is {seg.index}"
+                    )
+                if not 0 < size <= seg.size:
+                    raise ProtocolError(f"commit of {size} bytes into a {seg.size}-byte segment")
+                self._granted -= 1
+                self._reserved.popleft()
+                self._queue_only(buf, subpartition, size)
+        finally:
+            if self.state is _OPEN:
+                self._reserve_nowait()
+                self._announce()
 
     def on_data_pushed(self, subpartition: int, size: int) -> None:
         """The bytes of the oldest landing buffer are in place: queue it. A session that
@@ -373,17 +386,21 @@ class ProducerSession:
         self._queue(buf, subpartition, size)
 
     def _queue(self, buf: Buffer, subpartition: int, size: int) -> None:
+        self._queue_only(buf, subpartition, size)
+        self._reserve_nowait()
+        self._announce()
+
+    def _queue_only(self, buf: Buffer, subpartition: int, size: int) -> None:
+        """Queue a filled segment in ``subpartition`` (no credit granted for it yet)."""
         buf.set_size(size)
         n = self.partition.num_subpartitions
         if not 0 <= subpartition < n and subpartition != ALL_SUBPARTITIONS:
             buf.release()
             raise SubpartitionIndexError(subpartition, n, self.partition.partition_id)
-        self.bytes_received += size
-        self.buffers_received += 1
         # takes it over, even when it raises; ALL_SUBPARTITIONS: every subpartition reads it
         self.partition.add_buffer(subpartition, buf)
-        self._reserve_nowait()
-        self._announce()
+        self.bytes_received += size  # what was queued
+        self.buffers_received += 1
 
     def on_push(self, subpartition: int, data_type: DataType, payload: memoryview) -> None:
         """A pushed buffer or event whose bytes arrived outside a segment (copied once)."""

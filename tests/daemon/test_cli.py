@@ -28,7 +28,7 @@ REFUSED = {
     "network-memory-too-small": (["--network-memory", "64kb"], None, ["network_memory"]),
     "data-port-70000": (["--data-port", "70000"], None, ["data_port", "70000", "--data-port"]),
     "low-watermark-equals-default-high": (
-        ["--low-watermark", "64kb"],
+        ["--low-watermark", "256kb"],
         None,
         ["low_watermark", "high_watermark"],
     ),

@@ -414,6 +414,38 @@ def test_a_commit_without_credit_or_shared_memory_is_a_protocol_error(
     other.release()
 
 
+def test_a_batch_of_commits_is_granted_back_in_one_message(
+    make_partition: Callable[..., Any],
+) -> None:
+    """A CommitSegments of k segments queues each in place and grants the segments the
+    pool has free once, after the batch (one GrantSegments, not one per commit)."""
+    part, s, task = shared_session(make_partition, credit=4, pool=(8, 8))
+    granted = s.granted_segments(s.start())
+    s.commit_all([(idx, 1, 0) for idx in granted])
+    assert [len(m.segments) for m in task.sent if isinstance(m, GrantSegments)] == [4]
+    assert s.buffers_received == 4 and s.bytes_received == 4
+    assert drain(part, 0) == 0  # no reader yet: still queued
+    part.create_subpartition_view(0, Listener())
+    assert drain(part, 0) == 4
+    part.release()
+    s.drop_landing()
+
+
+def test_a_bad_commit_in_a_batch_keeps_the_commits_before_it(
+    make_partition: Callable[..., Any],
+) -> None:
+    part, s, task = shared_session(make_partition, credit=4, pool=(8, 8))
+    granted = s.granted_segments(s.start())
+    with pytest.raises(ProtocolError, match="oldest granted"):
+        s.commit_all([(granted[0], 2, 1), (granted[2], 1, 1)])
+    assert s.buffers_received == 1 and s.bytes_received == 2
+    assert [len(m.segments) for m in task.sent if isinstance(m, GrantSegments)] == [1]
+    part.create_subpartition_view(1, Listener())
+    assert drain(part, 1) == 1
+    part.release()
+    s.drop_landing()
+
+
 def test_segments_granted_to_an_ended_task_wait_for_its_connection_to_go(
     make_partition: Callable[..., Any], nbp: Any
 ) -> None:

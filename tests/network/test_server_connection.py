@@ -56,6 +56,7 @@ from exchange.protocol.messages import (
     Pong,
     ServerHello,
 )
+from server.partition_request_server import DataServer
 from tests.conformance.partition_fill import add_full_buffers
 from tests.conformance.partition_fill import full_buffer_payload as expected_payload
 
@@ -909,6 +910,45 @@ def test_one_callback_writes_its_frames_with_one_writelines(
     assert s.peer.tags(1) == [0, 1, 2] and s.peer.tags(2) == [0, 1, 2]
     assert s.conn.statistics().in_flight_buffers == 0  # all out: recycled at once
     part.release()
+    finish_close(s)
+
+
+def test_the_data_ports_default_watermarks_write_8_buffers_per_writelines(
+    make_partition: PartitionFactory, manager: ResultPartitionManager, nbp: NetworkBufferPool
+) -> None:
+    """A DataServer's defaults (high 8 segments, low 4): one callback's 16 credited buffers
+    go out in two writes (at Flink's 2 segments it was eight), and the queue still stops
+    at the high watermark when the peer does not read."""
+    seg = nbp.segment_size
+    server = DataServer(manager, segment_size=seg)
+    assert (server.high_watermark, server.low_watermark) == (8 * seg, 4 * seg)
+    part = make_partition(1, "pipelined", 1, (1, 20))
+    s = connect(manager, seg, high=server.high_watermark, low=server.low_watermark)
+    s.peer.send(PartitionRequest(part.partition_id, 0, 1, 0))
+    add_full_buffers(part, 0, 16)
+    s.timers.run()
+    before = s.transport.writes
+    s.peer.send(AddCredit(1, 16))
+    assert s.transport.writes == before + 2
+    s.peer.read()
+    assert s.peer.tags(1) == list(range(16))
+    part.release()
+    finish_close(s)
+
+    stalled = make_partition(2, "pipelined", 1, (1, 20))
+    s = connect(manager, seg, high=server.high_watermark, low=server.low_watermark, socket_space=0)
+    s.peer.send(PartitionRequest(stalled.partition_id, 0, 1, 0))
+    add_full_buffers(stalled, 0, 16)
+    s.timers.run()
+    s.peer.send(AddCredit(1, 16))
+    assert not s.conn.is_writable
+    assert s.conn.statistics().buffers_sent == 8  # up to the high watermark, then paused
+    while s.transport.held_bytes:
+        s.transport.drain()  # below the low watermark: resume_writing sends the rest
+        s.timers.advance(REAP_INTERVAL)
+    s.peer.read()
+    assert s.peer.tags(1) == list(range(16))
+    stalled.release()
     finish_close(s)
 
 

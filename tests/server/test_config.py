@@ -213,8 +213,9 @@ def test_defaults_are_flinks() -> None:
     assert config.exclusive_buffers_per_channel == 2
     assert config.floating_buffers_per_gate == 8
     assert (config.high_watermark, config.low_watermark) == (None, None)
-    assert config.effective_high_watermark == 2 * 32 * KIB
-    assert config.effective_low_watermark == 32 * KIB + 1
+    # Flink's Netty watermarks are 2 segments / 1; ours gather 8 segments per write
+    assert config.effective_high_watermark == 8 * 32 * KIB
+    assert config.effective_low_watermark == 4 * 32 * KIB
     assert config.partition_request_backoff_initial == 0.1
     assert config.partition_request_backoff_max == 10.0
     assert config.buffer_timeout == 0.1
@@ -270,10 +271,10 @@ def test_explicit_watermarks_and_num_segments() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "setting"),
     [
-        ({"low_watermark": 64 * KIB}, "low_watermark"),  # equal to the default high
+        ({"low_watermark": 256 * KIB}, "low_watermark"),  # equal to the default high
         ({"low_watermark": 100, "high_watermark": 100}, "low_watermark"),
         ({"low_watermark": 101, "high_watermark": 100}, "low_watermark"),
-        ({"high_watermark": 32 * KIB}, "high_watermark"),  # not above the default low
+        ({"high_watermark": 128 * KIB}, "high_watermark"),  # not above the default low
         ({"network_memory": 15 * 32 * KIB}, "network_memory"),
         ({"network_memory": 16 * 32 * KIB - 1}, "network_memory"),
         ({"segment_size": 1 * MIB, "network_memory": 8 * MIB}, "network_memory"),
@@ -343,7 +344,7 @@ BAD_VALUES: list[tuple[str, str]] = [
     ("high_watermark", "0"),
     ("high_watermark", "high"),
     ("low_watermark", "-1"),
-    ("low_watermark", "64k"),  # not below the default high watermark
+    ("low_watermark", "256k"),  # not below the default high watermark
     ("partition_request_backoff_initial", "0"),
     ("partition_request_backoff_initial", "-100ms"),
     ("partition_request_backoff_initial", "soon"),
@@ -613,7 +614,7 @@ def test_watermark_none_restores_the_default(tmp_path: Path) -> None:
     path = write_toml(tmp_path, "high_watermark = 1000000\n")
     config = load_config(["--config", path, "--high-watermark", "none"], env={})
     assert config.high_watermark is None
-    assert config.effective_high_watermark == 64 * KIB
+    assert config.effective_high_watermark == 256 * KIB
 
 
 def test_config_file_from_environment_and_flag_wins(tmp_path: Path) -> None:
