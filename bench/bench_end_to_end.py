@@ -6,7 +6,9 @@ encoded in the task thread, pushed to its daemon over the local Unix socket with
 the daemon (``python -m server``) serves it over loopback TCP to a consumer task process
 reading with ``client.consumer.PartitionReader``, which decodes and checks every record
 (``_common.Checker``). The consumer attaches before the producer starts; the clock runs
-from the producer's first record to the consumer's last.
+from the producer's first record to the consumer's last. Each round runs the same two
+once more with the consumer as a task of the daemon's own host (``*_local_*`` keys): it
+reads over the Unix socket, in place in the application's shared arena.
 
 * 4 KiB ``bytes`` records: GB/s of payload, against Arrow Flight ``DoGet`` of a binary
   column of 4 KiB values measured in the same rounds (target >= 0.8x Flight).
