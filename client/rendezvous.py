@@ -13,6 +13,13 @@ answered only with a set of ``n`` registrations whose attempt ids all lie within
 ``a`` and of each other (a set from one round). A task of a dead round simply never
 completes its set; it gives up after ``timeout``.
 
+Ordinary stages (``whole_stage_retries=False``): Spark starts their tasks as slots free up
+and retries a failed task alone, so a round takes the first attempt of each index; a
+second attempt of an index (a retry), a registration to a round a task reported failed,
+or a round ``check_round`` finds can never complete (the job runs only some of the
+stage's tasks: ``take``) is refused at once, every waiting task with it
+(``SchedulingError`` / ``UsageError``), instead of waiting for a set that never comes.
+
 The wire format is one JSON object per line each way; every request carries the
 exchange's random token, so only the driver's own tasks can register.
 """
@@ -30,13 +37,19 @@ from typing import Any, Final
 
 from client.runtime import ClientRuntime, get_runtime
 from exchange.best_effort import best_effort
-from exchange.errors import TransportError, UsageError
+from exchange.errors import ExchangeError, SchedulingError, TransportError, UsageError
 
 __all__ = ["RendezvousServer", "RendezvousTicket", "rendezvous", "report_abort"]
 
 log = logging.getLogger("exchange.client.rendezvous")
 
 _MAX_LINE: Final = 1 << 20
+_NO_RETRY: Final = (
+    "its tasks run in an ordinary Spark stage (its input has another partition count than "
+    "its output), which Spark retries task by task, and one task of a pipelined exchange "
+    "cannot run again alone: the job fails. Give the input as many partitions as the "
+    "output (a barrier stage, re-run whole) or use mode='blocking'"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +61,8 @@ class RendezvousTicket:
     exchange_id: str
     token: str
     num_tasks: int
+    #: False: an ordinary (not barrier) stage, whose tasks Spark retries one by one
+    whole_stage_retries: bool = True
 
 
 @dataclass(slots=True)
@@ -55,13 +70,20 @@ class _Round:
     """One run of the stage (in Spark: one stage id; each action runs a new stage)."""
 
     n: int
+    #: False (an ordinary stage): one attempt per index, launched whenever a slot freed
+    #: (its attempt ids need not be adjacent)
+    whole_stage_retries: bool = True
     entries: dict[int, tuple[int, Any]] = field(default_factory=dict)
     waiters: list[tuple[int, asyncio.Future[list[Any]]]] = field(default_factory=list)
     aborted: bool = False
+    #: why the round can never complete (its tasks are answered with that error)
+    refused: _Refusal | None = None
 
     def answer_for(self, attempt: int) -> list[Any] | None:
         if len(self.entries) < self.n:
             return None
+        if not self.whole_stage_retries:
+            return [self.entries[i][1] for i in range(self.n)]
         attempts = [a for a, _ in self.entries.values()]
         lo, hi = min(attempts), max(attempts)
         if hi - lo >= self.n or abs(attempt - lo) >= self.n or abs(hi - attempt) >= self.n:
@@ -81,16 +103,33 @@ class _Round:
         self.waiters = still
 
 
+class _Refusal(Exception):
+    """A round's refusal, answered to its tasks as ``{"error": message, "kind": kind}``."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+#: reply kinds -> the error a task raises (anything else: the request was bad)
+_KINDS: Final[dict[str, type[ExchangeError]]] = {
+    "scheduling": SchedulingError,
+    "usage": UsageError,
+}
+
+
 @dataclass(slots=True)
 class _Group:
     n: int
     on_abort: Callable[[int, list[Any]], Awaitable[None]] | None = None
+    whole_stage_retries: bool = True
+    check_round: Callable[[int], Awaitable[str | None]] | None = None
     rounds: dict[int, _Round] = field(default_factory=dict)
 
     def round(self, key: int) -> _Round:
         r = self.rounds.get(key)
         if r is None:
-            r = self.rounds[key] = _Round(self.n)
+            r = self.rounds[key] = _Round(self.n, self.whole_stage_retries)
         return r
 
     def waiters(self) -> list[asyncio.Future[list[Any]]]:
@@ -116,6 +155,7 @@ class RendezvousServer:
         self._rt = runtime if runtime is not None else get_runtime()
         self._groups: dict[str, tuple[str, _Group]] = {}
         self._server: asyncio.Server | None = None
+        self._checks: set[asyncio.Future[None]] = set()
         self.host = host
         self.port = 0
         self._rt.run(self._start())
@@ -128,6 +168,9 @@ class RendezvousServer:
         exchange_id: str,
         num_tasks: int,
         on_abort: Callable[[int, list[Any]], Awaitable[None]] | None = None,
+        *,
+        whole_stage_retries: bool = True,
+        check_round: Callable[[int], Awaitable[str | None]] | None = None,
     ) -> RendezvousTicket:
         """A new meeting of ``num_tasks`` tasks; the ticket goes to each task.
 
@@ -137,16 +180,24 @@ class RendezvousServer:
         reports that it failed, with every location of its round registered so far: the
         driver's chance to release what the failed stage left on the daemons (a task
         killed hard cleans nothing).
+
+        ``whole_stage_retries=False``: the tasks run in an ordinary stage (see the module
+        docstring). ``check_round(round_id)`` runs (on the loop) when a round gets its
+        first task: a reason the round can never complete refuses it (``UsageError`` in
+        its tasks), None lets it be.
         """
         if num_tasks <= 0:
             raise UsageError(f"num_tasks must be positive, got {num_tasks}")
         token = secrets.token_hex(16)
 
         def add() -> None:
-            self._groups[exchange_id] = (token, _Group(num_tasks, on_abort))
+            group = _Group(num_tasks, on_abort, whole_stage_retries, check_round)
+            self._groups[exchange_id] = (token, group)
 
         self._rt.loop.call_soon_threadsafe(add)
-        return RendezvousTicket(self.host, self.port, exchange_id, token, num_tasks)
+        return RendezvousTicket(
+            self.host, self.port, exchange_id, token, num_tasks, whole_stage_retries
+        )
 
     def close_group(self, exchange_id: str) -> None:
         def drop() -> None:
@@ -173,9 +224,11 @@ class RendezvousServer:
                 raise ValueError("round must be an int")
             rnd = group.round(round_id)
             if req.get("abort"):
-                if not rnd.aborted and group.on_abort is not None:
-                    rnd.aborted = True
-                    await group.on_abort(round_id, [loc for _, loc in rnd.entries.values()])
+                await self._abort(group, round_id, rnd)
+                if not group.whole_stage_retries and rnd.refused is None:
+                    self._refuse(
+                        rnd, _Refusal("scheduling", f"a task of its stage failed: {_NO_RETRY}")
+                    )
                 writer.write(b'{"ok": []}\n')
                 await writer.drain()
                 return
@@ -185,6 +238,22 @@ class RendezvousServer:
             if not isinstance(attempt, int):
                 raise ValueError("attempt must be an int")
             old = rnd.entries.get(index)
+            if not group.whole_stage_retries and old is not None and old[0] != attempt:
+                self._refuse(
+                    rnd,
+                    _Refusal(
+                        "scheduling",
+                        f"Spark ran task {index} again (attempt {attempt} after {old[0]}: a "
+                        f"retried or resubmitted task): {_NO_RETRY}",
+                    ),
+                )
+                await self._abort(group, round_id, rnd)
+            if rnd.refused is not None:
+                raise rnd.refused
+            if not rnd.entries and group.check_round is not None:
+                check = asyncio.ensure_future(self._check(group, round_id, rnd))
+                self._checks.add(check)
+                check.add_done_callback(self._checks.discard)
             if old is None or old[0] <= attempt:
                 rnd.entries[index] = (attempt, req.get("location"))
             fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
@@ -193,6 +262,10 @@ class RendezvousServer:
             answer = await fut
             writer.write(json.dumps({"ok": answer}).encode() + b"\n")
             await writer.drain()
+        except _Refusal as e:
+            with best_effort(log, "answering a refused rendezvous request"):
+                writer.write(json.dumps({"error": str(e), "kind": e.kind}).encode() + b"\n")
+                await writer.drain()
         except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
             with best_effort(log, "answering a bad rendezvous request"):
                 writer.write(json.dumps({"error": str(e)}).encode() + b"\n")
@@ -201,6 +274,33 @@ class RendezvousServer:
             pass
         finally:
             writer.close()
+
+    @staticmethod
+    async def _abort(group: _Group, round_id: int, rnd: _Round) -> None:
+        """The driver's clean-up of a failed round, once."""
+        if not rnd.aborted and group.on_abort is not None:
+            rnd.aborted = True
+            await group.on_abort(round_id, [loc for _, loc in rnd.entries.values()])
+
+    @staticmethod
+    def _refuse(rnd: _Round, refusal: _Refusal) -> None:
+        """The round can never complete: its waiting tasks and later ones get ``refusal``."""
+        rnd.refused = refusal
+        for _, fut in rnd.waiters:
+            if not fut.done():
+                fut.set_exception(refusal)
+        rnd.waiters = []
+
+    async def _check(self, group: _Group, round_id: int, rnd: _Round) -> None:
+        assert group.check_round is not None
+        try:
+            reason = await group.check_round(round_id)
+        except Exception:  # the check is an early answer only: the tasks still time out
+            log.warning("checking round %d of a rendezvous failed", round_id, exc_info=True)
+            return
+        if reason is not None and rnd.refused is None:
+            self._refuse(rnd, _Refusal("usage", reason))
+            await self._abort(group, round_id, rnd)
 
     def close(self) -> None:
         """Stop serving; tasks still waiting are let go (their connections close)."""
@@ -213,6 +313,8 @@ class RendezvousServer:
                 for fut in group.waiters():
                     fut.cancel()
             self._groups.clear()
+            for check in list(self._checks):
+                check.cancel()
             for _ in range(10):  # let the cancelled handlers close their connections
                 await asyncio.sleep(0)
 
@@ -253,14 +355,27 @@ async def _meet(
         try:
             line = await asyncio.wait_for(reader.readline(), timeout)
         except TimeoutError:
-            raise TransportError(
+            waited = (
                 f"task {index} of exchange {ticket.exchange_id} waited {timeout:.0f}s for the "
                 f"other {ticket.num_tasks - 1} tasks of its pipelined stage"
+            )
+            if ticket.whole_stage_retries:
+                raise TransportError(waited) from None
+            raise SchedulingError(
+                f"{waited}: they must all run at once, and an ordinary Spark stage (its input "
+                "has another partition count than its output) starts its tasks only as task "
+                f"slots free up; it needs {ticket.num_tasks} free task slots when the action "
+                "runs (other jobs held them?): free them, give the input as many partitions "
+                "as the output (a barrier stage, which waits for its slots), or use "
+                "mode='blocking'"
             ) from None
         if not line:
             raise TransportError("the driver's rendezvous closed the connection")
         reply = json.loads(line)
         if "error" in reply:
+            kind = _KINDS.get(str(reply.get("kind")))
+            if kind is not None:
+                raise kind(f"task {index} of exchange {ticket.exchange_id}: {reply['error']}")
             raise TransportError(f"rendezvous refused: {reply['error']}")
         result: list[Any] = reply["ok"]
         return result

@@ -16,17 +16,30 @@ through the daemons so that output partition *i* holds exactly the pairs
   committed are read, never a retried task's other attempt. Later actions skip the map
   stage and read again. ``release_exchange`` frees them (a time to live frees forgotten
   ones).
-* ``mode="pipelined"``: one barrier stage; task *i* writes input partition *i* (from a
+* ``mode="pipelined"``: one stage of ``n`` tasks; task *i* writes its input (from a
   background thread) while it reads output partition *i*, so data streams between running
   tasks with bounded memory. The tasks find each other through a rendezvous service on
   the driver (``client.rendezvous``; ``allGather`` costs about a second), in a round per
-  run of the stage (each action runs it anew, as a new stage). The input
-  must have ``n`` partitions (barrier stages cannot change the partition count) and the
-  cluster ``n`` free task slots.
+  run of the stage (each action runs it anew, as a new stage); each task creates its
+  partition before it meets the others, so no reader asks for one not there yet. The
+  cluster needs ``n`` task slots. With ``n`` input partitions the stage is a barrier
+  stage (Spark starts its tasks together and re-runs it whole). With another count it
+  cannot be: Spark's barrier mode refuses a stage whose RDD chain holds an RDD of
+  another partition count than its task count
+  (``DAGScheduler.checkBarrierStageWithRDDChainPattern``: ``coalesce``, ``union``), so
+  it is an ordinary stage over the input coalesced to ``n`` partitions (task *i* writes
+  a group of input partitions one after the other) or padded with empty ones (those
+  tasks only read). Spark starts an ordinary stage's tasks as slots free up
+  and retries them one by one; the rendezvous makes that safe: a run whose tasks do not
+  all start within ``PIPELINED_START_TIMEOUT`` fails with ``SchedulingError`` (never a
+  silent wait), a job running only some of its tasks (``take``) is refused at once
+  (``UsageError``), a task run again alone (a retry) fails its job at once
+  (``SchedulingError``), and ``spark.speculation`` is refused up front.
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import itertools
@@ -40,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -80,11 +94,10 @@ __all__ = [
 
 CONF_DAEMON_ADDRESS: Final = "spark.exchange.daemon.address"
 MODES: Final = ("blocking", "pipelined")
-#: A pipelined task's first partition request backoff at most (seconds). Its producers
-#: start with it, at the rendezvous, so a partition not there yet is milliseconds away
-#: (Flink's 100 ms assumes a producer still being deployed): at 100 ms most runs lost
-#: 100 ms of one producer's stream on a job of about a second.
-PIPELINED_BACKOFF_INITIAL: Final = 0.01
+#: How long a task of a pipelined exchange in an ordinary stage (``n_in != n``) waits
+#: for the others to start (seconds): Spark starts such a stage's tasks as slots free
+#: up, so a run short of free slots fails with a ``SchedulingError`` after this.
+PIPELINED_START_TIMEOUT: Final = 60.0
 
 
 def exchange_hash(key: Any) -> int:
@@ -384,6 +397,34 @@ def _local_daemon(spec: _DaemonSpec) -> tuple[str, Any]:
     return sock, info
 
 
+def _open_writer(
+    exchange_id: str,
+    index: int,
+    attempt: int,
+    num_partitions: int,
+    spec: _DaemonSpec,
+    codec: RecordCodec,
+    blocking: bool,
+) -> PartitionWriter:
+    """The writer of one input partition: the partition exists on the local daemon once
+    this returns."""
+    sock, info = _local_daemon(spec)
+    pid = ResultPartitionID(exchange_id, index, attempt)
+    # the daemon's buffer timeout; a blocking partition flushes only full buffers
+    options = WriterOptions.from_daemon(
+        info, blocking=blocking, daemon_socket=sock, codec=codec, secret=spec.secret
+    )
+    return PartitionWriter(pid, num_partitions, options)
+
+
+def _write_all(
+    writer: PartitionWriter, records: Iterable[Any], partition_func: Callable[[Any], int]
+) -> int:
+    """Write the records and finish the partition (fail it on an error)."""
+    with writer:
+        return writer.emit_all(records, _writer_partition_func(partition_func))
+
+
 def _write_partition(
     exchange_id: str,
     index: int,
@@ -394,19 +435,11 @@ def _write_partition(
     spec: _DaemonSpec,
     codec: RecordCodec,
     blocking: bool,
-    opened: Callable[[PartitionWriter], None] | None = None,
 ) -> _Produced:
-    """Write one input partition; ``opened`` gets the writer before any record is read."""
+    """Write one input partition."""
+    writer = _open_writer(exchange_id, index, attempt, num_partitions, spec, codec, blocking)
+    n = _write_all(writer, records, partition_func)
     sock, info = _local_daemon(spec)
-    pid = ResultPartitionID(exchange_id, index, attempt)
-    # the daemon's buffer timeout; a blocking partition flushes only full buffers
-    options = WriterOptions.from_daemon(
-        info, blocking=blocking, daemon_socket=sock, codec=codec, secret=spec.secret
-    )
-    with PartitionWriter(pid, num_partitions, options) as writer:
-        if opened is not None:
-            opened(writer)
-        n = writer.emit_all(records, _writer_partition_func(partition_func))
     return _Produced(index, attempt, info.daemon_id, info.data_address, sock, info.segment_size, n)
 
 
@@ -416,19 +449,11 @@ def _open_reader(
     subpartition: int,
     spec: _DaemonSpec,
     codec: RecordCodec,
-    *,
-    backoff_initial: float | None = None,
 ) -> PartitionReader | None:
-    """The reader of one output partition (None: no input partitions, nothing to read).
-    ``backoff_initial``: the first partition request backoff at most (the daemon's when
-    it is shorter); the daemon's backoff cap stays."""
+    """The reader of one output partition (None: no input partitions, nothing to read)."""
     if not producers:
         return None
     sock, info = _local_daemon(spec)
-    overrides: dict[str, Any] = {}
-    if backoff_initial is not None:
-        daemon_initial = ReaderOptions.from_daemon(info).backoff_initial
-        overrides["backoff_initial"] = min(daemon_initial, backoff_initial)
     locations = [
         PartitionLocation(
             ResultPartitionID(exchange_id, p.index, p.attempt),
@@ -446,7 +471,6 @@ def _open_reader(
         metrics_socket=sock,
         task_name=f"{exchange_id}/{subpartition}",
         segment_size=producers[0].segment_size,
-        **overrides,
     )
     return PartitionReader(locations, options)
 
@@ -630,26 +654,54 @@ def _run_dataset(exchange_id: str, stage: int) -> str:
     return f"{exchange_id}.s{stage}"
 
 
-class _CancellableWriter:
-    """A pipelined task's handle on its writer thread's PartitionWriter: ``cancel`` fails
-    it, also when it comes before the writer opened (it is then failed on opening)."""
+def _in_partitions(rdd: RDD[Any], n: int) -> RDD[Any]:
+    """The input as ``n`` partitions without a shuffle: more are coalesced (task *t*
+    writes a group of them, one after another, as one producer), fewer are padded with
+    empty ones (those tasks write nothing and read)."""
+    from pyspark.rdd import RDD
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._writer: PartitionWriter | None = None
-        self._reason: str | None = None
+    n_in = rdd.getNumPartitions()
+    if n_in > n:
+        return rdd.coalesce(n)
+    # an empty partition has no bytes to deserialize: the input's deserializer, so that
+    # union joins the JVM RDDs as they are (different ones: a Python pass over the input)
+    empty: RDD[Any] = rdd.context.parallelize([], n - n_in)
+    return rdd.union(RDD(empty._jrdd, rdd.context, rdd._jrdd_deserializer))
 
-    def opened(self, writer: PartitionWriter) -> None:
-        with self._lock:
-            self._writer, reason = writer, self._reason
-        if reason is not None:
-            writer.cancel(reason)
 
-    def cancel(self, reason: str) -> None:
-        with self._lock:
-            self._reason, writer = reason, self._writer
-        if writer is not None:
-            writer.cancel(reason)
+def _check_no_speculation(sc: SparkContext, n_in: int, n: int) -> None:
+    """A speculative copy of a task would meet the exchange as a second attempt of its
+    index, which an ordinary stage's exchange refuses (failing the job)."""
+    if str(sc.getConf().get("spark.speculation", "false")).strip().lower() == "true":
+        raise UsageError(
+            f"a pipelined exchange of {n_in} input partitions into {n} runs an ordinary Spark "
+            "stage, and spark.speculation is on: a speculative copy of one of its tasks "
+            "cannot join the exchange. Turn speculation off, give the input as many "
+            "partitions as the output (a barrier stage: never speculated), or use "
+            "mode='blocking'"
+        )
+
+
+def _stage_runs_every_task(sc: SparkContext, stage: int, n: int) -> str | None:
+    """Why the run of an ordinary stage can never bring its ``n`` tasks together, or None:
+    the job computes only some of its partitions (``take``, ``first``, ``lookup``).
+    Asked of Spark's status tracker (on the driver) when the run's first task arrives."""
+    tracker = sc.statusTracker()
+    deadline = time.monotonic() + 10
+    info = tracker.getStageInfo(stage)
+    while info is None:  # the listener bus may not have told the status store yet
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+        info = tracker.getStageInfo(stage)
+    if info.numTasks < n:
+        return (
+            f"the job runs {info.numTasks} of the {n} tasks of its pipelined exchange "
+            "(take, first, lookup and the like compute some partitions only), and every "
+            "output partition needs all of its writers running: use collect() (then "
+            "[:k]), or mode='blocking'"
+        )
+    return None
 
 
 def _pipelined(
@@ -660,19 +712,9 @@ def _pipelined(
     exchange_id: str,
     codec: RecordCodec,
 ) -> RDD[Any]:
-    from pyspark import BarrierTaskContext
+    from pyspark import TaskContext
 
     sc = rdd.context
-    n_in = rdd.getNumPartitions()
-    if n_in != n:
-        # Spark's barrier mode refuses stages whose RDD chain changes the partition count
-        # (union, coalesce), so the input cannot be padded or merged inside the stage.
-        raise UsageError(
-            f"a pipelined exchange runs one barrier stage where task i writes input partition "
-            f"i and reads output partition i: it needs as many input partitions as output "
-            f"partitions, got {n_in} and {n}; use mode='blocking' or give the input {n} "
-            "partitions"
-        )
     slots = _slots(sc)
     if n > slots:
         raise UsageError(
@@ -680,7 +722,17 @@ def _pipelined(
             f"only {slots} are available; use mode='blocking', fewer partitions, or more "
             "executor cores"
         )
+    n_in = rdd.getNumPartitions()
+    # n_in == n: a barrier stage (Spark starts its tasks together, re-runs it whole).
+    # Otherwise an ordinary stage over the input brought to n partitions (Spark's barrier
+    # mode refuses any RDD chain in the stage whose partition count differs from its
+    # task count: coalesce, union), whose tasks meet at the rendezvous within a deadline.
+    barrier = n_in == n
+    if not barrier:
+        _check_no_speculation(sc, n_in, n)
+        rdd = _in_partitions(rdd, n)
     secret = spec.secret
+    start_timeout = PIPELINED_START_TIMEOUT
 
     async def release_everywhere(stage: int, locations: list[Any]) -> None:
         """A task of the stage failed: release that run's pipelined partitions on every
@@ -689,7 +741,18 @@ def _pipelined(
             with contextlib.suppress(ExchangeError):
                 await release_dataset(address, _run_dataset(exchange_id, stage), secret=secret)
 
-    ticket = _rendezvous_server(sc).open_group(exchange_id, n, release_everywhere)
+    async def check_round(stage: int) -> str | None:
+        return await asyncio.get_running_loop().run_in_executor(
+            None, _stage_runs_every_task, sc, stage, n
+        )
+
+    ticket = _rendezvous_server(sc).open_group(
+        exchange_id,
+        n,
+        release_everywhere,
+        whole_stage_retries=barrier,
+        check_round=None if barrier else check_round,
+    )
 
     async def abandon_everywhere(dataset: str, t: int, addresses: list[str]) -> None:
         """Task ``t`` left its input early: subpartition ``t`` of the run's partitions is
@@ -704,7 +767,8 @@ def _pipelined(
                 )
 
     def run(records: Iterable[Any]) -> Iterator[Any]:
-        ctx = BarrierTaskContext.get()
+        ctx = TaskContext.get()
+        assert ctx is not None
         t = ctx.partitionId()
         attempt = ctx.taskAttemptId()
         # Each action on the result runs the barrier stage again, as a new stage: its
@@ -713,29 +777,28 @@ def _pipelined(
         dataset = _run_dataset(exchange_id, stage)
         sock, info = _local_daemon(spec)
         me = [t, attempt, info.daemon_id, info.data_address, sock, info.segment_size]
-        everyone = rendezvous(ticket, t, attempt, me, round_id=stage)
+        # Every task creates its partition before it meets the others, so no reader of
+        # the run ever asks for a partition that does not exist yet (no not-found
+        # retries), and none is created after a reader left (its subpartition would wait)
+        pw = _open_writer(dataset, t, attempt, n, spec, codec, False)
+        try:
+            if barrier:
+                everyone = rendezvous(ticket, t, attempt, me, round_id=stage)
+            else:
+                everyone = rendezvous(ticket, t, attempt, me, round_id=stage, timeout=start_timeout)
+        except BaseException as e:
+            pw.fail(e)
+            raise
         producers = [_Produced(p[0], p[1], p[2], p[3], p[4], p[5], 0) for p in everyone]
         # the producers' daemons (our own: over its local socket)
         daemons = sorted(
             {p.local_socket if p.daemon_id == info.daemon_id else p.data_address for p in producers}
         )
         failure: list[BaseException] = []
-        writer_handle = _CancellableWriter()
 
         def produce() -> None:
             try:
-                _write_partition(
-                    dataset,
-                    t,
-                    attempt,
-                    records,
-                    n,
-                    partition_func,
-                    spec,
-                    codec,
-                    False,
-                    writer_handle.opened,
-                )
+                _write_all(pw, records, partition_func)
             except BaseException as e:
                 failure.append(e)
 
@@ -754,14 +817,7 @@ def _pipelined(
                     # that ignores its input), when a generator never started would be
                     # dropped without running any of its code
                     yield []
-                    reader = _open_reader(
-                        dataset,
-                        producers,
-                        t,
-                        spec,
-                        codec,
-                        backoff_initial=PIPELINED_BACKOFF_INITIAL,
-                    )
+                    reader = _open_reader(dataset, producers, t, spec, codec)
                     if reader is not None:
                         yield from reader.record_lists()
                     read_all = True
@@ -778,7 +834,7 @@ def _pipelined(
                         # writer, which may wait forever for a consumer that gave up
                         # before it ever asked for our partition, is failed.
                         get_runtime().run(abandon_everywhere(dataset, t, daemons))
-                        writer_handle.cancel(f"task {t} of exchange {dataset} left early")
+                        pw.cancel(f"task {t} of exchange {dataset} left early")
                     writer.join()
                 if failure:
                     raise failure[0]
@@ -790,7 +846,7 @@ def _pipelined(
         next(lists)  # into its try: from here on, dropping it leaves the exchange cleanly
         return itertools.chain.from_iterable(lists)
 
-    out = rdd.barrier().mapPartitions(run)
+    out = rdd.barrier().mapPartitions(run) if barrier else rdd.mapPartitions(run)
     # Preserving partitioning passes the Partitioner set on the result on to what is
     # pipelined after it, and makes the stage's JVM RDD claim its JVM parent's
     # partitioner: right only when that parent (the input's first JVM RDD) has none.

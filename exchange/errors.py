@@ -17,6 +17,9 @@ The tree answers two questions a caller has: *whose fault is it* and *what is br
     ├── BufferRequestTimeoutError  a batch request for segments timed out
     ├── SharedMemoryUnavailableError  no shared arena can be made here (no memfd, /dev/shm
     │                              missing or too small); says why, the socket path stays
+    ├── SchedulingError            the tasks of a pipelined exchange could not all run at
+    │                              once (too few free task slots, a task re-run alone);
+    │                              says what and the way out
     ├── CorruptRecordError         bytes in a data buffer do not form valid records
     │   ├── RecordTooLargeError    a record exceeds max_record_size; carries size and limit
     │   └── IntegrityError         a file's MAC does not match the secret: forged, or
@@ -224,6 +227,12 @@ class SharedMemoryUnavailableError(ExchangeError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"shared memory unavailable: {reason}")
         self.reason = reason
+
+
+class SchedulingError(ExchangeError):
+    """The tasks of a pipelined exchange could not all run at once, as its readers and
+    writers need: too few free task slots when the stage started, or Spark re-ran one
+    of its tasks alone (a retry). Says which and the way out."""
 
 
 class CorruptRecordError(ExchangeError):

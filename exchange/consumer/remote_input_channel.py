@@ -8,8 +8,17 @@ The logic of Flink's RemoteInputChannel and BufferManager, with the I/O behind t
 * The sender announces its backlog with every buffer; the channel then asks the gate's
   LocalBufferPool for *floating* buffers until it holds ``backlog + num_exclusive`` free
   buffers, registering as a BufferListener when the pool is empty.
-* Every buffer gained is *unannounced credit*; when it goes from 0 to positive the client
-  is told to send AddCredit (which takes all unannounced credit at once).
+* Every buffer gained is *unannounced credit*. A channel holding fewer than
+  ``HALVES_FROM`` free buffers has the client send AddCredit (which takes all unannounced
+  credit at once) as soon as it has any, as Flink does when its unannounced credit goes
+  from 0 to positive. A larger window (more floating buffers than Flink's 8 per gate)
+  announces in halves: once the sender holds no more credit than is unannounced
+  (``free buffers <= 2 * unannounced``), checked when credit is gained and when a buffer
+  arrives, so one AddCredit write (and one wake-up of the daemon) per half window instead
+  of one per give-back. While the sender holds credit it sends, and every buffer it sends
+  brings the check again, so credit never waits with the sender idle. With buffer
+  debloating the credit goes out at once (the debloater counts what is in flight buffer
+  by buffer).
 * AvailableBufferQueue hands out floating buffers first, and gives one back to the pool
   when a returning exclusive buffer makes the channel hold more than it needs.
 * Sequence numbers are checked: a gap or repeat fails the channel.
@@ -26,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 from exchange.buffers.buffer import Buffer, DataType
 from exchange.consumer.input_channel import (
@@ -54,11 +63,17 @@ if TYPE_CHECKING:
     from exchange.consumer.single_input_gate import SingleInputGate
 
 __all__ = [
+    "HALVES_FROM",
     "AvailableBufferQueue",
     "ConnectionProvider",
     "PartitionRequestClient",
     "RemoteInputChannel",
 ]
+
+
+#: Free buffers from which a channel announces its credit in halves (see the docstring):
+#: more than Flink's defaults give a channel (2 exclusive + 8 floating per gate).
+HALVES_FROM: Final = 16
 
 
 class PartitionRequestClient(Protocol):
@@ -155,6 +170,7 @@ class RemoteInputChannel(InputChannel):
         self._overtaken: deque[list[int]] = deque()
         self._expected_sequence = 0
         self._unannounced_credit = 0
+        self._credit_notified = False  # the client was told to take the unannounced credit
         self._queue = AvailableBufferQueue()
         self._num_required = num_exclusive
         self._waiting_for_floating = False
@@ -237,6 +253,8 @@ class RemoteInputChannel(InputChannel):
             )
             return
         self._expected_sequence = sequence_number + 1
+        if self._unannounced_credit and not self._credit_notified:
+            self._maybe_announce()  # the sender has one credit less
         self.bytes_in += buffer.size
         self.buffers_in += 1
         if buffer.data_type.has_priority:
@@ -291,14 +309,30 @@ class RemoteInputChannel(InputChannel):
         return added
 
     def _add_credit(self, n: int) -> None:
-        was = self._unannounced_credit
-        self._unannounced_credit = was + n
-        if was == 0 and self._client is not None and not self._released:
+        self._unannounced_credit += n
+        if not self._credit_notified:
+            self._maybe_announce()
+
+    def _maybe_announce(self) -> None:
+        """Have the client announce the unannounced credit: at once in a small window or
+        with debloating, else once the sender holds no more than that (module docstring)."""
+        free = len(self._queue)
+        if (
+            (
+                free < HALVES_FROM
+                or free <= 2 * self._unannounced_credit
+                or self.gate.debloater is not None
+            )
+            and self._client is not None
+            and not self._released
+        ):
+            self._credit_notified = True
             self._client.notify_credit_available(self)
 
     def get_and_reset_unannounced_credit(self) -> int:
         n = self._unannounced_credit
         self._unannounced_credit = 0
+        self._credit_notified = False
         return n
 
     @property

@@ -1,5 +1,7 @@
 """The driver's rendezvous service over real loopback TCP: tasks meet, rounds stay apart,
-a bad token is refused, and a failing task's report runs the abort hook once."""
+a bad token is refused, and a failing task's report runs the abort hook once. Rounds of
+an ordinary stage (``whole_stage_retries=False``) take one attempt per index, launched
+at any time, and refuse at once what can never complete."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from typing import Any
 import pytest
 
 from client.rendezvous import RendezvousServer, RendezvousTicket, rendezvous, report_abort
-from exchange.errors import TransportError
+from exchange.errors import SchedulingError, TransportError, UsageError
+from tests.kit.polling import wait_for
 
 
 @pytest.fixture
@@ -95,3 +98,89 @@ def test_a_failing_task_runs_the_abort_hook_once_with_every_location(
     meet_all(ticket, [9, 10], round_id=4)  # the next action's run fails too: its own hook
     report_abort(ticket, 1, 10, round_id=4)
     assert calls[1:] == [(4, [[0, 9], [1, 10]])]
+
+
+def _registered(server: RendezvousServer, exchange_id: str, round_id: int) -> int:
+    """How many tasks of a round registered (read from the service's state)."""
+    group = server._groups.get(exchange_id)
+    rnd = group[1].rounds.get(round_id) if group is not None else None
+    return 0 if rnd is None else len(rnd.entries)
+
+
+def test_an_ordinary_stage_meets_whatever_its_attempt_ids(server: RendezvousServer) -> None:
+    """Its tasks start as slots free up, between other jobs' tasks: attempt ids far apart
+    (a barrier round would wait for a set within n of each other, for ever)."""
+    ticket = server.open_group("o1", 2, whole_stage_retries=False)
+    assert meet_all(ticket, [3, 400]) == [[[0, 3], [1, 400]]] * 2
+
+
+def test_an_ordinary_stage_refuses_a_task_run_again_alone(server: RendezvousServer) -> None:
+    """Spark retries a failed task of an ordinary stage alone: the new attempt, and every
+    task waiting in its round, get a SchedulingError at once (not after the timeout),
+    the round's clean-up runs once, and later registrations are refused as well."""
+    calls: list[tuple[int, list[Any]]] = []
+
+    async def hook(round_id: int, locations: list[Any]) -> None:
+        calls.append((round_id, sorted(locations)))
+
+    ticket = server.open_group("o2", 3, hook, whole_stage_retries=False)
+    waiting: list[Any] = []
+    threads = [
+        threading.Thread(target=lambda i=i: waiting.append(meet_all_one(ticket, i, 5 + i)))
+        for i in range(2)
+    ]
+    for t in threads:
+        t.start()
+    wait_for(lambda: _registered(server, "o2", 0) == 2, 30, "two tasks registered")
+    with pytest.raises(SchedulingError, match="ran task 0 again") as excinfo:
+        rendezvous(ticket, 0, 9, [0, 9], timeout=120)
+    assert "mode='blocking'" in str(excinfo.value)  # the way out
+    for t in threads:
+        t.join(30)
+    assert len(waiting) == 2
+    assert all(isinstance(e, SchedulingError) for e in waiting), waiting
+    assert calls == [(0, [[0, 5], [1, 6]])]
+    with pytest.raises(SchedulingError, match="ran task 0 again"):
+        rendezvous(ticket, 2, 7, [2, 7], timeout=120)
+
+
+def meet_all_one(ticket: RendezvousTicket, i: int, attempt: int) -> Any:
+    try:
+        return rendezvous(ticket, i, attempt, [i, attempt], timeout=120)
+    except Exception as e:
+        return e
+
+
+def test_an_ordinary_round_a_task_failed_in_refuses_the_rest(server: RendezvousServer) -> None:
+    ticket = server.open_group("o3", 2, whole_stage_retries=False)
+    report_abort(ticket, 0, 4, round_id=1)
+    with pytest.raises(SchedulingError, match="a task of its stage failed"):
+        rendezvous(ticket, 1, 5, [1, 5], timeout=120, round_id=1)
+    assert meet_all(ticket, [6, 7], round_id=2) == [[[0, 6], [1, 7]]] * 2  # the next run
+
+
+def test_a_round_its_check_finds_short_of_tasks_is_refused_as_misuse(
+    server: RendezvousServer,
+) -> None:
+    """``check_round`` (in Spark: the job runs only some of the stage's tasks) answers
+    the waiting task with a UsageError at once; a round it lets be meets as usual."""
+    checked: list[int] = []
+
+    async def check(round_id: int) -> str | None:
+        checked.append(round_id)
+        return "the job runs 1 of the 2 tasks" if round_id == 1 else None
+
+    ticket = server.open_group("o4", 2, whole_stage_retries=False, check_round=check)
+    with pytest.raises(UsageError, match="the job runs 1 of the 2 tasks"):
+        rendezvous(ticket, 0, 3, [0, 3], timeout=120, round_id=1)
+    assert meet_all(ticket, [4, 5], round_id=2) == [[[0, 4], [1, 5]]] * 2
+    assert checked == [1, 2]  # once per round
+
+
+def test_an_ordinary_round_short_of_tasks_times_out_naming_the_slots(
+    server: RendezvousServer,
+) -> None:
+    ticket = server.open_group("o5", 3, whole_stage_retries=False)
+    with pytest.raises(SchedulingError, match="waited") as excinfo:
+        rendezvous(ticket, 0, 1, [0, 1], timeout=0.5)
+    assert "needs 3 free task slots" in str(excinfo.value), str(excinfo.value)

@@ -7,6 +7,10 @@ fail, and Spark's retries must recover: the exchange must equal ``partitionBy``.
 * ``sigkill``: the Python worker running the producer task of input partition 0 is
   SIGKILLed after 3,000 records (mid-write, no ``finally``), and the worker running the
   consumer task of output partition 1 after 1,000 records (mid-read).
+* ``pipelined-retry``: a pipelined exchange of the 3 input partitions into 2 (an
+  ordinary stage, which Spark retries task by task) whose task writing input partition
+  0 raises after 3,000 records: no retry can complete it, the job must fail (the JSON
+  line says with what), never hang, and leave the daemon whole.
 
 Usage: ``spark_retry_job.py FAILURE MARK_DIR``; each failure first leaves a file
 ``FAILURE-{producer,consumer}-<taskAttemptId>`` there, so the caller knows it happened.
@@ -22,6 +26,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -29,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-FAILURES = ("raise", "sigkill")
+FAILURES = ("raise", "sigkill", "pipelined-retry")
 RECORDS = 20_000
 
 
@@ -67,12 +72,7 @@ def main(failure: str, mark_dir: str) -> int:
     from pyspark import TaskContext
     from pyspark.sql import SparkSession
 
-    from client.spark import (
-        exchange_shuffle,
-        get_embedded_daemon,
-        release_exchange,
-        stop_embedded_daemon,
-    )
+    from client.spark import exchange_shuffle, release_exchange
 
     spark = (
         SparkSession.builder.master("local[2,2]")
@@ -99,6 +99,16 @@ def main(failure: str, mark_dir: str) -> int:
         return wrap
 
     src = sc.parallelize(records, 3)
+    if failure == "pipelined-retry":
+        piped = exchange_shuffle(
+            src.mapPartitionsWithIndex(failing("producer", 0, 3000)), 2, mode="pipelined"
+        )
+        try:
+            piped.count()
+            error = ""
+        except Exception as e:  # the job's failure, reported to the caller
+            error = str(e)
+        return _report({"error": error}, spark)
     out = exchange_shuffle(
         src.mapPartitionsWithIndex(failing("producer", 0, 3000)), 4, mode="blocking"
     )
@@ -114,8 +124,21 @@ def main(failure: str, mark_dir: str) -> int:
         "expected_counts": [len(w) for w in want],
         "released": release_exchange(out),
     }
-    with urllib.request.urlopen(f"http://{get_embedded_daemon().http_address}/api/stats") as r:
-        stats = json.loads(r.read())
+    return _report(result, spark)
+
+
+def _report(result: dict[str, Any], spark: Any) -> int:
+    """Print the result with the daemon's totals, partitions left and pool state."""
+    from client.spark import get_embedded_daemon, stop_embedded_daemon
+
+    url = f"http://{get_embedded_daemon().http_address}/api/stats"
+    deadline = time.monotonic() + 60  # a killed task's connections close a little later
+    while True:
+        with urllib.request.urlopen(url) as r:
+            stats = json.loads(r.read())
+        if stats["partitions"]["count"] == 0 or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
     result["totals"] = stats["totals"]
     result["partitions_left"] = stats["partitions"]["count"]
     spark.stop()

@@ -214,6 +214,48 @@ async def test_backlog_asks_for_floating_buffers_and_announces_them_once(
     gate.close()
 
 
+async def _paced_reads(nbp: NetworkBufferPool, floating: int) -> list[int]:
+    """One channel (2 exclusive buffers) whose reader keeps pace with its sender: one
+    buffer sent, one read and released, credit flushed; the AddCredits it sent."""
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client, floating=floating, exclusive=2)
+    await gate.request_partitions()
+    sender = Sender(ch, total=200)
+    while sender.sent < sender.total:
+        assert sender.can_send(), "the sender is stranded without credit"
+        sender.send_data()
+        boe = gate.poll_next()
+        assert boe is not None and boe.buffer is not None
+        boe.buffer.release()
+        sender.credit += client.flush_credits().get(ch.receiver_id, 0)
+        check_credit_invariant(sender)
+    gate.close()
+    return [credit for rid, credit in client.add_credits if rid == ch.receiver_id]
+
+
+@pytest.mark.asyncio
+async def test_a_large_window_announces_credit_in_halves_and_never_strands_the_sender(
+    nbp: NetworkBufferPool,
+) -> None:
+    """32 buffers (HALVES_FROM and more free): the credit goes out once the sender holds
+    no more than is unannounced, one AddCredit per half window, not one per buffer."""
+    announcements = await _paced_reads(nbp, floating=30)
+    assert announcements[0] >= 30  # the floating buffers the first backlog asked for
+    assert set(announcements[1:-1]) == {16}, announcements
+    assert len(announcements) <= 2 + 200 // 16, announcements
+
+
+@pytest.mark.asyncio
+async def test_a_window_of_flinks_defaults_announces_every_credit_at_once(
+    nbp: NetworkBufferPool,
+) -> None:
+    """2 exclusive + 8 floating buffers (fewer than HALVES_FROM free): as Flink, each
+    credit gained goes out with the next flush."""
+    announcements = await _paced_reads(nbp, floating=8)
+    assert announcements[0] >= 8
+    assert set(announcements[1:]) == {1}, announcements
+
+
 @pytest.mark.asyncio
 async def test_returning_exclusive_buffer_gives_a_floating_one_back(
     nbp: NetworkBufferPool,

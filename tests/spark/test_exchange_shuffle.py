@@ -3,9 +3,10 @@
 One ``local[2]`` session for the module (the ``spark`` fixture, with the embedded daemon).
 Every dataset goes through both modes and is compared with ``partitionBy`` partition by
 partition: the same records, equal (``==``) and of the same types all the way down.
-Pipelined runs one barrier stage of ``n`` tasks, so there ``n`` is 2 with 2 input
-partitions (``local[2]`` has 2 slots). The retry test runs ``local[2,2]`` in a process
-of its own (``tests/kit/spark_retry_job.py``).
+Pipelined runs all its ``n`` tasks at once, so there ``n`` is 2 (``local[2]`` has 2
+slots), from the dataset's 2 or 3 input partitions (2: one barrier stage; any other
+count: an ordinary stage over the input coalesced or padded to ``n`` partitions). The
+retry test runs ``local[2,2]`` in a process of its own (``tests/kit/spark_retry_job.py``).
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ def test_exchange_shuffle_equals_partition_by(
 ) -> None:
     _, slices, n = DATASETS[name]
     if mode == "pipelined":
-        slices, n = 2, 2
+        n = 2  # from 2 input partitions or 3
     sc = spark.sparkContext
     rdd = sc.parallelize(records_of(name), slices)
     out = exchange_shuffle(rdd, n, mode=mode)
@@ -276,17 +277,14 @@ def test_release_exchange_frees_partitions_and_rereading_fails_typed(spark: Any)
     assert net["available_segments"] == net["total_segments"], net
 
 
-def test_pipelined_needs_as_many_slots_as_partitions(spark: Any) -> None:
+@pytest.mark.parametrize("n_in", [3, 2])
+def test_pipelined_needs_as_many_slots_as_partitions(spark: Any, n_in: int) -> None:
     sc = spark.sparkContext
     with pytest.raises(UsageError) as excinfo:
-        exchange_shuffle(sc.parallelize(range(30), 3).map(lambda i: (i, i)), 3, mode="pipelined")
+        exchange_shuffle(sc.parallelize(range(30), n_in).map(lambda i: (i, i)), 3, mode="pipelined")
     msg = str(excinfo.value)
     assert "3 task slots" in msg and "only 2" in msg, msg
     assert "blocking" in msg  # says what to do instead
-
-    with pytest.raises(UsageError) as excinfo:
-        exchange_shuffle(sc.parallelize(range(30), 2).map(lambda i: (i, i)), 3, mode="pipelined")
-    assert "got 2 and 3" in str(excinfo.value), str(excinfo.value)
 
 
 @pytest.mark.parametrize(
@@ -299,7 +297,12 @@ def test_bad_arguments_are_usage_errors(spark: Any, args: tuple[Any, str]) -> No
         exchange_shuffle(rdd, args[0], mode=args[1])
 
 
-def test_failing_pipelined_producer_fails_the_job_never_a_short_result(spark: Any) -> None:
+@pytest.mark.parametrize("slices", [2, 3])
+def test_failing_pipelined_producer_fails_the_job_never_a_short_result(
+    spark: Any, slices: int
+) -> None:
+    """2 input partitions: a barrier stage; 3: an ordinary stage over the input coalesced
+    to 2 partitions (Spark does not kill the other tasks there: they fail on their own)."""
     sc = spark.sparkContext
 
     def explode(index: int, it: Iterator[Any]) -> Iterator[Any]:
@@ -308,7 +311,8 @@ def test_failing_pipelined_producer_fails_the_job_never_a_short_result(spark: An
                 raise RuntimeError("producer 0 breaks mid-stream")
             yield rec
 
-    rdd = sc.parallelize([(i % 13, i) for i in range(20_000)], 2).mapPartitionsWithIndex(explode)
+    records = [(i % 13, i) for i in range(20_000)]
+    rdd = sc.parallelize(records, slices).mapPartitionsWithIndex(explode)
     out = exchange_shuffle(rdd, 2, mode="pipelined")
     # the job failed: a Python task's error, or the barrier stage's (a JVM SparkException)
     with pytest.raises((PythonException, Py4JJavaError)) as excinfo:
@@ -343,19 +347,22 @@ def test_retried_producer_task_leaves_no_duplicates(tmp_path: Path, sx: ModuleTy
     assert result["pool_whole"] is True
 
 
+@pytest.mark.parametrize("slices", [2, 3, 1])
 def test_pipelined_consumer_stopping_early_ends_the_stage_and_frees_the_daemon(
-    spark: Any,
+    spark: Any, slices: int
 ) -> None:
     """Each task takes one record and drops its reader with ~150 MB (more than the daemon's
     64 MiB of buffers) still to come: the reader is closed before the task waits for its writer,
-    so the writer (held back by an unread stream) is failed, never left blocked."""
+    so the writer (held back by an unread stream) is failed, never left blocked. From 2
+    input partitions (a barrier stage), 3 (coalesced: a task writes two one after the
+    other) and 1 (padded: task 1 writes nothing)."""
     sc = spark.sparkContext
     payload = b"x" * 1024
 
     def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
-        return ((k, payload) for k in range(i, 150_000, 2))
+        return ((k, payload) for k in range(i, 150_000, slices))
 
-    rdd = sc.parallelize(range(2), 2).mapPartitionsWithIndex(rows)
+    rdd = sc.parallelize(range(slices), slices).mapPartitionsWithIndex(rows)
     out = exchange_shuffle(rdd, 2, mode="pipelined")
     try:
         firsts = out.mapPartitions(lambda it: [type(next(it)[1]).__name__]).collect()
@@ -369,71 +376,42 @@ def test_pipelined_consumer_stopping_early_ends_the_stage_and_frees_the_daemon(
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
-def test_a_pipelined_partition_created_after_its_consumer_left_is_not_left_behind(
+def test_a_pipelined_consumer_leaving_before_a_producer_wrote_leaves_nothing_behind(
     spark: Any, tmp_path: Path
 ) -> None:
-    """The race of issue 21, made certain: task 0 reads one record and leaves while its
-    request for producer 1's partition is still being retried (producer 1 opens its
-    partition only once task 0 has left: its worker waits for a flag file task 0 writes).
-    Producer 1's subpartition 0 has no reader left: the daemon, told by task 0 that it
-    abandoned subpartition 0 of the run's dataset, releases it as soon as the partition
-    exists, so nothing of the exchange stays on the daemon. (Before, producer 1 finished,
-    task 1 read its own input to the end, the job succeeded, and the partition kept
-    subpartition 0's buffers for ever.)"""
+    """Task 0 reads one record of producer 0 and leaves while producer 1 has written
+    nothing yet (its first record waits for a flag file task 0 writes once it left).
+    Producer 1's partition exists already (every task creates its partition before the
+    rendezvous, so none is created after a reader left, the race of issue 21); task 0's
+    subpartition of it is released (its reader closed, or, had its request not reached
+    the daemon, abandoned), so producer 1 is never left waiting for it and nothing of
+    the exchange stays on the daemon."""
     sc = spark.sparkContext
     flag = tmp_path / "task-0-left"
-    http = get_embedded_daemon().http_address
 
     def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
-        if i == 1:  # producer 1 opens its partition once task 0 has left
-            # (the task's code is unpickled by value; _write_partition, a function of the
-            # module, looks PartitionWriter up in the worker's module when it runs)
-            from client import spark as xs
-
-            writer_class = xs.PartitionWriter
-
-            def when_task_0_left(pid: Any, *args: Any, **kwargs: Any) -> Any:
-                xs.PartitionWriter = writer_class  # type: ignore[misc]
-                deadline = time.monotonic() + 240
-                while not flag.exists() and time.monotonic() < deadline:
-                    time.sleep(0.02)
-                return writer_class(pid, *args, **kwargs)
-
-            xs.PartitionWriter = when_task_0_left  # type: ignore[misc,assignment]
-        return ((k, b"r" * 1000) for k in range(i * 100, i * 100 + 40))  # both subpartitions
-
-    def pipelined_finished() -> int:
-        """Finished pipelined partitions on the daemon (a count over all of them: the
-        listed items stop at the first few partitions registered)."""
-        from urllib.request import urlopen
-
-        with urlopen(f"http://{http}/api/stats", timeout=10) as r:
-            count: int = json.loads(r.read())["partitions"]["finished_by_type"]["pipelined"]
-            return count
+        # a generator: producer 1's writer thread waits at its first record, once its
+        # task has met the others (a function waiting when called would hold the task)
+        if i == 1:  # producer 1 writes once task 0 has left
+            deadline = time.monotonic() + 240
+            while not flag.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        yield from ((k, b"r" * 1000) for k in range(i * 100, i * 100 + 40))  # both subparts
 
     def consume(i: int, it: Iterator[Any]) -> Iterator[str]:
         if i == 1:
             yield f"read {sum(1 for _ in it)}"
             return
-        next(it)  # a record of producer 0's partition: producer 1 has none yet
-        # producer 0 done (then task 1 reads its part of it to the end). Bounded well
-        # within the ~20 s task 1's reader retries producer 1's partition: if the count
-        # is thrown off (another test's partition released meanwhile), task 0 leaves
-        # anyway and the run fails instead, which must leave the daemon clean just as well
-        deadline = time.monotonic() + 8
-        while pipelined_finished() <= before and time.monotonic() < deadline:
-            time.sleep(0.05)
+        next(it)  # a record of producer 0's partition: producer 1 has written none
         del it  # the reader goes: task 0 leaves its input early
         flag.touch()
         yield "left"
 
     rdd = sc.parallelize(range(2), 2).mapPartitionsWithIndex(rows)
     out = exchange_shuffle(rdd, 2, mode="pipelined")
-    # read before the action: the tasks' closures are pickled then
-    before = daemon_stats()["partitions"]["finished_by_type"]["pipelined"]
     try:
         result = out.mapPartitionsWithIndex(consume).collect()
-    except Exception as e:  # producer 1 is told its subpartition 0 has no reader
+    except Exception as e:  # producer 1 (or 0) is told its subpartition 0 has no reader
         text = str(e)
         assert "released by its consumer before the end" in text or "ProducerFailedError" in text, (
             text[-2000:]
@@ -441,6 +419,67 @@ def test_a_pipelined_partition_created_after_its_consumer_left_is_not_left_behin
     else:
         assert result == ["left", "read 40"], result
     assert flag.exists(), "task 0 never left"
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def _slot_holder(started: Path, release: Path) -> Callable[[Any], list[int]]:
+    """A task function that holds its slot: it marks ``started``, then waits for
+    ``release`` (at most 240 s)."""
+
+    def hold(_: Any) -> list[int]:
+        started.touch()
+        deadline = time.monotonic() + 240
+        while not release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [1]
+
+    return hold
+
+
+def test_a_pipelined_run_short_of_a_slot_has_its_partitions_made_and_runs_once_it_frees(
+    spark: Any, tmp_path: Path
+) -> None:
+    """Another job holds one of the 2 slots: the ordinary stage of a 1-into-2 exchange
+    starts one task, which creates its partition on the daemon before it waits at the
+    rendezvous (so no reader of a run ever asks for a partition not there yet); once
+    the slot frees, within the start deadline, the run completes."""
+    sc = spark.sparkContext
+    started, release = tmp_path / "started", tmp_path / "release"
+    hold = _slot_holder(started, release)
+
+    records = [(i % 17, i) for i in range(2000)]
+    out = exchange_shuffle(sc.parallelize(records, 1), 2, mode="pipelined")
+    results: dict[str, Any] = {}
+
+    def run(name: str, action: Callable[[], Any]) -> threading.Thread:
+        def target() -> None:
+            try:
+                results[name] = action()
+            except BaseException as e:  # the test fails below, naming it
+                results[name] = e
+
+        thread = threading.Thread(target=target, name=name)
+        thread.start()
+        return thread
+
+    holder = run("hold", lambda: sc.parallelize([0], 1).mapPartitions(hold).collect())
+    exchanging: threading.Thread | None = None
+    try:
+        wait_for(started.exists, 120, "the job holding a slot")
+        exchanging = run("exchange", out.collect)
+        wait_for(
+            lambda: any(out.exchange_id in str(p) for p in daemon_stats()["partitions"]["items"]),
+            50,  # within the 60 s start deadline
+            "task 0's partition on the daemon while it waits for task 1",
+        )
+        assert "exchange" not in results, results  # still waiting for its second slot
+    finally:
+        release.touch()
+        holder.join(240)
+        if exchanging is not None:
+            exchanging.join(240)
+    assert results["hold"] == [1]
+    assert sorted(results["exchange"]) == sorted(records), results["exchange"]
     wait_until_daemon_holds_nothing_of(out.exchange_id)
 
 
@@ -457,9 +496,12 @@ def _writer_threads_in_workers(sc: Any) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("task_1", ["never starts either", "reads to the end"])
+@pytest.mark.parametrize(
+    ("task_1", "slices"),
+    [("never starts either", 2), ("reads to the end", 2), ("never starts either", 3)],
+)
 def test_a_pipelined_output_spark_never_starts_leaves_no_writer_and_nothing_on_the_daemon(
-    spark: Any, task_1: str
+    spark: Any, task_1: str, slices: int
 ) -> None:
     """The function after the exchange returns without ever iterating its input, so Spark
     drops task 0's output iterator unstarted, with ~100 MB written by the two producers
@@ -473,7 +515,7 @@ def test_a_pipelined_output_spark_never_starts_leaves_no_writer_and_nothing_on_t
     payload = b"x" * 1024
 
     def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
-        return ((k, payload) for k in range(i, 100_000, 2))
+        return ((k, payload) for k in range(i, 100_000, slices))
 
     reads = task_1 == "reads to the end"
 
@@ -482,7 +524,7 @@ def test_a_pipelined_output_spark_never_starts_leaves_no_writer_and_nothing_on_t
             return [f"read {sum(1 for _ in it)}"]
         return ["never started"]
 
-    rdd = sc.parallelize(range(2), 2).mapPartitionsWithIndex(rows)
+    rdd = sc.parallelize(range(slices), slices).mapPartitionsWithIndex(rows)
     out = exchange_shuffle(rdd, 2, mode="pipelined")
     try:
         result = out.mapPartitionsWithIndex(consume).collect()
@@ -498,8 +540,9 @@ def test_a_pipelined_output_spark_never_starts_leaves_no_writer_and_nothing_on_t
     assert _writer_threads_in_workers(sc) == []
 
 
+@pytest.mark.parametrize("slices", [2, 3])
 def test_a_pipelined_job_cancelled_while_its_tasks_read_leaves_nothing_on_the_daemon(
-    spark: Any,
+    spark: Any, slices: int
 ) -> None:
     """The action is cancelled (its job tag, with interruption: a user's cancel, or the
     failure of a job it belongs to) while both tasks read slowly with ~100 MB to come.
@@ -510,7 +553,7 @@ def test_a_pipelined_job_cancelled_while_its_tasks_read_leaves_nothing_on_the_da
     payload = b"x" * 1024
 
     def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
-        return ((k, payload) for k in range(i, 100_000, 2))
+        return ((k, payload) for k in range(i, 100_000, slices))
 
     def slow(it: Iterator[Any]) -> Iterator[int]:
         n = 0
@@ -520,7 +563,7 @@ def test_a_pipelined_job_cancelled_while_its_tasks_read_leaves_nothing_on_the_da
                 time.sleep(0.05)
         yield n
 
-    rdd = sc.parallelize(range(2), 2).mapPartitionsWithIndex(rows)
+    rdd = sc.parallelize(range(slices), slices).mapPartitionsWithIndex(rows)
     out = exchange_shuffle(rdd, 2, mode="pipelined")
     tag = f"cancel-{out.exchange_id}"
     cancelled: list[BaseException | None] = []
@@ -575,18 +618,21 @@ def _stages_run(sc: Any, action: Callable[[], Any]) -> int:
     return sum(len(j.stageIds) for j in jobs)
 
 
-@pytest.mark.parametrize("mode", ["blocking", "pipelined"])
-def test_the_next_by_key_operation_does_not_shuffle_again(spark: Any, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "n_in"), [("blocking", 2), ("pipelined", 2), ("pipelined", 3), ("pipelined", 1)]
+)
+def test_the_next_by_key_operation_does_not_shuffle_again(spark: Any, mode: str, n_in: int) -> None:
     """The result carries ``partitionBy``'s ``Partitioner``: reduceByKey, groupByKey and
     partitionBy with the same partitioning run in the reading stage, with no shuffle of
-    their own.
+    their own; so does a pipelined result from another count of input partitions (its
+    ordinary stage coalesces or pads the input: no shuffle either).
     (A fresh exchange per action: a pipelined exchange runs again with each.)"""
     from pyspark.rdd import Partitioner, portable_hash
 
     sc = spark.sparkContext
     records = [(f"k{i % 97}", i) for i in range(20_000)]
     # a map in front: pipelined mode's barrier stage takes it in
-    rdd = sc.parallelize(records, 2).map(lambda r: r)
+    rdd = sc.parallelize(records, n_in).map(lambda r: r)
     sums: dict[str, int] = collections.Counter()
     for k, v in records:
         sums[k] += v
@@ -774,6 +820,153 @@ def test_a_join_of_two_blocking_exchanges_with_one_partitioning_does_not_shuffle
     for out in (a, b):
         release_exchange(out)
         wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+@pytest.mark.parametrize(("n_in", "n"), [(4, 2), (1, 2), (5, 1), (0, 2)])
+def test_a_pipelined_exchange_of_another_input_partition_count_equals_partition_by(
+    spark: Any, sx: ModuleType, n_in: int, n: int
+) -> None:
+    """More input partitions than output (coalesced: a task writes several, one after the
+    other, as one producer), fewer (padded with empty ones: those tasks only read), none:
+    one job of one stage (an ordinary one: Spark's barrier mode refuses a stage whose RDD
+    chain changes the partition count), and partitionBy's partitions and partitioner."""
+    sc = spark.sparkContext
+    rdd = sc.parallelize(records_of("mixed-types"), n_in) if n_in else sc.emptyRDD()
+    out = exchange_shuffle(rdd, n, mode="pipelined")
+    assert out.getNumPartitions() == n
+    assert out.partitioner == rdd.partitionBy(n).partitioner
+    got: list[Any] = []
+    jobs = _jobs_run(sc, lambda: got.extend(out.glom().collect()))
+    assert len(jobs) == 1 and len(jobs[0].stageIds) == 1, jobs
+    sx.assert_exact_partitions(got, rdd.partitionBy(n).glom().collect())
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+@pytest.mark.parametrize("n_in", [4, 1])
+def test_a_pipelined_exchange_of_another_input_partition_count_streams(
+    spark: Any, n_in: int
+) -> None:
+    """~100 MB (more than the daemon's 64 MiB of buffers) from 4 input partitions or 1
+    into 2: pipelined partitions hold no more than their buffers, so the writers can end
+    only while the readers of the same run read (a task's writer and reader at once)."""
+    sc = spark.sparkContext
+    payload = b"x" * 1024
+    count = 100_000
+
+    def rows(i: int, _: Any) -> Iterator[tuple[int, bytes]]:
+        return ((k, payload) for k in range(i, count, n_in))
+
+    def summary(i: int, it: Iterator[Any]) -> Iterator[tuple[int, int, int, int]]:
+        records = total = wrong = 0
+        for k, v in it:
+            records += 1
+            total += k
+            wrong += k % 2 != i or v != payload  # portable_hash of a small int is the int
+        yield (i, records, total, wrong)
+
+    out = exchange_shuffle(
+        sc.parallelize(range(n_in), n_in).mapPartitionsWithIndex(rows), 2, mode="pipelined"
+    )
+    got = sorted(out.mapPartitionsWithIndex(summary).collect())
+    assert got == [(i, count // 2, sum(range(i, count, 2)), 0) for i in range(2)]
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_take_of_a_pipelined_exchange_of_another_partition_count_is_refused_at_once(
+    spark: Any,
+) -> None:
+    """take and first run a job over some partitions only: the ordinary stage's
+    task that starts is told at once (the driver asks Spark how many tasks the stage
+    runs) with a UsageError naming the way out, not left waiting for the others. (With
+    as many input as output partitions Spark itself refuses them on a barrier stage.)"""
+    sc = spark.sparkContext
+    records = [(i % 11, i) for i in range(1000)]
+    rdd = sc.parallelize(records, 3)
+    out = exchange_shuffle(rdd, 2, mode="pipelined")
+    for action in (lambda: out.take(1), out.first):
+        with pytest.raises(PythonException) as excinfo:
+            action()
+        text = str(excinfo.value)
+        assert "exchange.errors.UsageError" in text, text[-3000:]
+        assert "the job runs 1 of the 2 tasks of its pipelined exchange" in text, text[-3000:]
+        assert "use collect()" in text, text[-3000:]
+    assert sorted(out.collect()) == sorted(records)
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_a_pipelined_exchange_short_of_free_slots_fails_typed_never_hangs(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another job holds one of the 2 slots: the ordinary stage of a 1-into-2 exchange
+    starts one task, which waits for the other at the rendezvous until the start
+    deadline and fails the job with a SchedulingError saying what it needs (no silent
+    deadlock). Once the slot is free the same exchange runs."""
+    from client import spark as xs
+
+    monkeypatch.setattr(xs, "PIPELINED_START_TIMEOUT", 5.0)  # read by exchange_shuffle
+    sc = spark.sparkContext
+    started, release = tmp_path / "started", tmp_path / "release"
+    hold = _slot_holder(started, release)
+
+    held: list[Any] = []
+    holder = threading.Thread(
+        target=lambda: held.append(sc.parallelize([0], 1).mapPartitions(hold).collect()),
+        name="hold-a-slot",
+    )
+    records = [(i % 17, i) for i in range(2000)]
+    holder.start()
+    try:
+        wait_for(started.exists, 120, "the job holding a slot")
+        out = exchange_shuffle(sc.parallelize(records, 1), 2, mode="pipelined")
+        with pytest.raises(PythonException) as excinfo:
+            out.collect()
+    finally:
+        release.touch()
+        holder.join(240)
+    text = str(excinfo.value)
+    assert "exchange.errors.SchedulingError" in text, text[-3000:]
+    assert "waited 5s for the other 1 tasks" in text and "needs 2 free task slots" in text, text[
+        -3000:
+    ]
+    assert held == [[1]]
+    assert sorted(out.collect()) == sorted(records)
+    wait_until_daemon_holds_nothing_of(out.exchange_id)
+
+
+def test_a_pipelined_task_retried_alone_fails_its_job_typed_never_hangs(
+    tmp_path: Path, sx: ModuleType
+) -> None:
+    """local[2,2] in its own process: a task of a 3-into-2 pipelined exchange (an
+    ordinary stage) fails on its first attempt; Spark retries it alone, which cannot
+    complete a pipelined exchange: the retry is refused at once at the rendezvous and the
+    job fails with a SchedulingError naming the way out; the daemon is left whole."""
+    result = run_job("pipelined-retry", tmp_path, sx.child_env())
+    marks = [p.name.rsplit("-", 1)[0] for p in tmp_path.iterdir()]
+    assert marks == ["pipelined-retry-producer"], "no attempt failed once"
+    text = result["error"]
+    assert "exchange.errors.SchedulingError" in text, text[-3000:]
+    assert "cannot run again alone" in text and "mode='blocking'" in text, text[-3000:]
+    assert result["partitions_left"] == 0, result
+    assert result["pool_whole"] is True
+
+
+def test_a_pipelined_exchange_of_another_partition_count_refuses_speculation(
+    spark: Any,
+) -> None:
+    """A speculative copy of a task would meet the exchange as a second attempt of its
+    index: refused at the call (the live conf is changed here: only the check reads it)."""
+    sc = spark.sparkContext
+    conf = sc._conf
+    conf.set("spark.speculation", "true")
+    try:
+        with pytest.raises(UsageError) as excinfo:
+            exchange_shuffle(sc.parallelize([(1, 1)], 3), 2, mode="pipelined")
+        msg = str(excinfo.value)
+        assert "spark.speculation is on" in msg and "mode='blocking'" in msg, msg
+        # a barrier stage is never speculated: as many input as output partitions go on
+        exchange_shuffle(sc.parallelize([(1, 1)], 2), 2, mode="pipelined")
+    finally:
+        conf.set("spark.speculation", "false")
 
 
 def test_a_lost_daemon_fails_the_read_typed_naming_it(spark: Any) -> None:
