@@ -6,7 +6,9 @@ encoded in the task thread, pushed to its daemon over the local Unix socket with
 the daemon (``python -m server``) serves it over loopback TCP to a consumer task process
 reading with ``client.consumer.PartitionReader``, which decodes and checks every record
 (``_common.Checker``). The consumer attaches before the producer starts; the clock runs
-from the producer's first record to the consumer's last.
+from the producer's first record to the consumer's last. Each round runs the same two
+once more with the consumer as a task of the daemon's own host (``*_local_*`` keys): it
+reads over the Unix socket, in place in the application's shared arena.
 
 * 4 KiB ``bytes`` records: GB/s of payload, against Arrow Flight ``DoGet`` of a binary
   column of 4 KiB values measured in the same rounds (target >= 0.8x Flight).
@@ -71,10 +73,14 @@ TARGET_SMALL_RECPS = 5e6
 TARGET_CPU_US = 12.0
 
 
-def run_once(daemon: Daemon, dataset: str, size: int, count: int) -> dict[str, float]:
-    """One producer task -> daemon -> consumer task run; figures of the three processes."""
+def run_once(
+    daemon: Daemon, dataset: str, size: int, count: int, *, same_host: bool = False
+) -> dict[str, float]:
+    """One producer task -> daemon -> consumer task run; figures of the three processes.
+    The consumer reads over loopback TCP, or with ``same_host`` as a task of the daemon's
+    own host (the Unix socket, and the daemon's shared arena where it has one)."""
     daemon_cpu, daemon_switches = proc_cpu(daemon.pid), proc_switches(daemon.pid)
-    prod, cons, seconds = producer_to_consumer(daemon, dataset, size, count, same_host=False)
+    prod, cons, seconds = producer_to_consumer(daemon, dataset, size, count, same_host=same_host)
     daemon_cpu = proc_cpu(daemon.pid) - daemon_cpu
     daemon_switches = proc_switches(daemon.pid) - daemon_switches
     per_32k = prod["bytes_written"] / SEG
@@ -145,6 +151,8 @@ def main() -> None:
 
     big: list[dict[str, float]] = []
     small: list[dict[str, float]] = []
+    big_local: list[dict[str, float]] = []
+    small_local: list[dict[str, float]] = []
     flight: list[float] = []
     relay: list[dict[str, float]] = []
     daemon = Daemon()
@@ -154,6 +162,10 @@ def main() -> None:
             relay.append(relay_ceiling(big_count * BIG))
             big.append(run_once(daemon, f"e2e-big-{r}", BIG, big_count))
             small.append(run_once(daemon, f"e2e-small-{r}", SMALL, small_count))
+            big_local.append(run_once(daemon, f"e2e-big-local-{r}", BIG, big_count, same_host=True))
+            small_local.append(
+                run_once(daemon, f"e2e-small-local-{r}", SMALL, small_count, same_host=True)
+            )
         whole = daemon.stop()
     finally:
         daemon.close()
@@ -179,8 +191,17 @@ def main() -> None:
         "small_records": small_count,
         "small_m_recps": med(small, "recps") / 1e6,
         "small_gbps": med(small, "gbps"),
+        # the consumer a task of the daemon's own host (Unix socket / shared memory)
+        "big_local_gbps": med(big_local, "gbps"),
+        "big_local_over_flight": med(big_local, "gbps") / fl,
+        "small_local_m_recps": med(small_local, "recps") / 1e6,
     }
-    for name, runs in (("big", big), ("small", small)):
+    for name, runs in (
+        ("big", big),
+        ("small", small),
+        ("big_local", big_local),
+        ("small_local", small_local),
+    ):
         for key in (
             "producer_us",
             "producer_task_us",
@@ -235,6 +256,20 @@ def main() -> None:
     print(
         f"  stack, 100 B records                   {results['small_m_recps']:6.2f} M rec/s "
         f"{[round(r['recps'] / 1e6, 2) for r in small]} (target >= {TARGET_SMALL_RECPS / 1e6:g})"
+    )
+    print(
+        f"  same host (consumer on the daemon's Unix socket / shared arena):\n"
+        f"  stack, 4 KiB records                   {results['big_local_gbps']:6.2f} GB/s   "
+        f"{[round(r['gbps'], 2) for r in big_local]}  = "
+        f"{results['big_local_over_flight']:.2f}x Flight\n"
+        f"  stack, 100 B records                   {results['small_local_m_recps']:6.2f} M rec/s "
+        f"{[round(r['recps'] / 1e6, 2) for r in small_local]}\n"
+        f"  CPU us per 32 KiB, 4 KiB records: producer "
+        f"{results['big_local_producer_us_per_32k']:.1f}, daemon "
+        f"{results['big_local_daemon_us_per_32k']:.1f}, consumer "
+        f"{results['big_local_consumer_us_per_32k']:.1f} (receive "
+        f"{results['big_local_consumer_loop_us_per_32k']:.1f}, decode "
+        f"{results['big_local_consumer_task_us_per_32k']:.1f})"
     )
     print(
         f"  CPU bound on 2 cores (4 KiB records)   "

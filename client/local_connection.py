@@ -18,12 +18,12 @@ import asyncio
 import itertools
 import mmap
 import os
-import socket
 import struct
 from collections import deque
 from collections.abc import Callable
 from typing import Final
 
+from client.arena_handout import map_offered_arena
 from client.connection_base import HandshakingClientProtocol
 from client.network import parse_address
 from client.tls import client_ssl_context, connect_kwargs
@@ -36,7 +36,6 @@ from exchange.errors import (
     TransportError,
     UsageError,
 )
-from exchange.memory.shared_arena import map_arena
 from exchange.paths import default_socket_path
 from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, max_frame_size_for
 from exchange.protocol.handshake import (
@@ -46,7 +45,6 @@ from exchange.protocol.handshake import (
 )
 from exchange.protocol.local_messages import (
     ALL_SUBPARTITIONS,
-    ARENA_SOCKET_SUFFIX,
     MAX_OVERDRAFT_REQUEST,
     AbandonSubpartition,
     AddProducerCredit,
@@ -343,8 +341,8 @@ class LocalConnection(HandshakingClientProtocol):
         if offer is not None:
             assert self.socket_path is not None
             try:
-                fd = await _fetch_arena_fd(
-                    self.socket_path + ARENA_SOCKET_SUFFIX, offer.token, timeout
+                self._arena, self.arena_inode = await map_offered_arena(
+                    self.socket_path, offer, timeout
                 )
             except SharedMemoryUnavailableError:
                 # The partition went at once (a consumer had abandoned it, the dataset was
@@ -352,11 +350,6 @@ class LocalConnection(HandshakingClientProtocol):
                 # That error is the reason, not the refused token.
                 self.check()
                 raise
-            try:
-                self._arena = map_arena(fd, offer.arena_size)
-                self.arena_inode = os.fstat(fd).st_ino
-            finally:
-                os.close(fd)
             self._arena_view = memoryview(self._arena)
             self._segment_size = reply.segment_size
         return reply
@@ -501,46 +494,6 @@ def _add_commits(frames: list[bytes | memoryview], commits: list[bytes]) -> None
         _COMMIT_FRAME.pack(FRAME_HEADER_SIZE + len(body), MAGIC, CommitSegments.MESSAGE_ID)
     )
     frames.append(body)
-
-
-async def _fetch_arena_fd(path: str, token: bytes, timeout: float) -> int:
-    """The shared arena's descriptor from the daemon's hand-out socket ``path``, for the
-    one-time ``token`` (SharedMemoryUnavailableError if refused or unreachable)."""
-    loop = asyncio.get_running_loop()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.setblocking(False)
-    fds: list[int] = []
-    try:
-        async with asyncio.timeout(timeout):
-            await loop.sock_connect(sock, path)
-            await loop.sock_sendall(sock, token)
-            while True:
-                try:
-                    _, fds, _, _ = socket.recv_fds(sock, 1, 1)
-                    break
-                except BlockingIOError:
-                    readable: asyncio.Future[None] = loop.create_future()
-                    loop.add_reader(sock.fileno(), _set_once, readable)
-                    try:
-                        await readable
-                    finally:
-                        loop.remove_reader(sock.fileno())
-    except (OSError, TimeoutError) as e:
-        for fd in fds:
-            os.close(fd)
-        raise SharedMemoryUnavailableError(f"cannot fetch the arena from {path}: {e}") from e
-    finally:
-        sock.close()
-    if not fds:
-        raise SharedMemoryUnavailableError(f"the daemon at {path} refused the arena token")
-    for extra in fds[1:]:
-        os.close(extra)
-    return fds[0]
-
-
-def _set_once(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 async def fetch_daemon_info(socket_path: str, *, secret: bytes | None = None) -> DaemonInfo:

@@ -9,6 +9,12 @@ its channel), turns ErrorResponses into typed errors on the right channel (or on
 them when fatal), batches AddCredit (one per channel per loop iteration) and writes
 PartitionRequest / ResumeConsumption / NewBufferSize / CancelPartitionRequest.
 
+A connection to this host's daemon over its Unix socket (``unix:/path``) asks for its
+application's shared arena after the handshake; when the daemon offers it, the handler
+fetches and maps it (``client.arena_handout``, as a producer does) and data buffers then
+arrive as segment descriptors read in place (``exchange.protocol.client_connection``).
+Without an offer, or when mapping fails (logged), they keep coming over the socket.
+
 ``read_timeout`` (``ConnectionManager(read_timeout=...)``, by default
 ``$EXCHANGE_READ_TIMEOUT``, unset: off): the handler runs a timer that asks the connection
 whether nothing has arrived for that long while a channel has credit out; if so the
@@ -20,10 +26,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import mmap
 import os
 import ssl
 from typing import Final, Literal
 
+from client.arena_handout import map_offered_arena
 from client.connection_base import HandshakingClientProtocol
 from client.tls import client_ssl_context, connect_kwargs
 from exchange.best_effort import cancel_and_wait
@@ -31,11 +39,13 @@ from exchange.consumer.remote_input_channel import RemoteInputChannel
 from exchange.errors import (
     ExchangeError,
     ProtocolError,
+    SharedMemoryUnavailableError,
     TransportError,
     UsageError,
 )
 from exchange.protocol.client_connection import PartitionRequestClientConnection
 from exchange.protocol.codec import max_frame_size_for
+from exchange.protocol.local_messages import NoArena, SharedArena
 from exchange.protocol.messages import Message
 
 __all__ = [
@@ -110,7 +120,17 @@ class PartitionRequestClientHandler(HandshakingClientProtocol):
     ) -> None:
         self._read_timeout = read_timeout
         self._read_timer: asyncio.TimerHandle | None = None
+        #: the daemon's local socket (``unix:`` addresses): shared memory may be offered
+        self._socket_path = address[len(UNIX_PREFIX) :] if address.startswith(UNIX_PREFIX) else None
+        self._arena: mmap.mmap | None = None
+        self._arena_view: memoryview | None = None
+        self._mapping: asyncio.Task[None] | None = None
+        # set once the daemon answered RequestArena (the arena mapped, or why not)
+        self._arena_answer: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        #: the inode of the shared arena mapped (None: buffers come over the socket)
+        self.arena_inode: int | None = None
         super().__init__(address, secret, max_frame_size, app_id)
+        self.connection.on_give_back_pending = self._schedule_flush
 
     def _new_connection(
         self, secret: bytes | None, max_frame_size: int
@@ -121,6 +141,7 @@ class PartitionRequestClientHandler(HandshakingClientProtocol):
             max_frame_size,
             read_timeout=self._read_timeout,
             app_id=self._app_id,
+            shared_reads=self._socket_path is not None,
         )
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -148,10 +169,70 @@ class PartitionRequestClientHandler(HandshakingClientProtocol):
         if self._read_timer is not None:
             self._read_timer.cancel()
             self._read_timer = None
+        if self._mapping is not None:
+            self._mapping.cancel()
         super().connection_lost(exc)
+        if not self._arena_answer.done():
+            self._arena_answer.set_result(None)  # whoever waits sees the connection's error
+        self._unmap()
 
-    def on_message(self, msg: Message) -> None:  # the connection handles every message
+    def on_message(self, msg: Message) -> None:  # the connection handles all but offers
+        if type(msg) is SharedArena and self._socket_path is not None and self._mapping is None:
+            self._mapping = self._loop.create_task(self._map_arena(self._socket_path, msg))
+            return
+        if type(msg) is NoArena and not self._arena_answer.done():
+            log.info("reading from %s over the socket: %s", self.address, msg.reason)
+            self._arena_answer.set_result(None)
+            return
         raise ProtocolError(f"unexpected {type(msg).__name__} from daemon {self.address}")
+
+    # -- shared memory -------------------------------------------------------------------
+
+    async def request_arena(self, timeout: float) -> None:
+        """Ask the daemon (on its Unix socket) for the application's shared arena and
+        wait until it is mapped or the daemon said why not (a later offer is mapped as
+        it comes)."""
+        self.connection.request_arena()
+        self._flush()
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._arena_answer)
+        except TimeoutError:
+            raise TransportError(f"daemon {self.address} did not answer RequestArena") from None
+
+    async def _map_arena(self, socket_path: str, offer: SharedArena) -> None:
+        try:
+            try:
+                arena, inode = await map_offered_arena(socket_path, offer, DEFAULT_CONNECT_TIMEOUT)
+            except SharedMemoryUnavailableError as e:
+                log.warning("reading from %s over the socket: %s", self.address, e)
+                return
+            if not self.is_open:
+                arena.close()
+                return
+            self._arena, self.arena_inode = arena, inode
+            self._arena_view = view = memoryview(arena)
+            self.connection.arena_mapped(view)
+            self._flush()
+        finally:
+            if not self._arena_answer.done():
+                self._arena_answer.set_result(None)
+
+    def _unmap(self) -> None:
+        """Drop the mapping; buffers still held over it keep it mapped until released
+        (the memory stays valid: a dead daemon's arena lives while anyone maps it)."""
+        view, self._arena_view = self._arena_view, None
+        arena, self._arena = self._arena, None
+        try:
+            if view is not None:
+                view.release()
+            if arena is not None:
+                arena.close()
+        except BufferError:
+            pass  # unmapped when the last buffer over it goes
+
+    def _schedule_flush(self) -> None:
+        self._loop.call_soon(self._flush_credits)
 
     # -- PartitionRequestClient ----------------------------------------------------------
 
@@ -275,6 +356,13 @@ class ConnectionManager:
             except ExchangeError:
                 await handler.aclose()
                 raise
+            if port == 0:
+                try:
+                    await handler.request_arena(self._timeout)
+                    handler.check()
+                except ExchangeError:
+                    await handler.aclose()
+                    raise
             self._clients[address] = handler
             handler.closed.add_done_callback(functools.partial(self._forget, address, handler))
             return handler

@@ -18,6 +18,15 @@ the token and gets the descriptor as ``SCM_RIGHTS``. A token is good once, only 
 connection is open, and names only the arena of the application that connection
 authenticated for. The task then commits filled segments by index (CommitSegments).
 
+A consumer connection that says it can map (RequestArena) is offered its application's
+arena the same way (SharedArena without segments, a token for the hand-out socket), as
+soon as that application has one here (at RequestArena or a later PartitionRequest); once
+it answers ArenaMapped, data buffers in that arena go as SharedBufferResponse descriptors
+and come back by index (RecycleSegments); the connection holds them meanwhile, and its
+loss returns them (``exchange.network.server_connection``). An arena offered to a
+consumer stays until the consumer's connection closes. Where no arena can be offered the
+consumer reads over the socket, and the log says why once per connection.
+
 A consumer task may also report its gates' figures (TaskMetrics) on a connection of its
 own; the latest report per (connection, task, gate) is kept on that connection, so it
 goes when the connection closes: a task that stopped leaves no stale gauges.
@@ -47,26 +56,31 @@ from exchange.errors import (
     ProtocolError,
 )
 from exchange.local.producer_session import PUSH_BUFFER_FRAMES, ProducerSession, PushHeader
+from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.network.server_connection import DATA_PORT_MESSAGES
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.local_messages import (
     ARENA_SOCKET_SUFFIX,
     ARENA_TOKEN_SIZE,
+    ArenaMapped,
     CommitSegments,
     CreatePartition,
     DaemonInfoRequest,
     FailPartition,
     FinishPartition,
     JobStatus,
+    NoArena,
     PartitionCreated,
     PushBuffer,
+    RecycleSegments,
     Released,
     ReleaseDataset,
+    RequestArena,
     RequestOverdraft,
     SharedArena,
     TaskMetrics,
 )
-from exchange.protocol.messages import ErrorResponse, Message, error_response_for
+from exchange.protocol.messages import ErrorResponse, Message, PartitionRequest, error_response_for
 from server.jobs import JobBoard
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
@@ -100,6 +114,8 @@ class LocalEndpoint(DataServer):
         #: producer bytes by path: committed in a shared arena, or pushed over the socket
         self.bytes_shared_memory = 0
         self.bytes_socket = 0
+        #: consumer payload bytes sent as arena descriptors, by connections now closed
+        self.closed_consumer_bytes_shared = 0
         self.arena_path: str | None = None
         self._handout: asyncio.Task[None] | None = None
         self._handouts: set[asyncio.Task[None]] = set()
@@ -229,6 +245,8 @@ class LocalEndpoint(DataServer):
 
     def stats(self) -> dict[str, int]:
         base = super().stats()
+        live = [c.connection for c in self.connections if c.connection is not None]
+        shared_reads = self.closed_consumer_bytes_shared + sum(c.bytes_shared for c in live)
         base.update(
             producers=self.producers,
             consumers=base["readers"],
@@ -241,6 +259,9 @@ class LocalEndpoint(DataServer):
             bytes_socket=self.bytes_socket,
             shared_arenas=len(self.daemon.shared_arenas),
             shared_segments_in_use=sum(p.num_in_use for p in self.daemon.shared_arenas.pools()),
+            consumer_bytes_shared_memory=shared_reads,
+            consumer_bytes_socket=base["bytes_sent"] - shared_reads,
+            consumer_segments_held=sum(c.num_held for c in live),
             output_state_bytes=self.output_state_bytes,
             output_state_buffers=self.output_state_buffers,
         )
@@ -296,6 +317,9 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         FinishPartition,
         FailPartition,
         RequestOverdraft,
+        RequestArena,
+        ArenaMapped,
+        RecycleSegments,
         DaemonInfoRequest,
         TaskMetrics,
         JobStatus,
@@ -310,6 +334,11 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         self.session: ProducerSession | None = None
         self._producer_failed = False
         self._arena_token: bytes | None = None
+        # a consumer that can map its application's arena: offered which (pinned), told why not
+        self._wants_arena = False
+        self._read_offer: NetworkBufferPool | None = None
+        self._read_token: bytes | None = None
+        self._no_arena_logged = False
         #: (task, gate) -> the latest TaskMetrics of that gate on this connection
         self.task_reports: dict[tuple[str, str], TaskReport] = {}
 
@@ -361,6 +390,9 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         if type(msg) is CommitSegments:
             self._commit(msg)
             return
+        if type(msg) is RecycleSegments:
+            self._conn().give_back(msg.segments)
+            return
         if type(msg) is PushBuffer:
             if self._producer_failed:
                 return  # in flight before the task learned its partition is gone
@@ -405,6 +437,21 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 self._task_report(msg)
             case JobStatus():
                 self.endpoint.jobs.update(msg, self._conn().app_id)
+            case RequestArena():
+                self._wants_arena = True
+                why = self._offer_arena()
+                if why is not None:
+                    self.send(NoArena(why))
+            case ArenaMapped():
+                offer = self._read_offer
+                if offer is None:
+                    raise ProtocolError("ArenaMapped without a SharedArena offered")
+                if not offer.is_destroyed:  # (destroyed: the daemon is shutting down)
+                    self._conn().read_arena = offer
+            case PartitionRequest():
+                super().on_message(msg)
+                if self._wants_arena:
+                    self._offer_arena()
             case _:
                 super().on_message(msg)
 
@@ -424,6 +471,36 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             size = session.bytes_received - size
             self._count_push(size, session.buffers_received - buffers)
             self.endpoint.bytes_shared_memory += size
+
+    def _offer_arena(self) -> str | None:
+        """Offer a consumer its application's arena, once, if there is one; else why not."""
+        if self._read_offer is not None:
+            return None
+        arenas = self.daemon.shared_arenas
+        app_id = self._conn().app_id
+        pool = arenas.existing(app_id)
+        if pool is None:
+            why = arenas.unavailable or (
+                f"application {app_id!r} has no shared arena here yet (no producer of it "
+                "wrote into one)"
+            )
+            if not self._no_arena_logged:
+                self._no_arena_logged = True
+                log.info("consumer %s reads over the socket for now: %s", self.peer, why)
+            return why
+        self._read_offer = pool
+        arenas.pin(pool)
+        self._read_token = token = arenas.issue_token(pool)
+        self.send(SharedArena(token, pool.arena_size, (), pool.segment_size))
+        if self._no_arena_logged:
+            log.info("consumer %s: its application's shared arena exists now, offered", self.peer)
+        return None
+
+    @property
+    def bytes_shared_read(self) -> int:
+        """Consumer payload bytes sent as descriptors into the mapped arena."""
+        conn = self.connection
+        return 0 if conn is None else conn.bytes_shared
 
     def _task_report(self, msg: TaskMetrics) -> None:
         key = (msg.task, msg.gate)
@@ -487,7 +564,8 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         if arena is not None:
             token = self.daemon.shared_arenas.issue_token(arena)
             self._arena_token = token
-            self.send(SharedArena(token, arena.arena_size, self.session.granted_segments(credit)))
+            granted = self.session.granted_segments(credit)
+            self.send(SharedArena(token, arena.arena_size, granted, arena.segment_size))
         self.send(PartitionCreated(credit, self.daemon.segment_size))
         # a consumer that gave up before this partition existed: its subpartition goes
         # now, and the task hears it as from a reader that left early
@@ -504,5 +582,12 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             if session.fail("producer task disconnected before closing its partition"):
                 self._count_failure()
         super().connection_lost(exc)  # stops the input: nothing lands any more
+        # (and the segments a consumer held are back)
+        self.endpoint.closed_consumer_bytes_shared += self.bytes_shared_read
+        if self._read_token is not None:
+            self.daemon.shared_arenas.revoke(self._read_token)
+        if self._read_offer is not None:
+            self.daemon.shared_arenas.unpin(self._read_offer)
+            self._read_offer = None
         if session is not None:
             session.drop_landing()  # and the shared segments the task was granted

@@ -163,7 +163,8 @@ class DaemonView(Protocol):
 
     ``local_endpoint_stats()`` has the keys producers, consumers, bytes_received,
     buffers_received, partitions_created, producer_failures, bytes_shared_memory,
-    bytes_socket, shared_arenas. ``totals()`` holds cumulative
+    bytes_socket, shared_arenas, consumer_bytes_shared_memory, consumer_bytes_socket,
+    consumer_segments_held. ``totals()`` holds cumulative
     buffers_received, partitions_created, producer_failures, output_state_bytes,
     output_state_buffers. ``totals()`` holds cumulative
     counters that survive partition release: bytes_in, bytes_out, buffers_out,
@@ -737,16 +738,33 @@ class ExchangeCollector:
             "Buffers received from producer tasks on this host.",
             _num(local, "buffers_received"),
         )
-        by_path = CounterMetricFamily(
-            "exchange_producer_bytes_total",
-            "Bytes local producer tasks handed over, by path: written into their "
-            "application's shared arena and committed by index (shared_memory), or pushed "
-            "over the Unix socket (socket).",
-            labels=["path"],
+        for name, doc, prefix in (
+            (
+                "exchange_producer_bytes_total",
+                "Bytes local producer tasks handed over, by path: written into their "
+                "application's shared arena and committed by index (shared_memory), or "
+                "pushed over the Unix socket (socket).",
+                "",
+            ),
+            (
+                "exchange_consumer_bytes_total",
+                "Bytes consumer tasks on this host read from the daemon's local socket, by "
+                "path: read in place in their application's shared arena, given as segment "
+                "descriptors (shared_memory), or sent over the Unix socket (socket: events, "
+                "and buffers outside an arena the reader mapped).",
+                "consumer_",
+            ),
+        ):
+            by_path = CounterMetricFamily(name, doc, labels=["path"])
+            for path in ("shared_memory", "socket"):
+                by_path.add_metric([path], _num(local, f"{prefix}bytes_{path}"))
+            yield by_path
+        yield gauge(
+            "exchange_consumer_shared_segments_held",
+            "Shared arena segments consumer tasks on this host hold now (read in place, not "
+            "given back yet; they return when a consumer's connection closes).",
+            _num(local, "consumer_segments_held"),
         )
-        by_path.add_metric(["shared_memory"], _num(local, "bytes_shared_memory"))
-        by_path.add_metric(["socket"], _num(local, "bytes_socket"))
-        yield by_path
         yield gauge(
             "exchange_shared_arenas",
             "Applications with a shared arena on this daemon now (0 when shared memory is "

@@ -8,6 +8,10 @@ segment back, no partition pool left). Together they hold at most ``network_memo
 besides the daemon's own pool; past that, and wherever no arena can be had (no memfd,
 /dev/shm too small, ``shared_memory = off``), producers push over the socket and the log
 says why.
+
+A consumer task on this host maps its application's arena too (it reads the segments in
+place, see ``server.local_endpoint``), with a token as producers do; an arena offered to
+a consumer connection is pinned (never dropped) until that connection closes.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class SharedArenas:
         #: one-time token -> the arena whose descriptor it fetches; an arena with a token
         #: out is never dropped (its task has yet to map it)
         self._tokens: dict[bytes, NetworkBufferPool] = {}
+        #: id(arena) -> consumer connections it is offered to (pinned while any is open)
+        self._readers: dict[int, int] = {}
         #: why producers push over the socket instead (None: shared memory is used)
         self.unavailable: str | None = None
         if not config.shared_memory:
@@ -97,6 +103,23 @@ class SharedArenas:
         log.info("shared arena of %d bytes for %s", self.arena_size, who)
         return pool
 
+    def existing(self, app_id: str) -> NetworkBufferPool | None:
+        """Application ``app_id``'s arena if it has one now (never made here: a consumer
+        alone gets none, its data came over the socket)."""
+        return self._pools.get(app_id)
+
+    def pin(self, pool: NetworkBufferPool) -> None:
+        """A consumer connection was offered ``pool``: keep it until ``unpin``."""
+        self._readers[id(pool)] = self._readers.get(id(pool), 0) + 1
+
+    def unpin(self, pool: NetworkBufferPool) -> None:
+        """That consumer connection closed."""
+        n = self._readers.pop(id(pool), 0) - 1
+        if n > 0:
+            self._readers[id(pool)] = n
+        elif pool.is_whole():
+            self._on_whole()
+
     def _refuse(self, app_id: str, message: str) -> None:
         if app_id not in self._refused:
             self._refused.add(app_id)
@@ -141,7 +164,7 @@ class SharedArenas:
 
     def release_idle(self) -> None:
         """Drop the arenas no partition uses any more (their segments all back)."""
-        pinned = {id(p) for p in self._tokens.values()}
+        pinned = {id(p) for p in self._tokens.values()} | set(self._readers)
         for app_id, pool in list(self._pools.items()):
             if pool.is_whole() and id(pool) not in pinned:
                 del self._pools[app_id]
@@ -158,4 +181,5 @@ class SharedArenas:
             pool.destroy()
         self._pools.clear()
         self._tokens.clear()
+        self._readers.clear()
         return whole

@@ -62,6 +62,7 @@ from exchange.state import (
 __all__ = [
     "LEASE_FILE",
     "METADATA_FILE",
+    "CheckpointDiscardedError",
     "CheckpointLease",
     "CheckpointLeaseError",
     "CheckpointMetadata",
@@ -88,6 +89,15 @@ class CheckpointLeaseError(ExchangeError):
         super().__init__(f"checkpoint directory {directory}: {detail}: {holder}")
         self.directory = directory
         self.holder = holder
+
+
+class CheckpointDiscardedError(IllegalStateError):
+    """The checkpoint's directory went while a task wrote its state into it: the
+    coordinator aborted or subsumed that checkpoint meanwhile (the task was late)."""
+
+    def __init__(self, checkpoint_id: int) -> None:
+        super().__init__(f"checkpoint {checkpoint_id} was discarded while its state was written")
+        self.checkpoint_id = checkpoint_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,9 +240,15 @@ class CheckpointStorage:
             key=self.key,
             context=self._context(checkpoint_id, name),
         )
-        self._makedirs(self.checkpoint_dir(checkpoint_id))
+        directory = self.checkpoint_dir(checkpoint_id)
+        self._makedirs(directory)
         path = self.state_path(checkpoint_id, name)
-        self._write_new(path, data)
+        try:
+            self._write_new(path, data)
+        except FileNotFoundError:
+            if self.fs.exists(directory):
+                raise
+            raise CheckpointDiscardedError(checkpoint_id) from None
         return StateHandle(str(path), len(data))
 
     def commit(self, metadata: CheckpointMetadata) -> str:

@@ -69,7 +69,7 @@ from client.local_connection import fetch_daemon_info, resolve_daemon_socket
 from client.options import ReaderOptions
 from client.producer import PartitionWriter
 from client.runtime import get_runtime
-from client.streaming.checkpoint_storage import CheckpointStorage
+from client.streaming.checkpoint_storage import CheckpointDiscardedError, CheckpointStorage
 from client.streaming.control import ControlClient
 from client.streaming.functions import Collector, Operator, OperatorContext, Source
 from client.streaming.graph import Edge, JobGraph, Partitioning, TaskSpec
@@ -688,7 +688,13 @@ class StreamTask:
     def _write_and_ack(
         self, checkpoint_id: int, snapshot: dict[str, Any], extra: dict[str, Any] | None = None
     ) -> None:
-        handle = self.storage.write_task_state(checkpoint_id, self.task_id, snapshot)
+        try:
+            handle = self.storage.write_task_state(checkpoint_id, self.task_id, snapshot)
+        except CheckpointDiscardedError as e:
+            # aborted (or subsumed) while this late task wrote: nothing to acknowledge, as
+            # Flink drops a late snapshot of a checkpoint its coordinator gave up
+            log.info("task %s: %s; not acknowledged", self.task_id, e)
+            return
         assert self.ctl is not None
         metrics = self._ack_metrics(handle.size)
         if extra:

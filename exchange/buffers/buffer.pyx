@@ -119,6 +119,11 @@ cdef class Buffer:
         """Readable bytes."""
         return self._size
 
+    @property
+    def offset(self):
+        """Where the readable bytes start in the segment (non-zero for slices)."""
+        return self._offset
+
     def set_size(self, size):
         if self._parent is not None:
             raise UsageError("a read-only slice cannot change its size")

@@ -141,6 +141,12 @@ class NetworkBufferPool:
     def is_destroyed(self) -> bool:
         return self._destroyed
 
+    def owns(self, segment: MemorySegment) -> bool:
+        """True if ``segment`` is one of this pool's own (its ``index`` says which)."""
+        i = segment.index
+        segments = self._segments
+        return 0 <= i < len(segments) and segments[i] is segment
+
     @property
     def local_pools(self) -> list[LocalBufferPool]:
         return list(self._pools.values())

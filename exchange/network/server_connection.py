@@ -27,6 +27,13 @@ always holds the *last* ``get_write_buffer_size()`` bytes written, so a buffer w
 ended at or before ``bytes_written - get_write_buffer_size()`` is out: it is recycled on the
 next write, on ``resume_writing``, or by a short timer while any are left.
 
+Shared memory (a consumer on the daemon's Unix socket that mapped its application's
+arena, ``read_arena``): a data buffer whose segment lies in that arena is sent as a
+SharedBufferResponse (segment, offset, length) instead of its bytes, and held here until
+the consumer gives it back by index (``give_back``, its RecycleSegments): never recycled
+while the consumer may read it. ``connection_lost`` releases whatever it still held (a
+consumer that died holding segments).
+
 Keepalive: once established, the connection sends a ``Ping`` every ``peer_timeout / 2``
 seconds while none is unanswered; a peer that has not answered with a ``Pong`` within
 ``peer_timeout`` of the ``Ping`` is aborted and its views and buffers are released. The
@@ -60,6 +67,7 @@ from exchange.errors import (
     ProtocolError,
     UsageError,
 )
+from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberingViewReader
 from exchange.network.partition_request_queue import PartitionRequestQueue
 from exchange.partition.result_partition_manager import ResultPartitionManager
@@ -75,7 +83,15 @@ from exchange.protocol.codec import (
     encode_buffer_response_header,
 )
 from exchange.protocol.handshake import NonceFactory, ServerHandshake
-from exchange.protocol.local_messages import AbandonSubpartition, Released, ReleaseDataset
+from exchange.protocol.local_messages import (
+    MAX_SHARED_BUFFERS,
+    SHARED_BUFFER_ENTRY_SIZE,
+    AbandonSubpartition,
+    Released,
+    ReleaseDataset,
+    encode_shared_buffers,
+    pack_shared_buffer,
+)
 from exchange.protocol.messages import (
     AddCredit,
     CancelPartitionRequest,
@@ -307,6 +323,15 @@ class ServerConnection:
         self.app_id = ""
         #: True once the peer was dropped for not answering a Ping in time.
         self.timed_out = False
+        #: The shared arena the consumer mapped (None: data buffers go as bytes).
+        self.read_arena: NetworkBufferPool | None = None
+        # segment index -> (receiver id, buffer) sent as descriptors, not given back yet
+        self._held: dict[int, list[tuple[int, Buffer]]] = {}
+        self.num_held = 0
+        #: payload bytes sent as descriptors into ``read_arena`` (not over the socket)
+        self.bytes_shared = 0
+        # descriptors of this callback not framed yet: one SharedBufferResponse per run
+        self._descriptors: list[bytes] = []
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -356,11 +381,11 @@ class ServerConnection:
                 self.close_with(resp if resp is not None else error_response_for(e))
             except Exception as e:
                 self._fail(e)
-            if self._out:
+            if self._out or self._descriptors:
                 self._flush_or_fail()
         finally:
             self._corked -= 1
-            if self._corked == 0 and self._out:
+            if self._corked == 0 and (self._out or self._descriptors):
                 self._uncork_flush()
 
     def _receive(self, msg: Message) -> None:
@@ -406,6 +431,32 @@ class ServerConnection:
                 self.send(Released(self._manager.abandon_subpartition(ds, k, self.app_id)))
             case _:
                 raise ProtocolError(f"unexpected {type(msg).__name__} from a client")
+
+    def give_back(self, segments: Iterable[int]) -> None:
+        """The consumer is done with these segments of SharedBufferResponses (one index
+        per buffer): recycle them. ProtocolError for a segment it does not hold."""
+        held = self._held
+        for index in segments:
+            entries = held.get(index)
+            if not entries:
+                raise ProtocolError(f"segment {index} given back but not held by this consumer")
+            receiver_id, buf = entries.pop()
+            if not entries:
+                del held[index]
+            self.num_held -= 1
+            self._recycle(receiver_id, buf)
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, {}
+        self.num_held = 0
+        for entries in held.values():
+            for rid, buf in entries:
+                try:
+                    buf.release()
+                except Exception:
+                    log.exception(
+                        "%s: recycling a held buffer of receiver %d failed", self.peer, rid
+                    )
 
     def _on_partition_request(self, req: PartitionRequest) -> None:
         rid = req.receiver_id
@@ -461,11 +512,42 @@ class ServerConnection:
     def send_buffer(
         self, receiver_id: int, sequence_number: int, backlog: int, buf: Buffer
     ) -> None:
-        """Write one BufferResponse, zero-copy; ``buf`` is recycled once written out."""
+        """Write one BufferResponse, zero-copy; ``buf`` is recycled once written out (or,
+        in the consumer's mapped arena, a SharedBufferResponse: held until given back)."""
         if self._state is not ServerConnectionState.ESTABLISHED:
             self._recycle(receiver_id, buf)
             return
         size = buf.size
+        arena = self.read_arena
+        if arena is not None and buf.is_buffer and arena.owns(buf.segment):
+            index = buf.segment.index
+            descriptors = self._descriptors
+            descriptors.append(
+                pack_shared_buffer(
+                    receiver_id,
+                    sequence_number,
+                    backlog,
+                    buf.compressed,
+                    index,
+                    buf.offset,
+                    size,
+                )
+            )
+            held = self._held.get(index)
+            if held is None:
+                self._held[index] = [(receiver_id, buf)]
+            else:
+                held.append((receiver_id, buf))
+            self.num_held += 1
+            self.bytes_shared += size
+            self._out_bytes += SHARED_BUFFER_ENTRY_SIZE
+            if not self._corked or len(descriptors) >= MAX_SHARED_BUFFERS:
+                self._frame_descriptors()
+                if not self._corked:
+                    self._flush()
+            return
+        if self._descriptors:  # the stream's order: the descriptors before go first
+            self._frame_descriptors()
         header = encode_buffer_response_header(
             receiver_id, sequence_number, backlog, buf.data_type, buf.compressed, size
         )
@@ -485,6 +567,8 @@ class ServerConnection:
         """Write a control message (dropped once the transport is closing)."""
         if self._write_closed():
             return
+        if self._descriptors:
+            self._frame_descriptors()
         pieces = encode(message)
         self._out.extend(pieces)
         self._out_bytes += sum(len(p) for p in pieces)
@@ -499,8 +583,17 @@ class ServerConnection:
             or self._transport.is_closing()
         )
 
+    def _frame_descriptors(self) -> None:
+        """The descriptors gathered so far, as one SharedBufferResponse in the output."""
+        descriptors, self._descriptors = self._descriptors, []
+        frame = encode_shared_buffers(descriptors)
+        self._out.append(frame)
+        self._out_bytes += len(frame) - SHARED_BUFFER_ENTRY_SIZE * len(descriptors)
+
     def _flush(self) -> None:
         """One ``writelines`` for everything written since the last one (per callback)."""
+        if self._descriptors:
+            self._frame_descriptors()
         out = self._out
         if not out:
             return
@@ -538,7 +631,7 @@ class ServerConnection:
 
     def _uncork(self) -> None:
         self._corked -= 1
-        if self._corked == 0 and self._out:
+        if self._corked == 0 and (self._out or self._descriptors):
             self._uncork_flush()
 
     def _uncork_flush(self) -> None:
@@ -722,6 +815,7 @@ class ServerConnection:
         self._keepalive_timer = None
         self.queue.release_all()
         self._discard_output()
+        self._release_held()  # the consumer is gone: what it held returns to the pool
         in_flight = self._in_flight
         while in_flight:
             _, rid, buf = in_flight.popleft()
@@ -731,7 +825,9 @@ class ServerConnection:
                 log.exception("%s: recycling a buffer of receiver %d failed", self.peer, rid)
 
     def _discard_output(self) -> None:
-        """Drop output not written yet; its buffers are recycled."""
+        """Drop output not written yet; its buffers are recycled (descriptors not written
+        yet stay held: ``connection_lost`` returns them)."""
+        self._descriptors = []
         buffers = self._out_buffers
         self._out, self._out_bytes, self._out_buffers = [], 0, []
         for _, rid, buf in buffers:

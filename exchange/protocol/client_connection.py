@@ -16,6 +16,15 @@ a receiver id, on the whole connection; batches AddCredit announcements (one per
 and ``flush_credits``); and writes PartitionRequest / ResumeConsumption / NewBufferSize /
 CancelPartitionRequest / CloseRequest for its channels.
 
+Shared memory (``shared_reads``: a connection to this host's daemon over its Unix
+socket): the connection asks for its application's arena (RequestArena); an offer
+(SharedArena) goes to the I/O side as a ``MessageReceived``, which maps the arena and
+calls ``arena_mapped``. A SharedBufferResponse then becomes a Buffer over a memoryview of
+the segment, costing the channel one credit as a BufferResponse does (a credited buffer
+of the channel is taken and held unused beside it); releasing it queues the segment's
+index for the next RecycleSegments (one frame per batch, sent by ``flush_credits`` after
+``on_give_back_pending`` asked the I/O side for a flush) and returns the credit.
+
 Liveness: every client answers the daemon's keepalive ``Ping`` with a ``Pong`` (the daemon
 drops a peer that does not, see ``exchange.network.server_connection``). The data-port
 client may also have a ``read_timeout``: ``check_read_timeout(now)``, called periodically
@@ -49,6 +58,7 @@ from exchange.errors import (
     UsageError,
     fresh_error,
 )
+from exchange.memory.memory_segment import MemorySegment
 from exchange.protocol.codec import (
     DEFAULT_READ_AHEAD,
     MAX_CONTROL_FRAME_SIZE,
@@ -59,6 +69,14 @@ from exchange.protocol.codec import (
     encode,
 )
 from exchange.protocol.handshake import ClientHandshake
+from exchange.protocol.local_messages import (
+    ArenaMapped,
+    NoArena,
+    RequestArena,
+    SharedArena,
+    SharedBufferResponse,
+    encode_recycle,
+)
 from exchange.protocol.messages import (
     AddCredit,
     BufferResponse,
@@ -359,10 +377,16 @@ class PartitionRequestClientConnection(ClientConnection):
         *,
         read_timeout: float | None = None,
         app_id: str = "",
+        shared_reads: bool = False,
     ) -> None:
-        super().__init__(
-            address, secret, max_frame_size, accept=DATA_PORT_CLIENT_MESSAGE_IDS, app_id=app_id
-        )
+        accept: frozenset[int] = DATA_PORT_CLIENT_MESSAGE_IDS
+        if shared_reads:
+            accept = accept | {
+                SharedArena.MESSAGE_ID,
+                SharedBufferResponse.MESSAGE_ID,
+                NoArena.MESSAGE_ID,
+            }
+        super().__init__(address, secret, max_frame_size, accept=accept, app_id=app_id)
         if read_timeout is not None and not (
             isinstance(read_timeout, int | float) and 0 < read_timeout < float("inf")
         ):
@@ -379,6 +403,20 @@ class PartitionRequestClientConnection(ClientConnection):
         # Buffers taken for payloads not handed to their channel yet, in frame order (one
         # chunk may complete several frames); released if the connection dies first.
         self._landing: deque[tuple[RemoteInputChannel, Buffer]] = deque()
+        #: shared memory: this connection may map an arena (and its segment size, once offered)
+        self.shared_reads = shared_reads
+        self._segment_size = 0
+        self._offered = False
+        self._arena: memoryview | None = None
+        # the arena's segments, by index (made once mapped)
+        self._segments: list[MemorySegment] = []
+        # indices of shared segments released, for the next RecycleSegments
+        self._give_backs: list[int] = []
+        #: called when the first index is queued since the last flush (I/O side: flush)
+        self.on_give_back_pending: Callable[[], None] | None = None
+        #: shared segments held now (received, not released), and payload bytes so read
+        self.segments_held = 0
+        self.bytes_shared = 0
 
     def _new_decoder(
         self, max_frame_size: int, accept: Collection[int] | None
@@ -431,6 +469,16 @@ class PartitionRequestClientConnection(ClientConnection):
     def on_message(self, msg: Message) -> None:
         if type(msg) is BufferResponse:
             self._on_buffer_response(msg)
+        elif type(msg) is SharedBufferResponse:
+            self._on_shared_buffers(msg)
+        elif type(msg) is SharedArena:
+            if self._offered or msg.segments:
+                raise ProtocolError(f"unexpected SharedArena from daemon {self.address}")
+            self._offered = True
+            self._segment_size = msg.segment_size
+            self._events.append(MessageReceived(msg))  # the I/O side fetches and maps it
+        elif type(msg) is NoArena:
+            self._events.append(MessageReceived(msg))
         elif type(msg) is ErrorResponse:
             self._on_error_response(msg)
         else:
@@ -444,6 +492,76 @@ class PartitionRequestClientConnection(ClientConnection):
         if msg.data_type.is_buffer:  # only if the sink declined it, which it does not
             raise ProtocolError(f"data buffer for receiver {msg.receiver_id} not received in place")
         ch.on_buffer(Buffer.wrap(msg.payload, msg.data_type), msg.sequence_number, msg.backlog)
+
+    # -- shared memory -------------------------------------------------------------------
+
+    def request_arena(self) -> None:
+        """Say this consumer can map its application's arena (a Unix socket only)."""
+        if not self.shared_reads:
+            raise UsageError("this connection reads no shared memory")
+        self.send(RequestArena())
+
+    def arena_mapped(self, arena: memoryview) -> None:
+        """The offered arena is mapped (``arena``: all of it): tell the daemon."""
+        if not self._offered or self._arena is not None:
+            raise IllegalStateError("arena_mapped without an offer, or twice")
+        self._arena = arena
+        size = self._segment_size
+        self._segments = [
+            MemorySegment(arena[i : i + size], i // size)
+            for i in range(0, arena.nbytes - size + 1, size)
+        ]
+        self.send(ArenaMapped())
+
+    def _on_shared_buffers(self, msg: SharedBufferResponse) -> None:
+        arena, seg_size = self._arena, self._segment_size
+        if arena is None:
+            raise ProtocolError(f"SharedBufferResponse from {self.address} before ArenaMapped")
+        segments = self._segments
+        channels = self._channels
+        for rid, seq, backlog, _, compressed, index, offset, size in msg.buffers:
+            if offset + size > seg_size or index >= len(segments):
+                raise ProtocolError(
+                    f"SharedBufferResponse outside the arena: segment {index}, offset "
+                    f"{offset}, size {size} (segments of {seg_size} bytes, arena of "
+                    f"{arena.nbytes})"
+                )
+            self.segments_held += 1
+            self.bytes_shared += size
+            ch = channels.get(rid)
+            if ch is None:
+                self.give_back(index)  # cancelled meanwhile: straight back
+                continue
+            credit = ch.request_buffer()
+            if credit is None:
+                self.give_back(index)
+                raise ProtocolError(
+                    f"daemon {self.address} sent a buffer to receiver {rid} without credit"
+                )
+            if offset:  # a slice of a segment (the daemon's own buffers): a view of it
+                start = index * seg_size + offset
+                segment = MemorySegment(arena[start : start + size], index)
+            else:
+                segment = segments[index]
+            buf = Buffer(segment, _SharedSegment(self, credit), size)
+            if compressed:
+                buf.compressed = True
+            ch.on_buffer(buf, seq, backlog)
+
+    def give_back(self, index: int) -> None:
+        """A shared segment is released: its index goes in the next RecycleSegments."""
+        self.segments_held -= 1
+        if not self.is_open:
+            return  # the daemon is gone (it freed what we held) or we are closing
+        pending = self._give_backs
+        pending.append(index)
+        if len(pending) == 1 and self.on_give_back_pending is not None:
+            self.on_give_back_pending()
+
+    def _flush_give_backs(self) -> None:
+        pending, self._give_backs = self._give_backs, []
+        if pending and self.state in _SENDING:
+            self._out.append(encode_recycle(pending))
 
     def _on_error_response(self, msg: ErrorResponse) -> None:
         if msg.is_fatal:
@@ -522,7 +640,10 @@ class PartitionRequestClientConnection(ClientConnection):
         return first
 
     def flush_credits(self) -> None:
-        """One AddCredit per channel with all its unannounced credit."""
+        """One RecycleSegments for the shared segments released, then one AddCredit per
+        channel with all its unannounced credit."""
+        if self._give_backs:
+            self._flush_give_backs()
         pending, self._credit_pending = self._credit_pending, []
         channels = self._channels
         for ch in pending:
@@ -555,6 +676,7 @@ class PartitionRequestClientConnection(ClientConnection):
 
     def on_connection_lost(self, error: ExchangeError) -> None:
         self._release_landing()
+        self._segments, self._arena = [], None  # (buffers still held keep their views)
         channels = list(self._channels.values())
         self._channels.clear()
         self._credit_pending.clear()
@@ -566,3 +688,18 @@ class PartitionRequestClientConnection(ClientConnection):
         landing = self._landing
         while landing:
             landing.popleft()[1].release()
+
+
+class _SharedSegment:
+    """Recycler of one Buffer over a shared segment: its index goes back to the daemon
+    and the credited buffer held beside it returns to its channel (the credit)."""
+
+    __slots__ = ("_conn", "_credit")
+
+    def __init__(self, conn: PartitionRequestClientConnection, credit: Buffer) -> None:
+        self._conn = conn
+        self._credit = credit
+
+    def recycle(self, segment: MemorySegment) -> None:
+        self._conn.give_back(segment.index)
+        self._credit.release()

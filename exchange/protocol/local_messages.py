@@ -15,6 +15,18 @@ PartitionCreated, later grants are GrantSegments, and the task writes a data buf
 granted segment and sends only a CommitSegments entry (segment, length, subpartition), a
 batch of fixed 12-byte entries per frame. Events still travel as PushBuffer.
 
+A consumer on a Unix socket reads the arena in place: it says it can map (RequestArena);
+when the daemon has an arena for the connection's application (the daemon checks at
+RequestArena, answering NoArena with the reason when it has none, and at every
+PartitionRequest until it has offered one) it sends SharedArena with no segments, and
+the consumer fetches and maps it as a producer does and answers ArenaMapped. From then
+on a data buffer whose segment lies in that arena goes as a SharedBufferResponse (what a
+BufferResponse carries, with the segment index, offset and length instead of the
+bytes); the daemon holds the segment until the consumer gives it
+back with RecycleSegments (indices, a batch per frame; one index per buffer received).
+Data buffers elsewhere (spilled, pushed over the socket) and events still come as
+BufferResponse.
+
 The local endpoint also serves the ordinary data protocol (PartitionRequest, ...), so a
 consumer on the same host reads over the Unix socket instead of TCP.
 
@@ -52,7 +64,7 @@ from exchange.buffers.buffer import DataType
 from exchange.errors import ProtocolError
 from exchange.partition.result_partition import ALL_SUBPARTITIONS
 from exchange.partition.result_partition_id import MAX_DATASET_ID_BYTES, ResultPartitionID
-from exchange.protocol.codec import register_message
+from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, register_message
 from exchange.protocol.messages import Message
 
 __all__ = [
@@ -65,11 +77,14 @@ __all__ = [
     "MAX_JOB_FAILURES",
     "MAX_JOB_TASKS",
     "MAX_OVERDRAFT_REQUEST",
+    "MAX_SHARED_BUFFERS",
     "MAX_TASK_METRICS",
     "MAX_TASK_NAME_LENGTH",
+    "SHARED_BUFFER_ENTRY_SIZE",
     "TASK_METRIC_NAMES",
     "AbandonSubpartition",
     "AddProducerCredit",
+    "ArenaMapped",
     "CheckpointRecord",
     "CommitSegments",
     "CreatePartition",
@@ -80,22 +95,38 @@ __all__ = [
     "GrantSegments",
     "JobStatus",
     "JobTask",
+    "NoArena",
     "OutputChannelState",
     "OutputChannelStateComplete",
     "PartitionCreated",
     "PartitionFinished",
     "ProducerBufferSize",
     "PushBuffer",
+    "RecycleSegments",
     "ReleaseDataset",
     "Released",
+    "RequestArena",
     "RequestOverdraft",
     "SharedArena",
+    "SharedBufferResponse",
     "TaskMetrics",
     "encode_commit",
+    "encode_recycle",
+    "encode_shared_buffers",
+    "pack_shared_buffer",
 ]
 
 _PUSH: Final = struct.Struct(">IB")
 _COMMIT: Final = struct.Struct(">III")
+#: A SharedBufferResponse entry: receiver id, sequence number, backlog, data type,
+#: compressed, segment, offset, size
+_SHARED_BUFFER: Final = struct.Struct(">QIIBBIII")
+#: Bytes of one SharedBufferResponse entry.
+SHARED_BUFFER_ENTRY_SIZE: Final = _SHARED_BUFFER.size
+#: Entries one SharedBufferResponse carries at most (its frame fits the smallest
+#: client frame limit, 4 KiB).
+MAX_SHARED_BUFFERS: Final = 128
+_U32: Final = struct.Struct(">I")
 #: Bytes of the one-time token that fetches a shared arena's descriptor.
 ARENA_TOKEN_SIZE: Final = 32
 #: The arena hand-out socket is the local socket's path with this suffix.
@@ -103,6 +134,9 @@ ARENA_SOCKET_SUFFIX: Final = ".arena"
 #: Segment indices one grant may carry (more than any producer credit window).
 _MAX_GRANT: Final = 4096
 _OUTPUT_STATE: Final = struct.Struct(">QI")
+#: Segment indices one RecycleSegments may carry.
+_MAX_RECYCLE: Final = 1 << 16
+_COMMIT_HEADER: Final = struct.Struct(">IIB")
 _MAX_CHECKPOINT_ID: Final = 2**63 - 1
 
 
@@ -164,13 +198,15 @@ class RequestOverdraft(Message):
 @dataclass(frozen=True, slots=True)
 class SharedArena(Message):
     """Daemon -> producer task, before PartitionCreated: this partition's segments live in
-    the application's shared arena of ``arena_size`` bytes, whose descriptor the one-time
-    ``token`` fetches; ``segments`` are the first ones granted (by index)."""
+    the application's shared arena of ``arena_size`` bytes (segments of ``segment_size``),
+    whose descriptor the one-time ``token`` fetches; ``segments`` are the first ones
+    granted (by index). Daemon -> consumer task: the same offer, with no segments."""
 
     MESSAGE_ID: ClassVar[int] = 80
     token: bytes = field(repr=False)
     arena_size: int
     segments: tuple[int, ...]
+    segment_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +225,51 @@ class CommitSegments(Message):
 
     MESSAGE_ID: ClassVar[int] = 82
     commits: tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestArena(Message):
+    """Consumer task -> daemon, on a Unix socket: this reader can map its application's
+    shared arena; the daemon offers it (SharedArena, no segments) when it has one."""
+
+    MESSAGE_ID: ClassVar[int] = 83
+
+
+@dataclass(frozen=True, slots=True)
+class NoArena(Message):
+    """Daemon -> consumer task, the answer to RequestArena when there is no arena to
+    offer now: why (the daemon may still offer one at a later PartitionRequest)."""
+
+    MESSAGE_ID: ClassVar[int] = 87
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaMapped(Message):
+    """Consumer task -> daemon: the arena offered is mapped; send descriptors from now."""
+
+    MESSAGE_ID: ClassVar[int] = 84
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBufferResponse(Message):
+    """Daemon -> consumer task: data buffers that lie in the mapped arena, one entry
+    ``(receiver_id, sequence_number, backlog, data_type, compressed, segment, offset,
+    size)`` per buffer (what a BufferResponse carries, with where its ``size`` bytes are
+    instead of them; ``data_type`` is always DATA_BUFFER), in stream order; the consumer
+    gives each segment back (RecycleSegments) when it is done with it."""
+
+    MESSAGE_ID: ClassVar[int] = 85
+    buffers: tuple[tuple[int, int, int, int, int, int, int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RecycleSegments(Message):
+    """Consumer task -> daemon: segments of SharedBufferResponses it is done with, one
+    index per buffer received (a segment sent as two slices is given back twice)."""
+
+    MESSAGE_ID: ClassVar[int] = 86
+    segments: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -639,7 +720,7 @@ def _segments(v: Any, name: str) -> tuple[int, ...]:
 
 
 def _dec_arena(body: memoryview) -> SharedArena:
-    m = _unpack_map(body, ("token", "size", "segments"))
+    m = _unpack_map(body, ("token", "size", "segments", "segment_size"))
     token = m["token"]
     if not isinstance(token, bytes) or len(token) != ARENA_TOKEN_SIZE:
         raise ProtocolError(f"token must be {ARENA_TOKEN_SIZE} bytes")
@@ -647,7 +728,12 @@ def _dec_arena(body: memoryview) -> SharedArena:
     if size == 0:
         raise ProtocolError("an arena of zero bytes")
     segs = () if m["segments"] == [] else _segments(m["segments"], "segments")
-    return SharedArena(token, size, segs)
+    seg_size = _uint(m["segment_size"], "segment_size")
+    if seg_size == 0 or size % seg_size:
+        raise ProtocolError(
+            f"an arena of {size} bytes is no whole number of {seg_size}-byte segments"
+        )
+    return SharedArena(token, size, segs, seg_size)
 
 
 def _dec_commits(body: memoryview) -> CommitSegments:
@@ -660,6 +746,68 @@ def _dec_commits(body: memoryview) -> CommitSegments:
 def encode_commit(segment: int, length: int, subpartition: int) -> bytes:
     """One CommitSegments entry (a frame's body is a run of them)."""
     return _COMMIT.pack(segment, length, subpartition)
+
+
+def pack_shared_buffer(
+    receiver_id: int,
+    sequence_number: int,
+    backlog: int,
+    compressed: bool,
+    segment: int,
+    offset: int,
+    size: int,
+) -> bytes:
+    """One SharedBufferResponse entry (a frame's body is a run of 1 to 128 of them)."""
+    return _SHARED_BUFFER.pack(
+        receiver_id, sequence_number, backlog, 0, compressed, segment, offset, size
+    )
+
+
+def encode_shared_buffers(entries: list[bytes]) -> bytes:
+    """A whole SharedBufferResponse frame of packed entries (``pack_shared_buffer``)."""
+    n = len(entries)
+    if not 0 < n <= MAX_SHARED_BUFFERS:
+        raise ProtocolError(f"SharedBufferResponse of {n} buffers (1 to {MAX_SHARED_BUFFERS})")
+    body = b"".join(entries)
+    header = _COMMIT_HEADER.pack(
+        FRAME_HEADER_SIZE + len(body), MAGIC, SharedBufferResponse.MESSAGE_ID
+    )
+    return header + body
+
+
+def _dec_shared_buffers(body: memoryview) -> SharedBufferResponse:
+    n, rest = divmod(len(body), _SHARED_BUFFER.size)
+    if not 0 < n <= MAX_SHARED_BUFFERS or rest:
+        raise ProtocolError(f"SharedBufferResponse body of {len(body)} bytes")
+    entries = tuple(_SHARED_BUFFER.iter_unpack(body))
+    for e in entries:
+        if e[3] or e[4] > 1:  # not a data buffer, or compressed neither 0 nor 1
+            raise ProtocolError(
+                f"SharedBufferResponse entry of data type {e[3]}, compressed {e[4]}"
+            )
+    return SharedBufferResponse(entries)
+
+
+def _enc_shared_buffers(m: SharedBufferResponse) -> list[bytes]:
+    body = [_SHARED_BUFFER.pack(*e) for e in m.buffers]
+    return [encode_shared_buffers(body)[FRAME_HEADER_SIZE:]]
+
+
+def encode_recycle(segments: list[int]) -> bytes:
+    """A whole RecycleSegments frame of ``segments`` (1 to 2^16 indices)."""
+    n = len(segments)
+    if not 0 < n <= _MAX_RECYCLE:
+        raise ProtocolError(f"RecycleSegments of {n} segments (1 to {_MAX_RECYCLE})")
+    return _COMMIT_HEADER.pack(
+        FRAME_HEADER_SIZE + 4 * n, MAGIC, RecycleSegments.MESSAGE_ID
+    ) + struct.pack(f">{n}I", *segments)
+
+
+def _dec_recycle(body: memoryview) -> RecycleSegments:
+    n, rest = divmod(len(body), 4)
+    if n == 0 or rest or n > _MAX_RECYCLE:
+        raise ProtocolError(f"RecycleSegments body of {len(body)} bytes")
+    return RecycleSegments(struct.unpack(f">{n}I", body))
 
 
 def _dec_push(body: memoryview) -> PushBuffer:
@@ -813,13 +961,39 @@ def _register() -> None:
         80,
         SharedArena,
         _dec_arena,
-        lambda m: _pack({"token": m.token, "size": m.arena_size, "segments": list(m.segments)}),
+        lambda m: _pack(
+            {
+                "token": m.token,
+                "size": m.arena_size,
+                "segments": list(m.segments),
+                "segment_size": m.segment_size,
+            }
+        ),
     )
     register_message(
         81,
         GrantSegments,
         lambda b: GrantSegments(_segments(_unpack_map(b, ("segments",))["segments"], "segments")),
         lambda m: _pack({"segments": list(m.segments)}),
+    )
+    register_message(
+        83, RequestArena, lambda b: (_unpack_map(b, ()), RequestArena())[1], lambda m: _pack({})
+    )
+    register_message(
+        84, ArenaMapped, lambda b: (_unpack_map(b, ()), ArenaMapped())[1], lambda m: _pack({})
+    )
+    register_message(
+        87,
+        NoArena,
+        lambda b: NoArena(_str(_unpack_map(b, ("reason",))["reason"], "reason")),
+        lambda m: _pack({"reason": m.reason[:2048]}),
+    )
+    register_message(85, SharedBufferResponse, _dec_shared_buffers, _enc_shared_buffers)
+    register_message(
+        86,
+        RecycleSegments,
+        _dec_recycle,
+        lambda m: [encode_recycle(list(m.segments))[FRAME_HEADER_SIZE:]],
     )
     register_message(
         82,

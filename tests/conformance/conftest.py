@@ -36,10 +36,11 @@ async def daemon() -> AsyncIterator[ExchangeDaemon]:
         segment_size=SEGMENT_SIZE,
         spill_dir=spill,
         log_level="WARNING",
-        # readers here take these (ReaderOptions.from_daemon); small backoff: partitions may be
-        # requested before their producer registered them
+        # readers here take these (ReaderOptions.from_daemon): partitions may be requested
+        # before their producer registered them; a small first wait, and ~5 s in all (a
+        # loaded machine can take more than 70 ms to connect a producer)
         partition_request_backoff_initial=0.01,
-        partition_request_backoff_max=0.05,
+        partition_request_backoff_max=2.56,
     )
     d = ExchangeDaemon(config)
     try:

@@ -161,7 +161,7 @@ class Readers:
     async def _read(self, index: int) -> None:
         gate = SingleInputGate(f"conformance-{index}")
         channel = LocalInputChannel(
-            gate, 0, self.daemon.manager, self.pid, index, backoff_initial=0.01, backoff_max=0.05
+            gate, 0, self.daemon.manager, self.pid, index, backoff_initial=0.01, backoff_max=2.56
         )
         gate.set_input_channels([channel])
 

@@ -20,9 +20,10 @@ pytestmark = pytest.mark.timeout(120)
 RECORDS = [(i, f"value-{i}" * 3) for i in range(30_000)]
 
 
-def producer_bytes(d: Any) -> dict[str, float]:
+def bytes_by_path(d: Any, who: str = "producer") -> dict[str, float]:
+    """``exchange_{who}_bytes_total`` of ``d``'s /metrics, by path."""
     text = d.http_get("/metrics").decode()
-    found = re.findall(r'^exchange_producer_bytes_total\{path="(\w+)"\} (\S+)$', text, re.M)
+    found = re.findall(rf'^exchange_{who}_bytes_total\{{path="(\w+)"\}} (\S+)$', text, re.M)
     return {path: float(v) for path, v in found}
 
 
@@ -38,7 +39,7 @@ def test_the_daemon_chooses_the_path_and_metrics_show_it(start_daemon: Any, shar
         with PartitionReader([loc]) as reader:
             got.extend(reader.read_all())
     assert sorted(got) == RECORDS
-    by_path = producer_bytes(d)
+    by_path = bytes_by_path(d)
     written = d.stats()["local"]["bytes_received"]
     assert written > 0
     assert by_path == (

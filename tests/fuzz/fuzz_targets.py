@@ -551,6 +551,12 @@ def _local_frames() -> list[bytes]:
         lm.DaemonInfoRequest(),
         lm.DaemonInfo("d1", "127.0.0.1:1", 32768, {"a": 1, "b": 0.5, "c": True, "d": None}),
         lm.ProducerBufferSize(0, 1024),
+        lm.SharedArena(b"t" * lm.ARENA_TOKEN_SIZE, 1 << 20, (), 32768),
+        lm.RequestArena(),
+        lm.NoArena("shared_memory = off"),
+        lm.ArenaMapped(),
+        lm.SharedBufferResponse(((1, 0, 3, 0, 0, 7, 0, 4096), (1, 1, 2, 0, 1, 3, 512, 100))),
+        lm.RecycleSegments((7, 7, 3)),
     ]
     if hasattr(lm, "TaskMetrics"):  # local message 76
         names = sorted(lm.TASK_METRIC_NAMES)[:2]

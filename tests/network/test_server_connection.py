@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from exchange.buffers.buffer import DataType
-from exchange.errors import IllegalStateError, UsageError
+from exchange.errors import IllegalStateError, ProtocolError, UsageError
 from exchange.memory import NetworkBufferPool
 from exchange.network.server_connection import (
     DATA_PORT_MESSAGES,
@@ -40,6 +40,7 @@ from exchange.protocol.local_messages import (
     PushBuffer,
     Released,
     ReleaseDataset,
+    SharedBufferResponse,
 )
 from exchange.protocol.messages import (
     AddCredit,
@@ -713,6 +714,67 @@ def test_connection_lost_recycles_buffers_still_in_flight(
     assert s.conn.queue.num_readers == 0
     assert part.is_released  # its consumer is gone
     assert s.timers.pending_timers == 0
+
+
+def test_buffers_in_the_read_arena_go_as_descriptors_held_until_given_back(
+    make_partition: PartitionFactory, manager: ResultPartitionManager, nbp: NetworkBufferPool
+) -> None:
+    seg = nbp.segment_size
+    part = make_partition(1, "pipelined", 1, (1, 8))
+    s = connect(manager, seg)
+    s.conn.read_arena = nbp  # the consumer mapped the pool these segments come from
+    s.peer.send(PartitionRequest(part.partition_id, 0, 1, 100))
+    add_full_buffers(part, 0, 3)
+    part.finish()
+    s.timers.run()
+    got = s.peer.read()
+    (batch,) = [m for m in got if isinstance(m, SharedBufferResponse)]  # one per callback
+    descs = batch.buffers
+    assert [(rid, seq, dt, size) for rid, seq, _, dt, _, _, _, size in descs] == [
+        (1, 0, 0, seg),
+        (1, 1, 0, seg),
+        (1, 2, 0, seg),
+    ]
+    segments = [d[5] for d in descs]
+    for i, (*_, index, offset, size) in enumerate(descs):  # the bytes are there, in place
+        view = nbp._segments[index].view()[offset : offset + size]
+        assert bytes(view) == expected_payload(seg, i)
+    # the end of the partition is an event: it still comes as bytes, after them
+    (end,) = s.peer.buffers(1)
+    assert end.data_type is DataType.EVENT_BUFFER and end.sequence_number == 3
+    assert s.conn.num_held == 3 and s.conn.bytes_shared == 3 * seg
+    in_use = nbp.num_in_use
+    s.conn.give_back([segments[1]])  # only that one returns
+    assert s.conn.num_held == 2 and nbp.num_in_use == in_use - 1
+    with pytest.raises(ProtocolError, match="not held"):
+        s.conn.give_back([segments[1]])
+    s.conn.connection_lost(None)  # the consumer died holding two: they return too
+    assert s.conn.num_held == 0 and nbp.num_in_use == in_use - 3
+    assert s.timers.pending_timers == 0
+
+
+@pytest.mark.parametrize("byte_by_byte", [False, True])
+def test_descriptors_written_by_a_read_alone_go_out_at_its_end(
+    make_partition: PartitionFactory,
+    manager: ResultPartitionManager,
+    nbp: NetworkBufferPool,
+    byte_by_byte: bool,
+) -> None:
+    """A callback whose only output is descriptors (the consumer's AddCredit let the
+    queue send on) writes them when it returns, as it would BufferResponses."""
+    part = make_partition(1, "pipelined", 1, (1, 8))
+    s = connect(manager, nbp.segment_size)
+    s.conn.read_arena = nbp
+    s.peer.send(PartitionRequest(part.partition_id, 0, 1, 2))  # credit for two
+    add_full_buffers(part, 0, 6)
+    s.timers.run()
+    (first,) = [m for m in s.peer.read() if isinstance(m, SharedBufferResponse)]
+    assert [e[1] for e in first.buffers] == [0, 1]
+    s.peer.send(AddCredit(1, 3), byte_by_byte=byte_by_byte)  # no timer runs after it
+    (more,) = [m for m in s.peer.read() if isinstance(m, SharedBufferResponse)]
+    assert [e[1] for e in more.buffers] == [2, 3, 4]
+    s.conn.connection_lost(None)
+    part.release()
 
 
 def test_cancel_and_close_request(

@@ -56,9 +56,17 @@ from exchange.protocol.client_connection import (
     ClientConnectionState,
     ConnectionFailed,
     HandshakeComplete,
+    MessageReceived,
     PartitionRequestClientConnection,
 )
-from exchange.protocol.local_messages import AddProducerCredit
+from exchange.protocol.local_messages import (
+    AddProducerCredit,
+    ArenaMapped,
+    RecycleSegments,
+    RequestArena,
+    SharedArena,
+    SharedBufferResponse,
+)
 
 ADDRESS = "10.0.0.1:7100"
 SEG = 4096
@@ -411,3 +419,100 @@ def test_read_timeout_off_and_invalid() -> None:
                 read_timeout=bad,  # type: ignore[arg-type]
             )
     conn.connection_lost(None)
+
+
+# -- shared memory: descriptors read in place, given back by index ------------------------
+
+
+class SharedSetup(Setup):
+    """A connection that reads in place, established, offered and mapped to ``arena``."""
+
+    def __init__(self, nbp: NetworkBufferPool) -> None:
+        super().__init__(nbp)
+        self.conn = PartitionRequestClientConnection(
+            ADDRESS, None, max_frame_size_for(SEG), shared_reads=True
+        )
+        for ch in self.channels:
+            ch._provider = Provider(self.conn)
+        self.arena = bytearray(4 * SEG)
+        self.given_back = 0
+
+        def pending() -> None:
+            self.given_back += 1
+
+        self.conn.on_give_back_pending = pending
+
+
+@pytest_asyncio.fixture
+async def sh(nbp: NetworkBufferPool) -> AsyncIterator[SharedSetup]:
+    setup = SharedSetup(nbp)
+    establish(setup.conn)
+    setup.conn.events_received()
+    setup.conn.request_arena()
+    assert sent(setup.conn) == [RequestArena()]
+    await setup.gate.request_partitions()
+    sent(setup.conn)
+    yield setup
+    setup.gate.close()
+    setup.conn.connection_lost(None)
+
+
+def descriptor(rid: int, seq: int, segment: int, offset: int, size: int) -> SharedBufferResponse:
+    return SharedBufferResponse(((rid, seq, 0, 0, 0, segment, offset, size),))
+
+
+@pytest.mark.asyncio
+async def test_a_descriptor_is_read_in_place_and_given_back_by_index(sh: SharedSetup) -> None:
+    a = sh.channels[0]
+    offer = SharedArena(bytes(32), len(sh.arena), (), SEG)
+    sh.conn.receive_data(frames(offer))
+    assert sh.conn.events_received() == [MessageReceived(offer)]
+    sh.conn.arena_mapped(memoryview(sh.arena))
+    assert sent(sh.conn) == [ArenaMapped()]
+    sh.arena[2 * SEG + 100 : 2 * SEG + 105] = b"hello"
+    sh.conn.flush_credits()
+    sent(sh.conn)
+    assert a.unannounced_credit == 0
+    sh.conn.receive_data(frames(descriptor(a.receiver_id, 0, 2, 100, 5)))
+    got = a.get_next_buffer()
+    assert got is not None and bytes(got.buffer.memoryview()) == b"hello"
+    # in place: the view is the arena's memory, not a copy
+    sh.arena[2 * SEG + 100] = ord("j")
+    assert bytes(got.buffer.memoryview()) == b"jello"
+    # it cost one credit, as a BufferResponse does (backlog 0: a floating buffer replaces it)
+    assert a.unannounced_credit == 1
+    assert sh.conn.segments_held == 1 and sh.given_back == 0
+    got.buffer.release()
+    assert sh.conn.segments_held == 0 and sh.given_back == 1
+    sh.conn.flush_credits()
+    assert sent(sh.conn)[0] == RecycleSegments((2,))
+
+
+@pytest.mark.asyncio
+async def test_descriptors_before_the_arena_or_outside_it_fail_the_connection(
+    nbp: NetworkBufferPool,
+) -> None:
+    for offer_first, desc in [
+        (False, descriptor(1, 0, 0, 0, 10)),  # no arena mapped
+        (True, descriptor(1, 0, 4, 0, 10)),  # segment past the arena's end
+        (True, descriptor(1, 0, 0, SEG - 5, 10)),  # past the segment's end
+    ]:
+        setup = SharedSetup(nbp)
+        establish(setup.conn)
+        await setup.gate.request_partitions()
+        if offer_first:
+            setup.conn.receive_data(frames(SharedArena(bytes(32), len(setup.arena), (), SEG)))
+            setup.conn.arena_mapped(memoryview(setup.arena))
+        setup.conn.receive_data(frames(desc))
+        assert isinstance(setup.conn.error, ProtocolError), desc
+        setup.gate.close()
+        setup.conn.connection_lost(None)
+
+
+def test_a_connection_that_reads_no_shared_memory_refuses_offers() -> None:
+    conn = PartitionRequestClientConnection(ADDRESS, None, max_frame_size_for(SEG))
+    establish(conn)
+    conn.receive_data(frames(SharedArena(bytes(32), 4 * SEG, (), SEG)))
+    assert isinstance(conn.error, ProtocolError)
+    with pytest.raises(UsageError):
+        conn.request_arena()

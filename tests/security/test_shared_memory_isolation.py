@@ -4,7 +4,9 @@ Each application's local producers write into an arena of their own: the descrip
 task gets is its application's arena (another file than the other application's, mode
 0600), bytes one application wrote never appear in the memory the other maps, and a
 descriptor is handed out only for a one-time token the daemon sent on that very
-connection (a guessed, reused or another connection's spent token gets nothing).
+connection (a guessed, reused or another connection's spent token gets nothing). A
+consumer reading in place is offered only its own application's arena, and none where
+its application has none.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any
 
 import pytest
 
-from client.local_connection import LocalConnection, _fetch_arena_fd
+from client.arena_handout import fetch_arena_fd
+from client.local_connection import LocalConnection
+from client.network import ConnectionManager
 from client.runtime import get_runtime
 from exchange.buffers.buffer import DataType
 from exchange.errors import SharedMemoryUnavailableError
@@ -61,7 +65,7 @@ def test_each_application_maps_only_its_own_arena(start_daemon: Any, secret_file
                 )
                 offer = conn_a2._offer
                 assert offer is not None
-                fd = await _fetch_arena_fd(hand_out, offer.token, 10.0)
+                fd = await fetch_arena_fd(hand_out, offer.token, 10.0)
                 try:
                     st = os.fstat(fd)
                     seen["a2_same_arena"] = st.st_ino == conn_a.arena_inode
@@ -70,7 +74,7 @@ def test_each_application_maps_only_its_own_arena(start_daemon: Any, secret_file
                     os.close(fd)
                 for token in (offer.token, os.urandom(len(offer.token))):
                     with pytest.raises(SharedMemoryUnavailableError, match="refused"):
-                        await _fetch_arena_fd(hand_out, token, 10.0)
+                        await fetch_arena_fd(hand_out, token, 10.0)
             finally:
                 await conn_a2.aclose()
             return seen
@@ -84,3 +88,55 @@ def test_each_application_maps_only_its_own_arena(start_daemon: Any, secret_file
     d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0, timeout=30)
     d.wait_pool_whole()
     d.stop_clean()
+
+
+def test_a_reader_maps_only_its_own_applications_arena(start_daemon: Any, secret_file: str) -> None:
+    """Readers of two applications on one daemon: each connection to the local socket is
+    offered (and maps) its own application's arena, never the other's; an application
+    with no arena here gets none (it reads over the socket)."""
+    d = start_daemon("--secret-file", secret_file, "--log-level", "INFO")
+    cred = {app: format_app_credential(SECRET, app) for app in ("app-a", "app-b", "app-c")}
+    pid = ResultPartitionID("iso-read", 0, 0)
+    marker_a = b"APP-A-SECRET-BYTES" * 64
+    address = "unix:" + d.local_socket
+
+    async def scenario() -> dict[str, Any]:
+        conn_a = await LocalConnection.connect(d.local_socket, secret=cred["app-a"])
+        conn_b = await LocalConnection.connect(d.local_socket, secret=cred["app-b"])
+        managers = {app: ConnectionManager(secret=cred[app]) for app in cred}
+        try:
+            await conn_a.create_partition(CreatePartition(pid, False, 1))
+            await conn_b.create_partition(CreatePartition(pid, False, 1))
+            await conn_a.push_buffers(
+                [OutputBuffer(0, DataType.DATA_BUFFER, len(marker_a), [marker_a])]
+            )
+            readers = {
+                app: await m.create_partition_request_client(address) for app, m in managers.items()
+            }
+            return {
+                "a": readers["app-a"].arena_inode == conn_a.arena_inode,
+                "b": readers["app-b"].arena_inode == conn_b.arena_inode,
+                "a_is_not_b": conn_a.arena_inode != conn_b.arena_inode,
+                "c": readers["app-c"].arena_inode,
+                "marker_in_a": marker_a in bytes(readers["app-a"]._arena_view or b""),
+                "marker_in_b": marker_a in bytes(readers["app-b"]._arena_view or b""),
+            }
+        finally:
+            for m in managers.values():
+                await m.close()
+            await conn_a.aclose()
+            await conn_b.aclose()
+
+    seen = get_runtime().run(scenario())
+    assert seen == {
+        "a": True,
+        "b": True,
+        "a_is_not_b": True,
+        "c": None,
+        "marker_in_a": True,
+        "marker_in_b": False,
+    }
+    d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0, timeout=30)
+    d.wait_pool_whole()
+    d.stop_clean()
+    assert "application 'app-c' has no shared arena here yet" in d.stderr

@@ -705,8 +705,9 @@ async def test_dashboard_renders_live_values_in_chromium(
     assert f'<tr data-id="{PIPELINED_ID}">' in dom
     assert '<span id="status" class="pill live">live</span>' in dom
     assert '<dd id="producers">2</dd>' in dom
-    # which path the producers' bytes took (the daemon's choice), both filled in
-    for path in ("bytes-shm", "bytes-socket"):
+    # which path the producers' and the local consumers' bytes took (the daemon's
+    # choice), all filled in
+    for path in ("bytes-shm", "bytes-socket", "read-shm", "read-socket"):
         assert re.search(rf'<span id="{path}">\d[\d.]* (B|KiB|MiB|GiB)</span>', dom), path
     assert "<polyline" in dom  # the throughput chart has at least two samples
     # The consumer tasks' table: every figure of the busy task, dashes for what the

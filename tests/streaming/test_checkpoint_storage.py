@@ -23,6 +23,7 @@ from client.streaming import CheckpointMetadata, CheckpointStorage
 from client.streaming.checkpoint_storage import (
     LEASE_FILE,
     METADATA_FILE,
+    CheckpointDiscardedError,
     CheckpointLeaseError,
     StateHandle,
 )
@@ -452,3 +453,23 @@ def test_a_dead_local_drivers_lease_is_free_at_once(tmp_path: Path) -> None:
     lease = CheckpointStorage(url).acquire_lease("new driver", ttl=60)
     lease.check()
     lease.release()
+
+
+def test_a_checkpoint_discarded_while_a_task_writes_its_state_is_a_typed_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A late task writing state into a checkpoint the coordinator discarded meanwhile
+    (aborted, or uncommitted and older than the newest committed) gets
+    CheckpointDiscardedError, which the task takes as "nothing to acknowledge"."""
+    storage = CheckpointStorage(str(tmp_path / "ckpt"))
+    original = storage._write_new
+
+    def discarded_first(path: str, data: bytes) -> None:
+        storage.discard(4)  # the coordinator, between the task's mkdir and its write
+        original(path, data)
+
+    monkeypatch.setattr(storage, "_write_new", discarded_first)
+    with pytest.raises(CheckpointDiscardedError) as info:
+        storage.write_task_state(4, "v1-1", {"n": 1})
+    assert info.value.checkpoint_id == 4
+    assert isinstance(info.value, IllegalStateError)

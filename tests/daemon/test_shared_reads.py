@@ -1,0 +1,169 @@
+"""The consumer side of the shared-memory local path, on a real daemon: a reader on the
+daemon's own host reads its application's arena in place (descriptors over the Unix
+socket, segments given back by index), the daemon counts the bytes by path, a reader that
+dies holding segments gives them back by dying, and a reader maps only the arena of its
+own application."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+
+from client.consumer import PartitionLocation, PartitionReader
+from client.producer import PartitionWriter
+from exchange.errors import TransportError
+from exchange.partition.result_partition_id import ResultPartitionID
+from tests.daemon._daemon import READY_TIMEOUT, ROOT, ChildProducer, _LineReader, child_env
+from tests.daemon.test_shared_memory import bytes_by_path
+
+pytestmark = pytest.mark.timeout(180)
+
+RECORDS = [(i, f"value-{i}" * 3) for i in range(30_000)]
+
+
+def location(d: Any, pid: ResultPartitionID, sub: int) -> PartitionLocation:
+    return PartitionLocation(pid, sub, d.data_address, d.daemon_id, d.local_socket)
+
+
+def exchange(
+    d: Any, pid: ResultPartitionID, n: int, records: list[Any], *, local: bool = True
+) -> list[Any]:
+    """Write ``records`` to a pipelined partition of ``n`` subpartitions of ``d`` while a
+    reader per subpartition (opened once the partition, and so its application's arena,
+    exists) reads it; everything read."""
+    got: list[list[Any]] = [[] for _ in range(n)]
+    with PartitionWriter(pid, n, blocking=False, daemon_socket=d.local_socket) as w:
+        readers = [
+            PartitionReader([location(d, pid, sub)], local_daemon_id=d.daemon_id if local else None)
+            for sub in range(n)
+        ]
+        threads = [
+            threading.Thread(target=lambda r=r, out=out: out.extend(r.read_all()))
+            for r, out in zip(readers, got, strict=True)
+        ]
+        for t in threads:
+            t.start()
+        w.emit_all(records)
+    for t, r in zip(threads, readers, strict=True):
+        t.join(120)
+        r.close()
+    return [rec for part in got for rec in part]
+
+
+def test_a_local_reader_reads_the_arena_in_place_and_the_metrics_say_so(start_daemon: Any) -> None:
+    d = start_daemon()
+    pid = ResultPartitionID("in-place", 0, 0)
+    assert sorted(exchange(d, pid, 2, RECORDS)) == RECORDS
+    data = d.stats()["local"]["bytes_shared_memory"]  # data buffers committed in the arena
+    assert data == d.stats()["local"]["bytes_received"] > 0
+    local = d.wait_stats(lambda s: s["local"]["connections"] == 0)["local"]
+    # every data buffer went as a descriptor; only events crossed the socket
+    assert local["consumer_bytes_shared_memory"] == data
+    assert 0 < local["consumer_bytes_socket"] < 1024
+    assert local["consumer_segments_held"] == 0
+    by_path = bytes_by_path(d, "consumer")
+    assert by_path["shared_memory"] == data
+    assert by_path["socket"] == local["consumer_bytes_socket"]
+    d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0)  # the arena went once whole
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
+def test_a_reader_over_tcp_and_a_daemon_without_shared_memory_use_the_socket(
+    start_daemon: Any,
+) -> None:
+    d = start_daemon()
+    pid = ResultPartitionID("tcp", 0, 0)
+    assert sorted(exchange(d, pid, 1, RECORDS, local=False)) == RECORDS  # the data port
+    assert d.stats()["local"]["consumer_bytes_shared_memory"] == 0
+    d.stop_clean()
+
+    off = start_daemon("--no-shared-memory", "--log-level", "INFO")
+    assert sorted(exchange(off, pid, 1, RECORDS)) == RECORDS
+    local = off.stats()["local"]
+    assert local["consumer_bytes_shared_memory"] == 0
+    assert local["consumer_bytes_socket"] > local["bytes_received"]
+    off.stop_clean()
+    assert "reads over the socket for now: shared_memory = off" in off.stderr
+
+
+#: A consumer task in a child process: reads 10 records of subpartition 0 of a pipelined
+#: partition on its own host's daemon, says so, and stalls holding what it received.
+_STALLED_READER = """
+import json, sys
+from client.consumer import PartitionLocation, PartitionReader
+from exchange.partition.result_partition_id import ResultPartitionID
+sock, daemon_id, data, dataset = sys.argv[1:5]
+loc = PartitionLocation(ResultPartitionID(dataset, 0, 0), 0, data, daemon_id, sock)
+reader = PartitionReader([loc], local_daemon_id=daemon_id)
+it = reader.records()
+print(json.dumps({"read": len([next(it) for _ in range(10)])}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_reader_sigkilled_holding_segments_gives_them_back(start_daemon: Any) -> None:
+    d = start_daemon()
+    producer = ChildProducer(d.local_socket, "killed-reader", 0, 1)
+    reader: subprocess.Popen[str] | None = None
+    try:
+        producer.wait_writing()  # its partition, and the application's arena, exist
+        reader = subprocess.Popen(
+            [sys.executable, "-c", _STALLED_READER, d.local_socket, d.daemon_id,
+             d.data_address, "killed-reader"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, cwd=ROOT, env=child_env(),
+        )  # fmt: skip
+        out = _LineReader(reader.stdout, "reader-stdout")
+        line = out.next_line(READY_TIMEOUT)
+        assert line is not None and json.loads(line) == {"read": 10}
+        # stalled: it holds what it received, at most its credit (2 exclusive + 8 floating)
+        local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)["local"]
+        assert local["consumer_bytes_shared_memory"] > 0
+        held = local["consumer_segments_held"]
+        assert 0 < held <= 10
+        assert local["shared_segments_in_use"] >= held  # never back in the pool meanwhile
+        os.kill(reader.pid, signal.SIGKILL)
+        assert reader.wait(10) == -signal.SIGKILL
+        d.wait_stats(lambda s: s["local"]["consumer_segments_held"] == 0, timeout=30)
+    finally:
+        if reader is not None and reader.poll() is None:
+            reader.kill()
+            reader.wait(10)
+        if reader is not None:
+            for pipe in (reader.stdin, reader.stdout, reader.stderr):
+                if pipe is not None:
+                    pipe.close()
+        producer.sigkill()
+    d.wait_stats(
+        lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 0, timeout=30
+    )
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
+def test_a_local_reader_whose_daemon_dies_gets_the_transport_error_and_its_pool_back(
+    start_daemon: Any,
+) -> None:
+    d = start_daemon()
+    producer = ChildProducer(d.local_socket, "orphan-reader", 0, 1)
+    try:
+        producer.wait_writing()
+        loc = location(d, ResultPartitionID("orphan-reader", 0, 0), 0)
+        with PartitionReader([loc], local_daemon_id=d.daemon_id) as reader:
+            it = reader.records()
+            assert [next(it)[0] for _ in range(10)] == list(range(10))
+            d.wait_stats(lambda s: s["local"]["consumer_bytes_shared_memory"] > 0)
+            d.kill()  # the arena stays mapped in this process: what it holds stays readable
+            with pytest.raises(TransportError, match=r"lost|closed"):
+                for i, record in enumerate(it, 10):
+                    assert record[0] == i  # exact up to the error
+    finally:
+        producer.sigkill()
