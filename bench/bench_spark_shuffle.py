@@ -65,7 +65,7 @@ def check_count(name: str, got: int, expect: int) -> None:
 RATIOS: dict[str, tuple[str, str, float | None]] = {
     "blocking_vs_partitionBy": ("exchange_blocking", "rdd_partitionBy", 2.5),
     "blocking_vs_df_repartition": ("exchange_blocking", "df_repartition", None),
-    "pipelined_vs_partitionBy_2": ("exchange_pipelined_2", "rdd_partitionBy_2", 2.0),
+    "pipelined_vs_partitionBy_2": ("exchange_pipelined_2", "rdd_partitionBy_2", 2.5),
     "blocking_vs_partitionBy_2": ("exchange_blocking_2", "rdd_partitionBy_2", None),
     "pipelined_vs_blocking_2": ("exchange_pipelined_2", "exchange_blocking_2", 1.0),
     "mixed_blocking_vs_partitionBy": ("exchange_blocking_mixed", "rdd_partitionBy_mixed", 2.0),
