@@ -17,7 +17,7 @@ from exchange.errors import SharedMemoryUnavailableError
 from exchange.memory.shared_arena import map_arena
 from exchange.protocol.local_messages import ARENA_SOCKET_SUFFIX, SharedArena
 
-__all__ = ["fetch_arena_fd", "map_offered_arena"]
+__all__ = ["fetch_arena_fd", "map_offered_arena", "unmap_arena"]
 
 
 async def map_offered_arena(
@@ -30,6 +30,19 @@ async def map_offered_arena(
         return map_arena(fd, offer.arena_size), os.fstat(fd).st_ino
     finally:
         os.close(fd)
+
+
+def unmap_arena(view: memoryview | None, arena: mmap.mmap | None) -> None:
+    """Drop a connection's view and mapping of an arena. Buffers still held over it keep
+    it mapped until they are released (the memory stays valid: a dead daemon's arena lives
+    while anyone maps it)."""
+    try:
+        if view is not None:
+            view.release()
+        if arena is not None:
+            arena.close()
+    except BufferError:
+        pass  # unmapped when the last buffer over it goes
 
 
 async def fetch_arena_fd(path: str, token: bytes, timeout: float) -> int:

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Final
 
-from client.arena_handout import map_offered_arena
+from client.arena_handout import map_offered_arena, unmap_arena
 from client.connection_base import HandshakingClientProtocol
 from client.network import parse_address
 from client.tls import client_ssl_context, connect_kwargs
@@ -356,11 +356,8 @@ class LocalConnection(HandshakingClientProtocol):
 
     def _unmap(self) -> None:
         view, self._arena_view = self._arena_view, None
-        if view is not None:
-            view.release()
         arena, self._arena = self._arena, None
-        if arena is not None:
-            arena.close()
+        unmap_arena(view, arena)
 
     def unsent_buffers(self) -> list[OutputBuffer]:
         """The buffers of the push now waiting for credit that are not written yet."""

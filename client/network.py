@@ -31,7 +31,7 @@ import os
 import ssl
 from typing import Final, Literal
 
-from client.arena_handout import map_offered_arena
+from client.arena_handout import map_offered_arena, unmap_arena
 from client.connection_base import HandshakingClientProtocol
 from client.tls import client_ssl_context, connect_kwargs
 from exchange.best_effort import cancel_and_wait
@@ -219,17 +219,9 @@ class PartitionRequestClientHandler(HandshakingClientProtocol):
                 self._arena_answer.set_result(None)
 
     def _unmap(self) -> None:
-        """Drop the mapping; buffers still held over it keep it mapped until released
-        (the memory stays valid: a dead daemon's arena lives while anyone maps it)."""
         view, self._arena_view = self._arena_view, None
         arena, self._arena = self._arena, None
-        try:
-            if view is not None:
-                view.release()
-            if arena is not None:
-                arena.close()
-        except BufferError:
-            pass  # unmapped when the last buffer over it goes
+        unmap_arena(view, arena)
 
     def _schedule_flush(self) -> None:
         self._loop.call_soon(self._flush_credits)
