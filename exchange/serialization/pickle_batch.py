@@ -44,6 +44,7 @@ from typing import Any, Final
 
 from exchange.errors import CorruptRecordError, RecordTooLargeError, UsageError
 from exchange.serialization.framing import LengthPrefixedDecoder
+from exchange.serialization.int_pairs import encode_int_pairs
 from exchange.serialization.record_codec import (
     DEFAULT_MAX_RECORD_SIZE,
     MAX_FRAMED_RECORD_SIZE,
@@ -149,6 +150,9 @@ class PickleBatchEncoder:
         """
         if not records:
             return b""
+        packed = encode_int_pairs(records, self._max_record_size)
+        if packed is not None:
+            return packed
         try:
             payload = self._dumps(records)
         except Exception as exc:
@@ -249,6 +253,9 @@ class PickleBatchDecoder(LengthPrefixedDecoder):
     copy of a cut frame only, are ``LengthPrefixedDecoder``'s)."""
 
     __slots__ = ()
+
+    def __init__(self, max_record_size: int) -> None:
+        super().__init__(max_record_size, int_pairs=True)
 
     def _deliver(self, payload: memoryview) -> None:
         """Unpickle one frame's payload and queue its records."""
