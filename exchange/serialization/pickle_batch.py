@@ -1,7 +1,10 @@
 """The default codec: records batched per channel and pickled as one list per frame.
 
 Stream format: a sequence of frames ``u32 big-endian length | pickle.dumps(list, 5)``;
-each frame's list holds consecutive records of the stream. Pickle gives records back
+each frame's list holds consecutive records of the stream. A batch of records that are all
+exactly ``(int, int)`` within 64 bits goes instead as a packed frame of fixed-width
+integers (``int_pairs.pyx``: same framing, a payload starting with ``PAIRS_TAG``), which
+the decoder reads in C; any other record in the batch makes it a pickle. Pickle gives records back
 exactly (a tuple stays a tuple, a ``Row`` keeps its fields, a ``Decimal`` stays a
 ``Decimal``), and pickling a list is several times faster per record than pickling each
 record on its own: the per-call overhead is paid once per batch.

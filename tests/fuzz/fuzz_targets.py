@@ -13,6 +13,7 @@ local-endpoint ids), ``handshake`` (``ServerHandshake``/``ClientHandshake`` fed 
 the frame decoder makes of the input), ``local_messages`` (the bodies of the local-endpoint
 messages, ids 64..75), ``msgpack`` (``MsgpackDecoder``), ``framed`` (``FramedDecoder`` of
 ``BytesCodec`` and of a UTF-8 payload codec), ``pickle_framing`` (``PickleBatchDecoder``),
+``int_pairs`` (``PickleBatchDecoder``'s packed ``(int, int)`` frames, ``int_pairs.pyx``),
 ``manifest`` (the partition manifests a restarted daemon reads, ``decode_manifest``).
 
 The rule, as in python-websockets' fuzzers: **every input either parses or raises a
@@ -28,7 +29,9 @@ the same application send records. Feeding arbitrary bytes to ``pickle.loads`` c
 code and is not a bug, so ``pickle_framing`` fuzzes only the framing shared with
 ``PickleBatchDecoder`` (``LengthPrefixedDecoder``): once with the payloads delivered as
 bytes, never unpickled, and once with every payload replaced by a pickle this script made
-itself (the real ``_deliver`` on trusted bytes).
+itself (the real ``_deliver`` on trusted bytes), each followed by a packed frame. ``int_pairs``
+gives every frame of the input the packed frame's tag (so no payload reaches pickle) and
+compares the records with a ``struct`` reference parser.
 
 Without atheris (``pip install atheris``; cp311 wheels exist) the script falls back to a
 random mutation fuzzer over the same targets and seeds (no coverage feedback; it keeps the
@@ -131,6 +134,8 @@ with _instrumented():
         ResumeConsumption,
         ServerHello,
     )
+    from exchange.serialization.framing import LengthPrefixedDecoder
+    from exchange.serialization.int_pairs import PAIRS_TAG, encode_int_pairs
     from exchange.serialization.pickle_batch import PickleBatchDecoder
     from exchange.serialization.record_codec import BytesCodec, FramedCodec, MsgpackCodec
     from tests.kit.reference_frame_decoder import FrameDecoder
@@ -151,6 +156,7 @@ DOCUMENTED: dict[str, tuple[type[BaseException], ...]] = {
     "msgpack": (CorruptRecordError,),
     "framed": (CorruptRecordError,),
     "pickle_framing": (CorruptRecordError,),
+    "int_pairs": (CorruptRecordError,),
     "manifest": (CorruptRecordError,),
 }
 
@@ -450,21 +456,38 @@ def run_framed(data: bytes) -> None:
 
 class _FramingOnlyDecoder(PickleBatchDecoder):
     """``PickleBatchDecoder``'s framing, with each payload delivered as bytes, unpickled
-    never (arbitrary bytes must not reach ``pickle.loads``)."""
+    never (arbitrary bytes must not reach ``pickle.loads``), none read as a packed frame
+    (``int_pairs`` fuzzes those)."""
 
     __slots__ = ()
 
+    def __init__(self, max_record_size: int) -> None:
+        LengthPrefixedDecoder.__init__(self, max_record_size)
+
     def _deliver(self, payload: memoryview) -> None:
         self._ready.append(bytes(payload))
+
+
+def _packed(records: list[tuple[int, int]]) -> bytes:
+    frame = encode_int_pairs(records, 1 << 20)
+    assert frame is not None
+    return frame
 
 
 def run_pickle_framing(data: bytes) -> None:
     frames, end = _reference_frames(data, RECORD_LIMIT)
     _run_codec(lambda: _FramingOnlyDecoder(RECORD_LIMIT), data, frames, end)
     # The real decoder, on a stream of pickles this script made (trusted): every frame of
-    # the input becomes a pickled list of its bytes and ints, same framing otherwise.
-    batches = [[f, len(f), *f[:3]] for f in frames]
-    stream = b"".join(_LEN.pack(len(p)) + p for p in (pickle.dumps(b, 5) for b in batches))
+    # the input becomes a pickled list of its bytes and ints, then a packed frame of pairs
+    # of its bytes, same framing otherwise.
+    batches: list[list[Any]] = []
+    for f in frames:
+        batches.append([f, len(f), *f[:3]])
+        batches.append([(b - 128, -(b << 40)) for b in f[:3]] or [(len(f), 0)])
+    stream = b"".join(
+        (_LEN.pack(len(p)) + p) + _packed(pairs)
+        for p, pairs in zip((pickle.dumps(b, 5) for b in batches[::2]), batches[1::2], strict=True)
+    )
     expected = [r for b in batches for r in b]
     results = []
     for i, pieces in enumerate(_splits(stream)):
@@ -476,6 +499,37 @@ def run_pickle_framing(data: bytes) -> None:
             raise InvariantError(f"{name}: {len(recs)} records of {len(expected)}")
         if err is not None:
             raise InvariantError(f"{name}: a stream of valid pickles fails with {err}")
+
+
+def _reference_pairs(payload: bytes) -> list[tuple[int, int]] | None:
+    """The records of a packed payload by ``struct``; None if it is malformed."""
+    if len(payload) < 6 or payload[1] > 3:
+        return None
+    kw, vw = (8 if payload[1] & 1 else 4), (8 if payload[1] & 2 else 4)
+    (count,) = struct.unpack_from("<I", payload, 2)
+    if len(payload) - 6 != count * (kw + vw):
+        return None
+    fmt = "<" + ("q" if kw == 8 else "i") + ("q" if vw == 8 else "i")
+    return list(struct.iter_unpack(fmt, payload[6:]))
+
+
+def run_int_pairs(data: bytes) -> None:
+    """The input's frames (limit ``RECORD_LIMIT - 1``), each payload given the packed
+    frame's tag in front; a cut end stays cut, a length over the limit stays over it."""
+    frames, end = _reference_frames(data, RECORD_LIMIT - 1)
+    stream = b"".join(_LEN.pack(len(f) + 1) + bytes([PAIRS_TAG]) + f for f in frames)
+    if end == "cut":
+        stream += data[sum(4 + len(f) for f in frames) :]
+    elif end == "error":
+        stream += b"\xff\xff\xff\xff"
+    expected: list[Any] = []
+    for f in frames:
+        pairs = _reference_pairs(bytes([PAIRS_TAG]) + f)
+        if pairs is None:
+            end = "error"
+            break
+        expected += pairs
+    _run_codec(lambda: PickleBatchDecoder(RECORD_LIMIT), stream, expected, end)
 
 
 _MANIFEST_PATH = Path("fuzz.manifest")
@@ -606,6 +660,25 @@ def _framed_seeds() -> list[bytes]:
     return [*frames, b"".join(frames), _LEN.pack(RECORD_LIMIT + 1) + b"z" * 8]
 
 
+def _int_pairs_seeds() -> list[bytes]:
+    """Packed frames without their tag (the target puts it back), and broken ones."""
+    edges = [0, -1, 2**31 - 1, -(2**31), 2**31, 2**63 - 1, -(2**63)]
+    good = [
+        _packed([(1, 2), (-3, 4)]),
+        _packed([(a, b) for a in edges for b in edges[:3]]),
+        _packed([(b, a) for a in edges for b in edges[:3]]),
+        _packed([(a, a) for a in edges]),
+    ]
+    untagged = [_LEN.pack(len(f) - 5) + f[5:] for f in good]
+    bad = [
+        _LEN.pack(1) + b"\x04",
+        _LEN.pack(5) + b"\x00\x01\x00\x00\x00",
+        _LEN.pack(13) + b"\x00\x02\x00\x00\x00" + bytes(8),
+        _LEN.pack(9) + b"\x03\xff\xff\xff\xff" + bytes(4),
+    ]
+    return [*untagged, b"".join(untagged), *bad, untagged[0] + bad[2]]
+
+
 def _manifest_seeds() -> list[bytes]:
     pid = ResultPartitionID("ds", 3, 1)
     writing = PartitionManifest(
@@ -638,6 +711,7 @@ TARGETS: dict[str, Target] = {
         Target("msgpack", run_msgpack, _msgpack_seeds),
         Target("framed", run_framed, _framed_seeds),
         Target("pickle_framing", run_pickle_framing, _framed_seeds),
+        Target("int_pairs", run_int_pairs, _int_pairs_seeds),
         Target("manifest", run_manifest, _manifest_seeds),
     )
 }
