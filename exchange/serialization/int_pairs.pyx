@@ -88,12 +88,11 @@ cdef inline bint _wide(int64_t v) noexcept nogil:
     return v < -2147483648 or v > 2147483647
 
 
-def encode_int_pairs(list records, Py_ssize_t max_payload):
-    """``records`` as one packed frame (``u32 big-endian length | payload``), or None when
-    a record is not exactly ``(int, int)`` within 64 bits, the batch is empty, or the
-    payload would exceed ``max_payload`` bytes."""
-    cdef Py_ssize_t n = len(records)
-    cdef Py_ssize_t i, size
+def encode_int_pairs(records, Py_ssize_t max_payload):
+    """``records`` (a list) as one packed frame (``u32 big-endian length | payload``), or
+    None when a record is not exactly ``(int, int)`` within 64 bits, the batch is empty or
+    not a list, or the payload would exceed ``max_payload`` bytes."""
+    cdef Py_ssize_t n, i, size
     cdef PyObject* rec
     cdef PyObject* k
     cdef PyObject* v
@@ -103,6 +102,9 @@ def encode_int_pairs(list records, Py_ssize_t max_payload):
     cdef int kw, vw
     cdef int64_t* pairs
     cdef unsigned char* out
+    if type(records) is not list:
+        return None
+    n = len(<list>records)
     if n == 0 or n > (max_payload - _HEADER) // 8:
         return None
     pairs = <int64_t*>PyMem_Malloc(<size_t>n * 2 * sizeof(int64_t))

@@ -161,6 +161,7 @@ def test_a_batch_packed_over_the_limit_is_pickled_and_split_within_it() -> None:
     records = [(i, i) for i in range(100)]
     assert encode_int_pairs(records, HEADER_SIZE + 8 * 100) is not None
     assert encode_int_pairs(records, HEADER_SIZE + 8 * 100 - 1) is None
+    assert encode_int_pairs(tuple(records), 1 << 20) is None  # only a list is packed
     codec = PickleBatchCodec(max_record_size=300)
     data = codec.new_encoder().encode_batch(records)
     assert len(frames(data)) > 1 and max(frames(data)) <= 300
