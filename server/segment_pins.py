@@ -38,6 +38,8 @@ __all__ = ["PeerProcess", "SegmentPins", "peer_process", "process_start_time"]
 log = logging.getLogger("exchange.server.shared_memory")
 
 _UCRED: Final = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: os.pidfd_open where the platform has it (Linux; the kernel may still lack it: ENOSYS)
+_PIDFD_OPEN: Final[Callable[[int], int] | None] = getattr(os, "pidfd_open", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +94,13 @@ class _Pin:
 class SegmentPins:
     """Segments of dropped consumer connections, kept until their process exits."""
 
-    def __init__(
-        self, *, pidfd_open: Callable[[int], int] | None = getattr(os, "pidfd_open", None)
-    ) -> None:
+    def __init__(self, *, pidfd_open: Callable[[int], int] | None = _PIDFD_OPEN) -> None:
         self._pidfd_open = pidfd_open
         self._pins: dict[PeerProcess, _Pin] = {}
         #: kept until ``close``: their process cannot be watched
         self._unwatched: list[Buffer] = []
         self.num_pinned = 0
+        self._closed = False  # the daemon stops: nothing is pinned any more
 
     @property
     def num_watched(self) -> int:
@@ -110,6 +111,9 @@ class SegmentPins:
         """``who``'s connection was dropped by the daemon holding ``buffers``: keep them
         out of the pool until ``peer`` exits (at once if it is gone already)."""
         if not buffers:
+            return
+        if self._closed:  # a connection lost after shutdown's close: the arenas go now
+            _release(buffers, who)
             return
         if peer is None:
             self._keep_unwatched(buffers, f"{who}: its process is unknown (no SO_PEERCRED)")
@@ -191,6 +195,7 @@ class SegmentPins:
     def close(self) -> None:
         """The daemon stops: every pinned segment returns (the arenas go with the daemon;
         a reader's mapping keeps its memory), every pidfd is closed."""
+        self._closed = True
         pins, self._pins = list(self._pins.values()), {}
         unwatched, self._unwatched = self._unwatched, []
         self.num_pinned = 0

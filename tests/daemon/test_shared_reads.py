@@ -6,6 +6,7 @@ own application."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from exchange.errors import TransportError
 from exchange.partition.result_partition_id import ResultPartitionID
 from tests.daemon._daemon import READY_TIMEOUT, ROOT, ChildProducer, _LineReader, child_env
 from tests.daemon.test_shared_memory import bytes_by_path
+from tests.kit.pidfds import pidfds
 from tests.kit.polling import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -237,10 +239,8 @@ class ReaderProcess:
             os.kill(self.proc.pid, signal.SIGKILL)
         assert self.proc.stdin is not None
         if not self.proc.stdin.closed:
-            try:
+            with contextlib.suppress(BrokenPipeError):  # killed: nobody reads it
                 self.proc.stdin.close()
-            except BrokenPipeError:
-                pass  # killed: nobody reads it
         code = self.proc.wait(30)
         self._out.join()
         self._err.join()
@@ -248,17 +248,6 @@ class ReaderProcess:
         self.proc.stdout.close()
         self.proc.stderr.close()
         return code
-
-
-def pidfds(pid: int) -> int:
-    """pidfds process ``pid`` (the daemon) has open now."""
-    n = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            n += os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[pidfd]"
-        except FileNotFoundError:
-            pass  # closed meanwhile
-    return n
 
 
 def in_log(d: Any, text: str) -> None:

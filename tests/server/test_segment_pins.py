@@ -18,20 +18,10 @@ import pytest
 from exchange.buffers.buffer import Buffer
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from server.segment_pins import PeerProcess, SegmentPins, peer_process, process_start_time
+from tests.kit.pidfds import pidfds
 from tests.kit.polling import wait_until
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def pidfds() -> int:
-    """pidfds this process has open now."""
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[pidfd]"
-        except OSError:
-            pass  # the listing's own fd, closed meanwhile
-    return n
 
 
 def take(nbp: NetworkBufferPool, n: int) -> list[Buffer]:
@@ -97,6 +87,9 @@ async def test_close_returns_every_pinned_segment_and_closes_every_pidfd(
     assert pins.num_pinned == 5 and pidfds() == before + 1
     pins.close()  # the daemon stops: the child still lives
     assert child.poll() is None
+    assert pins.num_pinned == 0 and nbp.is_whole() and pidfds() == before
+    # a connection lost after that (shutdown's close timed out): nothing is pinned
+    pins.pin(PeerProcess(child.pid, _start_time_of(child.pid)), take(nbp, 2), "consumer W")
     assert pins.num_pinned == 0 and nbp.is_whole() and pidfds() == before
 
 
