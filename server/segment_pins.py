@@ -150,8 +150,9 @@ class SegmentPins:
         except OSError as e:  # ENOSYS (a kernel before 5.3), EMFILE, ...
             self._keep_unwatched(buffers, f"{who}: pidfd_open({peer.pid}) failed: {e}")
             return None
-        # the pid may have been reused since accept: then the peer is gone
-        if peer.start_time is None or process_start_time(peer.pid) != peer.start_time:
+        # the pid may have been reused since accept: then the peer is gone (no start time
+        # known, no procfs: watched all the same, the safe side)
+        if peer.start_time is not None and process_start_time(peer.pid) != peer.start_time:
             os.close(fd)
             _release(buffers, who)
             return None

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -114,37 +115,16 @@ sys.stdin.read()
 
 def test_a_reader_sigkilled_holding_segments_gives_them_back(start_daemon: Any) -> None:
     d = start_daemon()
-    producer = ChildProducer(d.local_socket, "killed-reader", 0, 1)
-    reader: subprocess.Popen[str] | None = None
-    try:
-        producer.wait_writing()  # its partition, and the application's arena, exist
-        reader = subprocess.Popen(
-            [sys.executable, "-c", _STALLED_READER, d.local_socket, d.daemon_id,
-             d.data_address, "killed-reader"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, cwd=ROOT, env=child_env(),
-        )  # fmt: skip
-        out = _LineReader(reader.stdout, "reader-stdout")
-        line = out.next_line(READY_TIMEOUT)
-        assert line is not None and json.loads(line) == {"read": 10}
+    with holding_reader(d, "killed-reader", _STALLED_READER) as (_, reader):
         # stalled: it holds what it received, at most its credit (2 exclusive + 8 floating)
         local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)["local"]
         assert local["consumer_bytes_shared_memory"] > 0
         held = local["consumer_segments_held"]
         assert 0 < held <= 10
         assert local["shared_segments_in_use"] >= held  # never back in the pool meanwhile
-        os.kill(reader.pid, signal.SIGKILL)
-        assert reader.wait(10) == -signal.SIGKILL
-        d.wait_stats(lambda s: s["local"]["consumer_segments_held"] == 0, timeout=30)
-    finally:
-        if reader is not None and reader.poll() is None:
-            reader.kill()
-            reader.wait(10)
-        if reader is not None:
-            for pipe in (reader.stdin, reader.stdout, reader.stderr):
-                if pipe is not None:
-                    pipe.close()
-        producer.sigkill()
+        assert reader.end(kill=True) == -signal.SIGKILL
+        local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] == 0, timeout=30)
+        assert local["local"]["consumer_segments_pinned"] == 0  # its end, not the daemon's
     d.wait_stats(
         lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 0, timeout=30
     )
@@ -269,20 +249,35 @@ def held_then_pinned(d: Any) -> int:
     return pinned
 
 
+@contextlib.contextmanager
+def holding_reader(
+    d: Any, dataset: str, script: str, *args: str
+) -> Iterator[tuple[ChildProducer, ReaderProcess]]:
+    """A producer process streaming into a pipelined partition of ``d`` and a reader
+    process (``script``) that read 10 records of it and holds segments of the arena; both
+    killed at the end if still there."""
+    producer = ChildProducer(d.local_socket, dataset, 0, 1)
+    reader: ReaderProcess | None = None
+    try:
+        producer.wait_writing()  # its partition, and the application's arena, exist
+        reader = ReaderProcess(script, d, dataset, *args)
+        assert reader.next() == {"read": 10}
+        d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)
+        yield producer, reader
+    finally:
+        if reader is not None and reader.proc.poll() is None:
+            reader.end(kill=True)
+        producer.sigkill()
+
+
 def test_a_reader_whose_connection_the_daemon_drops_keeps_its_segments_until_it_dies(
     start_daemon: Any,
 ) -> None:
     """No Pong within peer_timeout (the reader is SIGSTOPped): the daemon drops the
     connection, but the segments the reader held stay out of the pool while its process
     lives, and return once it is SIGKILLed."""
-    d = start_daemon("--peer-timeout", "3")
-    producer = ChildProducer(d.local_socket, "stopped-reader", 0, 1)
-    reader: ReaderProcess | None = None
-    try:
-        producer.wait_writing()
-        reader = ReaderProcess(_STALLED_READER, d, "stopped-reader")
-        assert reader.next() == {"read": 10}
-        d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)
+    d = start_daemon("--peer-timeout", "4")
+    with holding_reader(d, "stopped-reader", _STALLED_READER) as (producer, reader):
         assert pidfds(d.proc.pid) == 0
         os.kill(reader.proc.pid, signal.SIGSTOP)  # it answers no Ping any more
         pinned = held_then_pinned(d)
@@ -305,10 +300,6 @@ def test_a_reader_whose_connection_the_daemon_drops_keeps_its_segments_until_it_
         )["local"]
         assert local["shared_segments_in_use"] == 0
         assert pidfds(d.proc.pid) == 0  # and is closed
-    finally:
-        if reader is not None and reader.proc.poll() is None:
-            reader.end(kill=True)
-        producer.sigkill()
     d.wait_pool_whole()
     d.stop_clean()
 
@@ -321,13 +312,7 @@ def test_a_reader_dropped_for_a_protocol_error_reads_on_exactly_and_its_segments
     order, then gets the typed error; its segments stay pinned while it lives, and a daemon
     that stops meanwhile still ends with every pool whole."""
     d = start_daemon()
-    producer = ChildProducer(d.local_socket, "bad-reader", 0, 1)
-    reader: ReaderProcess | None = None
-    try:
-        producer.wait_writing()
-        reader = ReaderProcess(_DRIVEN_READER, d, "bad-reader", "protocol-error")
-        assert reader.next() == {"read": 10}
-        d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)
+    with holding_reader(d, "bad-reader", _DRIVEN_READER, "protocol-error") as (producer, reader):
         reader.step()  # the bad RecycleSegments
         pinned = held_then_pinned(d)
         in_log(d, "given back but not held")
@@ -344,10 +329,6 @@ def test_a_reader_dropped_for_a_protocol_error_reads_on_exactly_and_its_segments
         d.stop_clean()  # shutdown returns the pinned segments: every pool whole
         assert reader.proc.poll() is None
         assert reader.end() == 0
-    finally:
-        if reader is not None and reader.proc.poll() is None:
-            reader.end(kill=True)
-        producer.sigkill()
 
 
 def test_a_reader_that_closes_holding_segments_gives_them_back_at_once(
@@ -357,13 +338,7 @@ def test_a_reader_that_closes_holding_segments_gives_them_back_at_once(
     its connection itself, and they return while its process lives on (a reused Spark
     worker), without a pidfd."""
     d = start_daemon()
-    producer = ChildProducer(d.local_socket, "closing-reader", 0, 1)
-    reader: ReaderProcess | None = None
-    try:
-        producer.wait_writing()
-        reader = ReaderProcess(_DRIVEN_READER, d, "closing-reader", "close")
-        assert reader.next() == {"read": 10}
-        d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)
+    with holding_reader(d, "closing-reader", _DRIVEN_READER, "close") as (producer, reader):
         reader.step()
         assert reader.next() == {"closed": True}
         local = d.wait_stats(
@@ -379,9 +354,5 @@ def test_a_reader_that_closes_holding_segments_gives_them_back_at_once(
             timeout=30,
         )
         assert reader.end() == 0
-    finally:
-        if reader is not None and reader.proc.poll() is None:
-            reader.end(kill=True)
-        producer.sigkill()
     d.wait_pool_whole()
     d.stop_clean()
