@@ -1,42 +1,34 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
 """CreditBasedSequenceNumberingViewReader: one remote channel's reader on the server.
 
 It holds the receiver's credit (one credit = one free buffer at the receiver). A data
 buffer costs one credit; events cost none. The reader is *available* when it has credit
 and data, or when its next buffer is an event. A priority event (unaligned barrier) put
 at the head of its view puts the reader at the head of the connection's queue.
+
+Compiled (a ``cdef class``): the data port's send loop (``partition_request_queue.pyx``)
+polls a reader once per buffer sent, through ``poll``, a C call that leaves the polled
+buffer's backlog, sequence number and "more to send" in the reader's C fields instead of
+building a ``BufferAndAvailability`` per buffer. ``get_next_buffer`` is the same poll as a
+Python API. ``credit_based_view_reader.pyi`` types it for mypy. There is no Python version
+of this module.
 """
 
-from __future__ import annotations
+from exchange.buffers.buffer cimport Buffer
 
-from typing import TYPE_CHECKING
-
+from exchange.buffers.buffer import DataType
 from exchange.consumer.input_channel import BufferAndAvailability
 from exchange.errors import IllegalStateError, UsageError
-from exchange.partition.result_partition_id import ResultPartitionID
-from exchange.partition.result_partition_manager import ResultPartitionManager
-from exchange.partition.subpartition_view import ResultSubpartitionView
-
-if TYPE_CHECKING:
-    from exchange.network.partition_request_queue import PartitionRequestQueue
 
 __all__ = ["CreditBasedSequenceNumberingViewReader"]
 
+cdef object DATA_BUFFER = DataType.DATA_BUFFER
 
-class CreditBasedSequenceNumberingViewReader:
+
+cdef class CreditBasedSequenceNumberingViewReader:
     """Server-side state of one PartitionRequest."""
 
-    __slots__ = (
-        "_queue",
-        "_view",
-        "credits",
-        "initial_credit",
-        "partition_id",
-        "receiver_id",
-        "registered_as_available",
-        "subpartition_index",
-    )
-
-    def __init__(self, receiver_id: int, initial_credit: int, queue: PartitionRequestQueue):
+    def __init__(self, receiver_id, Py_ssize_t initial_credit, queue):
         if initial_credit < 0:
             raise UsageError(f"initial credit must be >= 0, got {initial_credit}")
         self.receiver_id = receiver_id
@@ -44,13 +36,14 @@ class CreditBasedSequenceNumberingViewReader:
         self.credits = initial_credit
         self.registered_as_available = False
         self._queue = queue
-        self._view: ResultSubpartitionView | None = None
-        self.partition_id: ResultPartitionID | None = None
+        self._view = None
+        self.partition_id = None
         self.subpartition_index = -1
+        self.more_available = False
+        self.backlog = 0
+        self.sequence_number = 0
 
-    def request_subpartition_view(
-        self, manager: ResultPartitionManager, pid: ResultPartitionID, index: int, app_id: str = ""
-    ) -> None:
+    def request_subpartition_view(self, manager, pid, index, app_id=""):
         """Open application ``app_id``'s partition ``pid`` (its ids are its own)."""
         if self._view is not None:
             raise IllegalStateError(f"receiver {self.receiver_id} already has a view")
@@ -58,65 +51,77 @@ class CreditBasedSequenceNumberingViewReader:
         self.subpartition_index = index
         self._view = manager.create_subpartition_view(pid, index, self, app_id)
 
-    def notify_data_available(self) -> None:
+    def notify_data_available(self):
         """BufferAvailabilityListener: the view has data (called by the producer side)."""
         self._queue.notify_reader_non_empty(self)
 
-    def notify_priority_event(self) -> None:
+    def notify_priority_event(self):
         """PriorityEventListener: a priority event is at the head of the view."""
         self._queue.notify_reader_priority(self)
 
-    def add_credit(self, delta: int) -> None:
+    def add_credit(self, Py_ssize_t delta):
         self.credits += delta
 
-    def resume_consumption(self) -> None:
+    def resume_consumption(self):
         if self._view is not None:
             if self.initial_credit == 0:
                 self.credits = 0
             self._view.resume_consumption()
 
-    def notify_new_buffer_size(self, size: int) -> None:
+    def notify_new_buffer_size(self, size):
         if self._view is not None:
             self._view.notify_new_buffer_size(size)
 
-    def is_available(self) -> bool:
+    cpdef bint is_available(self) except -1:
         view = self._view
         if view is None:
             return False
         return view.get_availability_and_backlog(self.credits)[0]
 
-    def get_next_buffer(self) -> BufferAndAvailability | None:
+    cdef Buffer poll(self):
+        """The view's next buffer (None if none), taking a credit for a data buffer; its
+        backlog, sequence number and whether more can be sent now are left in
+        ``backlog``, ``sequence_number`` and ``more_available``."""
+        cdef Buffer buf
         view = self._view
         if view is None:
             return None
         nb = view.get_next_buffer()
         if nb is None:
             return None
-        if nb.buffer.is_buffer:
+        buf, more, backlog, nxt, seq = nb
+        if buf._data_type is DATA_BUFFER:
             self.credits -= 1
             if self.credits < 0:
-                nb.buffer.release()
+                buf.release()
                 raise IllegalStateError(f"receiver {self.receiver_id}: no credit available")
-        nxt = nb.next_data_type
-        more = nb.is_data_available and nxt is not None and (self.credits > 0 or nxt.is_event)
-        return BufferAndAvailability(nb.buffer, more, nb.buffers_in_backlog, nb.sequence_number)
+        self.more_available = bool(more) and nxt is not None and (self.credits > 0 or nxt.is_event)
+        self.backlog = backlog
+        self.sequence_number = seq
+        return buf
+
+    def get_next_buffer(self):
+        buf = self.poll()
+        if buf is None:
+            return None
+        return BufferAndAvailability(buf, self.more_available, self.backlog, self.sequence_number)
 
     @property
-    def is_released(self) -> bool:
+    def is_released(self):
         view = self._view
         return view is None or view.is_released
 
     @property
-    def failure_cause(self) -> BaseException | None:
+    def failure_cause(self):
         view = self._view
         return None if view is None else view.failure_cause
 
-    def release_all_resources(self) -> None:
+    def release_all_resources(self):
         view, self._view = self._view, None
         if view is not None:
             view.release_all_resources()
 
-    def __repr__(self) -> str:
+    def __repr__(self):
         return (
             f"ViewReader(receiver={self.receiver_id}, {self.partition_id}"
             f"[{self.subpartition_index}], credits={self.credits})"
