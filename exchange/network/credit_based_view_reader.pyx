@@ -15,14 +15,20 @@ of this module.
 """
 
 from exchange.buffers.buffer cimport Buffer
+from exchange.partition.pipelined_subpartition cimport (
+    PipelinedSubpartition,
+    PipelinedSubpartitionView,
+)
 
 from exchange.buffers.buffer import DataType
 from exchange.consumer.input_channel import BufferAndAvailability
 from exchange.errors import IllegalStateError, UsageError
+from exchange.partition.states import ReaderState
 
 __all__ = ["CreditBasedSequenceNumberingViewReader"]
 
 cdef object DATA_BUFFER = DataType.DATA_BUFFER
+cdef object VIEW_RELEASED = ReaderState.RELEASED
 
 
 cdef class CreditBasedSequenceNumberingViewReader:
@@ -83,13 +89,26 @@ cdef class CreditBasedSequenceNumberingViewReader:
         backlog, sequence number and whether more can be sent now are left in
         ``backlog``, ``sequence_number`` and ``more_available``."""
         cdef Buffer buf
+        cdef PipelinedSubpartition sub
         view = self._view
         if view is None:
             return None
-        nb = view.get_next_buffer()
-        if nb is None:
-            return None
-        buf, more, backlog, nxt, seq = nb
+        if type(view) is PipelinedSubpartitionView:  # the relay's case: all in C
+            if (<PipelinedSubpartitionView>view).state is VIEW_RELEASED:
+                return None
+            sub = (<PipelinedSubpartitionView>view)._subpartition
+            buf = sub.c_poll()
+            if buf is None:
+                return None
+            more = sub.polled_available
+            backlog = sub.polled_backlog
+            nxt = sub.polled_next_type
+            seq = sub.polled_sequence_number
+        else:
+            nb = view.get_next_buffer()
+            if nb is None:
+                return None
+            buf, more, backlog, nxt, seq = nb
         if buf._data_type is DATA_BUFFER:
             self.credits -= 1
             if self.credits < 0:
