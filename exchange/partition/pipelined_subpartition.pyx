@@ -28,16 +28,23 @@ Follows Flink's rules:
 
 Lifecycles (``states.py``): the subpartition WRITING -> FINISHED -> RELEASED, its view
 READING -> CONSUMED -> RELEASED.
-"""
 
-from __future__ import annotations
+Compiled (``cdef class``es): every buffer the daemon relays is queued here (``add``) and
+polled from here, so both run in C; the data port's view reader
+(``credit_based_view_reader.pyx``) polls through ``c_poll``, which leaves the polled
+buffer's availability, backlog, next type and sequence number in C fields instead of
+building a ``BufferAndBacklog`` (``poll_buffer`` builds one, for Python callers).
+``pipelined_subpartition.pyi`` types the module for mypy. There is no Python version of
+this module.
+"""
 
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from exchange.buffers.buffer import Buffer, DataType
-from exchange.buffers.buffer_consumer import BufferConsumer
+from exchange.buffers.buffer cimport Buffer
+from exchange.buffers.buffer_consumer cimport BufferConsumer
+
+from exchange.buffers.buffer import DataType
 from exchange.errors import (
     ConsumerAlreadyAttachedError,
     CorruptRecordError,
@@ -115,12 +122,12 @@ cdef class PipelinedSubpartition:
     def failure_cause(self):
         return self._failure
 
-    def add(self, consumer):
+    def add(self, BufferConsumer consumer not None):
         """Queue a buffer; False (and the consumer closed) when finished or released."""
         if self.state is not WRITING:
             consumer.close()
             return False
-        data_type = consumer.data_type
+        data_type = consumer._buffer._data_type
         if data_type.has_priority:
             self._add_priority(consumer)
             return True
@@ -261,6 +268,7 @@ cdef class PipelinedSubpartition:
         ``BufferAndBacklog`` carries besides the buffer is left in the ``polled_*``
         fields."""
         cdef Buffer buffer = None
+        cdef BufferConsumer consumer
         if self._blocked or self.state is SUB_RELEASED:
             return None
         buffers = self._buffers
