@@ -9,15 +9,23 @@ connection asks for (``get_buffer``), so a BufferResponse payload lands in its s
 Hooks for subclasses: ``on_message`` (messages the core hands over), ``on_connection_lost``;
 and ``ready`` (the handshake is done, or failed with its typed error), ``closed``, ``send``,
 ``fail``, ``check``, ``close``/``aclose``.
+
+``connect`` opens every client connection of the package (data port, local socket, the
+driver's control and rendezvous services): one address syntax (``exchange.addresses``),
+one retry loop, one error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from typing import Final, cast
+import ssl
+from collections.abc import Callable
+from typing import Final, TypeVar, cast
 
-from exchange.errors import ExchangeError
+from client.tls import connect_kwargs
+from exchange.addresses import parse_address
+from exchange.errors import ExchangeError, TransportError
 from exchange.protocol.client_connection import (
     ClientConnection,
     ConnectionEvent,
@@ -27,10 +35,62 @@ from exchange.protocol.client_connection import (
 )
 from exchange.protocol.messages import Message
 
-__all__ = ["APP_ID_ENV", "HandshakingClientProtocol", "app_id_from_env"]
+__all__ = [
+    "APP_ID_ENV",
+    "DEFAULT_CONNECT_TIMEOUT",
+    "HandshakingClientProtocol",
+    "app_id_from_env",
+    "connect",
+]
 
 #: Environment variable naming the application a task speaks for (docs/security.md).
 APP_ID_ENV: Final = "EXCHANGE_APP_ID"
+#: Seconds one connection attempt may take.
+DEFAULT_CONNECT_TIMEOUT: Final = 10.0
+
+_P = TypeVar("_P", bound=asyncio.BaseProtocol)
+
+
+async def connect(
+    address: str,
+    factory: Callable[[], _P],
+    *,
+    retries: int = 0,
+    backoff: float = 0.1,
+    timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    ssl_context: ssl.SSLContext | None = None,
+    peer: str = "the peer",
+    hint: str = "",
+) -> _P:
+    """The protocol ``factory`` made for a connection to ``address`` (``host:port``,
+    ``[v6]:port`` or ``unix:/path``; TLS with ``ssl_context`` over TCP).
+
+    Up to ``retries`` more attempts after a refused or timed-out one, ``backoff`` seconds
+    apart, doubling. Then a TransportError naming ``peer`` and the address, the last
+    error and ``hint``; a malformed address is a UsageError at once.
+    """
+    host, port = parse_address(address)
+    loop = asyncio.get_running_loop()
+    delay = backoff
+    last: OSError | TimeoutError | None = None
+    for attempt in range(retries + 1):
+        if attempt:
+            await asyncio.sleep(delay)
+            delay *= 2
+        if port == 0:
+            opening = loop.create_unix_connection(factory, host)
+        else:
+            opening = loop.create_connection(
+                factory, host, port, **connect_kwargs(host, ssl_context)
+            )
+        try:
+            _, protocol = await asyncio.wait_for(opening, timeout)
+        except (OSError, TimeoutError) as e:
+            last = e
+            continue
+        return protocol
+    tries = f" after {retries + 1} attempts" if retries else ""
+    raise TransportError(f"cannot reach {peer} at {address}{tries}: {last}{hint}") from last
 
 
 def app_id_from_env() -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from client.consumer import PartitionLocation, PartitionReader
-from client.network import parse_address
+from exchange.addresses import parse_address
 from client.producer import PartitionWriter
 from exchange.buffers.buffer import DataType
 from exchange.errors import IllegalStateError, UsageError
