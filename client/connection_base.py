@@ -20,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Final, TypeVar, cast
 
 from client.tls import connect_kwargs
 from exchange.addresses import parse_address
-from exchange.errors import ExchangeError, TransportError
+from exchange.errors import ExchangeError, ProtocolError, TransportError
 from exchange.protocol.client_connection import (
     ClientConnection,
     ConnectionEvent,
@@ -33,11 +33,13 @@ from exchange.protocol.client_connection import (
     HandshakeComplete,
     MessageReceived,
 )
+from exchange.protocol.codec import InPlaceFrameDecoder, encode
 from exchange.protocol.messages import Message
 
 __all__ = [
     "APP_ID_ENV",
     "DEFAULT_CONNECT_TIMEOUT",
+    "FramedProtocol",
     "HandshakingClientProtocol",
     "app_id_from_env",
     "connect",
@@ -218,3 +220,117 @@ class HandshakingClientProtocol(asyncio.BufferedProtocol):
     async def aclose(self) -> None:
         self.close()
         await self.closed
+
+
+class FramedProtocol(asyncio.BufferedProtocol):
+    """One connection of the driver's services (control, rendezvous), either end: typed
+    messages of ``exchange.protocol.driver_messages`` on the project's framing, no
+    handshake (the first message carries the service's token).
+
+    The decoder accepts the ids in ``accept`` up to ``max_frame_size`` bytes (settable:
+    a server raises it once a peer has registered). Subclasses implement ``on_message``
+    and ``on_lost`` (called once, with the error that ended the connection: the
+    ProtocolError of a bad frame, else a TransportError).
+    """
+
+    def __init__(self, accept: Collection[int], max_frame_size: int) -> None:
+        self._decoder = InPlaceFrameDecoder(max_frame_size, accept=accept)
+        self.get_buffer = self._decoder.get_buffer  # type: ignore[method-assign]
+        self.transport: asyncio.Transport | None = None
+        self.error: ExchangeError | None = None
+        self._loop = asyncio.get_running_loop()
+        self._paused = False
+        self._drain_waiters: list[asyncio.Future[None]] = []
+        self.closed: asyncio.Future[None] = self._loop.create_future()
+
+    @property
+    def max_frame_size(self) -> int:
+        return self._decoder.max_frame_size
+
+    @max_frame_size.setter
+    def max_frame_size(self, value: int) -> None:
+        self._decoder.max_frame_size = value
+
+    # -- asyncio.BufferedProtocol --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def get_buffer(self, sizehint: int) -> memoryview:  # replaced per instance in __init__
+        return self._decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            messages = self._decoder.buffer_updated(nbytes)
+        except ProtocolError as e:
+            self.fail(e)
+            return
+        for msg in messages:
+            if self.transport is None or self.transport.is_closing():
+                return
+            if isinstance(msg, Message):
+                self.on_message(msg)
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost reports it
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.error is None:
+            ended = "mid-frame" if self._decoder.buffered else "by the peer"
+            self.error = TransportError(f"connection closed {ended}" + (f": {exc}" if exc else ""))
+        self._wake_drain()
+        self.on_lost(self.error)
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_drain()
+
+    def _wake_drain(self) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    # -- for subclasses ------------------------------------------------------------------
+
+    def on_message(self, msg: Message) -> None:
+        raise NotImplementedError
+
+    def on_lost(self, error: ExchangeError) -> None:
+        """The connection ended (``error`` says why)."""
+
+    # -- sending and closing -------------------------------------------------------------
+
+    @property
+    def is_open(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def send(self, msg: Message) -> None:
+        """Queue ``msg`` (dropped once the connection is closing)."""
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.writelines(encode(msg))
+
+    async def drain(self) -> None:
+        """Wait until the transport's buffer is below its high-water mark."""
+        if self._paused and self.transport is not None:
+            fut = self._loop.create_future()
+            self._drain_waiters.append(fut)
+            await fut
+
+    def fail(self, error: ExchangeError) -> None:
+        """End the connection at once (what is queued is dropped) for ``error``."""
+        if self.error is None:
+            self.error = error
+        if self.transport is not None:
+            self.transport.abort()
+
+    def close(self) -> None:
+        """End the connection once what is queued is written."""
+        if self.transport is not None:
+            self.transport.close()

@@ -10,7 +10,13 @@ from typing import Any
 
 import pytest
 
-from client.rendezvous import RendezvousServer, RendezvousTicket, rendezvous, report_abort
+from client.rendezvous import (
+    RendezvousServer,
+    RendezvousTicket,
+    TaskLocation,
+    rendezvous,
+    report_abort,
+)
 from exchange.errors import SchedulingError, TransportError, UsageError
 from tests.kit.polling import wait_for
 
@@ -22,6 +28,15 @@ def server() -> Any:
     s.close()
 
 
+def loc(index: int, attempt: int) -> TaskLocation:
+    """Task ``index``'s location (only index and attempt matter here)."""
+    return TaskLocation(index, attempt, "daemon", "127.0.0.1:1", "/tmp/sock", 32768)
+
+
+def pairs(locations: list[TaskLocation]) -> list[list[int]]:
+    return [[x.index, x.attempt] for x in locations]
+
+
 def meet_all(
     ticket: RendezvousTicket, attempts: list[int], timeout: float = 10, round_id: int = 0
 ) -> list[Any]:
@@ -29,9 +44,8 @@ def meet_all(
 
     def one(i: int) -> None:
         try:
-            location = [i, attempts[i]]
-            results[i] = rendezvous(
-                ticket, i, attempts[i], location, timeout=timeout, round_id=round_id
+            results[i] = pairs(
+                rendezvous(ticket, loc(i, attempts[i]), timeout=timeout, round_id=round_id)
             )
         except Exception as e:
             results[i] = e
@@ -65,21 +79,21 @@ def test_rounds_with_adjacent_attempts_stay_apart(server: RendezvousServer) -> N
     ticket = server.open_group("x6", 2)
     assert meet_all(ticket, [5, 6], round_id=1) == [[[0, 5], [1, 6]]] * 2
     with pytest.raises(TransportError, match="waited"):
-        rendezvous(ticket, 0, 7, [0, 7], timeout=0.5, round_id=2)
+        rendezvous(ticket, loc(0, 7), timeout=0.5, round_id=2)
     assert meet_all(ticket, [7, 8], round_id=2) == [[[0, 7], [1, 8]]] * 2
 
 
 def test_a_lone_task_of_a_dead_round_gives_up_typed(server: RendezvousServer) -> None:
     ticket = server.open_group("x3", 2)
     with pytest.raises(TransportError, match="waited"):
-        rendezvous(ticket, 0, 1, [0, 1], timeout=0.5)
+        rendezvous(ticket, loc(0, 1), timeout=0.5)
 
 
 def test_a_bad_token_is_refused(server: RendezvousServer) -> None:
     ticket = server.open_group("x4", 1)
-    forged = RendezvousTicket(ticket.address, ticket.port, "x4", "0" * 32, 1)
+    forged = RendezvousTicket(ticket.address, "x4", "0" * 32, 1)
     with pytest.raises(TransportError, match="refused"):
-        rendezvous(forged, 0, 1, [0, 1], timeout=5)
+        rendezvous(forged, loc(0, 1), timeout=5)
 
 
 def test_a_failing_task_runs_the_abort_hook_once_with_every_location(
@@ -87,8 +101,8 @@ def test_a_failing_task_runs_the_abort_hook_once_with_every_location(
 ) -> None:
     calls: list[tuple[int, list[Any]]] = []
 
-    async def hook(round_id: int, locations: list[Any]) -> None:
-        calls.append((round_id, sorted(locations)))
+    async def hook(round_id: int, locations: list[TaskLocation]) -> None:
+        calls.append((round_id, sorted(pairs(locations))))
 
     ticket = server.open_group("x5", 2, hook)
     meet_all(ticket, [7, 8], round_id=3)
@@ -120,8 +134,8 @@ def test_an_ordinary_stage_refuses_a_task_run_again_alone(server: RendezvousServ
     the round's clean-up runs once, and later registrations are refused as well."""
     calls: list[tuple[int, list[Any]]] = []
 
-    async def hook(round_id: int, locations: list[Any]) -> None:
-        calls.append((round_id, sorted(locations)))
+    async def hook(round_id: int, locations: list[TaskLocation]) -> None:
+        calls.append((round_id, sorted(pairs(locations))))
 
     ticket = server.open_group("o2", 3, hook, whole_stage_retries=False)
     waiting: list[Any] = []
@@ -133,7 +147,7 @@ def test_an_ordinary_stage_refuses_a_task_run_again_alone(server: RendezvousServ
         t.start()
     wait_for(lambda: _registered(server, "o2", 0) == 2, 30, "two tasks registered")
     with pytest.raises(SchedulingError, match="ran task 0 again") as excinfo:
-        rendezvous(ticket, 0, 9, [0, 9], timeout=120)
+        rendezvous(ticket, loc(0, 9), timeout=120)
     assert "mode='blocking'" in str(excinfo.value)  # the way out
     for t in threads:
         t.join(30)
@@ -141,12 +155,12 @@ def test_an_ordinary_stage_refuses_a_task_run_again_alone(server: RendezvousServ
     assert all(isinstance(e, SchedulingError) for e in waiting), waiting
     assert calls == [(0, [[0, 5], [1, 6]])]
     with pytest.raises(SchedulingError, match="ran task 0 again"):
-        rendezvous(ticket, 2, 7, [2, 7], timeout=120)
+        rendezvous(ticket, loc(2, 7), timeout=120)
 
 
 def meet_all_one(ticket: RendezvousTicket, i: int, attempt: int) -> Any:
     try:
-        return rendezvous(ticket, i, attempt, [i, attempt], timeout=120)
+        return pairs(rendezvous(ticket, loc(i, attempt), timeout=120))
     except Exception as e:
         return e
 
@@ -155,7 +169,7 @@ def test_an_ordinary_round_a_task_failed_in_refuses_the_rest(server: RendezvousS
     ticket = server.open_group("o3", 2, whole_stage_retries=False)
     report_abort(ticket, 0, 4, round_id=1)
     with pytest.raises(SchedulingError, match="a task of its stage failed"):
-        rendezvous(ticket, 1, 5, [1, 5], timeout=120, round_id=1)
+        rendezvous(ticket, loc(1, 5), timeout=120, round_id=1)
     assert meet_all(ticket, [6, 7], round_id=2) == [[[0, 6], [1, 7]]] * 2  # the next run
 
 
@@ -172,7 +186,7 @@ def test_a_round_its_check_finds_short_of_tasks_is_refused_as_misuse(
 
     ticket = server.open_group("o4", 2, whole_stage_retries=False, check_round=check)
     with pytest.raises(UsageError, match="the job runs 1 of the 2 tasks"):
-        rendezvous(ticket, 0, 3, [0, 3], timeout=120, round_id=1)
+        rendezvous(ticket, loc(0, 3), timeout=120, round_id=1)
     assert meet_all(ticket, [4, 5], round_id=2) == [[[0, 4], [1, 5]]] * 2
     assert checked == [1, 2]  # once per round
 
@@ -182,5 +196,5 @@ def test_an_ordinary_round_short_of_tasks_times_out_naming_the_slots(
 ) -> None:
     ticket = server.open_group("o5", 3, whole_stage_retries=False)
     with pytest.raises(SchedulingError, match="waited") as excinfo:
-        rendezvous(ticket, 0, 1, [0, 1], timeout=0.5)
+        rendezvous(ticket, loc(0, 1), timeout=0.5)
     assert "needs 3 free task slots" in str(excinfo.value), str(excinfo.value)
