@@ -25,8 +25,8 @@ from typing import Final
 
 from client.arena_handout import map_offered_arena, unmap_arena
 from client.connection_base import HandshakingClientProtocol, connect
-from exchange.addresses import UNIX_PREFIX
 from client.tls import client_ssl_context
+from exchange.addresses import UNIX_PREFIX
 from exchange.buffers.buffer import DataType
 from exchange.errors import (
     ConfigError,

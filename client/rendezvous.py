@@ -169,11 +169,11 @@ async def listen_for_tasks(
     """A driver-side server on an ephemeral port for the application's tasks: on loopback
     when the driver's host is loopback, else on every interface (executors elsewhere; every
     IPv6 one when the host is an IPv6 address)."""
-    if host in ("127.0.0.1", "localhost", "::1"):
-        bind = host
-    else:
-        bind = "::" if ":" in host else "0.0.0.0"
-    server = await asyncio.get_running_loop().create_server(factory, bind, 0)
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    wildcard = "::" if ":" in host else "0.0.0.0"
+    server = await asyncio.get_running_loop().create_server(
+        factory, host if loopback else wildcard, 0
+    )
     return server, int(server.sockets[0].getsockname()[1])
 
 

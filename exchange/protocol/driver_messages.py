@@ -20,7 +20,8 @@ TaskFinished (its collect sinks' records, pickled) and TaskFailed. Driver -> tas
 RegistrationRefused (and the connection closes), StartTask (every task's daemon, the
 checkpoint to restore), CheckpointTrigger (sources), CheckpointComplete, CheckpointAbort,
 StopInput (sources: end the input now, as if exhausted), FinishTask (after the final
-checkpoint: end the stream).
+checkpoint: end the stream), CancelTask (fail now; the driver itself cancels through
+Spark, this is for a driver that cannot).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ __all__ = [
     "MAX_TOKEN_LENGTH",
     "RENDEZVOUS_MESSAGE_IDS",
     "AbortRound",
+    "CancelTask",
     "CheckpointAbort",
     "CheckpointAck",
     "CheckpointComplete",
@@ -205,7 +207,7 @@ class RendezvousRefused(Message):
 # -- control ------------------------------------------------------------------------------
 
 #: Ids of the control service's messages (its frame decoders accept only these).
-CONTROL_MESSAGE_IDS: Final = range(136, 149)
+CONTROL_MESSAGE_IDS: Final = range(136, 150)
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +341,13 @@ class FinishTask(Message):
     """Driver -> every task, after the final checkpoint completed: end the stream."""
 
     MESSAGE_ID: ClassVar[int] = 143
+
+
+@dataclass(frozen=True, slots=True)
+class CancelTask(Message):
+    """Driver -> task: fail now (the task raises StreamTaskFailed)."""
+
+    MESSAGE_ID: ClassVar[int] = 149
 
 
 @dataclass(frozen=True, slots=True)
@@ -595,6 +604,7 @@ def _register() -> None:
         lambda m: _pack({"records_in": m.records_in, "results": dict(m.results)}),
     )
     register_message(148, TaskFailed, *_flat(TaskFailed))
+    register_message(149, CancelTask, *_flat(CancelTask))
 
 
 _register()
