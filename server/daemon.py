@@ -588,5 +588,3 @@ def advertised_host(config: DaemonConfig) -> str:
         f"other hosts would dial themselves. Set {ADVERTISE_HOST_ENV} (or --advertise-host) "
         "to a name or address they reach, or bind --host to that address",
     )
-
-
