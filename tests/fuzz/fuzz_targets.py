@@ -7,13 +7,14 @@ Usage::
     python tests/fuzz/fuzz_targets.py TARGET --replay FILE...   # run inputs once
     python tests/fuzz/fuzz_targets.py TARGET --corpus DIR --save-to tests/fuzz/corpus/TARGET
 
-Targets (``TARGETS``): ``frame`` (the compiled ``InPlaceFrameDecoder``, beside the pure-Python
-reference ``FrameDecoder`` of ``tests/kit/reference_frame_decoder.py``; data-port,
-local-endpoint and driver ids), ``handshake`` (``ServerHandshake``/``ClientHandshake`` fed the messages
-the frame decoder makes of the input), ``local_messages`` (the bodies of the local-endpoint
-messages, ids 64..127), ``driver_messages`` (the bodies of the driver's control and
-rendezvous messages, ids 128..159), ``msgpack`` (``MsgpackDecoder``), ``framed``
-(``FramedDecoder`` of ``BytesCodec`` and of a UTF-8 payload codec), ``pickle_framing`` (``PickleBatchDecoder``),
+Targets (``TARGETS``): ``frame`` (the compiled ``InPlaceFrameDecoder``, beside the
+pure-Python reference ``FrameDecoder`` of ``tests/kit/reference_frame_decoder.py``;
+data-port, local-endpoint and driver ids), ``handshake`` (``ServerHandshake``/
+``ClientHandshake`` fed the messages the frame decoder makes of the input),
+``local_messages`` (the bodies of the local-endpoint messages, ids 64..127),
+``driver_messages`` (the bodies of the driver's control and rendezvous messages, ids
+128..159), ``msgpack`` (``MsgpackDecoder``), ``framed`` (``FramedDecoder`` of
+``BytesCodec`` and of a UTF-8 payload codec), ``pickle_framing`` (``PickleBatchDecoder``),
 ``manifest`` (the partition manifests a restarted daemon reads, ``decode_manifest``).
 
 The rule, as in python-websockets' fuzzers: **every input either parses or raises a
