@@ -5,6 +5,8 @@ at any time, and refuse at once what can never complete."""
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 from typing import Any
 
@@ -17,8 +19,12 @@ from client.rendezvous import (
     rendezvous,
     report_abort,
 )
-from exchange.errors import SchedulingError, TransportError, UsageError
+from exchange.addresses import parse_address
+from exchange.errors import ProtocolError, SchedulingError, TransportError, UsageError
+from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, encode
+from exchange.protocol.driver_messages import Met
 from tests.kit.polling import wait_for
+from tests.kit.sockets import closed_by_peer, has_ipv6_loopback
 
 
 @pytest.fixture
@@ -198,3 +204,55 @@ def test_an_ordinary_round_short_of_tasks_times_out_naming_the_slots(
     with pytest.raises(SchedulingError, match="waited") as excinfo:
         rendezvous(ticket, loc(0, 1), timeout=0.5)
     assert "needs 3 free task slots" in str(excinfo.value), str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(struct.pack(">IIB", FRAME_HEADER_SIZE + 1, MAGIC, 128) + b"\xc1", id="body"),
+        pytest.param(struct.pack(">IIB", 1 << 20, MAGIC, 128), id="oversized"),
+        pytest.param(struct.pack(">IIB", FRAME_HEADER_SIZE, MAGIC, 136), id="control-id"),
+        pytest.param(b"".join(encode(Met(()))), id="an-answer"),
+        pytest.param(b'{"exchange": "m1", "index": 0}\n', id="json"),
+    ],
+)
+def test_a_bad_request_is_dropped_and_the_tasks_still_meet(
+    server: RendezvousServer, data: bytes
+) -> None:
+    ticket = server.open_group("m1", 2)
+    with socket.create_connection(parse_address(ticket.address), timeout=10) as s:
+        s.sendall(data)
+        assert closed_by_peer(s, 10)  # no answer: the connection ends
+    assert _registered(server, "m1", 0) == 0
+    assert meet_all(ticket, [1, 2]) == [[[0, 1], [1, 2]]] * 2
+
+
+def test_a_bad_answer_fails_the_task_typed() -> None:
+    """A peer at the rendezvous's address that answers garbage: ProtocolError, not a hang."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        ticket = RendezvousTicket(f"127.0.0.1:{port}", "b1", "t" * 32, 2)
+
+        def answer() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(struct.pack(">IIB", FRAME_HEADER_SIZE + 1, MAGIC, 130) + b"\x90")
+                closed_by_peer(conn, 10)
+
+        peer = threading.Thread(target=answer, daemon=True)
+        peer.start()
+        with pytest.raises(ProtocolError, match="locations"):
+            rendezvous(ticket, loc(0, 1), timeout=10)
+        peer.join(10)
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
+def test_tasks_meet_over_ipv6() -> None:
+    server = RendezvousServer(host="::1")
+    try:
+        ticket = server.open_group("v6", 2)
+        assert ticket.address == f"[::1]:{server.port}"
+        assert meet_all(ticket, [3, 4]) == [[[0, 3], [1, 4]]] * 2
+    finally:
+        server.close()

@@ -28,7 +28,7 @@ from exchange.protocol.driver_messages import (
     SourceExhausted,
     TaskDaemon,
 )
-from tests.kit.sockets import closed_by_peer
+from tests.kit.sockets import closed_by_peer, has_ipv6_loopback
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -137,16 +137,7 @@ def test_a_wrong_token_is_refused() -> None:
         server.close()
 
 
-def _has_ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
 def test_a_task_registers_and_is_driven_over_ipv6() -> None:
     token = secrets.token_hex(8)
     server = ControlServer(token, 1, {"t0"}, host="::1")
