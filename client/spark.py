@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -344,14 +344,10 @@ def _probe_executor_python(sc: SparkContext) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class _Produced:
-    index: int
-    attempt: int
-    daemon_id: str
-    data_address: str
-    local_socket: str
-    segment_size: int
-    records: int
+class _Produced(TaskLocation):
+    """Where a blocking map task wrote its partition, and how many records."""
+
+    records: int = 0
 
 
 _info_cache: dict[str, tuple[tuple[int, int], Any]] = {}
@@ -447,7 +443,7 @@ def _write_partition(
 
 def _open_reader(
     exchange_id: str,
-    producers: list[_Produced],
+    producers: Sequence[TaskLocation],
     subpartition: int,
     spec: _DaemonSpec,
     codec: RecordCodec,
@@ -785,18 +781,12 @@ def _pipelined(
         pw = _open_writer(dataset, t, attempt, n, spec, codec, False)
         try:
             if barrier:
-                everyone = rendezvous(ticket, me, round_id=stage)
+                producers = rendezvous(ticket, me, round_id=stage)
             else:
-                everyone = rendezvous(ticket, me, round_id=stage, timeout=start_timeout)
+                producers = rendezvous(ticket, me, round_id=stage, timeout=start_timeout)
         except BaseException as e:
             pw.fail(e)
             raise
-        producers = [
-            _Produced(
-                p.index, p.attempt, p.daemon_id, p.data_address, p.local_socket, p.segment_size, 0
-            )
-            for p in everyone
-        ]
         # the producers' daemons (our own: over its local socket)
         daemons = sorted(
             {p.local_socket if p.daemon_id == info.daemon_id else p.data_address for p in producers}
