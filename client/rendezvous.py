@@ -134,11 +134,10 @@ class _Refusal(Exception):
         self.kind = kind
 
 
-#: refusal kinds -> the error a task raises
+#: refusals of a round -> the error its task raises (BAD_REQUEST: a TransportError)
 _KINDS: Final[dict[RefusalKind, type[ExchangeError]]] = {
     RefusalKind.SCHEDULING: SchedulingError,
     RefusalKind.USAGE: UsageError,
-    RefusalKind.BAD_REQUEST: TransportError,
 }
 
 #: what a round's driver hook gets: the round and every location registered so far

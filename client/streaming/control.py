@@ -33,7 +33,7 @@ from client.rendezvous import listen_for_tasks
 from client.runtime import ClientRuntime, get_runtime
 from exchange.addresses import format_address
 from exchange.best_effort import best_effort
-from exchange.errors import ExchangeError
+from exchange.errors import ExchangeError, TransportError
 from exchange.protocol.codec import MAX_CONTROL_FRAME_SIZE
 from exchange.protocol.driver_messages import (
     CONTROL_MESSAGE_IDS,
@@ -94,11 +94,9 @@ class _TaskConnection(FramedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._server._admit(self)
-        self._timer = self._loop.call_later(REGISTER_TIMEOUT, self._give_up)
-
-    def _give_up(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
+        self._timer = self._loop.call_later(
+            REGISTER_TIMEOUT, self.fail, TransportError("no registration in time")
+        )
 
     def on_message(self, msg: Message) -> None:
         if self.task:
@@ -165,7 +163,7 @@ class ControlServer:
         if len(self._unregistered) >= self.max_unregistered:
             oldest = next(iter(self._unregistered))
             del self._unregistered[oldest]
-            oldest._give_up()
+            oldest.fail(TransportError("dropped for a newer unregistered connection"))
         self._unregistered[conn] = None
 
     def _register(self, conn: _TaskConnection, msg: Message) -> None:
