@@ -313,8 +313,12 @@ class FramedProtocol(asyncio.BufferedProtocol):
 
     def send(self, msg: Message) -> None:
         """Queue ``msg`` (dropped once the connection is closing)."""
+        self.write(encode(msg))
+
+    def write(self, frames: list[bytes | memoryview]) -> None:
+        """Queue frames ``encode`` made (encoded by the caller, e.g. on its own thread)."""
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.writelines(encode(msg))
+            self.transport.writelines(frames)
 
     async def drain(self) -> None:
         """Wait until the transport's buffer is below its high-water mark."""

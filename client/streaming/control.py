@@ -34,7 +34,7 @@ from client.runtime import ClientRuntime, get_runtime
 from exchange.addresses import format_address
 from exchange.best_effort import best_effort
 from exchange.errors import ExchangeError, TransportError
-from exchange.protocol.codec import MAX_CONTROL_FRAME_SIZE
+from exchange.protocol.codec import MAX_CONTROL_FRAME_SIZE, encode
 from exchange.protocol.driver_messages import (
     CONTROL_MESSAGE_IDS,
     RegisterTask,
@@ -209,17 +209,20 @@ class ControlServer:
 
     def send(self, task: str, msg: Message) -> None:
         """Queue ``msg`` to ``task`` (any thread; dropped if the task is gone)."""
-
-        def write() -> None:
-            conn = self._conns.get(task)
-            if conn is not None:
-                conn.send(msg)
-
-        self._rt.loop.call_soon_threadsafe(write)
+        self.broadcast(msg, {task})
 
     def broadcast(self, msg: Message, tasks: set[str] | None = None) -> None:
-        for t in sorted(self.task_ids if tasks is None else tasks):
-            self.send(t, msg)
+        """Queue ``msg`` to ``tasks`` (None: every task), encoded once, here."""
+        frames = encode(msg)
+        targets = sorted(self.task_ids if tasks is None else tasks)
+
+        def write() -> None:
+            for task in targets:
+                conn = self._conns.get(task)
+                if conn is not None:
+                    conn.write(frames)
+
+        self._rt.loop.call_soon_threadsafe(write)
 
     def wait_disconnected(self, timeout: float) -> bool:
         """Wait until no task is connected (everything they sent is in ``inbox``);
@@ -302,8 +305,8 @@ class ControlClient:
         return cls(rt.run(open_()), rt)
 
     def send(self, msg: Message) -> None:
-        """Send ``msg`` to the driver (any thread)."""
-        self._rt.loop.call_soon_threadsafe(self._conn.send, msg)
+        """Send ``msg`` to the driver (any thread; encoded here, not on the loop)."""
+        self._rt.loop.call_soon_threadsafe(self._conn.write, encode(msg))
 
     def flush(self) -> None:
         """Wait until what was sent so far is handed to the kernel (at most the
