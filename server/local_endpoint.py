@@ -23,8 +23,10 @@ arena the same way (SharedArena without segments, a token for the hand-out socke
 soon as that application has one here (at RequestArena or a later PartitionRequest); once
 it answers ArenaMapped, data buffers in that arena go as SharedBufferResponse descriptors
 and come back by index (RecycleSegments); the connection holds them meanwhile, and its
-loss returns them (``exchange.network.server_connection``). An arena offered to a
-consumer stays until the consumer's connection closes. Where no arena can be offered the
+loss returns them (``exchange.network.server_connection``), unless the daemon dropped
+it: then its process (``SO_PEERCRED``) may still read them, and they stay pinned until it
+exits (``server.segment_pins``). An arena offered to a consumer stays until the
+consumer's connection closes. Where no arena can be offered the
 consumer reads over the socket, and the log says why once per connection.
 
 A consumer task may also report its gates' figures (TaskMetrics) on a connection of its
@@ -46,7 +48,7 @@ import logging
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, ClassVar, Final
+from typing import ClassVar, Final, Protocol
 
 from exchange.errors import (
     ConfigError,
@@ -57,7 +59,10 @@ from exchange.errors import (
 )
 from exchange.local.producer_session import PUSH_BUFFER_FRAMES, ProducerSession, PushHeader
 from exchange.memory.network_buffer_pool import NetworkBufferPool
-from exchange.network.server_connection import DATA_PORT_MESSAGES
+from exchange.network.server_connection import DATA_PORT_MESSAGES, ServerConnection
+from exchange.partition.result_partition import ResultPartition
+from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.local_messages import (
     ARENA_SOCKET_SUFFIX,
@@ -65,6 +70,7 @@ from exchange.protocol.local_messages import (
     ArenaMapped,
     CommitSegments,
     CreatePartition,
+    DaemonInfo,
     DaemonInfoRequest,
     FailPartition,
     FinishPartition,
@@ -81,14 +87,14 @@ from exchange.protocol.local_messages import (
     TaskMetrics,
 )
 from exchange.protocol.messages import ErrorResponse, Message, PartitionRequest, error_response_for
+from server.config import DaemonConfig
 from server.jobs import JobBoard
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
+from server.segment_pins import SegmentPins, peer_process
+from server.shared_arenas import SharedArenas
 
-if TYPE_CHECKING:
-    from server.daemon import ExchangeDaemon
-
-__all__ = ["LocalEndpoint", "LocalEndpointProtocol"]
+__all__ = ["EndpointDaemon", "LocalEndpoint", "LocalEndpointProtocol"]
 
 log = logging.getLogger("exchange.server.local")
 
@@ -98,10 +104,36 @@ _FAILED_PRODUCER_GRACE: Final = 2.0
 MAX_TASK_REPORTS_PER_CONNECTION: Final = 16
 
 
+class EndpointDaemon(Protocol):
+    """What the local endpoint uses of its daemon (``server.daemon.ExchangeDaemon``):
+    the endpoint is given its daemon, it does not import it."""
+
+    config: DaemonConfig
+    manager: ResultPartitionManager
+    shared_arenas: SharedArenas
+    segment_size: int
+    bytes_in: int
+    partitions_failed: int
+
+    def info(self) -> DaemonInfo: ...
+
+    def create_partition(
+        self,
+        pid: ResultPartitionID,
+        ptype: ResultPartitionType,
+        num_subpartitions: int,
+        *,
+        app_id: str = "",
+        network_pool: NetworkBufferPool | None = None,
+    ) -> ResultPartition: ...
+
+    def release_dataset(self, dataset_id: str, app_id: str | None = None) -> int: ...
+
+
 class LocalEndpoint(DataServer):
     """The daemon's Unix-socket server."""
 
-    def __init__(self, daemon: ExchangeDaemon, **kwargs: object) -> None:
+    def __init__(self, daemon: EndpointDaemon, **kwargs: object) -> None:
         super().__init__(daemon.manager, **kwargs)  # type: ignore[arg-type]
         self.daemon = daemon
         self.path: str | None = None
@@ -117,6 +149,8 @@ class LocalEndpoint(DataServer):
         #: consumer payload bytes sent as arena descriptors, by connections now closed
         self.closed_consumer_bytes_shared = 0
         self.arena_path: str | None = None
+        #: segments of consumer connections the daemon dropped, kept until their process exits
+        self.pins = SegmentPins()
         self._handout: asyncio.Task[None] | None = None
         self._handouts: set[asyncio.Task[None]] = set()
         # unaligned checkpoints: overtaken buffers handed back to producer tasks
@@ -239,6 +273,7 @@ class LocalEndpoint(DataServer):
     async def close(self) -> None:
         await self._stop_handout()
         await super().close()
+        self.pins.close()  # the connections are gone; the arenas go next
         if self.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
@@ -262,6 +297,7 @@ class LocalEndpoint(DataServer):
             consumer_bytes_shared_memory=shared_reads,
             consumer_bytes_socket=base["bytes_sent"] - shared_reads,
             consumer_segments_held=sum(c.num_held for c in live),
+            consumer_segments_pinned=self.pins.num_pinned,
             output_state_bytes=self.output_state_bytes,
             output_state_buffers=self.output_state_buffers,
         )
@@ -447,7 +483,9 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 if offer is None:
                     raise ProtocolError("ArenaMapped without a SharedArena offered")
                 if not offer.is_destroyed:  # (destroyed: the daemon is shutting down)
-                    self._conn().read_arena = offer
+                    conn = self._conn()
+                    conn.read_arena = offer
+                    self._pin_on_drop(conn)
             case PartitionRequest():
                 super().on_message(msg)
                 if self._wants_arena:
@@ -495,6 +533,14 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         if self._no_arena_logged:
             log.info("consumer %s: its application's shared arena exists now, offered", self.peer)
         return None
+
+    def _pin_on_drop(self, conn: ServerConnection) -> None:
+        """Segments this consumer holds when the daemon drops its connection stay out of
+        the pool until its process (the connecting one, ``SO_PEERCRED``) exits."""
+        transport = self.transport
+        peer = peer_process(None if transport is None else transport.get_extra_info("socket"))
+        pins, who = self.endpoint.pins, f"consumer connection {self.peer}"
+        conn.keep_held = lambda buffers: pins.pin(peer, buffers, who)
 
     @property
     def bytes_shared_read(self) -> int:

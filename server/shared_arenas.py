@@ -11,7 +11,9 @@ says why.
 
 A consumer task on this host maps its application's arena too (it reads the segments in
 place, see ``server.local_endpoint``), with a token as producers do; an arena offered to
-a consumer connection is pinned (never dropped) until that connection closes.
+a consumer connection is pinned (never dropped) until that connection closes. Segments
+pinned for a consumer process the daemon dropped (``server.segment_pins``) keep their
+arena too: it is not whole until they return.
 """
 
 from __future__ import annotations
