@@ -134,6 +134,6 @@ def test_session_grants_overdraft_credit_to_a_task_mid_record(
     for i in range(2):
         s.on_push(0, DataType.DATA_BUFFER, memoryview(bytes([i]) * 10))
     assert part.buffer_pool.num_overdraft == 2 and s.overdraft_granted == 2
-    assert part.subpartitions[0]._backlog_now() == 4
+    assert part.subpartitions[0].buffers_in_backlog == 4
     part.release()  # the leak check of ``nbp`` sees every segment back, overdraft first
     assert part.buffer_pool.num_overdraft == 0
