@@ -439,7 +439,8 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 self.endpoint.jobs.update(msg, self._conn().app_id)
             case RequestArena():
                 self._wants_arena = True
-                why = self._offer_arena()
+                app_id = self._conn().app_id
+                why = self._offer_arena(self.daemon.manager.has_finished_blocking(app_id))
                 if why is not None:
                     self.send(NoArena(why))
             case ArenaMapped():
@@ -450,8 +451,8 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                     self._conn().read_arena = offer
             case PartitionRequest():
                 super().on_message(msg)
-                if self._wants_arena:
-                    self._offer_arena()
+                if self._wants_arena and self._read_offer is None:
+                    self._offer_arena(self._is_blocking(msg))
             case _:
                 super().on_message(msg)
 
@@ -472,16 +473,29 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             self._count_push(size, session.buffers_received - buffers)
             self.endpoint.bytes_shared_memory += size
 
-    def _offer_arena(self) -> str | None:
-        """Offer a consumer its application's arena, once, if there is one; else why not."""
+    def _is_blocking(self, req: PartitionRequest) -> bool:
+        """Whether the connection's application has ``req``'s partition, blocking."""
+        try:
+            part = self.daemon.manager.get_partition(req.partition_id, self._conn().app_id)
+        except PartitionError:
+            return False
+        return part.partition_type.is_blocking
+
+    def _offer_arena(self, reads_blocking: bool) -> str | None:
+        """Offer a consumer its application's arena, once, if there is one (made for it
+        when it reads blocking partitions: they are read into it); else why not."""
         if self._read_offer is not None:
             return None
         arenas = self.daemon.shared_arenas
         app_id = self._conn().app_id
         pool = arenas.existing(app_id)
+        if pool is None and reads_blocking:
+            pool = arenas.pool_for(app_id, "its readers read over the socket")
         if pool is None:
-            why = arenas.unavailable or (
-                f"application {app_id!r} has no shared arena here yet (no producer of it "
+            why = (
+                arenas.unavailable
+                or (arenas.refusal(app_id) if reads_blocking else None)
+                or f"application {app_id!r} has no shared arena here yet (no producer of it "
                 "wrote into one)"
             )
             if not self._no_arena_logged:

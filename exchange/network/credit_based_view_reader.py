@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from exchange.consumer.input_channel import BufferAndAvailability
 from exchange.errors import IllegalStateError, UsageError
+from exchange.partition.bounded_data import ReadMemory
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.partition.subpartition_view import ResultSubpartitionView
@@ -49,14 +50,20 @@ class CreditBasedSequenceNumberingViewReader:
         self.subpartition_index = -1
 
     def request_subpartition_view(
-        self, manager: ResultPartitionManager, pid: ResultPartitionID, index: int, app_id: str = ""
+        self,
+        manager: ResultPartitionManager,
+        pid: ResultPartitionID,
+        index: int,
+        app_id: str = "",
+        read_memory: ReadMemory | None = None,
     ) -> None:
-        """Open application ``app_id``'s partition ``pid`` (its ids are its own)."""
+        """Open application ``app_id``'s partition ``pid`` (its ids are its own); a
+        blocking one reads its data buffers into ``read_memory`` while it lends segments."""
         if self._view is not None:
             raise IllegalStateError(f"receiver {self.receiver_id} already has a view")
         self.partition_id = pid
         self.subpartition_index = index
-        self._view = manager.create_subpartition_view(pid, index, self, app_id)
+        self._view = manager.create_subpartition_view(pid, index, self, app_id, read_memory)
 
     def notify_data_available(self) -> None:
         """BufferAvailabilityListener: the view has data (called by the producer side)."""
