@@ -20,10 +20,12 @@ authenticated for. The task then commits filled segments by index (CommitSegment
 
 A consumer connection that says it can map (RequestArena) is offered its application's
 arena the same way (SharedArena without segments, a token for the hand-out socket), as
-soon as that application has one here (at RequestArena or a later PartitionRequest); once
-it answers ArenaMapped, data buffers in that arena go as SharedBufferResponse descriptors
-and come back by index (RecycleSegments); the connection holds them meanwhile, and its
-loss returns them (``exchange.network.server_connection``). An arena offered to a
+soon as that application has one here (at RequestArena or a later PartitionRequest; one
+is made for it when the application has finished blocking partitions here, which are
+read into it); once it answers ArenaMapped, data buffers in that arena go as
+SharedBufferResponse descriptors and come back by index (RecycleSegments); the
+connection holds them meanwhile, and its loss returns them
+(``exchange.network.server_connection``). An arena offered to a
 consumer stays until the consumer's connection closes. Where no arena can be offered the
 consumer reads over the socket, and the log says why once per connection.
 
