@@ -25,8 +25,10 @@ is made for it when the application has finished blocking partitions here, which
 read into it); once it answers ArenaMapped, data buffers in that arena go as
 SharedBufferResponse descriptors and come back by index (RecycleSegments); the
 connection holds them meanwhile, and its loss returns them
-(``exchange.network.server_connection``). An arena offered to a
-consumer stays until the consumer's connection closes. Where no arena can be offered the
+(``exchange.network.server_connection``), unless the daemon dropped it: then its process
+(``SO_PEERCRED``) may still read them, and they stay pinned until it exits
+(``server.segment_pins``). An arena offered to a consumer stays until the consumer's
+connection closes. Where no arena can be offered the
 consumer reads over the socket, and the log says why once per connection.
 
 A consumer task may also report its gates' figures (TaskMetrics) on a connection of its
@@ -59,7 +61,7 @@ from exchange.errors import (
 )
 from exchange.local.producer_session import PUSH_BUFFER_FRAMES, ProducerSession, PushHeader
 from exchange.memory.network_buffer_pool import NetworkBufferPool
-from exchange.network.server_connection import DATA_PORT_MESSAGES
+from exchange.network.server_connection import DATA_PORT_MESSAGES, ServerConnection
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.local_messages import (
     ARENA_SOCKET_SUFFIX,
@@ -86,6 +88,7 @@ from exchange.protocol.messages import ErrorResponse, Message, PartitionRequest,
 from server.jobs import JobBoard
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
+from server.segment_pins import SegmentPins, peer_process
 
 if TYPE_CHECKING:
     from server.daemon import ExchangeDaemon
@@ -119,6 +122,8 @@ class LocalEndpoint(DataServer):
         #: consumer payload bytes sent as arena descriptors, by connections now closed
         self.closed_consumer_bytes_shared = 0
         self.arena_path: str | None = None
+        #: segments of consumer connections the daemon dropped, kept until their process exits
+        self.pins = SegmentPins()
         self._handout: asyncio.Task[None] | None = None
         self._handouts: set[asyncio.Task[None]] = set()
         # unaligned checkpoints: overtaken buffers handed back to producer tasks
@@ -241,6 +246,7 @@ class LocalEndpoint(DataServer):
     async def close(self) -> None:
         await self._stop_handout()
         await super().close()
+        self.pins.close()  # the connections are gone; the arenas go next
         if self.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
@@ -264,6 +270,7 @@ class LocalEndpoint(DataServer):
             consumer_bytes_shared_memory=shared_reads,
             consumer_bytes_socket=base["bytes_sent"] - shared_reads,
             consumer_segments_held=sum(c.num_held for c in live),
+            consumer_segments_pinned=self.pins.num_pinned,
             output_state_bytes=self.output_state_bytes,
             output_state_buffers=self.output_state_buffers,
         )
@@ -450,7 +457,9 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 if offer is None:
                     raise ProtocolError("ArenaMapped without a SharedArena offered")
                 if not offer.is_destroyed:  # (destroyed: the daemon is shutting down)
-                    self._conn().read_arena = offer
+                    conn = self._conn()
+                    conn.read_arena = offer
+                    self._pin_on_drop(conn)
             case PartitionRequest():
                 super().on_message(msg)
                 if self._wants_arena and self._read_offer is None:
@@ -511,6 +520,14 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         if self._no_arena_logged:
             log.info("consumer %s: its application's shared arena exists now, offered", self.peer)
         return None
+
+    def _pin_on_drop(self, conn: ServerConnection) -> None:
+        """Segments this consumer holds when the daemon drops its connection stay out of
+        the pool until its process (the connecting one, ``SO_PEERCRED``) exits."""
+        transport = self.transport
+        peer = peer_process(None if transport is None else transport.get_extra_info("socket"))
+        pins, who = self.endpoint.pins, f"consumer connection {self.peer}"
+        conn.keep_held = lambda buffers: pins.pin(peer, buffers, who)
 
     @property
     def bytes_shared_read(self) -> int:

@@ -164,7 +164,7 @@ class DaemonView(Protocol):
     ``local_endpoint_stats()`` has the keys producers, consumers, bytes_received,
     buffers_received, partitions_created, producer_failures, bytes_shared_memory,
     bytes_socket, shared_arenas, consumer_bytes_shared_memory, consumer_bytes_socket,
-    consumer_segments_held. ``totals()`` holds cumulative
+    consumer_segments_held, consumer_segments_pinned. ``totals()`` holds cumulative
     buffers_received, partitions_created, producer_failures, output_state_bytes,
     output_state_buffers. ``totals()`` holds cumulative
     counters that survive partition release: bytes_in, bytes_out, buffers_out,
@@ -764,6 +764,13 @@ class ExchangeCollector:
             "Shared arena segments consumer tasks on this host hold now (read in place, not "
             "given back yet; they return when a consumer's connection closes).",
             _num(local, "consumer_segments_held"),
+        )
+        yield gauge(
+            "exchange_consumer_shared_segments_pinned",
+            "Shared arena segments kept out of the pool for consumer processes that may still "
+            "read them: held when the daemon dropped their connection (a protocol error, no "
+            "Pong within peer_timeout), returned when the process exits.",
+            _num(local, "consumer_segments_pinned"),
         )
         yield gauge(
             "exchange_shared_arenas",

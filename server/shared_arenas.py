@@ -11,9 +11,11 @@ says why.
 
 A consumer task on this host maps its application's arena too (it reads the segments in
 place, see ``server.local_endpoint``), with a token as producers do; an arena offered to
-a consumer connection is pinned (never dropped) until that connection closes. An arena
-is made for a consumer only when its application has blocking partitions here: their
-readers read the files into it (``exchange.network.server_connection.ArenaReads``).
+a consumer connection is pinned (never dropped) until that connection closes. Segments
+pinned for a consumer process the daemon dropped (``server.segment_pins``) keep their
+arena too: it is not whole until they return. An arena is made for a consumer only when
+its application has blocking partitions here: their readers read the files into it
+(``exchange.network.server_connection.ArenaReads``).
 """
 
 from __future__ import annotations

@@ -31,11 +31,15 @@ Shared memory (a consumer on the daemon's Unix socket that mapped its applicatio
 arena, ``read_arena``): a data buffer whose segment lies in that arena is sent as a
 SharedBufferResponse (segment, offset, length) instead of its bytes, and held here until
 the consumer gives it back by index (``give_back``, its RecycleSegments): never recycled
-while the consumer may read it. ``connection_lost`` releases whatever it still held (a
-consumer that died holding segments). A pipelined partition's buffers lie in the arena
-when its producer wrote them there; a blocking partition's readers on this connection
-read their data buffers from the file into spare segments of the arena
-(``ArenaReads``), so they take the same path.
+while the consumer may read it. ``connection_lost`` releases whatever it still held when
+the consumer ended the connection (it closed, or died). When the *daemon* ended it (a
+protocol error, no Pong within ``peer_timeout``, shutdown: ``dropped_by_daemon``) the
+consumer's process may live on and still decode a batch from those segments: they go to
+``keep_held`` instead, when set (the local endpoint pins them until that process exits,
+``server.segment_pins``), and are never recycled here. A pipelined partition's buffers
+lie in the arena when its producer wrote them there; a blocking partition's readers on
+this connection read their data buffers from the file into spare segments of the arena
+(``ArenaReads``), so they take the same path, with the same rules.
 
 Keepalive: once established, the connection sends a ``Ping`` every ``peer_timeout / 2``
 seconds while none is unanswered; a peer that has not answered with a ``Pong`` within
@@ -348,6 +352,13 @@ class ServerConnection:
         self.app_id = ""
         #: True once the peer was dropped for not answering a Ping in time.
         self.timed_out = False
+        #: True once this side ended the connection (close or abort) other than at the
+        #: peer's CloseRequest: the peer may live on (see ``keep_held``).
+        self.dropped_by_daemon = False
+        #: Takes the segments still held when the daemon dropped the connection (None:
+        #: they are recycled with the rest, as when the consumer ended it).
+        self.keep_held: Callable[[list[Buffer]], None] | None = None
+        self._peer_closed = False  # the peer said CloseRequest
         #: The shared arena the consumer mapped (None: data buffers go as bytes).
         self.read_arena: NetworkBufferPool | None = None
         self._arena_reads: ReadMemory = ArenaReads(self)
@@ -449,6 +460,7 @@ class ServerConnection:
             case CancelPartitionRequest(receiver_id=rid):
                 self.queue.cancel(rid)
             case CloseRequest():
+                self._peer_closed = True
                 self.close()
             case ReleaseDataset(dataset_id=ds):
                 self.send(Released(self._release_dataset(ds, self.app_id)))
@@ -475,6 +487,11 @@ class ServerConnection:
     def _release_held(self) -> None:
         held, self._held = self._held, {}
         self.num_held = 0
+        keep = self.keep_held
+        if held and keep is not None and self.dropped_by_daemon:
+            # the consumer's process may still read them: out of our hands, never recycled
+            keep([buf for entries in held.values() for _, buf in entries])
+            return
         for entries in held.values():
             for rid, buf in entries:
                 try:
@@ -793,6 +810,7 @@ class ServerConnection:
         """
         if self._state not in _OPEN:
             return
+        self.dropped_by_daemon = not self._peer_closed
         self._transition(ServerConnectionState.CLOSING)
         self._cancel_handshake_timer()
         self._cancel_keepalive_timer()
@@ -822,6 +840,7 @@ class ServerConnection:
         if self._state is ServerConnectionState.CLOSED:
             return
         if self._state is not ServerConnectionState.CLOSING:
+            self.dropped_by_daemon = True
             self._transition(ServerConnectionState.CLOSING)
             self._cancel_handshake_timer()
             self._cancel_keepalive_timer()
@@ -845,7 +864,7 @@ class ServerConnection:
         self._keepalive_timer = None
         self.queue.release_all()
         self._discard_output()
-        self._release_held()  # the consumer is gone: what it held returns to the pool
+        self._release_held()  # back to the pool, or kept while the consumer may read it
         in_flight = self._in_flight
         while in_flight:
             _, rid, buf = in_flight.popleft()

@@ -7,12 +7,14 @@ arena of its own application."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,6 +25,8 @@ from exchange.errors import TransportError
 from exchange.partition.result_partition_id import ResultPartitionID
 from tests.daemon._daemon import READY_TIMEOUT, ROOT, ChildProducer, _LineReader, child_env
 from tests.daemon.test_shared_memory import bytes_by_path
+from tests.kit.pidfds import pidfds
+from tests.kit.polling import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -164,37 +168,16 @@ sys.stdin.read()
 
 def test_a_reader_sigkilled_holding_segments_gives_them_back(start_daemon: Any) -> None:
     d = start_daemon()
-    producer = ChildProducer(d.local_socket, "killed-reader", 0, 1)
-    reader: subprocess.Popen[str] | None = None
-    try:
-        producer.wait_writing()  # its partition, and the application's arena, exist
-        reader = subprocess.Popen(
-            [sys.executable, "-c", _STALLED_READER, d.local_socket, d.daemon_id,
-             d.data_address, "killed-reader"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, cwd=ROOT, env=child_env(),
-        )  # fmt: skip
-        out = _LineReader(reader.stdout, "reader-stdout")
-        line = out.next_line(READY_TIMEOUT)
-        assert line is not None and json.loads(line) == {"read": 10}
+    with holding_reader(d, "killed-reader", _STALLED_READER) as (_, reader):
         # stalled: it holds what it received, at most its credit (2 exclusive + 8 floating)
         local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)["local"]
         assert local["consumer_bytes_shared_memory"] > 0
         held = local["consumer_segments_held"]
         assert 0 < held <= 10
         assert local["shared_segments_in_use"] >= held  # never back in the pool meanwhile
-        os.kill(reader.pid, signal.SIGKILL)
-        assert reader.wait(10) == -signal.SIGKILL
-        d.wait_stats(lambda s: s["local"]["consumer_segments_held"] == 0, timeout=30)
-    finally:
-        if reader is not None and reader.poll() is None:
-            reader.kill()
-            reader.wait(10)
-        if reader is not None:
-            for pipe in (reader.stdin, reader.stdout, reader.stderr):
-                if pipe is not None:
-                    pipe.close()
-        producer.sigkill()
+        assert reader.end(kill=True) == -signal.SIGKILL
+        local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] == 0, timeout=30)
+        assert local["local"]["consumer_segments_pinned"] == 0  # its end, not the daemon's
     d.wait_stats(
         lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 0, timeout=30
     )
@@ -222,6 +205,212 @@ def test_a_local_reader_whose_daemon_dies_gets_the_transport_error_and_its_pool_
         producer.sigkill()
 
 
+#: A consumer task in a child process, driven by lines on its stdin: it reads 10 records
+#: of subpartition 0 of a pipelined partition on its own host's daemon and says so, then
+#: at the next line (mode "close") closes its reader while holding what it received, or
+#: (mode "protocol-error") makes the daemon drop its connection: it gives back a segment
+#: it never held; at the line after, it reads on and says how many more records came,
+#: exactly in order, before which typed error. It lives until its stdin closes.
+_DRIVEN_READER = """
+import json, sys
+from client.consumer import PartitionLocation, PartitionReader
+from exchange.errors import ExchangeError
+from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.protocol.local_messages import encode_recycle
+sock, daemon_id, data, dataset, mode = sys.argv[1:6]
+loc = PartitionLocation(ResultPartitionID(dataset, 0, 0), 0, data, daemon_id, sock)
+reader = PartitionReader([loc], local_daemon_id=daemon_id)
+it = reader.records()
+print(json.dumps({"read": len([next(it) for _ in range(10)])}), flush=True)
+sys.stdin.readline()
+if mode == "close":
+    reader.close()
+    print(json.dumps({"closed": True}), flush=True)
+else:
+    handler = reader._core.connections.connections[0]
+    reader._rt.loop.call_soon_threadsafe(handler._transport.write, encode_recycle([2**32 - 1]))
+    sys.stdin.readline()
+    n = 10
+    try:
+        for record in it:
+            assert record[0] == n, (record[0], n)
+            n += 1
+    except ExchangeError as e:
+        print(json.dumps({"after": n - 10, "error": type(e).__name__}), flush=True)
+sys.stdin.read()
+"""
+
+
+class ReaderProcess:
+    """A consumer task process (``_STALLED_READER``, ``_DRIVEN_READER``,
+    ``_PAUSED_READER``) the test steps through its stdin, stops, kills or lets exit."""
+
+    def __init__(self, script: str, d: Any, dataset: str, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", script, d.local_socket, d.daemon_id, d.data_address,
+             dataset, *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, cwd=ROOT, env=child_env(),
+        )  # fmt: skip
+        self._out = _LineReader(self.proc.stdout, "reader-stdout")
+        self._err = _LineReader(self.proc.stderr, "reader-stderr")
+
+    def next(self) -> dict[str, Any]:
+        line = self._out.next_line(READY_TIMEOUT)
+        assert line is not None, f"reader exited: {''.join(self._err.all)}"
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+    def step(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def end(self, *, kill: bool = False) -> int:
+        """Let it exit (its stdin closed), or SIGKILL it; its exit code."""
+        if kill and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        assert self.proc.stdin is not None
+        if not self.proc.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):  # killed: nobody reads it
+                self.proc.stdin.close()
+        code = self.proc.wait(30)
+        self._out.join()
+        self._err.join()
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+        return code
+
+
+def in_log(d: Any, text: str) -> None:
+    """``text`` reaches the daemon's stderr (read by a thread: polled)."""
+    wait_for(lambda: text in d.stderr, 30, f"{text!r} in the daemon's log")
+
+
+def held_then_pinned(d: Any) -> int:
+    """Wait until the daemon dropped the reader's connection and pinned what it held; the
+    number pinned (at most the reader's credit: 2 exclusive + 8 floating buffers)."""
+    local = d.wait_stats(
+        lambda s: (
+            s["local"]["consumer_segments_pinned"] > 0 and s["local"]["consumer_segments_held"] == 0
+        ),
+        timeout=60,
+    )["local"]
+    pinned: int = local["consumer_segments_pinned"]
+    assert 0 < pinned <= 10
+    return pinned
+
+
+@contextlib.contextmanager
+def holding_reader(
+    d: Any, dataset: str, script: str, *args: str
+) -> Iterator[tuple[ChildProducer, ReaderProcess]]:
+    """A producer process streaming into a pipelined partition of ``d`` and a reader
+    process (``script``) that read 10 records of it and holds segments of the arena; both
+    killed at the end if still there."""
+    producer = ChildProducer(d.local_socket, dataset, 0, 1)
+    reader: ReaderProcess | None = None
+    try:
+        producer.wait_writing()  # its partition, and the application's arena, exist
+        reader = ReaderProcess(script, d, dataset, *args)
+        assert reader.next() == {"read": 10}
+        d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)
+        yield producer, reader
+    finally:
+        if reader is not None and reader.proc.poll() is None:
+            reader.end(kill=True)
+        producer.sigkill()
+
+
+def test_a_reader_whose_connection_the_daemon_drops_keeps_its_segments_until_it_dies(
+    start_daemon: Any,
+) -> None:
+    """No Pong within peer_timeout (the reader is SIGSTOPped): the daemon drops the
+    connection, but the segments the reader held stay out of the pool while its process
+    lives, and return once it is SIGKILLed."""
+    d = start_daemon("--peer-timeout", "4")
+    with holding_reader(d, "stopped-reader", _STALLED_READER) as (producer, reader):
+        assert pidfds(d.proc.pid) == 0
+        os.kill(reader.proc.pid, signal.SIGSTOP)  # it answers no Ping any more
+        pinned = held_then_pinned(d)
+        in_log(d, "no Pong within peer_timeout")
+        in_log(d, f"while its process {reader.proc.pid} lives")
+        # the producer goes, and its partition: what is still out of the arena's pool is
+        # exactly what the stopped reader may read, and the arena stays for it
+        producer.sigkill()
+        local = d.wait_stats(lambda s: s["partitions"]["count"] == 0, timeout=30)["local"]
+        assert local["shared_segments_in_use"] == local["consumer_segments_pinned"] == pinned
+        assert local["shared_arenas"] == 1
+        assert d.metric("exchange_consumer_shared_segments_pinned") == pinned
+        assert pidfds(d.proc.pid) == 1  # one pidfd watches the reader
+        assert reader.end(kill=True) == -signal.SIGKILL
+        local = d.wait_stats(
+            lambda s: (
+                s["local"]["consumer_segments_pinned"] == 0 and s["local"]["shared_arenas"] == 0
+            ),
+            timeout=30,
+        )["local"]
+        assert local["shared_segments_in_use"] == 0
+        assert pidfds(d.proc.pid) == 0  # and is closed
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
+def test_a_reader_dropped_for_a_protocol_error_reads_on_exactly_and_its_segments_wait(
+    start_daemon: Any,
+) -> None:
+    """A protocol error (a segment given back that it does not hold): the daemon drops the
+    connection while the reader lives. The reader reads on what it had, exact records in
+    order, then gets the typed error; its segments stay pinned while it lives, and a daemon
+    that stops meanwhile still ends with every pool whole."""
+    d = start_daemon()
+    with holding_reader(d, "bad-reader", _DRIVEN_READER, "protocol-error") as (producer, reader):
+        reader.step()  # the bad RecycleSegments
+        pinned = held_then_pinned(d)
+        in_log(d, "given back but not held")
+        reader.step()  # read on
+        event = reader.next()
+        # the daemon's fatal PROTOCOL_ERROR, after what it held and had taken (exact and in
+        # order, checked by the reader): nothing torn
+        assert event["error"] == "LocalProtocolError" and event["after"] >= 0, event
+        # it lives, having failed: its segments are still out of the pool
+        assert d.stats()["local"]["consumer_segments_pinned"] == pinned
+        assert pidfds(d.proc.pid) == 1
+        producer.sigkill()
+        d.wait_stats(lambda s: s["partitions"]["count"] == 0, timeout=30)
+        d.stop_clean()  # shutdown returns the pinned segments: every pool whole
+        assert reader.proc.poll() is None
+        assert reader.end() == 0
+
+
+def test_a_reader_that_closes_holding_segments_gives_them_back_at_once(
+    start_daemon: Any,
+) -> None:
+    """Only a drop by the daemon pins: a reader that closes while holding segments ends
+    its connection itself, and they return while its process lives on (a reused Spark
+    worker), without a pidfd."""
+    d = start_daemon()
+    with holding_reader(d, "closing-reader", _DRIVEN_READER, "close") as (producer, reader):
+        reader.step()
+        assert reader.next() == {"closed": True}
+        local = d.wait_stats(
+            lambda s: s["local"]["consumer_segments_held"] == 0 and s["local"]["consumers"] == 0,
+            timeout=30,
+        )["local"]
+        assert local["consumer_segments_pinned"] == 0
+        assert pidfds(d.proc.pid) == 0
+        assert reader.proc.poll() is None  # it lives on
+        producer.sigkill()
+        d.wait_stats(
+            lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 0,
+            timeout=30,
+        )
+        assert reader.end() == 0
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
 #: A consumer task in a child process: reads 10 records of subpartition 0 of a finished
 #: partition on its own host's daemon, says so, and stalls holding what it received until
 #: a line comes on stdin; then reads the rest and says how many and their sum of keys.
@@ -241,65 +430,28 @@ print(json.dumps({"count": len(records), "keys": sum(k for k, _ in records)}), f
 """
 
 
-class PausedReader:
-    """``_PAUSED_READER`` in a child process, reading ``dataset`` of daemon ``d``."""
-
-    def __init__(self, d: Any, dataset: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _PAUSED_READER, d.local_socket, d.daemon_id,
-             d.data_address, dataset],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, cwd=ROOT, env=child_env(),
-        )  # fmt: skip
-        self._out = _LineReader(self.proc.stdout, "reader-stdout")
-
-    def line(self) -> Any:
-        line = self._out.next_line(READY_TIMEOUT)
-        assert line is not None, self.proc.stderr.read() if self.proc.poll() is not None else ""
-        return json.loads(line)
-
-    def go_on(self) -> Any:
-        """Let it read the rest; what it read."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("\n")
-        self.proc.stdin.flush()
-        result = self.line()
-        assert self.proc.wait(60) == 0
-        return result
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if pipe is not None:
-                pipe.close()
-
-
 def test_a_reader_sigkilled_holding_blocking_segments_gives_them_back(start_daemon: Any) -> None:
     d = start_daemon()
     pid = ResultPartitionID("killed-blocking-reader", 0, 0)
     data = write_blocking(d, pid, 1, RECORDS)
-    reader = PausedReader(d, pid.dataset_id)
+    reader = ReaderProcess(_PAUSED_READER, d, pid.dataset_id)
     try:
-        assert reader.line() == {"read": 10}
+        assert reader.next() == {"read": 10}
         # paused: it holds what it received, at most its credit (2 exclusive + 8 floating)
         local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)["local"]
         held = local["consumer_segments_held"]
         assert 0 < held <= 10
         assert local["shared_segments_in_use"] >= held  # never back in the arena meanwhile
-        os.kill(reader.proc.pid, signal.SIGKILL)
-        assert reader.proc.wait(10) == -signal.SIGKILL
-        local = d.wait_stats(
-            lambda s: s["local"]["connections"] == 0 and s["local"]["shared_arenas"] == 0,
-            timeout=30,
-        )["local"]
-        assert local["consumer_segments_held"] == 0
     finally:
-        reader.close()
+        assert reader.end(kill=True) == -signal.SIGKILL
+    local = d.wait_stats(
+        lambda s: s["local"]["connections"] == 0 and s["local"]["shared_arenas"] == 0,
+        timeout=30,
+    )["local"]
+    assert local["consumer_segments_held"] == local["consumer_segments_pinned"] == 0
     d.wait_pool_whole()
     # the file is still the source: the partition reads again, whole, in place
-    shared = d.stats()["local"]["consumer_bytes_shared_memory"]
+    shared = local["consumer_bytes_shared_memory"]
     assert read_blocking(d, pid, 1) == RECORDS
     local = d.wait_stats(lambda s: s["local"]["connections"] == 0)["local"]
     assert local["consumer_bytes_shared_memory"] == shared + data
@@ -323,18 +475,18 @@ def test_readers_of_one_application_share_its_arena_and_never_wait_for_it(
     data = write_blocking(d, held, 1, RECORDS)
     write_blocking(d, other, 1, RECORDS)
     assert data > 20 * seg  # more buffers than the first reader's credit and the arena
-    reader = PausedReader(d, held.dataset_id)
+    reader = ReaderProcess(_PAUSED_READER, d, held.dataset_id)
     try:
-        assert reader.line() == {"read": 10}
+        assert reader.next() == {"read": 10}
         d.wait_stats(lambda s: s["local"]["shared_segments_in_use"] == 8, timeout=30)  # all lent
         assert read_blocking(d, other, 1) == RECORDS
         shared = d.wait_stats(lambda s: s["local"]["connections"] == 1)["local"][
             "consumer_bytes_shared_memory"
         ]
-        result = reader.go_on()
-        assert result == {"count": len(RECORDS), "keys": sum(k for k, _ in RECORDS)}
+        reader.step()
+        assert reader.next() == {"count": len(RECORDS), "keys": sum(k for k, _ in RECORDS)}
     finally:
-        reader.close()
+        assert reader.end() == 0
     local = d.wait_stats(lambda s: s["local"]["connections"] == 0)["local"]
     assert local["consumer_bytes_shared_memory"] > shared  # its rest went in place again
     d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0)

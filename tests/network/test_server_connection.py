@@ -753,6 +753,65 @@ def test_buffers_in_the_read_arena_go_as_descriptors_held_until_given_back(
     assert s.timers.pending_timers == 0
 
 
+def _peer_closes(s: Setup) -> None:
+    s.peer.send(CloseRequest())
+
+
+def _peer_goes(s: Setup) -> None:
+    pass  # its EOF, a reset, its death: the transport reports the loss
+
+
+def _peer_times_out(s: Setup) -> None:
+    s.timers.advance(PEER_TIMEOUT)  # a Ping unanswered for peer_timeout
+    s.timers.advance(PEER_TIMEOUT)
+    assert s.conn.timed_out
+
+
+def _peer_breaks_the_protocol(s: Setup) -> None:
+    s.peer.send(PartitionRequest(ResultPartitionID("x", 0, 0), 0, 1, 2))  # id 1 in use
+
+
+@pytest.mark.parametrize(
+    ("end", "kept"),
+    [
+        (_peer_closes, False),
+        (_peer_goes, False),
+        (_peer_times_out, True),
+        (_peer_breaks_the_protocol, True),
+        (lambda s: s.conn.close(), True),  # daemon-side close (shutdown)
+    ],
+    ids=["close-request", "peer-lost", "peer-timeout", "protocol-error", "daemon-close"],
+)
+def test_segments_held_when_the_daemon_drops_the_consumer_go_to_keep_held(
+    make_partition: PartitionFactory,
+    manager: ResultPartitionManager,
+    nbp: NetworkBufferPool,
+    end: Callable[[Setup], None],
+    kept: bool,
+) -> None:
+    """What the consumer holds when *it* ends the connection returns to the pool; when the
+    daemon drops it (its process may live on, reading), it goes to ``keep_held``."""
+    part = make_partition(1, "pipelined", 1, (1, 8))
+    s = connect(manager, nbp.segment_size, peer_timeout=PEER_TIMEOUT)
+    s.conn.read_arena = nbp
+    kept_buffers: list[Any] = []
+    s.conn.keep_held = kept_buffers.extend
+    s.peer.send(PartitionRequest(part.partition_id, 0, 1, 3))
+    add_full_buffers(part, 0, 3)
+    s.timers.run()
+    assert s.conn.num_held == 3
+    end(s)
+    assert s.conn.dropped_by_daemon is kept
+    s.conn.connection_lost(None)
+    assert s.conn.num_held == 0
+    assert len(kept_buffers) == (3 if kept else 0)
+    in_use = nbp.num_in_use
+    for buf in kept_buffers:  # what keep_held does once the consumer's process is gone
+        buf.release()
+    assert nbp.num_in_use == in_use - len(kept_buffers)
+    part.release()
+
+
 @pytest.mark.parametrize("byte_by_byte", [False, True])
 def test_descriptors_written_by_a_read_alone_go_out_at_its_end(
     make_partition: PartitionFactory,

@@ -709,6 +709,8 @@ async def test_dashboard_renders_live_values_in_chromium(
     # choice), all filled in
     for path in ("bytes-shm", "bytes-socket", "read-shm", "read-socket"):
         assert re.search(rf'<span id="{path}">\d[\d.]* (B|KiB|MiB|GiB)</span>', dom), path
+    for gauge in ("read-held", "read-pinned"):  # segments local consumers hold / pinned
+        assert re.search(rf'<span id="{gauge}">\d+</span>', dom), gauge
     assert "<polyline" in dom  # the throughput chart has at least two samples
     # The consumer tasks' table: every figure of the busy task, dashes for what the
     # checkpoint-only task does not have.
