@@ -13,6 +13,9 @@ cdef class LengthPrefixedDecoder(DecoderBase):
     cdef Py_ssize_t _need
     cdef Py_ssize_t _have
     cdef readonly bytearray _scratch
+    cdef bint _int_pairs
+
+    cdef int _queue(self, list records) except -1
 
     cdef int _feed(self, object view) except -1
     cdef Py_ssize_t _complete(self, const unsigned char* p, Py_ssize_t end) except -2

@@ -4,7 +4,10 @@ frames found by a C loop over each fed piece.
 
 ``LengthPrefixedDecoder`` is the framing of the default codec (``PickleBatchDecoder``)
 and of ``FramedDecoder``: whole frames are handed to ``_deliver`` (the subclass's, in
-Python: one call per frame) straight from the fed memory; only a frame cut by the end of
+Python: one call per frame) straight from the fed memory, except, for a decoder made with
+``int_pairs=True`` (the default codec's), a frame whose payload starts with
+``int_pairs.PAIRS_TAG``: its ``(int, int)`` records are built here in C
+(``int_pairs.decode_int_pairs``); only a frame cut by the end of
 a piece is copied, once (``memcpy``), into a scratch ``bytearray`` the decoder reuses for
 frames up to ``SCRATCH_KEEP`` bytes, or one of the frame's size. A cut frame waits as its
 first 1-3 header bytes or, once its length is known (and checked against the limit before
@@ -23,6 +26,8 @@ from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.string cimport memcpy
+
+from exchange.serialization.int_pairs cimport _PAIRS_TAG, decode_int_pairs
 
 from exchange.errors import CorruptRecordError, RecordTooLargeError, fresh_error
 
@@ -70,9 +75,10 @@ cdef class DecoderBase:
 cdef class LengthPrefixedDecoder(DecoderBase):
     """Frames of ``u32 length | payload``, each payload handed to ``_deliver``."""
 
-    def __init__(self, max_record_size):
+    def __init__(self, max_record_size, *, bint int_pairs=False):
         DecoderBase.__init__(self)
         self._limit = max_record_size
+        self._int_pairs = int_pairs
         self._headlen = 0
         self._frame = None
         self._need = 0
@@ -136,7 +142,10 @@ cdef class LengthPrefixedDecoder(DecoderBase):
                     memcpy(PyByteArray_AS_STRING(frame), p + pos + 4, have)
                     self._have = have
                     return 0
-                self._deliver(view[pos + 4 : stop])
+                if self._int_pairs and n and p[pos + 4] == _PAIRS_TAG:
+                    self._queue(decode_int_pairs(p + pos + 4, n))
+                else:
+                    self._deliver(view[pos + 4 : stop])
                 pos = stop
             if pos < end:
                 memcpy(self._head, p + pos, end - pos)
@@ -148,6 +157,7 @@ cdef class LengthPrefixedDecoder(DecoderBase):
     cdef Py_ssize_t _complete(self, const unsigned char* p, Py_ssize_t end) except -2:
         """Move bytes of the piece into the cut frame; its end in the piece, or -1."""
         cdef Py_ssize_t pos = 0, n, have, need, take
+        cdef const unsigned char* body
         frame = self._frame
         if frame is None:
             pos = 4 - self._headlen
@@ -175,9 +185,21 @@ cdef class LengthPrefixedDecoder(DecoderBase):
             return -1
         self._frame = None
         self._have = 0
-        with memoryview(frame) as whole, whole[:need] as payload:
-            self._deliver(payload)
+        body = <const unsigned char*>PyByteArray_AS_STRING(frame)
+        if self._int_pairs and need and body[0] == _PAIRS_TAG:
+            self._queue(decode_int_pairs(body, need))
+        else:
+            with memoryview(frame) as whole, whole[:need] as payload:
+                self._deliver(payload)
         return pos + take
+
+    cdef int _queue(self, list records) except -1:
+        """Queue the records of a packed frame after those decoded before."""
+        if self._ready:
+            self._ready += records
+        else:
+            self._ready = records
+        return 0
 
     cdef bytearray _start_frame(self, Py_ssize_t n):
         """The buffer for a cut frame of ``n`` payload bytes (``n`` within the limit)."""

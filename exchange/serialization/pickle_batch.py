@@ -1,7 +1,10 @@
 """The default codec: records batched per channel and pickled as one list per frame.
 
 Stream format: a sequence of frames ``u32 big-endian length | pickle.dumps(list, 5)``;
-each frame's list holds consecutive records of the stream. Pickle gives records back
+each frame's list holds consecutive records of the stream. A batch of records that are all
+exactly ``(int, int)`` within 64 bits goes instead as a packed frame of fixed-width
+integers (``int_pairs.pyx``: same framing, a payload starting with ``PAIRS_TAG``), which
+the decoder reads in C; any other record in the batch makes it a pickle. Pickle gives records back
 exactly (a tuple stays a tuple, a ``Row`` keeps its fields, a ``Decimal`` stays a
 ``Decimal``), and pickling a list is several times faster per record than pickling each
 record on its own: the per-call overhead is paid once per batch.
@@ -44,6 +47,7 @@ from typing import Any, Final
 
 from exchange.errors import CorruptRecordError, RecordTooLargeError, UsageError
 from exchange.serialization.framing import LengthPrefixedDecoder
+from exchange.serialization.int_pairs import encode_int_pairs
 from exchange.serialization.record_codec import (
     DEFAULT_MAX_RECORD_SIZE,
     MAX_FRAMED_RECORD_SIZE,
@@ -149,6 +153,9 @@ class PickleBatchEncoder:
         """
         if not records:
             return b""
+        packed = encode_int_pairs(records, self._max_record_size)
+        if packed is not None:
+            return packed
         try:
             payload = self._dumps(records)
         except Exception as exc:
@@ -249,6 +256,9 @@ class PickleBatchDecoder(LengthPrefixedDecoder):
     copy of a cut frame only, are ``LengthPrefixedDecoder``'s)."""
 
     __slots__ = ()
+
+    def __init__(self, max_record_size: int) -> None:
+        super().__init__(max_record_size, int_pairs=True)
 
     def _deliver(self, payload: memoryview) -> None:
         """Unpickle one frame's payload and queue its records."""

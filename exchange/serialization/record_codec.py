@@ -8,8 +8,9 @@ fed the stream in arbitrary pieces and hands back every whole record it has seen
 Three stream formats:
 
 * ``PickleBatchCodec`` (the default, ``default_codec()``, in ``pickle_batch.py``): frames
-  ``u32 big-endian length | pickle of a list of records``. Records come back exactly as
-  pickle round-trips them; batching makes pickle fast. Trusted peers only.
+  ``u32 big-endian length | pickle of a list of records`` (a batch of ``(int, int)``
+  records: a packed frame of fixed-width integers, ``int_pairs.pyx``). Records come back
+  exactly as pickle round-trips them; batching makes pickle fast. Trusted peers only.
 * ``MsgpackCodec``: plain concatenated msgpack objects, for data shared with other
   languages. msgpack is self-delimiting, so there is no length prefix; a streaming
   ``msgpack.Unpacker`` finds the record boundaries in C. It changes values: tuples and

@@ -7,12 +7,15 @@ Usage::
     python tests/fuzz/fuzz_targets.py TARGET --replay FILE...   # run inputs once
     python tests/fuzz/fuzz_targets.py TARGET --corpus DIR --save-to tests/fuzz/corpus/TARGET
 
-Targets (``TARGETS``): ``frame`` (the compiled ``InPlaceFrameDecoder``, beside the pure-Python
-reference ``FrameDecoder`` of ``tests/kit/reference_frame_decoder.py``; data-port and
-local-endpoint ids), ``handshake`` (``ServerHandshake``/``ClientHandshake`` fed the messages
-the frame decoder makes of the input), ``local_messages`` (the bodies of the local-endpoint
-messages, ids 64..75), ``msgpack`` (``MsgpackDecoder``), ``framed`` (``FramedDecoder`` of
+Targets (``TARGETS``): ``frame`` (the compiled ``InPlaceFrameDecoder``, beside the
+pure-Python reference ``FrameDecoder`` of ``tests/kit/reference_frame_decoder.py``;
+data-port, local-endpoint and driver ids), ``handshake`` (``ServerHandshake``/
+``ClientHandshake`` fed the messages the frame decoder makes of the input),
+``local_messages`` (the bodies of the local-endpoint messages, ids 64..127),
+``driver_messages`` (the bodies of the driver's control and rendezvous messages, ids
+128..159), ``msgpack`` (``MsgpackDecoder``), ``framed`` (``FramedDecoder`` of
 ``BytesCodec`` and of a UTF-8 payload codec), ``pickle_framing`` (``PickleBatchDecoder``),
+``int_pairs`` (``PickleBatchDecoder``'s packed ``(int, int)`` frames, ``int_pairs.pyx``),
 ``manifest`` (the partition manifests a restarted daemon reads, ``decode_manifest``).
 
 The rule, as in python-websockets' fuzzers: **every input either parses or raises a
@@ -28,7 +31,9 @@ the same application send records. Feeding arbitrary bytes to ``pickle.loads`` c
 code and is not a bug, so ``pickle_framing`` fuzzes only the framing shared with
 ``PickleBatchDecoder`` (``LengthPrefixedDecoder``): once with the payloads delivered as
 bytes, never unpickled, and once with every payload replaced by a pickle this script made
-itself (the real ``_deliver`` on trusted bytes).
+itself (the real ``_deliver`` on trusted bytes), each followed by a packed frame. ``int_pairs``
+gives every frame of the input the packed frame's tag (so no payload reaches pickle) and
+compares the records with a ``struct`` reference parser.
 
 Without atheris (``pip install atheris``; cp311 wheels exist) the script falls back to a
 random mutation fuzzer over the same targets and seeds (no coverage feedback; it keeps the
@@ -96,6 +101,7 @@ with _instrumented():
     )
     from exchange.partition.result_partition_id import ResultPartitionID
     from exchange.partition.result_partition_type import ResultPartitionType
+    from exchange.protocol import driver_messages as dm  # registers ids 128..
     from exchange.protocol import local_messages  # registers ids 64..
     from exchange.protocol.codec import (
         FRAME_HEADER_SIZE,
@@ -131,6 +137,8 @@ with _instrumented():
         ResumeConsumption,
         ServerHello,
     )
+    from exchange.serialization.framing import LengthPrefixedDecoder
+    from exchange.serialization.int_pairs import PAIRS_TAG, encode_int_pairs
     from exchange.serialization.pickle_batch import PickleBatchDecoder
     from exchange.serialization.record_codec import BytesCodec, FramedCodec, MsgpackCodec
     from tests.kit.reference_frame_decoder import FrameDecoder
@@ -148,9 +156,11 @@ DOCUMENTED: dict[str, tuple[type[BaseException], ...]] = {
     # and, for an ErrorResponse from the server, the typed error it maps to
     "handshake": (ProtocolError,),
     "local_messages": (ProtocolError,),
+    "driver_messages": (ProtocolError,),
     "msgpack": (CorruptRecordError,),
     "framed": (CorruptRecordError,),
     "pickle_framing": (CorruptRecordError,),
+    "int_pairs": (CorruptRecordError,),
     "manifest": (CorruptRecordError,),
 }
 
@@ -161,6 +171,8 @@ _HEADER = struct.Struct(">IIB")
 #: The first input byte of ``local_messages`` picks the id (64 + byte % 64): ids added
 #: later keep the meaning of the saved corpus; unregistered ids are UnknownMessageErrors.
 LOCAL_IDS = range(64, 128)
+#: The same for ``driver_messages`` (128 + byte % 32).
+DRIVER_IDS = range(128, 160)
 
 
 # -- splitting an input into chunks, deterministically ----------------------------------------
@@ -316,27 +328,38 @@ def run_handshake(data: bytes) -> None:
 # -- local-endpoint messages -------------------------------------------------------------------
 
 
-def run_local_messages(data: bytes) -> None:
-    """A local-endpoint frame built from ``data`` (id byte, body): it decodes, or raises a
-    ProtocolError; what decodes re-encodes to an equal message."""
-    if not data:
-        return
-    msg_id = LOCAL_IDS[data[0] % len(LOCAL_IDS)]
-    body = data[1:]
-    frame = _HEADER.pack(FRAME_HEADER_SIZE + len(body), MAGIC, msg_id) + body
-    try:
-        msgs = InPlaceFrameDecoder().feed(frame)
-    except ProtocolError:
-        return
-    if len(msgs) != 1:
-        raise InvariantError(f"one frame gave {len(msgs)} messages")
-    (msg,) = msgs
-    frame_again = b"".join(bytes(p) for p in encode(msg))
-    if frame_again[8] != msg_id:  # (MESSAGE_ID is not set on every class: see the replay test)
-        raise InvariantError(f"id {msg_id} decoded as {msg!r}, which encodes as {frame_again[8]}")
-    again = InPlaceFrameDecoder().feed(frame_again)
-    if [_norm(m) for m in again] != [_norm(msg)]:
-        raise InvariantError(f"{msg!r} re-encodes as {again!r}")
+def _run_messages(ids: range) -> Callable[[bytes], None]:
+    def run(data: bytes) -> None:
+        """A frame of a registered message built from ``data`` (id byte, body): it
+        decodes, or raises a ProtocolError; what decodes re-encodes to an equal message."""
+        if not data:
+            return
+        msg_id = ids[data[0] % len(ids)]
+        body = data[1:]
+        frame = _HEADER.pack(FRAME_HEADER_SIZE + len(body), MAGIC, msg_id) + body
+        try:
+            msgs = InPlaceFrameDecoder().feed(frame)
+        except ProtocolError:
+            return
+        if len(msgs) != 1:
+            raise InvariantError(f"one frame gave {len(msgs)} messages")
+        (msg,) = msgs
+        frame_again = b"".join(bytes(p) for p in encode(msg))
+        if frame_again[8] != msg_id:  # (MESSAGE_ID is not set on every class: see the replay)
+            raise InvariantError(
+                f"id {msg_id} decoded as {msg!r}, which encodes as {frame_again[8]}"
+            )
+        again = InPlaceFrameDecoder().feed(frame_again)
+        if [_norm(m) for m in again] != [_norm(msg)]:
+            raise InvariantError(f"{msg!r} re-encodes as {again!r}")
+
+    return run
+
+
+#: local-endpoint messages (ids 64..127)
+run_local_messages = _run_messages(LOCAL_IDS)
+#: the driver's control and rendezvous messages (ids 128..159)
+run_driver_messages = _run_messages(DRIVER_IDS)
 
 
 # -- record decoders --------------------------------------------------------------------------
@@ -450,21 +473,38 @@ def run_framed(data: bytes) -> None:
 
 class _FramingOnlyDecoder(PickleBatchDecoder):
     """``PickleBatchDecoder``'s framing, with each payload delivered as bytes, unpickled
-    never (arbitrary bytes must not reach ``pickle.loads``)."""
+    never (arbitrary bytes must not reach ``pickle.loads``), none read as a packed frame
+    (``int_pairs`` fuzzes those)."""
 
     __slots__ = ()
 
+    def __init__(self, max_record_size: int) -> None:
+        LengthPrefixedDecoder.__init__(self, max_record_size)
+
     def _deliver(self, payload: memoryview) -> None:
         self._ready.append(bytes(payload))
+
+
+def _packed(records: list[tuple[int, int]]) -> bytes:
+    frame = encode_int_pairs(records, 1 << 20)
+    assert frame is not None
+    return frame
 
 
 def run_pickle_framing(data: bytes) -> None:
     frames, end = _reference_frames(data, RECORD_LIMIT)
     _run_codec(lambda: _FramingOnlyDecoder(RECORD_LIMIT), data, frames, end)
     # The real decoder, on a stream of pickles this script made (trusted): every frame of
-    # the input becomes a pickled list of its bytes and ints, same framing otherwise.
-    batches = [[f, len(f), *f[:3]] for f in frames]
-    stream = b"".join(_LEN.pack(len(p)) + p for p in (pickle.dumps(b, 5) for b in batches))
+    # the input becomes a pickled list of its bytes and ints, then a packed frame of pairs
+    # of its bytes, same framing otherwise.
+    batches: list[list[Any]] = []
+    for f in frames:
+        batches.append([f, len(f), *f[:3]])
+        batches.append([(b - 128, -(b << 40)) for b in f[:3]] or [(len(f), 0)])
+    stream = b"".join(
+        (_LEN.pack(len(p)) + p) + _packed(pairs)
+        for p, pairs in zip((pickle.dumps(b, 5) for b in batches[::2]), batches[1::2], strict=True)
+    )
     expected = [r for b in batches for r in b]
     results = []
     for i, pieces in enumerate(_splits(stream)):
@@ -476,6 +516,37 @@ def run_pickle_framing(data: bytes) -> None:
             raise InvariantError(f"{name}: {len(recs)} records of {len(expected)}")
         if err is not None:
             raise InvariantError(f"{name}: a stream of valid pickles fails with {err}")
+
+
+def _reference_pairs(payload: bytes) -> list[tuple[int, int]] | None:
+    """The records of a packed payload by ``struct``; None if it is malformed."""
+    if len(payload) < 6 or payload[1] > 3:
+        return None
+    kw, vw = (8 if payload[1] & 1 else 4), (8 if payload[1] & 2 else 4)
+    (count,) = struct.unpack_from("<I", payload, 2)
+    if len(payload) - 6 != count * (kw + vw):
+        return None
+    fmt = "<" + ("q" if kw == 8 else "i") + ("q" if vw == 8 else "i")
+    return list(struct.iter_unpack(fmt, payload[6:]))
+
+
+def run_int_pairs(data: bytes) -> None:
+    """The input's frames (limit ``RECORD_LIMIT - 1``), each payload given the packed
+    frame's tag in front; a cut end stays cut, a length over the limit stays over it."""
+    frames, end = _reference_frames(data, RECORD_LIMIT - 1)
+    stream = b"".join(_LEN.pack(len(f) + 1) + bytes([PAIRS_TAG]) + f for f in frames)
+    if end == "cut":
+        stream += data[sum(4 + len(f) for f in frames) :]
+    elif end == "error":
+        stream += b"\xff\xff\xff\xff"
+    expected: list[Any] = []
+    for f in frames:
+        pairs = _reference_pairs(bytes([PAIRS_TAG]) + f)
+        if pairs is None:
+            end = "error"
+            break
+        expected += pairs
+    _run_codec(lambda: PickleBatchDecoder(RECORD_LIMIT), stream, expected, end)
 
 
 _MANIFEST_PATH = Path("fuzz.manifest")
@@ -533,6 +604,7 @@ def _frame_seeds() -> list[bytes]:
     seeds = [_frames(m) for m in data]
     seeds.append(b"".join(seeds))
     seeds += [s for s in _local_frames()]
+    seeds += _driver_frames()
     return seeds
 
 
@@ -594,6 +666,37 @@ def _local_seeds() -> list[bytes]:
     return out
 
 
+def _driver_frames() -> list[bytes]:
+    loc = dm.TaskLocation(1, 7, "d1", "[::1]:7000", "/tmp/s", 32768)
+    daemon = dm.TaskDaemon("d1", "127.0.0.1:7000", "/tmp/s")
+    reason = dm.CheckpointFailureReason.SUBSUMED
+    msgs: list[Message] = [
+        dm.MeetRequest("ex-1", "tok", 3, loc),
+        dm.AbortRound("ex-1", "tok", 3, 1, 7),
+        dm.Met((loc, loc)),
+        dm.RendezvousRefused(dm.RefusalKind.USAGE, "the job runs 1 of 2 tasks"),
+        dm.RegisterTask("tok", 1, "v0-0", daemon),
+        dm.RegistrationRefused("unknown or stale task"),
+        dm.StartTask({"v0-0": daemon}, dm.RestorePoint(4, {"gen": ("f", None)})),
+        dm.CheckpointTrigger(4, 1_764_000_000_000, True),
+        dm.CheckpointComplete(4),
+        dm.CheckpointAbort(5),
+        dm.StopInput(),
+        dm.FinishTask(),
+        dm.CancelTask(),
+        dm.CheckpointAck(4, "/c/4", 10, 2, 1, 0.5, 4096, True, 100),
+        dm.CheckpointDecline(4, reason),
+        dm.SourceExhausted(),
+        dm.TaskFinished(3, {"sink": b"\x80\x05N."}),
+        dm.TaskFailed("ValueError: boom", 1.5, False),
+    ]
+    return [_frames(m) for m in msgs]
+
+
+def _driver_seeds() -> list[bytes]:
+    return [bytes([f[8] - DRIVER_IDS.start]) + f[FRAME_HEADER_SIZE:] for f in _driver_frames()]
+
+
 def _msgpack_seeds() -> list[bytes]:
     recs: list[Any] = [1, -1, 2**63, "text", b"bin", [1, [2, [3]]], {"k": [1.5, None, True]},
                        (4, "x" * 40), 1e308, float("nan")]  # fmt: skip
@@ -604,6 +707,25 @@ def _framed_seeds() -> list[bytes]:
     payloads = [b"", b"a", "é".encode(), b"x" * 100, b"\xff\xfe", b"y" * RECORD_LIMIT]
     frames = [_LEN.pack(len(p)) + p for p in payloads]
     return [*frames, b"".join(frames), _LEN.pack(RECORD_LIMIT + 1) + b"z" * 8]
+
+
+def _int_pairs_seeds() -> list[bytes]:
+    """Packed frames without their tag (the target puts it back), and broken ones."""
+    edges = [0, -1, 2**31 - 1, -(2**31), 2**31, 2**63 - 1, -(2**63)]
+    good = [
+        _packed([(1, 2), (-3, 4)]),
+        _packed([(a, b) for a in edges for b in edges[:3]]),
+        _packed([(b, a) for a in edges for b in edges[:3]]),
+        _packed([(a, a) for a in edges]),
+    ]
+    untagged = [_LEN.pack(len(f) - 5) + f[5:] for f in good]
+    bad = [
+        _LEN.pack(1) + b"\x04",
+        _LEN.pack(5) + b"\x00\x01\x00\x00\x00",
+        _LEN.pack(13) + b"\x00\x02\x00\x00\x00" + bytes(8),
+        _LEN.pack(9) + b"\x03\xff\xff\xff\xff" + bytes(4),
+    ]
+    return [*untagged, b"".join(untagged), *bad, untagged[0] + bad[2]]
 
 
 def _manifest_seeds() -> list[bytes]:
@@ -635,9 +757,11 @@ TARGETS: dict[str, Target] = {
         Target("frame", run_frame, _frame_seeds),
         Target("handshake", run_handshake, _handshake_seeds),
         Target("local_messages", run_local_messages, _local_seeds),
+        Target("driver_messages", run_driver_messages, _driver_seeds),
         Target("msgpack", run_msgpack, _msgpack_seeds),
         Target("framed", run_framed, _framed_seeds),
         Target("pickle_framing", run_pickle_framing, _framed_seeds),
+        Target("int_pairs", run_int_pairs, _int_pairs_seeds),
         Target("manifest", run_manifest, _manifest_seeds),
     )
 }

@@ -130,6 +130,18 @@ def _mixed_types() -> list[tuple[Any, Any]]:
     return [(keys[i % len(keys)], v) for i, v in enumerate(values * 3)]
 
 
+def _int_pairs_at_the_edges() -> list[Any]:
+    """(int, int) records at the 64-bit edges, which travel as the codec's packed frames,
+    and a stretch where pairs the packed frame must not carry (a bool, an int past 64
+    bits, None) make their batches pickles."""
+    edges = [0, -1, 1, 256, 2**31 - 1, -(2**31), 2**31, 2**63 - 1, -(2**63)]
+    pairs = [(edges[i % 9] ^ i, edges[i * 7 % 9]) for i in range(30_000)]
+    odd: list[Any] = [(True, 1), (1, False), (2**63, 1), (1, -(2**63) - 1), (None, 5), (5, None)]
+    for j in range(6_000, 12_000, 100):
+        pairs[j] = odd[j % len(odd)]
+    return pairs
+
+
 # name -> (records, input partitions and output partitions for blocking mode)
 DATASETS: dict[str, tuple[Callable[[], list[Any]], int, int]] = {
     "empty": (lambda: [], 2, 3),
@@ -154,6 +166,7 @@ DATASETS: dict[str, tuple[Callable[[], list[Any]], int, int]] = {
     "none-values": (lambda: [(i % 10, None) for i in range(1000)] + [(None, None)], 2, 3),
     "more-partitions-than-records": (lambda: [(k, k) for k in ("a", "b", "c")], 3, 8),
     "mixed-types": (_mixed_types, 2, 3),
+    "int-pairs-at-the-64-bit-edges": (_int_pairs_at_the_edges, 2, 5),
 }
 
 _records_cache: dict[str, list[Any]] = {}
@@ -982,7 +995,7 @@ def test_a_lost_daemon_fails_the_read_typed_naming_it(spark: Any) -> None:
     with pytest.raises(PythonException) as excinfo:
         out.count()
     text = str(excinfo.value)
-    assert "exchange.errors.TransportError: cannot connect to daemon" in text, text[-3000:]
+    assert "exchange.errors.TransportError: cannot reach daemon at" in text, text[-3000:]
     assert daemon.socket in text, text[-3000:]
     # the session goes on with a new embedded daemon
     again = exchange_shuffle(sc.parallelize([(1, 1), (2, 2)], 2), 2)

@@ -357,6 +357,27 @@ def test_a_hash_that_is_the_int_itself_routes_ints_inline_to_the_same_place() ->
         register_int_value_hash(3)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("size", [MIN_BUFFER_SIZE, 32 * 1024])
+def test_int_pairs_leave_as_packed_frames_and_come_back_exactly(size: int) -> None:
+    """Batches of ``(int, int)`` go as the codec's packed frames (8 bytes a record when
+    both fit in 32 bits), a batch holding any other record as a pickle; either way each
+    subpartition gets back exactly its records, in order."""
+    records: list[Any] = [(i * 2654435761 % 1_000_003, i) for i in range(20_000)]
+    records[15_000:15_000] = [(True, 1), (2**63, 2), (1, None), (-(2**63), 2**63 - 1)]
+    w = RecordWriter(8, buffer_size=size, buffer_timeout=-1)
+    assert w.emit_all(records, partition_func=hash) == len(records)
+    outs = w.close()
+    want: list[list[Any]] = [[] for _ in range(8)]
+    for r in records:
+        want[hash(r[0]) % 8].append(r)
+    got = decode(outs, 8)
+    assert got == want
+    assert [[type(x) for r in sub for x in r] for sub in got] == [
+        [type(x) for r in sub for x in r] for sub in want
+    ]
+    assert w.mean_record_size == 8
+
+
 @pytest.mark.parametrize("timeout", [-1, 0])
 @pytest.mark.parametrize("bad", [7, None, (), "", {"a": 1}])
 def test_a_record_without_a_key_is_a_not_a_pair_error_naming_it(timeout: int, bad: Any) -> None:
