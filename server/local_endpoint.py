@@ -20,13 +20,15 @@ authenticated for. The task then commits filled segments by index (CommitSegment
 
 A consumer connection that says it can map (RequestArena) is offered its application's
 arena the same way (SharedArena without segments, a token for the hand-out socket), as
-soon as that application has one here (at RequestArena or a later PartitionRequest); once
-it answers ArenaMapped, data buffers in that arena go as SharedBufferResponse descriptors
-and come back by index (RecycleSegments); the connection holds them meanwhile, and its
-loss returns them (``exchange.network.server_connection``), unless the daemon dropped
-it: then its process (``SO_PEERCRED``) may still read them, and they stay pinned until it
-exits (``server.segment_pins``). An arena offered to a consumer stays until the
-consumer's connection closes. Where no arena can be offered the
+soon as that application has one here (at RequestArena or a later PartitionRequest; one
+is made for it when the application has finished blocking partitions here, which are
+read into it); once it answers ArenaMapped, data buffers in that arena go as
+SharedBufferResponse descriptors and come back by index (RecycleSegments); the
+connection holds them meanwhile, and its loss returns them
+(``exchange.network.server_connection``), unless the daemon dropped it: then its process
+(``SO_PEERCRED``) may still read them, and they stay pinned until it exits
+(``server.segment_pins``). An arena offered to a consumer stays until the consumer's
+connection closes. Where no arena can be offered the
 consumer reads over the socket, and the log says why once per connection.
 
 A consumer task may also report its gates' figures (TaskMetrics) on a connection of its
@@ -475,7 +477,8 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 self.endpoint.jobs.update(msg, self._conn().app_id)
             case RequestArena():
                 self._wants_arena = True
-                why = self._offer_arena()
+                app_id = self._conn().app_id
+                why = self._offer_arena(self.daemon.manager.has_finished_blocking(app_id))
                 if why is not None:
                     self.send(NoArena(why))
             case ArenaMapped():
@@ -488,8 +491,8 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                     self._pin_on_drop(conn)
             case PartitionRequest():
                 super().on_message(msg)
-                if self._wants_arena:
-                    self._offer_arena()
+                if self._wants_arena and self._read_offer is None:
+                    self._offer_arena(self._is_blocking(msg))
             case _:
                 super().on_message(msg)
 
@@ -510,16 +513,29 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             self._count_push(size, session.buffers_received - buffers)
             self.endpoint.bytes_shared_memory += size
 
-    def _offer_arena(self) -> str | None:
-        """Offer a consumer its application's arena, once, if there is one; else why not."""
+    def _is_blocking(self, req: PartitionRequest) -> bool:
+        """Whether the connection's application has ``req``'s partition, blocking."""
+        try:
+            part = self.daemon.manager.get_partition(req.partition_id, self._conn().app_id)
+        except PartitionError:
+            return False
+        return part.partition_type.is_blocking
+
+    def _offer_arena(self, reads_blocking: bool) -> str | None:
+        """Offer a consumer its application's arena, once, if there is one (made for it
+        when it reads blocking partitions: they are read into it); else why not."""
         if self._read_offer is not None:
             return None
         arenas = self.daemon.shared_arenas
         app_id = self._conn().app_id
         pool = arenas.existing(app_id)
+        if pool is None and reads_blocking:
+            pool = arenas.pool_for(app_id, "its readers read over the socket")
         if pool is None:
-            why = arenas.unavailable or (
-                f"application {app_id!r} has no shared arena here yet (no producer of it "
+            why = (
+                arenas.unavailable
+                or (arenas.refusal(app_id) if reads_blocking else None)
+                or f"application {app_id!r} has no shared arena here yet (no producer of it "
                 "wrote into one)"
             )
             if not self._no_arena_logged:

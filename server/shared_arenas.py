@@ -13,7 +13,9 @@ A consumer task on this host maps its application's arena too (it reads the segm
 place, see ``server.local_endpoint``), with a token as producers do; an arena offered to
 a consumer connection is pinned (never dropped) until that connection closes. Segments
 pinned for a consumer process the daemon dropped (``server.segment_pins``) keep their
-arena too: it is not whole until they return.
+arena too: it is not whole until they return. An arena is made for a consumer only when
+its application has blocking partitions here: their readers read the files into it
+(``exchange.network.server_connection.ArenaReads``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ class SharedArenas:
         self.budget = max(config.network_memory, self.arena_size)
         self.shm_dir = shm_dir
         self._pools: dict[str, NetworkBufferPool] = {}
-        self._refused: set[str] = set()  # applications told (in the log) they get none
+        #: application -> why it got no arena (told in the log once)
+        self._refused: dict[str, str] = {}
         self._release_pending = False
         #: one-time token -> the arena whose descriptor it fetches; an arena with a token
         #: out is never dropped (its task has yet to map it)
@@ -71,9 +74,11 @@ class SharedArenas:
     def pools(self) -> list[NetworkBufferPool]:
         return list(self._pools.values())
 
-    def pool_for(self, app_id: str) -> NetworkBufferPool | None:
+    def pool_for(
+        self, app_id: str, otherwise: str = "its producers push over the socket"
+    ) -> NetworkBufferPool | None:
         """Application ``app_id``'s arena, made on first use; None (logged once per
-        application) when it cannot have one."""
+        application, with ``otherwise``: what happens instead) when it cannot have one."""
         if self.unavailable is not None:
             return None
         pool = self._pools.get(app_id)
@@ -85,8 +90,7 @@ class SharedArenas:
             self._refuse(
                 app_id,
                 f"no shared arena for {who}: {len(self._pools)} arenas of {self.arena_size} "
-                f"bytes use the budget of {self.budget} (network_memory); its producers push "
-                "over the socket",
+                f"bytes use the budget of {self.budget} (network_memory); {otherwise}",
             )
             return None
         try:
@@ -97,13 +101,17 @@ class SharedArenas:
                 shm_dir=self.shm_dir,
             )
         except SharedMemoryUnavailableError as e:
-            self._refuse(app_id, f"{e} (arena for {who}); its producers push over the socket")
+            self._refuse(app_id, f"{e} (arena for {who}); {otherwise}")
             return None
-        self._refused.discard(app_id)
+        self._refused.pop(app_id, None)
         pool.on_whole = self._on_whole
         self._pools[app_id] = pool
         log.info("shared arena of %d bytes for %s", self.arena_size, who)
         return pool
+
+    def refusal(self, app_id: str) -> str | None:
+        """Why ``pool_for`` last gave application ``app_id`` no arena (None: it did)."""
+        return self._refused.get(app_id)
 
     def existing(self, app_id: str) -> NetworkBufferPool | None:
         """Application ``app_id``'s arena if it has one now (never made here: a consumer
@@ -124,8 +132,8 @@ class SharedArenas:
 
     def _refuse(self, app_id: str, message: str) -> None:
         if app_id not in self._refused:
-            self._refused.add(app_id)
             log.warning(message)
+        self._refused[app_id] = message
 
     def issue_token(self, pool: NetworkBufferPool) -> bytes:
         """A one-time token for ``pool``'s descriptor; the arena stays until the token is

@@ -197,6 +197,19 @@ class NetworkBufferPool:
             self._availability.set_unavailable()
         return seg
 
+    def request_spare_segment(self) -> MemorySegment | None:
+        """One segment no local pool can claim: None unless more are free than the local
+        pools may still take up to their current sizes. Lent outside any local pool (a
+        blocking partition read into a local consumer's arena) and given back with
+        ``recycle``; so such loans never keep a partition from its share."""
+        owed = 0
+        for pool in self._pools.values():
+            if pool.current_pool_size > pool.num_requested:
+                owed += pool.current_pool_size - pool.num_requested
+        if len(self._available) <= owed:
+            return None
+        return self.request_memory_segment()
+
     def recycle(self, segment: MemorySegment) -> None:
         """Return one segment to the pool."""
         self._take_back(segment)

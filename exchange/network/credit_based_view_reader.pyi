@@ -3,6 +3,7 @@
 from typing import TYPE_CHECKING
 
 from exchange.consumer.input_channel import BufferAndAvailability
+from exchange.partition.bounded_data import ReadMemory
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_manager import ResultPartitionManager
 
@@ -30,7 +31,12 @@ class CreditBasedSequenceNumberingViewReader:
         self, receiver_id: int, initial_credit: int, queue: PartitionRequestQueue
     ) -> None: ...
     def request_subpartition_view(
-        self, manager: ResultPartitionManager, pid: ResultPartitionID, index: int, app_id: str = ""
+        self,
+        manager: ResultPartitionManager,
+        pid: ResultPartitionID,
+        index: int,
+        app_id: str = "",
+        read_memory: ReadMemory | None = None,
     ) -> None: ...
     def notify_data_available(self) -> None: ...
     def notify_priority_event(self) -> None: ...

@@ -49,13 +49,14 @@ cdef class CreditBasedSequenceNumberingViewReader:
         self.backlog = 0
         self.sequence_number = 0
 
-    def request_subpartition_view(self, manager, pid, index, app_id=""):
-        """Open application ``app_id``'s partition ``pid`` (its ids are its own)."""
+    def request_subpartition_view(self, manager, pid, index, app_id="", read_memory=None):
+        """Open application ``app_id``'s partition ``pid`` (its ids are its own); a
+        blocking one reads its data buffers into ``read_memory`` while it lends segments."""
         if self._view is not None:
             raise IllegalStateError(f"receiver {self.receiver_id} already has a view")
         self.partition_id = pid
         self.subpartition_index = index
-        self._view = manager.create_subpartition_view(pid, index, self, app_id)
+        self._view = manager.create_subpartition_view(pid, index, self, app_id, read_memory)
 
     def notify_data_available(self):
         """BufferAvailabilityListener: the view has data (called by the producer side)."""

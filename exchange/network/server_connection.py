@@ -36,7 +36,10 @@ the consumer ended the connection (it closed, or died). When the *daemon* ended 
 protocol error, no Pong within ``peer_timeout``, shutdown: ``dropped_by_daemon``) the
 consumer's process may live on and still decode a batch from those segments: they go to
 ``keep_held`` instead, when set (the local endpoint pins them until that process exits,
-``server.segment_pins``), and are never recycled here.
+``server.segment_pins``), and are never recycled here. A pipelined partition's buffers
+lie in the arena when its producer wrote them there; a blocking partition's readers on
+this connection read their data buffers from the file into spare segments of the arena
+(``ArenaReads``), so they take the same path, with the same rules.
 
 Keepalive: once established, the connection sends a ``Ping`` every ``peer_timeout / 2``
 seconds while none is unanswered; a peer that has not answered with a ``Pong`` within
@@ -74,6 +77,7 @@ from exchange.errors import (
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberingViewReader
 from exchange.network.partition_request_queue import PartitionRequestQueue
+from exchange.partition.bounded_data import ReadMemory
 from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.protocol.codec import (
     DEFAULT_READ_AHEAD,
@@ -113,6 +117,7 @@ from exchange.protocol.messages import (
 
 __all__ = [
     "DATA_PORT_MESSAGES",
+    "ArenaReads",
     "Cancellable",
     "ServerConnection",
     "ServerConnectionSettings",
@@ -227,6 +232,26 @@ class ServerConnectionSettings:
                 raise UsageError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
+class ArenaReads:
+    """The ``ReadMemory`` of a connection's blocking-partition readers: spare segments of
+    the arena its consumer mapped (``read_arena``), none before it is mapped. Only
+    segments no partition's pool can claim (``request_spare_segment``), so readers never
+    take a writer's share; with none spare a buffer is read into the reader's own
+    segments and goes as bytes (a reader never waits for the arena)."""
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: ServerConnection) -> None:
+        self._conn = conn
+
+    def request_buffer(self) -> Buffer | None:
+        arena = self._conn.read_arena
+        if arena is None or arena.is_destroyed:
+            return None
+        seg = arena.request_spare_segment()
+        return None if seg is None else Buffer(seg, arena)
+
+
 class ServerConnectionStatistics(NamedTuple):
     state: ServerConnectionState
     readers: int
@@ -336,6 +361,7 @@ class ServerConnection:
         self._peer_closed = False  # the peer said CloseRequest
         #: The shared arena the consumer mapped (None: data buffers go as bytes).
         self.read_arena: NetworkBufferPool | None = None
+        self._arena_reads: ReadMemory = ArenaReads(self)
         # segment index -> (receiver id, buffer) sent as descriptors, not given back yet
         self._held: dict[int, list[tuple[int, Buffer]]] = {}
         self.num_held = 0
@@ -493,7 +519,11 @@ class ServerConnection:
         self.queue.add_reader(reader)
         try:  # the connection's application's partition: another's is "not found"
             reader.request_subpartition_view(
-                self._manager, req.partition_id, req.subpartition_index, self.app_id
+                self._manager,
+                req.partition_id,
+                req.subpartition_index,
+                self.app_id,
+                self._arena_reads,
             )
         except Exception as e:
             # That one channel fails; typed errors keep their code for the client.

@@ -22,7 +22,7 @@ from exchange.errors import (
     PartitionReleasedError,
 )
 from exchange.events.events import EndOfPartitionEvent, EventSerializer
-from exchange.partition.bounded_data import BoundedData, BoundedDataReader
+from exchange.partition.bounded_data import BoundedData, BoundedDataReader, ReadMemory
 from exchange.partition.states import (
     READER_TRANSITIONS,
     SUBPARTITION_TRANSITIONS,
@@ -147,8 +147,10 @@ class BoundedBlockingSubpartition:
     # -- reading -------------------------------------------------------------------------
 
     def create_read_view(
-        self, listener: BufferAvailabilityListener
+        self, listener: BufferAvailabilityListener, read_memory: ReadMemory | None = None
     ) -> BoundedBlockingSubpartitionReader:
+        """A new reader from the start of the data; its data buffers go into
+        ``read_memory`` while it lends segments (``bounded_data``)."""
         if self.state is SubpartitionState.RELEASED:
             raise PartitionReleasedError(
                 f"subpartition {self.index} was released", self._parent.partition_id
@@ -165,7 +167,7 @@ class BoundedBlockingSubpartition:
             account.acquire(memory, self._parent.partition_id)
         try:
             try:
-                data_reader = self._data.create_reader()
+                data_reader = self._data.create_reader(read_memory)
             except PartitionDataLostError as e:  # the file was replaced or changed
                 raise PartitionDataLostError(str(e), self._parent.partition_id) from None
             try:  # it reads its first buffer at once: a corrupt file raises here

@@ -7,6 +7,13 @@ Flink's BufferReaderWriterUtil layout in spirit) followed by its bytes.
 * ``FileBoundedData`` reads with plain file reads into a few read segments per reader.
 * ``MmapBoundedData`` maps the finished file and hands out zero-copy slices of the map.
 
+A reader may be given ``read_memory`` (a consumer on this host that mapped its
+application's shared arena: ``ReadMemory``): each data buffer is then read (``file``) or
+copied (``mmap``) into a segment it lends, so that the buffer goes to the consumer as a
+descriptor of that segment, not as bytes. When it has none free, that buffer is read as
+without it (the reader's own read segments, or the map's slice): a reader never waits
+for shared memory, so readers sharing one arena cannot deadlock on it.
+
 Files live in the spill directory, are created on the first write, private (0600, never
 over an existing file) and deleted by ``close`` (unless ``keep_file`` was called: a
 daemon shutting down leaves finished partitions for its successor). A write that fails
@@ -44,6 +51,7 @@ __all__ = [
     "BoundedDataReader",
     "FileBoundedData",
     "MmapBoundedData",
+    "ReadMemory",
     "create_bounded_data",
 ]
 
@@ -53,6 +61,14 @@ FLAG_COMPRESSED: Final = 0x01
 READ_SEGMENTS: Final = 2
 #: A spill file is new (never an existing file or a symlink planted there) and private.
 _CREATE_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+class ReadMemory(Protocol):
+    """Where a reader puts data buffers first (a local consumer's shared arena)."""
+
+    def request_buffer(self) -> Buffer | None:
+        """An empty data buffer of one segment, or None when none is free now."""
+        ...
 
 
 class BoundedDataReader(Protocol):
@@ -76,7 +92,7 @@ class BoundedData(Protocol):
 
     def finish_write(self) -> None: ...
 
-    def create_reader(self) -> BoundedDataReader: ...
+    def create_reader(self, read_memory: ReadMemory | None = None) -> BoundedDataReader: ...
 
     @property
     def reader_memory(self) -> int:
@@ -289,15 +305,26 @@ def _parse_header(header: bytes | memoryview, path: Path) -> tuple[DataType, boo
 
 
 class _FileReader:
-    """Reads buffers with plain file reads into ``num_segments`` recycled read segments."""
+    """Reads buffers with plain file reads into ``num_segments`` recycled read segments
+    (data buffers into ``read_memory`` first, when it lends a segment)."""
 
-    def __init__(self, path: Path, fd: int, segment_size: int, num_segments: int = 2) -> None:
+    def __init__(
+        self,
+        path: Path,
+        fd: int,
+        segment_size: int,
+        num_segments: int = 2,
+        read_memory: ReadMemory | None = None,
+    ) -> None:
         self._path = path
         self._file: io.FileIO | None = io.FileIO(fd, "rb", closefd=True)
         self._segment_size = segment_size
         self._free: list[MemorySegment] = []
         self._num_allocated = 0
         self._max_segments = num_segments
+        self._read_memory = read_memory
+        # a buffer's header read while no segment was free: its bytes are read next time
+        self._header: tuple[DataType, bool, int] | None = None
         self._at_end = False
         self._closed = False
         self._callback: Callable[[], None] | None = None
@@ -330,28 +357,47 @@ class _FileReader:
         f = self._file
         if f is None or self._at_end:
             return None
-        seg = self._segment()
-        if seg is None:
-            return None
-        header = f.read(HEADER.size)
-        if not header:
-            self._at_end = True
-            self._free.append(seg)
-            return None
-        if len(header) != HEADER.size:
-            self._free.append(seg)
-            raise CorruptRecordError(f"{self._path}: truncated buffer header")
-        data_type, compressed, n = _parse_header(header, self._path)
-        if n > seg.size:
-            self._free.append(seg)
-            raise CorruptRecordError(f"{self._path}: spilled buffer of {n} bytes > {seg.size}")
-        view = seg.view()[:n]
-        got = f.readinto(view) if n else 0
-        view.release()
-        if got != n:
-            self._free.append(seg)
-            raise CorruptRecordError(f"{self._path}: truncated buffer ({got} of {n} bytes)")
-        buf = Buffer(seg, self, n, data_type)
+        header = self._header
+        if header is None:
+            raw = f.read(HEADER.size)
+            if not raw:
+                self._at_end = True
+                return None
+            if len(raw) != HEADER.size:
+                raise CorruptRecordError(f"{self._path}: truncated buffer header")
+            header = _parse_header(raw, self._path)
+        data_type, compressed, n = header
+        lent = None
+        if self._read_memory is not None and data_type is DataType.DATA_BUFFER:
+            lent = self._read_memory.request_buffer()
+        if lent is not None:
+            seg = lent.segment
+        else:
+            own = self._segment()
+            if own is None:
+                self._header = header  # read on once a segment comes back
+                return None
+            seg = own
+        self._header = None
+        try:
+            if n > seg.size:
+                raise CorruptRecordError(f"{self._path}: spilled buffer of {n} bytes > {seg.size}")
+            view = seg.view()[:n]
+            got = f.readinto(view) if n else 0
+            view.release()
+            if got != n:
+                raise CorruptRecordError(f"{self._path}: truncated buffer ({got} of {n} bytes)")
+        except BaseException:
+            if lent is not None:
+                lent.release()
+            else:
+                self._free.append(seg)
+            raise
+        if lent is not None:
+            lent.set_size(n)
+            buf = lent
+        else:
+            buf = Buffer(seg, self, n, data_type)
         buf.compressed = compressed
         return buf
 
@@ -387,10 +433,12 @@ class FileBoundedData(_FileWriterBase):
     def finish_write(self) -> None:
         self._finish_file()
 
-    def create_reader(self) -> _FileReader:
+    def create_reader(self, read_memory: ReadMemory | None = None) -> _FileReader:
         if not self._finished:
             raise IllegalStateError("bounded data is still being written")
-        return _FileReader(self.path, self.open_checked(), self._segment_size, READ_SEGMENTS)
+        return _FileReader(
+            self.path, self.open_checked(), self._segment_size, READ_SEGMENTS, read_memory
+        )
 
     def close(self) -> None:
         self._delete()
@@ -407,10 +455,12 @@ _NOOP = _NoopRecycler()
 
 
 class _MmapReader:
-    """Zero-copy reader: buffers are slices of the shared read-only-in-practice mapping."""
+    """Zero-copy reader: buffers are slices of the shared read-only-in-practice mapping
+    (data buffers copied into ``read_memory`` instead, when it lends a segment)."""
 
-    def __init__(self, owner: MmapBoundedData) -> None:
+    def __init__(self, owner: MmapBoundedData, read_memory: ReadMemory | None = None) -> None:
         self._owner = owner
+        self._read_memory = read_memory
         self._pos = 0
         self._at_end = False
 
@@ -436,8 +486,18 @@ class _MmapReader:
         if start + n > len(view):
             raise CorruptRecordError(f"{self._owner.path}: truncated buffer")
         self._pos = start + n
-        seg = MemorySegment(view[start : start + max(n, 0)])
-        buf = Buffer(seg, _NOOP, n, data_type)
+        data = view[start : start + n]
+        lent = None
+        if self._read_memory is not None and data_type is DataType.DATA_BUFFER:
+            lent = self._read_memory.request_buffer()
+        if lent is not None and n <= lent.segment.size:
+            lent.segment.put(0, data)
+            lent.set_size(n)
+            buf = lent
+        else:
+            if lent is not None:
+                lent.release()
+            buf = Buffer(MemorySegment(data), _NOOP, n, data_type)
         buf.compressed = compressed
         return buf
 
@@ -478,10 +538,10 @@ class MmapBoundedData(_FileWriterBase):
         else:
             self._view = memoryview(bytearray(0))
 
-    def create_reader(self) -> _MmapReader:
+    def create_reader(self, read_memory: ReadMemory | None = None) -> _MmapReader:
         if not self._finished:
             raise IllegalStateError("bounded data is still being written")
-        return _MmapReader(self)
+        return _MmapReader(self, read_memory)
 
     def close(self) -> None:
         view, self._view = self._view, None

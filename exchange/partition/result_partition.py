@@ -49,7 +49,7 @@ from exchange.errors import (
 from exchange.events.events import AbstractEvent, EventSerializer
 from exchange.memory.local_buffer_pool import LocalBufferPool
 from exchange.partition.bounded_blocking_subpartition import BoundedBlockingSubpartition
-from exchange.partition.bounded_data import create_bounded_data
+from exchange.partition.bounded_data import ReadMemory, create_bounded_data
 from exchange.partition.partition_manifest import (
     MANIFEST_SUFFIX,
     ManifestState,
@@ -524,8 +524,14 @@ class ResultPartition:
     # -- reading -------------------------------------------------------------------------
 
     def create_subpartition_view(
-        self, index: int, listener: BufferAvailabilityListener
+        self,
+        index: int,
+        listener: BufferAvailabilityListener,
+        read_memory: ReadMemory | None = None,
     ) -> ResultSubpartitionView:
+        """A reader of subpartition ``index``; a blocking one reads its data buffers into
+        ``read_memory`` while it lends segments (a pipelined one's buffers already lie
+        where their producer put them)."""
         if not isinstance(index, int) or not 0 <= index < len(self.subpartitions):
             raise SubpartitionIndexError(index, len(self.subpartitions), self.partition_id)
         if self._state is _FAILED:
@@ -535,7 +541,10 @@ class ResultPartition:
             )
         if self._state is _RELEASED:
             raise PartitionReleasedError("partition was released", self.partition_id)
-        return self.subpartitions[index].create_read_view(listener)
+        sub = self.subpartitions[index]
+        if isinstance(sub, BoundedBlockingSubpartition):
+            return sub.create_read_view(listener, read_memory)
+        return sub.create_read_view(listener)
 
     def abandon_subpartition(self, index: int) -> bool:
         """The consumer of pipelined subpartition ``index`` gave up without ever having

@@ -30,6 +30,7 @@ from exchange.errors import (
     UsageError,
     error_reason,
 )
+from exchange.partition.bounded_data import ReadMemory
 from exchange.partition.result_partition import ResultPartition
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.subpartition_view import BufferAvailabilityListener, ResultSubpartitionView
@@ -85,8 +86,12 @@ class ResultPartitionManager:
         index: int,
         listener: BufferAvailabilityListener,
         app_id: str = "",
+        read_memory: ReadMemory | None = None,
     ) -> ResultSubpartitionView:
-        return self.get_partition(pid, app_id).create_subpartition_view(index, listener)
+        """A view of application ``app_id``'s subpartition (``read_memory``: where a
+        blocking one reads its data buffers first, see ``ResultPartition``)."""
+        part = self.get_partition(pid, app_id)
+        return part.create_subpartition_view(index, listener, read_memory)
 
     def release_partition(
         self, pid: ResultPartitionID, cause: BaseException | None = None, app_id: str = ""
@@ -199,6 +204,13 @@ class ResultPartitionManager:
         self._released[key] = (error_type, text)
         while len(self._released) > _REMEMBER_RELEASED:
             self._released.popitem(last=False)
+
+    def has_finished_blocking(self, app_id: str) -> bool:
+        """True if application ``app_id`` has a finished blocking partition here."""
+        return any(
+            app == app_id and part.partition_type.is_blocking and part.is_finished
+            for (app, _), part in self._partitions.items()
+        )
 
     @property
     def partitions(self) -> list[ResultPartition]:

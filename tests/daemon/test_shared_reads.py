@@ -1,8 +1,9 @@
 """The consumer side of the shared-memory local path, on a real daemon: a reader on the
 daemon's own host reads its application's arena in place (descriptors over the Unix
-socket, segments given back by index), the daemon counts the bytes by path, a reader that
-dies holding segments gives them back by dying, and a reader maps only the arena of its
-own application."""
+socket, segments given back by index), a pipelined partition where its producer wrote it,
+a blocking one read from its file into the arena; the daemon counts the bytes by path, a
+reader that dies holding segments gives them back by dying, and a reader maps only the
+arena of its own application."""
 
 from __future__ import annotations
 
@@ -80,13 +81,65 @@ def test_a_local_reader_reads_the_arena_in_place_and_the_metrics_say_so(start_da
     d.stop_clean()
 
 
+def write_blocking(d: Any, pid: ResultPartitionID, n: int, records: list[Any]) -> int:
+    """Write ``records`` to a blocking partition of ``n`` subpartitions of ``d``; its data
+    bytes (what the daemon received)."""
+    before = d.stats()["local"]["bytes_received"]
+    with PartitionWriter(pid, n, blocking=True, daemon_socket=d.local_socket) as w:
+        w.emit_all(records)
+    written: int = d.stats()["local"]["bytes_received"] - before
+    return written
+
+
+def read_blocking(d: Any, pid: ResultPartitionID, n: int, *, local: bool = True) -> list[Any]:
+    """Every record of the finished partition, subpartition after subpartition."""
+    got: list[Any] = []
+    for sub in range(n):
+        daemon_id = d.daemon_id if local else None
+        with PartitionReader([location(d, pid, sub)], local_daemon_id=daemon_id) as reader:
+            got.extend(reader.read_all())
+    return got
+
+
+def test_a_local_reader_of_a_blocking_partition_reads_it_in_place_again_and_again(
+    start_daemon: Any,
+) -> None:
+    """The daemon reads a blocking partition's file into the reader's application's arena
+    (made for the reader: the writer's went once the partition was finished) and sends
+    descriptors; the file stays the source, so the partition reads again, in place too."""
+    d = start_daemon()
+    pid = ResultPartitionID("blocking-in-place", 0, 0)
+    data = write_blocking(d, pid, 2, RECORDS)
+    assert data > 0
+    d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0)  # the writer's arena went
+    for rounds in (1, 2):
+        assert sorted(read_blocking(d, pid, 2)) == RECORDS
+        local = d.wait_stats(lambda s: s["local"]["connections"] == 0)["local"]
+        # every data buffer went as a descriptor; only the ends of partition as bytes
+        assert local["consumer_bytes_shared_memory"] == rounds * data
+        assert 0 < local["consumer_bytes_socket"] < rounds * 1024
+        assert local["consumer_segments_held"] == 0
+    by_path = bytes_by_path(d, "consumer")
+    assert by_path["shared_memory"] == 2 * data
+    d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0)  # the readers' arena went too
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
 def test_a_reader_over_tcp_and_a_daemon_without_shared_memory_use_the_socket(
     start_daemon: Any,
 ) -> None:
     d = start_daemon()
     pid = ResultPartitionID("tcp", 0, 0)
     assert sorted(exchange(d, pid, 1, RECORDS, local=False)) == RECORDS  # the data port
-    assert d.stats()["local"]["consumer_bytes_shared_memory"] == 0
+    blocking = ResultPartitionID("tcp-blocking", 0, 0)
+    data = write_blocking(d, blocking, 1, RECORDS)
+    assert sorted(read_blocking(d, blocking, 1, local=False)) == RECORDS
+    st = d.stats()
+    assert st["local"]["consumer_bytes_shared_memory"] == 0
+    assert st["local"]["consumer_bytes_socket"] == 0  # no reader on the Unix socket
+    assert st["data_port"]["bytes_sent"] > data  # both partitions over TCP
+    d.wait_pool_whole()
     d.stop_clean()
 
     off = start_daemon("--no-shared-memory", "--log-level", "INFO")
@@ -189,8 +242,8 @@ sys.stdin.read()
 
 
 class ReaderProcess:
-    """A consumer task process (``_STALLED_READER`` or ``_DRIVEN_READER``) the test steps
-    through its stdin, stops, kills or lets exit."""
+    """A consumer task process (``_STALLED_READER``, ``_DRIVEN_READER``,
+    ``_PAUSED_READER``) the test steps through its stdin, stops, kills or lets exit."""
 
     def __init__(self, script: str, d: Any, dataset: str, *args: str) -> None:
         self.proc = subprocess.Popen(
@@ -354,5 +407,88 @@ def test_a_reader_that_closes_holding_segments_gives_them_back_at_once(
             timeout=30,
         )
         assert reader.end() == 0
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
+#: A consumer task in a child process: reads 10 records of subpartition 0 of a finished
+#: partition on its own host's daemon, says so, and stalls holding what it received until
+#: a line comes on stdin; then reads the rest and says how many and their sum of keys.
+_PAUSED_READER = """
+import json, sys
+from client.consumer import PartitionLocation, PartitionReader
+from exchange.partition.result_partition_id import ResultPartitionID
+sock, daemon_id, data, dataset = sys.argv[1:5]
+loc = PartitionLocation(ResultPartitionID(dataset, 0, 0), 0, data, daemon_id, sock)
+with PartitionReader([loc], local_daemon_id=daemon_id) as reader:
+    it = reader.records()
+    first = [next(it) for _ in range(10)]
+    print(json.dumps({"read": len(first)}), flush=True)
+    sys.stdin.readline()
+    records = first + list(it)
+print(json.dumps({"count": len(records), "keys": sum(k for k, _ in records)}), flush=True)
+"""
+
+
+def test_a_reader_sigkilled_holding_blocking_segments_gives_them_back(start_daemon: Any) -> None:
+    d = start_daemon()
+    pid = ResultPartitionID("killed-blocking-reader", 0, 0)
+    data = write_blocking(d, pid, 1, RECORDS)
+    reader = ReaderProcess(_PAUSED_READER, d, pid.dataset_id)
+    try:
+        assert reader.next() == {"read": 10}
+        # paused: it holds what it received, at most its credit (2 exclusive + 8 floating)
+        local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)["local"]
+        held = local["consumer_segments_held"]
+        assert 0 < held <= 10
+        assert local["shared_segments_in_use"] >= held  # never back in the arena meanwhile
+    finally:
+        assert reader.end(kill=True) == -signal.SIGKILL
+    local = d.wait_stats(
+        lambda s: s["local"]["connections"] == 0 and s["local"]["shared_arenas"] == 0,
+        timeout=30,
+    )["local"]
+    assert local["consumer_segments_held"] == local["consumer_segments_pinned"] == 0
+    d.wait_pool_whole()
+    # the file is still the source: the partition reads again, whole, in place
+    shared = local["consumer_bytes_shared_memory"]
+    assert read_blocking(d, pid, 1) == RECORDS
+    local = d.wait_stats(lambda s: s["local"]["connections"] == 0)["local"]
+    assert local["consumer_bytes_shared_memory"] == shared + data
+    d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0)
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
+def test_readers_of_one_application_share_its_arena_and_never_wait_for_it(
+    start_daemon: Any,
+) -> None:
+    """An arena of 8 segments: a reader that stops reading holds them all (its credit is
+    10); a reader of another partition of the same application still reads all of it
+    (over the socket while none is spare: it never waits for the arena), and the first
+    reads all of its own once it goes on, in place again."""
+    d = start_daemon("--shared-memory-per-app", str(8 * 32 * 1024))
+    seg = d.segment_size
+    assert seg == 32 * 1024
+    held = ResultPartitionID("arena-full", 0, 0)
+    other = ResultPartitionID("arena-full-other", 0, 0)
+    data = write_blocking(d, held, 1, RECORDS)
+    write_blocking(d, other, 1, RECORDS)
+    assert data > 20 * seg  # more buffers than the first reader's credit and the arena
+    reader = ReaderProcess(_PAUSED_READER, d, held.dataset_id)
+    try:
+        assert reader.next() == {"read": 10}
+        d.wait_stats(lambda s: s["local"]["shared_segments_in_use"] == 8, timeout=30)  # all lent
+        assert read_blocking(d, other, 1) == RECORDS
+        shared = d.wait_stats(lambda s: s["local"]["connections"] == 1)["local"][
+            "consumer_bytes_shared_memory"
+        ]
+        reader.step()
+        assert reader.next() == {"count": len(RECORDS), "keys": sum(k for k, _ in RECORDS)}
+    finally:
+        assert reader.end() == 0
+    local = d.wait_stats(lambda s: s["local"]["connections"] == 0)["local"]
+    assert local["consumer_bytes_shared_memory"] > shared  # its rest went in place again
+    d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0)
     d.wait_pool_whole()
     d.stop_clean()

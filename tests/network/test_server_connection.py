@@ -1027,3 +1027,109 @@ def test_a_callback_writing_more_than_the_high_watermark_writes_in_batches(
     assert s.peer.tags(1) == list(range(6))
     part.release()
     finish_close(s)
+
+
+def _blocking_with_buffers(make_partition: PartitionFactory, n: int, kind: str) -> ResultPartition:
+    part = make_partition(1, "blocking", 1, kind=kind)
+    add_full_buffers(part, 0, n)
+    part.finish()
+    return part
+
+
+def _descriptors(s: Setup) -> list[tuple[int, ...]]:
+    return [e for m in s.peer.read() if isinstance(m, SharedBufferResponse) for e in m.buffers]
+
+
+@pytest.mark.parametrize("kind", ["file", "mmap"])
+def test_a_blocking_partition_is_read_into_the_read_arena_and_goes_as_descriptors(
+    make_partition: PartitionFactory,
+    manager: ResultPartitionManager,
+    nbp: NetworkBufferPool,
+    kind: str,
+) -> None:
+    """A blocking partition's reader on a connection whose consumer mapped its arena reads
+    each data buffer from the file into a segment of that arena: it goes as a descriptor,
+    costs a credit, and is held until given back or the connection is gone."""
+    seg = nbp.segment_size
+    part = _blocking_with_buffers(make_partition, 4, kind)
+    arena = NetworkBufferPool(8, seg)  # the application's arena, as the daemon holds it
+    try:
+        s = connect(manager, seg)
+        s.conn.read_arena = arena
+        s.peer.send(PartitionRequest(part.partition_id, 0, 1, 2))  # credit for two
+        s.timers.run()
+        first = _descriptors(s)
+        assert [(e[1], e[3], e[6], e[7]) for e in first] == [(0, 0, 0, seg), (1, 0, 0, seg)]
+        for i, e in enumerate(first):  # the file's bytes, in the arena's segments
+            assert bytes(arena._segments[e[5]].view()) == expected_payload(seg, i)
+        assert s.peer.buffers(1) == []  # nothing as bytes
+        # the two held, one read ahead: at most credit + 1 of the arena per reader
+        assert s.conn.num_held == 2 and arena.num_in_use == 3
+        s.conn.give_back([first[0][5]])
+        assert arena.num_in_use == 2
+        s.peer.send(AddCredit(1, 8))
+        s.timers.run()
+        rest = _descriptors(s)
+        assert [e[1] for e in rest] == [2, 3]
+        for i, e in enumerate(rest, 2):
+            assert bytes(arena._segments[e[5]].view()) == expected_payload(seg, i)
+        (end,) = s.peer.buffers(1)  # the end of the partition: an event, as bytes
+        assert end.data_type is DataType.EVENT_BUFFER and end.sequence_number == 4
+        assert s.conn.bytes_shared == 4 * seg and s.conn.num_held == 3
+        s.conn.connection_lost(None)  # the consumer went holding three: they return
+        assert arena.is_whole() and s.conn.num_held == 0
+        # the partition stays readable: a reader over bytes (no arena) reads it all again
+        again = connect(manager, seg)
+        again.peer.send(PartitionRequest(part.partition_id, 0, 1, 10))
+        again.timers.run()
+        again.peer.read()
+        assert again.peer.tags(1) == [0, 1, 2, 3]
+        again.conn.connection_lost(None)
+    finally:
+        part.release()
+        arena.destroy()
+
+
+def test_a_blocking_reader_with_no_spare_arena_segment_sends_that_buffer_as_bytes(
+    make_partition: PartitionFactory, manager: ResultPartitionManager, nbp: NetworkBufferPool
+) -> None:
+    """The arena's partitions keep their share (their pools' sizes): a reader lends only
+    the segments beyond it, and a buffer read while none is spare goes as bytes instead
+    of waiting, in the stream's order; later ones take the arena again."""
+    seg = nbp.segment_size
+    part = _blocking_with_buffers(make_partition, 5, "file")
+    arena = NetworkBufferPool(4, seg)
+    writer_pool = arena.create_buffer_pool(3, 3)  # a writer's share: three of the four
+    try:
+        s = connect(manager, seg)
+        s.conn.read_arena = arena
+        s.peer.send(PartitionRequest(part.partition_id, 0, 1, 3))
+        s.timers.run()
+        got = s.peer.read()
+        # buffer 0 in the one spare segment (read ahead at the request), 1 and 2 as bytes
+        order: list[tuple[str, int]] = []
+        for m in got:
+            if isinstance(m, SharedBufferResponse):
+                order += [("shared", e[1]) for e in m.buffers]
+            elif isinstance(m, BufferResponse):
+                order.append(("bytes", m.sequence_number))
+        assert order == [("shared", 0), ("bytes", 1), ("bytes", 2)]
+        assert s.peer.tags(1) == [1, 2]
+        (desc,) = [e for m in got if isinstance(m, SharedBufferResponse) for e in m.buffers]
+        assert bytes(arena._segments[desc[5]].view()) == expected_payload(seg, 0)
+        assert arena.num_in_use == 1 and writer_pool.num_requested == 0
+        s.conn.give_back([desc[5]])  # spare again: the next buffer read goes there
+        s.peer.send(AddCredit(1, 8))
+        s.timers.run()
+        rest = _descriptors(s)
+        # 3 was read ahead into a read segment of its own while nothing was spare
+        assert s.peer.tags(1) == [1, 2, 3]
+        assert [e[1] for e in rest] == [4]
+        assert bytes(arena._segments[rest[0][5]].view()) == expected_payload(seg, 4)
+        s.conn.give_back([rest[0][5]])
+        s.conn.connection_lost(None)
+        assert arena.num_in_use == 0
+    finally:
+        writer_pool.destroy()
+        part.release()
+        arena.destroy()

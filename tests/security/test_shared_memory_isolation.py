@@ -6,7 +6,7 @@ task gets is its application's arena (another file than the other application's,
 descriptor is handed out only for a one-time token the daemon sent on that very
 connection (a guessed, reused or another connection's spent token gets nothing). A
 consumer reading in place is offered only its own application's arena, and none where
-its application has none.
+its application has none; a blocking partition is read into its own application's arena.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 
 from client.arena_handout import fetch_arena_fd
+from client.consumer import PartitionLocation, PartitionReader
 from client.local_connection import LocalConnection
 from client.network import ConnectionManager
+from client.producer import PartitionWriter
 from client.runtime import get_runtime
 from exchange.buffers.buffer import DataType
 from exchange.errors import SharedMemoryUnavailableError
@@ -140,3 +142,58 @@ def test_a_reader_maps_only_its_own_applications_arena(start_daemon: Any, secret
     d.wait_pool_whole()
     d.stop_clean()
     assert "application 'app-c' has no shared arena here yet" in d.stderr
+
+
+def test_a_blocking_partition_is_read_into_its_own_applications_arena(
+    start_daemon: Any, secret_file: str
+) -> None:
+    """Two applications' blocking partitions of one id on one daemon, each read in place:
+    the daemon reads each file into the arena of the application that wrote it (made for
+    its readers), so the other application's mapping never holds its bytes."""
+    d = start_daemon("--secret-file", secret_file)
+    cred = {app: format_app_credential(SECRET, app) for app in ("app-a", "app-b")}
+    pid = ResultPartitionID("iso-blocking", 0, 0)  # the same id: each application's own
+    marker = {app: f"{app.upper()}-SECRET-BYTES".encode() * 64 for app in cred}
+    records = {app: [(i, marker[app]) for i in range(300)] for app in cred}
+    for app in cred:
+        with PartitionWriter(
+            pid, 1, blocking=True, daemon_socket=d.local_socket, secret=cred[app]
+        ) as w:
+            w.emit_all(records[app])
+    d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0)  # the writers' arenas went
+    address = "unix:" + d.local_socket
+    managers = {app: ConnectionManager(secret=cred[app]) for app in cred}
+    runtime = get_runtime()
+
+    async def map_arenas() -> dict[str, Any]:  # each application's readers' arena, mapped
+        return {
+            app: await m.create_partition_request_client(address) for app, m in managers.items()
+        }
+
+    try:
+        mapped = runtime.run(map_arenas())
+        inodes = {app: h.arena_inode for app, h in mapped.items()}
+        assert None not in inodes.values() and inodes["app-a"] != inodes["app-b"]
+        loc = PartitionLocation(pid, 0, d.data_address, d.daemon_id, d.local_socket)
+        for app in cred:
+            with PartitionReader([loc], secret=cred[app], local_daemon_id=d.daemon_id) as r:
+                assert r.read_all() == records[app]
+        local = d.wait_stats(lambda s: s["local"]["connections"] == 2)["local"]
+        assert local["consumer_bytes_shared_memory"] == local["bytes_received"]
+        seen = {
+            (app, other): marker[other] in bytes(h._arena_view or b"")
+            for app, h in mapped.items()
+            for other in cred
+        }
+        assert seen == {
+            ("app-a", "app-a"): True,
+            ("app-a", "app-b"): False,
+            ("app-b", "app-a"): False,
+            ("app-b", "app-b"): True,
+        }
+    finally:
+        for m in managers.values():
+            runtime.run(m.close())
+    d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0, timeout=30)
+    d.wait_pool_whole()
+    d.stop_clean()
