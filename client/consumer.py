@@ -287,7 +287,7 @@ class AsyncPartitionReader:
         _check_locations(locations)
         secret = secret_or_env(opts.secret)
         n = len(locations)
-        num_floating = opts.num_floating
+        num_floating = opts.floating_buffers
         pool = NetworkBufferPool(max(n * opts.num_exclusive + num_floating, 1), opts.segment_size)
         connections = ConnectionManager(secret=secret, segment_size=opts.segment_size)
         gate = SingleInputGate(
@@ -612,6 +612,7 @@ class PartitionReader:
             secret=secret,
             event_handler=None,
             checkpoint_listener=None,
+            num_floating=opts.floating_buffers,  # decided by the listener taken off here
             metrics_socket=None,
             task_name=None,
         )
@@ -640,6 +641,9 @@ class PartitionReader:
         # last of a burst (when the daemon's queue is at its lowest).
         self._hold_until_processed = debloater is not None
         self._in_flight = 0  # buffers handed to the task thread, not yet given back
+        #: set by the pump (loop thread) when a channel failed: the task raises it at its
+        #: next record list, ahead of the record lists still queued in the hand-off
+        self._failure: BaseException | None = None
         self._all_back: asyncio.Event | None = None
         self._rt.call_soon(self._recycle)  # arms the give-back's first notification
         self._pump_future = self._rt.submit(self._pump())
@@ -692,8 +696,11 @@ class PartitionReader:
         """Loop thread: move buffers (themselves) and events to the task thread.
 
         The end of the input, or the gate's error (a channel that failed), is the last item
-        of the last batch, after the buffers polled before it: those reach the task (and
-        go back to their channels) like any others, in order before the error."""
+        of the last batch, after the buffers polled before it. The end comes after their
+        records; an error overtakes them (``_failure``): the task raises it at its next
+        record list, as Flink's gate throws a failed channel's error at that channel's
+        turn rather than after the data other channels queued. The buffers it overtakes
+        still go back to their channels (pools whole)."""
         gate = self._core.gate
         send = self._handoff.asend
         on_busy = self._on_busy
@@ -741,6 +748,7 @@ class PartitionReader:
                 raise  # only get_next() waits: the batch is empty
             except BaseException as e:  # a channel failed, maybe after others' buffers
                 batch.append((_ERROR, 0, e))
+                self._failure = e  # before the send: raised ahead of what is queued
                 last = True
             buffers = _buffers_of(batch)
             self._in_flight += len(buffers)
@@ -1014,6 +1022,10 @@ class PartitionReader:
         """Yield the records of ``out``, run its events and listener calls in order."""
         for kind, ch, item in out:
             if kind == _DATA:
+                failure = self._failure
+                if failure is not None:  # a channel failed: not after what is queued
+                    self._done = True
+                    raise failure
                 yield item
             elif kind == _EVENT:
                 self._stream.on_event(item, ch)
