@@ -1,8 +1,10 @@
 """Client readers and writers failing under a real daemon leave nothing behind.
 
 * A reader one of whose channels fails (a subpartition index out of range, a partition
-  that never appears) while its other channels stream: the error reaches the task after
-  the records before it, and ``close()`` finds every segment back in the reader's pool,
+  that never appears) while its other channels stream: the error reaches the task
+  mid-stream (the synchronous reader's: ahead of the buffers queued in its hand-off), the
+  records before it are each partition's first, and ``close()`` finds every segment back
+  in the reader's pool,
   whatever the order in which the failure meets the buffers on their way to the task
   (the scenario is repeated: that order is decided by the network).
 * A writer whose daemon dies: its flush timer ends with the connection, so no task is
