@@ -44,9 +44,10 @@ from client.channel import (
     EndOfChannel,
 )
 from client.local_connection import LocalConnection, secret_or_env
-from client.network import UNIX_PREFIX, ConnectionManager
+from client.network import ConnectionManager
 from client.options import ReaderOptions
 from client.runtime import ClientRuntime, get_runtime
+from exchange.addresses import UNIX_PREFIX
 from exchange.best_effort import cancel_and_wait, wait_quietly
 from exchange.buffers.buffer import Buffer
 from exchange.checkpointing import (

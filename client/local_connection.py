@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Final
 
 from client.arena_handout import map_offered_arena, unmap_arena
-from client.connection_base import HandshakingClientProtocol
-from client.network import parse_address
-from client.tls import client_ssl_context, connect_kwargs
+from client.connection_base import HandshakingClientProtocol, connect
+from client.tls import client_ssl_context
+from exchange.addresses import UNIX_PREFIX
 from exchange.buffers.buffer import DataType
 from exchange.errors import (
     ConfigError,
@@ -225,32 +225,22 @@ class LocalConnection(HandshakingClientProtocol):
     ) -> LocalConnection:
         """Connect to a daemon's local socket, or to ``host:port`` / ``unix:/path``, for
         application ``app_id`` (None: ``$EXCHANGE_APP_ID``)."""
-        loop = asyncio.get_running_loop()
-        if socket_path.startswith("unix:") or ":" not in socket_path:
-            path = socket_path.removeprefix("unix:")
-            address = f"unix:{path}"
+        if socket_path.startswith(UNIX_PREFIX) or ":" not in socket_path:
+            path: str | None = socket_path.removeprefix(UNIX_PREFIX)
+            address = UNIX_PREFIX + socket_path.removeprefix(UNIX_PREFIX)
         else:
             path = None
             address = socket_path
         limit = max(max_frame_size_for(segment_size), _MAX_CONTROL_FRAME)
-        try:
-            if path is not None:
-                conn_coro = loop.create_unix_connection(
-                    lambda: cls(address, secret, limit, app_id), path
-                )
-            else:
-                host, port = parse_address(address)
-                tls = connect_kwargs(host, client_ssl_context())  # data port: TLS if set
-                conn_coro = loop.create_connection(
-                    lambda: cls(address, secret, limit, app_id), host, port, **tls
-                )
-            _, conn = await asyncio.wait_for(conn_coro, timeout)
-            conn.socket_path = path
-        except (OSError, TimeoutError) as e:
-            raise TransportError(
-                f"cannot reach the exchange daemon at {address}: {e}. Start one with "
-                f"'exchange-daemon', or point ${DAEMON_ENV} at its local socket"
-            ) from e
+        conn = await connect(
+            address,
+            lambda: cls(address, secret, limit, app_id),
+            timeout=timeout,
+            ssl_context=None if path is not None else client_ssl_context(),  # data port: TLS
+            peer="the exchange daemon",
+            hint=f". Start one with 'exchange-daemon', or point ${DAEMON_ENV} at its local socket",
+        )
+        conn.socket_path = path
         try:
             await asyncio.wait_for(asyncio.shield(conn.ready), timeout)
         except TimeoutError:

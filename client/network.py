@@ -32,8 +32,9 @@ import ssl
 from typing import Final, Literal
 
 from client.arena_handout import map_offered_arena, unmap_arena
-from client.connection_base import HandshakingClientProtocol
-from client.tls import client_ssl_context, connect_kwargs
+from client.connection_base import DEFAULT_CONNECT_TIMEOUT, HandshakingClientProtocol, connect
+from client.tls import client_ssl_context
+from exchange.addresses import UNIX_PREFIX, parse_address
 from exchange.best_effort import cancel_and_wait
 from exchange.consumer.remote_input_channel import RemoteInputChannel
 from exchange.errors import (
@@ -50,16 +51,13 @@ from exchange.protocol.messages import Message
 
 __all__ = [
     "READ_TIMEOUT_ENV",
-    "UNIX_PREFIX",
     "ConnectionManager",
     "PartitionRequestClientHandler",
-    "parse_address",
     "read_timeout_from_env",
 ]
 
 log = logging.getLogger("exchange.client.network")
 
-DEFAULT_CONNECT_TIMEOUT: Final = 10.0
 #: Environment variable with the default read timeout in seconds (unset or empty: off).
 READ_TIMEOUT_ENV: Final = "EXCHANGE_READ_TIMEOUT"
 
@@ -76,32 +74,6 @@ def read_timeout_from_env() -> float | None:
     if not 0 < value < float("inf"):
         raise UsageError(f"${READ_TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
     return value
-
-
-UNIX_PREFIX: Final = "unix:"
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """``host:port`` or ``[v6]:port`` to (host, port); UsageError when malformed.
-
-    ``unix:/path`` (a daemon's local socket) gives ``(path, 0)``.
-    """
-    if isinstance(address, str) and address.startswith(UNIX_PREFIX):
-        path = address[len(UNIX_PREFIX) :]
-        if not path:
-            raise UsageError(f"daemon address {address!r} names no socket path")
-        return path, 0
-    if not isinstance(address, str):
-        raise UsageError(f"daemon address must be a 'host:port' string, got {address!r}")
-    host, sep, port_s = address.rpartition(":")
-    if not sep or not host or not port_s.isdigit():
-        raise UsageError(f"daemon address {address!r} is not of the form host:port")
-    port = int(port_s)
-    if not 0 < port < 65536:
-        raise UsageError(f"daemon address {address!r}: port out of range")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return host, port
 
 
 class PartitionRequestClientHandler(HandshakingClientProtocol):
@@ -316,51 +288,38 @@ class ConnectionManager:
         return await asyncio.shield(task)
 
     async def _connect(self, address: str) -> PartitionRequestClientHandler:
-        host, port = parse_address(address)
-        loop = asyncio.get_running_loop()
-        delay = self._backoff
-        last: BaseException | None = None
-        for attempt in range(self._retries + 1):
-            if attempt:
-                await asyncio.sleep(delay)
-                delay *= 2
+        def factory() -> PartitionRequestClientHandler:
+            return PartitionRequestClientHandler(
+                address, self._secret, self._max_frame_size, self._read_timeout, self._app_id
+            )
 
-            def factory() -> PartitionRequestClientHandler:
-                return PartitionRequestClientHandler(
-                    address, self._secret, self._max_frame_size, self._read_timeout, self._app_id
-                )
-
+        handler = await connect(
+            address,
+            factory,
+            retries=self._retries,
+            backoff=self._backoff,
+            timeout=self._timeout,
+            ssl_context=self._ssl_context,
+            peer="daemon",
+        )
+        try:
+            await asyncio.wait_for(asyncio.shield(handler.ready), self._timeout)
+        except TimeoutError:
+            await handler.aclose()
+            raise TransportError(f"handshake with daemon {address} timed out") from None
+        except ExchangeError:
+            await handler.aclose()
+            raise
+        if address.startswith(UNIX_PREFIX):
             try:
-                if port == 0:
-                    conn = loop.create_unix_connection(factory, host)
-                else:
-                    tls = connect_kwargs(host, self._ssl_context)
-                    conn = loop.create_connection(factory, host, port, **tls)
-                _, handler = await asyncio.wait_for(conn, self._timeout)
-            except (OSError, TimeoutError) as e:
-                last = e
-                continue
-            try:
-                await asyncio.wait_for(asyncio.shield(handler.ready), self._timeout)
-            except TimeoutError:
-                await handler.aclose()
-                raise TransportError(f"handshake with daemon {address} timed out") from None
+                await handler.request_arena(self._timeout)
+                handler.check()
             except ExchangeError:
                 await handler.aclose()
                 raise
-            if port == 0:
-                try:
-                    await handler.request_arena(self._timeout)
-                    handler.check()
-                except ExchangeError:
-                    await handler.aclose()
-                    raise
-            self._clients[address] = handler
-            handler.closed.add_done_callback(functools.partial(self._forget, address, handler))
-            return handler
-        raise TransportError(
-            f"cannot connect to daemon {address} after {self._retries + 1} attempts: {last}"
-        )
+        self._clients[address] = handler
+        handler.closed.add_done_callback(functools.partial(self._forget, address, handler))
+        return handler
 
     def _forget(
         self, address: str, handler: PartitionRequestClientHandler, _f: object = None

@@ -20,7 +20,8 @@ or a round ``check_round`` finds can never complete (the job runs only some of t
 stage's tasks: ``take``) is refused at once, every waiting task with it
 (``SchedulingError`` / ``UsageError``), instead of waiting for a set that never comes.
 
-The wire format is one JSON object per line each way; every request carries the
+The messages are ``exchange.protocol.driver_messages``' (MeetRequest / AbortRound, answered
+with Met or RendezvousRefused; one request per connection); every request carries the
 exchange's random token, so only the driver's own tasks can register.
 """
 
@@ -28,22 +29,44 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
+from client.connection_base import FramedProtocol, connect
 from client.runtime import ClientRuntime, get_runtime
+from exchange.addresses import format_address
 from exchange.best_effort import best_effort
 from exchange.errors import ExchangeError, SchedulingError, TransportError, UsageError
+from exchange.protocol.codec import MAX_CONTROL_FRAME_SIZE
+from exchange.protocol.driver_messages import (
+    RENDEZVOUS_MESSAGE_IDS,
+    AbortRound,
+    MeetRequest,
+    Met,
+    RefusalKind,
+    RendezvousRefused,
+    TaskLocation,
+)
+from exchange.protocol.messages import Message
 
-__all__ = ["RendezvousServer", "RendezvousTicket", "rendezvous", "report_abort"]
+__all__ = [
+    "RendezvousServer",
+    "RendezvousTicket",
+    "TaskLocation",
+    "listen_for_tasks",
+    "rendezvous",
+    "report_abort",
+]
 
 log = logging.getLogger("exchange.client.rendezvous")
 
-_MAX_LINE: Final = 1 << 20
+#: A request (one location) fits a control frame; an answer carries every location.
+_MAX_ANSWER: Final = 1 << 20
+#: Seconds a connection has to send its request.
+_REQUEST_TIMEOUT: Final = 30.0
 _NO_RETRY: Final = (
     "its tasks run in an ordinary Spark stage (its input has another partition count than "
     "its output), which Spark retries task by task, and one task of a pipelined exchange "
@@ -56,8 +79,8 @@ _NO_RETRY: Final = (
 class RendezvousTicket:
     """What a task needs to meet the others (shipped in the task's closure)."""
 
+    #: the driver's rendezvous service, ``host:port`` (``[v6]:port``)
     address: str
-    port: int
     exchange_id: str
     token: str
     num_tasks: int
@@ -73,22 +96,22 @@ class _Round:
     #: False (an ordinary stage): one attempt per index, launched whenever a slot freed
     #: (its attempt ids need not be adjacent)
     whole_stage_retries: bool = True
-    entries: dict[int, tuple[int, Any]] = field(default_factory=dict)
-    waiters: list[tuple[int, asyncio.Future[list[Any]]]] = field(default_factory=list)
+    entries: dict[int, TaskLocation] = field(default_factory=dict)
+    waiters: list[tuple[int, asyncio.Future[list[TaskLocation]]]] = field(default_factory=list)
     aborted: bool = False
     #: why the round can never complete (its tasks are answered with that error)
     refused: _Refusal | None = None
 
-    def answer_for(self, attempt: int) -> list[Any] | None:
+    def answer_for(self, attempt: int) -> list[TaskLocation] | None:
         if len(self.entries) < self.n:
             return None
         if not self.whole_stage_retries:
-            return [self.entries[i][1] for i in range(self.n)]
-        attempts = [a for a, _ in self.entries.values()]
+            return [self.entries[i] for i in range(self.n)]
+        attempts = [loc.attempt for loc in self.entries.values()]
         lo, hi = min(attempts), max(attempts)
         if hi - lo >= self.n or abs(attempt - lo) >= self.n or abs(hi - attempt) >= self.n:
             return None
-        return [self.entries[i][1] for i in range(self.n)]
+        return [self.entries[i] for i in range(self.n)]
 
     def settle(self) -> None:
         still = []
@@ -104,24 +127,27 @@ class _Round:
 
 
 class _Refusal(Exception):
-    """A round's refusal, answered to its tasks as ``{"error": message, "kind": kind}``."""
+    """A refusal, answered to the task as RendezvousRefused."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: RefusalKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
 
 
-#: reply kinds -> the error a task raises (anything else: the request was bad)
-_KINDS: Final[dict[str, type[ExchangeError]]] = {
-    "scheduling": SchedulingError,
-    "usage": UsageError,
+#: refusals of a round -> the error its task raises (BAD_REQUEST: a TransportError)
+_KINDS: Final[dict[RefusalKind, type[ExchangeError]]] = {
+    RefusalKind.SCHEDULING: SchedulingError,
+    RefusalKind.USAGE: UsageError,
 }
+
+#: what a round's driver hook gets: the round and every location registered so far
+AbortHook = Callable[[int, list[TaskLocation]], Awaitable[None]]
 
 
 @dataclass(slots=True)
 class _Group:
     n: int
-    on_abort: Callable[[int, list[Any]], Awaitable[None]] | None = None
+    on_abort: AbortHook | None = None
     whole_stage_retries: bool = True
     check_round: Callable[[int], Awaitable[str | None]] | None = None
     rounds: dict[int, _Round] = field(default_factory=dict)
@@ -132,20 +158,52 @@ class _Group:
             r = self.rounds[key] = _Round(self.n, self.whole_stage_retries)
         return r
 
-    def waiters(self) -> list[asyncio.Future[list[Any]]]:
+    def waiters(self) -> list[asyncio.Future[list[TaskLocation]]]:
         return [fut for r in self.rounds.values() for _, fut in r.waiters]
 
 
 async def listen_for_tasks(
-    serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
-    host: str,
-    **kwargs: Any,
+    factory: Callable[[], asyncio.BaseProtocol], host: str
 ) -> tuple[asyncio.Server, int]:
     """A driver-side server on an ephemeral port for the application's tasks: on loopback
-    when the driver's host is loopback, else on every interface (executors elsewhere)."""
-    bind = "0.0.0.0" if host not in ("127.0.0.1", "localhost", "::1") else host
-    server = await asyncio.start_server(serve, bind, 0, **kwargs)
+    when the driver's host is loopback, else on every interface (executors elsewhere; every
+    IPv6 one when the host is an IPv6 address)."""
+    loopback = host in ("127.0.0.1", "localhost", "::1")
+    wildcard = "::" if ":" in host else "0.0.0.0"
+    server = await asyncio.get_running_loop().create_server(
+        factory, host if loopback else wildcard, 0
+    )
     return server, int(server.sockets[0].getsockname()[1])
+
+
+class _RequestConnection(FramedProtocol):
+    """The driver's end of one rendezvous request: the request, then the answer."""
+
+    def __init__(self, service: RendezvousServer) -> None:
+        super().__init__(RENDEZVOUS_MESSAGE_IDS, MAX_CONTROL_FRAME_SIZE)
+        self._service = service
+        self._handler: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._timer = self._loop.call_later(
+            _REQUEST_TIMEOUT, self.fail, TransportError("no rendezvous request in time")
+        )
+
+    def on_message(self, msg: Message) -> None:
+        if self._handler is not None or not isinstance(msg, MeetRequest | AbortRound):
+            self.fail(TransportError(f"unexpected {type(msg).__name__}"))
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._handler = self._loop.create_task(self._service._answer(self, msg))
+
+    def on_lost(self, error: ExchangeError) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._handler is not None:
+            self._handler.cancel()  # the task is gone: nobody waits for the answer
 
 
 class RendezvousServer:
@@ -161,13 +219,15 @@ class RendezvousServer:
         self._rt.run(self._start())
 
     async def _start(self) -> None:
-        self._server, self.port = await listen_for_tasks(self._serve, self.host, limit=_MAX_LINE)
+        self._server, self.port = await listen_for_tasks(
+            lambda: _RequestConnection(self), self.host
+        )
 
     def open_group(
         self,
         exchange_id: str,
         num_tasks: int,
-        on_abort: Callable[[int, list[Any]], Awaitable[None]] | None = None,
+        on_abort: AbortHook | None = None,
         *,
         whole_stage_retries: bool = True,
         check_round: Callable[[int], Awaitable[str | None]] | None = None,
@@ -196,7 +256,11 @@ class RendezvousServer:
 
         self._rt.loop.call_soon_threadsafe(add)
         return RendezvousTicket(
-            self.host, self.port, exchange_id, token, num_tasks, whole_stage_retries
+            format_address(self.host, self.port),
+            exchange_id,
+            token,
+            num_tasks,
+            whole_stage_retries,
         )
 
     def close_group(self, exchange_id: str) -> None:
@@ -209,78 +273,63 @@ class RendezvousServer:
 
         self._rt.loop.call_soon_threadsafe(drop)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _answer(self, conn: _RequestConnection, req: MeetRequest | AbortRound) -> None:
+        """Answer one request on ``conn`` (when its round completes), then close it."""
         try:
-            line = await asyncio.wait_for(reader.readline(), 30)
-            req = json.loads(line)
-            if not isinstance(req, dict):
-                raise ValueError("not an object")
-            entry = self._groups.get(str(req.get("exchange")))
-            if entry is None or not hmac.compare_digest(str(req.get("token")), entry[0]):
-                raise ValueError("unknown exchange or bad token")
+            entry = self._groups.get(req.exchange_id)
+            if entry is None or not hmac.compare_digest(req.token, entry[0]):
+                raise _Refusal(RefusalKind.BAD_REQUEST, "unknown exchange or bad token")
             group = entry[1]
-            round_id = req.get("round", 0)
-            if not isinstance(round_id, int):
-                raise ValueError("round must be an int")
-            rnd = group.round(round_id)
-            if req.get("abort"):
-                await self._abort(group, round_id, rnd)
+            rnd = group.round(req.round_id)
+            if isinstance(req, AbortRound):
+                await self._abort(group, req.round_id, rnd)
                 if not group.whole_stage_retries and rnd.refused is None:
                     self._refuse(
-                        rnd, _Refusal("scheduling", f"a task of its stage failed: {_NO_RETRY}")
+                        rnd,
+                        _Refusal(
+                            RefusalKind.SCHEDULING, f"a task of its stage failed: {_NO_RETRY}"
+                        ),
                     )
-                writer.write(b'{"ok": []}\n')
-                await writer.drain()
+                conn.send(Met(()))
                 return
-            index, attempt = req["index"], req["attempt"]
-            if not isinstance(index, int) or not 0 <= index < group.n:
-                raise ValueError(f"index {index!r} out of range")
-            if not isinstance(attempt, int):
-                raise ValueError("attempt must be an int")
+            loc = req.location
+            index, attempt = loc.index, loc.attempt
+            if not index < group.n:
+                raise _Refusal(RefusalKind.BAD_REQUEST, f"index {index} out of range")
             old = rnd.entries.get(index)
-            if not group.whole_stage_retries and old is not None and old[0] != attempt:
+            if not group.whole_stage_retries and old is not None and old.attempt != attempt:
                 self._refuse(
                     rnd,
                     _Refusal(
-                        "scheduling",
-                        f"Spark ran task {index} again (attempt {attempt} after {old[0]}: a "
-                        f"retried or resubmitted task): {_NO_RETRY}",
+                        RefusalKind.SCHEDULING,
+                        f"Spark ran task {index} again (attempt {attempt} after {old.attempt}: "
+                        f"a retried or resubmitted task): {_NO_RETRY}",
                     ),
                 )
-                await self._abort(group, round_id, rnd)
+                await self._abort(group, req.round_id, rnd)
             if rnd.refused is not None:
                 raise rnd.refused
             if not rnd.entries and group.check_round is not None:
-                check = asyncio.ensure_future(self._check(group, round_id, rnd))
+                check = asyncio.ensure_future(self._check(group, req.round_id, rnd))
                 self._checks.add(check)
                 check.add_done_callback(self._checks.discard)
-            if old is None or old[0] <= attempt:
-                rnd.entries[index] = (attempt, req.get("location"))
-            fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+            if old is None or old.attempt <= attempt:
+                rnd.entries[index] = loc
+            fut: asyncio.Future[list[TaskLocation]] = asyncio.get_running_loop().create_future()
             rnd.waiters.append((attempt, fut))
             rnd.settle()
-            answer = await fut
-            writer.write(json.dumps({"ok": answer}).encode() + b"\n")
-            await writer.drain()
+            conn.send(Met(tuple(await fut)))
         except _Refusal as e:
-            with best_effort(log, "answering a refused rendezvous request"):
-                writer.write(json.dumps({"error": str(e), "kind": e.kind}).encode() + b"\n")
-                await writer.drain()
-        except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-            with best_effort(log, "answering a bad rendezvous request"):
-                writer.write(json.dumps({"error": str(e)}).encode() + b"\n")
-                await writer.drain()
-        except (asyncio.CancelledError, TimeoutError, ConnectionError):
-            pass
+            conn.send(RendezvousRefused(e.kind, str(e)))
         finally:
-            writer.close()
+            conn.close()
 
     @staticmethod
     async def _abort(group: _Group, round_id: int, rnd: _Round) -> None:
         """The driver's clean-up of a failed round, once."""
         if not rnd.aborted and group.on_abort is not None:
             rnd.aborted = True
-            await group.on_abort(round_id, [loc for _, loc in rnd.entries.values()])
+            await group.on_abort(round_id, list(rnd.entries.values()))
 
     @staticmethod
     def _refuse(rnd: _Round, refusal: _Refusal) -> None:
@@ -299,7 +348,7 @@ class RendezvousServer:
             log.warning("checking round %d of a rendezvous failed", round_id, exc_info=True)
             return
         if reason is not None and rnd.refused is None:
-            self._refuse(rnd, _Refusal("usage", reason))
+            self._refuse(rnd, _Refusal(RefusalKind.USAGE, reason))
             await self._abort(group, round_id, rnd)
 
     def close(self) -> None:
@@ -322,38 +371,33 @@ class RendezvousServer:
             self._rt.run(stop(), timeout=5)
 
 
+class _RequestClient(FramedProtocol):
+    """A task's end of one rendezvous request: ``reply`` gets the answer."""
+
+    def __init__(self) -> None:
+        super().__init__(RENDEZVOUS_MESSAGE_IDS, _MAX_ANSWER)
+        self.reply: asyncio.Future[Met | RendezvousRefused] = self._loop.create_future()
+
+    def on_message(self, msg: Message) -> None:
+        if isinstance(msg, Met | RendezvousRefused) and not self.reply.done():
+            self.reply.set_result(msg)
+        else:
+            self.fail(TransportError(f"unexpected {type(msg).__name__} from the rendezvous"))
+
+    def on_lost(self, error: ExchangeError) -> None:
+        if not self.reply.done():
+            self.reply.set_exception(error)
+
+
 async def _meet(
-    ticket: RendezvousTicket,
-    index: int,
-    attempt: int,
-    location: Any,
-    timeout: float,
-    *,
-    abort: bool = False,
-    round_id: int = 0,
-) -> list[Any]:
+    ticket: RendezvousTicket, request: MeetRequest | AbortRound, timeout: float
+) -> list[TaskLocation]:
+    index = request.location.index if isinstance(request, MeetRequest) else request.index
+    conn = await connect(ticket.address, _RequestClient, peer="the driver's rendezvous")
     try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(ticket.address, ticket.port, limit=_MAX_LINE), 10
-        )
-    except (OSError, TimeoutError) as e:
-        raise TransportError(
-            f"cannot reach the driver's rendezvous at {ticket.address}:{ticket.port}: {e}"
-        ) from e
-    try:
-        req = {
-            "exchange": ticket.exchange_id,
-            "token": ticket.token,
-            "index": index,
-            "attempt": attempt,
-            "location": location,
-            "abort": abort,
-            "round": round_id,
-        }
-        writer.write(json.dumps(req).encode() + b"\n")
-        await writer.drain()
+        conn.send(request)
         try:
-            line = await asyncio.wait_for(reader.readline(), timeout)
+            reply = await asyncio.wait_for(conn.reply, timeout)
         except TimeoutError:
             waited = (
                 f"task {index} of exchange {ticket.exchange_id} waited {timeout:.0f}s for the "
@@ -369,18 +413,17 @@ async def _meet(
                 "as the output (a barrier stage, which waits for its slots), or use "
                 "mode='blocking'"
             ) from None
-        if not line:
-            raise TransportError("the driver's rendezvous closed the connection")
-        reply = json.loads(line)
-        if "error" in reply:
-            kind = _KINDS.get(str(reply.get("kind")))
-            if kind is not None:
-                raise kind(f"task {index} of exchange {ticket.exchange_id}: {reply['error']}")
-            raise TransportError(f"rendezvous refused: {reply['error']}")
-        result: list[Any] = reply["ok"]
-        return result
+        except TransportError as e:
+            raise TransportError(f"the driver's rendezvous closed the connection: {e}") from e
+        if isinstance(reply, RendezvousRefused):
+            if reply.kind is RefusalKind.BAD_REQUEST:
+                raise TransportError(f"rendezvous refused: {reply.message}")
+            error = _KINDS[reply.kind]
+            raise error(f"task {index} of exchange {ticket.exchange_id}: {reply.message}")
+        return list(reply.locations)
     finally:
-        writer.close()
+        conn.close()
+        await conn.closed
 
 
 def report_abort(
@@ -395,20 +438,20 @@ def report_abort(
     """Tell the driver this task failed (best effort: the task's own error goes on)."""
     rt = runtime if runtime is not None else get_runtime()
     with best_effort(log, f"telling the driver that task {index} failed", logging.WARNING):
-        meeting = _meet(ticket, index, attempt, None, timeout, abort=True, round_id=round_id)
-        rt.run(meeting, timeout=timeout)
+        request = AbortRound(ticket.exchange_id, ticket.token, round_id, index, attempt)
+        rt.run(_meet(ticket, request, timeout), timeout=timeout)
 
 
 def rendezvous(
     ticket: RendezvousTicket,
-    index: int,
-    attempt: int,
-    location: Any,
+    location: TaskLocation,
     *,
     round_id: int = 0,
     timeout: float = 300.0,
     runtime: ClientRuntime | None = None,
-) -> list[Any]:
-    """Register this task and wait for every task of its round's location (index order)."""
+) -> list[TaskLocation]:
+    """Register this task (``location.index``, ``location.attempt``) and wait for every
+    task of its round's location (index order)."""
     rt = runtime if runtime is not None else get_runtime()
-    return rt.run(_meet(ticket, index, attempt, location, timeout, round_id=round_id))
+    request = MeetRequest(ticket.exchange_id, ticket.token, round_id, location)
+    return rt.run(_meet(ticket, request, timeout))

@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -69,7 +69,7 @@ from client.local_connection import (
 )
 from client.options import ReaderOptions, WriterOptions
 from client.producer import PartitionWriter
-from client.rendezvous import RendezvousServer, rendezvous, report_abort
+from client.rendezvous import RendezvousServer, TaskLocation, rendezvous, report_abort
 from client.runtime import get_runtime
 from exchange.errors import ExchangeError, TransportError, UsageError
 from exchange.partition.result_partition_id import ResultPartitionID
@@ -344,14 +344,10 @@ def _probe_executor_python(sc: SparkContext) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class _Produced:
-    index: int
-    attempt: int
-    daemon_id: str
-    data_address: str
-    local_socket: str
-    segment_size: int
-    records: int
+class _Produced(TaskLocation):
+    """Where a blocking map task wrote its partition, and how many records."""
+
+    records: int = 0
 
 
 _info_cache: dict[str, tuple[tuple[int, int], Any]] = {}
@@ -447,7 +443,7 @@ def _write_partition(
 
 def _open_reader(
     exchange_id: str,
-    producers: list[_Produced],
+    producers: Sequence[TaskLocation],
     subpartition: int,
     spec: _DaemonSpec,
     codec: RecordCodec,
@@ -736,10 +732,10 @@ def _pipelined(
     secret = spec.secret
     start_timeout = PIPELINED_START_TIMEOUT
 
-    async def release_everywhere(stage: int, locations: list[Any]) -> None:
+    async def release_everywhere(stage: int, locations: list[TaskLocation]) -> None:
         """A task of the stage failed: release that run's pipelined partitions on every
         daemon, so nothing a killed task left behind keeps its segments."""
-        for address in {loc[3] for loc in locations if loc}:
+        for address in {loc.data_address for loc in locations}:
             with contextlib.suppress(ExchangeError):
                 await release_dataset(address, _run_dataset(exchange_id, stage), secret=secret)
 
@@ -778,20 +774,19 @@ def _pipelined(
         stage = ctx.stageId()
         dataset = _run_dataset(exchange_id, stage)
         sock, info = _local_daemon(spec)
-        me = [t, attempt, info.daemon_id, info.data_address, sock, info.segment_size]
+        me = TaskLocation(t, attempt, info.daemon_id, info.data_address, sock, info.segment_size)
         # Every task creates its partition before it meets the others, so no reader of
         # the run ever asks for a partition that does not exist yet (no not-found
         # retries), and none is created after a reader left (its subpartition would wait)
         pw = _open_writer(dataset, t, attempt, n, spec, codec, False)
         try:
             if barrier:
-                everyone = rendezvous(ticket, t, attempt, me, round_id=stage)
+                producers = rendezvous(ticket, me, round_id=stage)
             else:
-                everyone = rendezvous(ticket, t, attempt, me, round_id=stage, timeout=start_timeout)
+                producers = rendezvous(ticket, me, round_id=stage, timeout=start_timeout)
         except BaseException as e:
             pw.fail(e)
             raise
-        producers = [_Produced(p[0], p[1], p[2], p[3], p[4], p[5], 0) for p in everyone]
         # the producers' daemons (our own: over its local socket)
         daemons = sorted(
             {p.local_socket if p.daemon_id == info.daemon_id else p.data_address for p in producers}

@@ -33,6 +33,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Final
 
+from exchange.addresses import format_address
 from exchange.errors import (
     ConfigError,
     CorruptRecordError,
@@ -176,13 +177,13 @@ class ExchangeDaemon:
                 "set --secret-file and TLS, or bind --host to loopback",
                 bound,
             )
-        self.data_address = f"{_fmt_host(advertise)}:{port}"
+        self.data_address = format_address(advertise, port)
         self.local_socket = await self.local_endpoint.start_unix(
             cfg.resolved_local_socket(), mode=cfg.local_socket_mode, gid=cfg.local_socket_gid()
         )
         self.http = HttpServer(self)
         hh, hp = await self.http.start(cfg.http_host, cfg.http_port)
-        self.http_address = f"{_fmt_host(hh)}:{hp}"
+        self.http_address = format_address(hh, hp)
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_loop())
         return self.ready_info()
 
@@ -587,7 +588,3 @@ def advertised_host(config: DaemonConfig) -> str:
         f"other hosts would dial themselves. Set {ADVERTISE_HOST_ENV} (or --advertise-host) "
         "to a name or address they reach, or bind --host to that address",
     )
-
-
-def _fmt_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

@@ -48,7 +48,7 @@ import logging
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, ClassVar, Final
+from typing import ClassVar, Final, Protocol
 
 from exchange.errors import (
     ConfigError,
@@ -60,6 +60,9 @@ from exchange.errors import (
 from exchange.local.producer_session import PUSH_BUFFER_FRAMES, ProducerSession, PushHeader
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.network.server_connection import DATA_PORT_MESSAGES, ServerConnection
+from exchange.partition.result_partition import ResultPartition
+from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.partition.result_partition_manager import ResultPartitionManager
 from exchange.partition.result_partition_type import ResultPartitionType
 from exchange.protocol.local_messages import (
     ARENA_SOCKET_SUFFIX,
@@ -67,6 +70,7 @@ from exchange.protocol.local_messages import (
     ArenaMapped,
     CommitSegments,
     CreatePartition,
+    DaemonInfo,
     DaemonInfoRequest,
     FailPartition,
     FinishPartition,
@@ -83,15 +87,14 @@ from exchange.protocol.local_messages import (
     TaskMetrics,
 )
 from exchange.protocol.messages import ErrorResponse, Message, PartitionRequest, error_response_for
+from server.config import DaemonConfig
 from server.jobs import JobBoard
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
 from server.segment_pins import SegmentPins, peer_process
+from server.shared_arenas import SharedArenas
 
-if TYPE_CHECKING:
-    from server.daemon import ExchangeDaemon
-
-__all__ = ["LocalEndpoint", "LocalEndpointProtocol"]
+__all__ = ["EndpointDaemon", "LocalEndpoint", "LocalEndpointProtocol"]
 
 log = logging.getLogger("exchange.server.local")
 
@@ -101,10 +104,36 @@ _FAILED_PRODUCER_GRACE: Final = 2.0
 MAX_TASK_REPORTS_PER_CONNECTION: Final = 16
 
 
+class EndpointDaemon(Protocol):
+    """What the local endpoint uses of its daemon (``server.daemon.ExchangeDaemon``):
+    the endpoint is given its daemon, it does not import it."""
+
+    config: DaemonConfig
+    manager: ResultPartitionManager
+    shared_arenas: SharedArenas
+    segment_size: int
+    bytes_in: int
+    partitions_failed: int
+
+    def info(self) -> DaemonInfo: ...
+
+    def create_partition(
+        self,
+        pid: ResultPartitionID,
+        ptype: ResultPartitionType,
+        num_subpartitions: int,
+        *,
+        app_id: str = "",
+        network_pool: NetworkBufferPool | None = None,
+    ) -> ResultPartition: ...
+
+    def release_dataset(self, dataset_id: str, app_id: str | None = None) -> int: ...
+
+
 class LocalEndpoint(DataServer):
     """The daemon's Unix-socket server."""
 
-    def __init__(self, daemon: ExchangeDaemon, **kwargs: object) -> None:
+    def __init__(self, daemon: EndpointDaemon, **kwargs: object) -> None:
         super().__init__(daemon.manager, **kwargs)  # type: ignore[arg-type]
         self.daemon = daemon
         self.path: str | None = None

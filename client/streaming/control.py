@@ -1,32 +1,21 @@
 """The control channel between a streaming job's driver (coordinator) and its tasks.
 
-One TCP connection per task to the driver's ``ControlServer``; frames are a u32 length
-and a msgpack map with a ``type``. Everything runs on the process's client loop; both ends
-hand received messages to their own thread through a ``queue.Queue``.
-
-Task -> driver: ``register`` (token, attempt, task id, its local daemon) first, then
-``ack`` (checkpoint id, state handle), ``decline``, ``exhausted`` (a bounded source ran
-out), ``finished`` (with its collect sinks' records, pickled), ``failed`` (error text,
-when it failed (``time``, wall clock) and whether the error is a ``consequence`` of
-another failure).
-Driver -> task: ``start`` (every task's daemon, the checkpoint to restore), ``trigger``
-(sources), ``complete``, ``abort``, ``stop`` (sources, a clean stop: end the input now, as
-if exhausted), ``finish`` (after the final checkpoint: end the stream), ``cancel``.
-An ``ack`` carries the state handle and the task's figures (``metrics``, Flink's
-CheckpointMetrics and more): the state's size (``state_bytes``), for a task that reads its
-alignment (``alignment``, seconds) and the bytes processed or parked meanwhile
-(``aligned_bytes``), and its records so far (``records_in``, ``records_out``).
+One TCP connection per task to the driver's ``ControlServer``; the messages are
+``exchange.protocol.driver_messages``' control messages (RegisterTask first, then the
+checkpoint and end-of-task messages each way) on the project's framing. Everything runs on
+the process's client loop; both ends hand received messages to their own thread through a
+``queue.Queue``, where a connection that ended appears as ``ControlLost``.
 
 Attempts are fenced: a task registers with its job attempt and the token of that attempt,
-so a task of a dead attempt (Spark lets it run on for seconds) is refused and its
-connection closed; it fails at its next control call.
+so a task of a dead attempt (Spark lets it run on for seconds) is refused
+(RegistrationRefused) and its connection closed; it fails at its next control call.
 
 The driver's port faces whatever reaches it, so until a connection has registered it may
 send one frame of at most ``MAX_REGISTER_FRAME`` bytes within ``REGISTER_TIMEOUT``, and
 at most ``max_unregistered`` connections may be waiting to register at once: a newcomer
 beyond that drops the oldest (a task registers as soon as it connects, so the oldest is
 one that does not). Only a registered task's frames may be large (a collect sink's
-records).
+records, up to ``MAX_FRAME``).
 """
 
 from __future__ import annotations
@@ -35,47 +24,92 @@ import asyncio
 import hmac
 import logging
 import queue
-import struct
 import time
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Final
 
-import msgpack
-
+from client.connection_base import FramedProtocol, connect
 from client.rendezvous import listen_for_tasks
 from client.runtime import ClientRuntime, get_runtime
+from exchange.addresses import format_address
 from exchange.best_effort import best_effort
-from exchange.errors import ProtocolError, TransportError
+from exchange.errors import ExchangeError, TransportError
+from exchange.protocol.codec import MAX_CONTROL_FRAME_SIZE, encode
+from exchange.protocol.driver_messages import (
+    CONTROL_MESSAGE_IDS,
+    RegisterTask,
+    RegistrationRefused,
+    TaskFailed,
+    TaskFinished,
+)
+from exchange.protocol.messages import Message
 
-__all__ = ["ControlClient", "ControlServer"]
+__all__ = ["WAKEUP", "ControlClient", "ControlLost", "ControlServer", "Mail", "Wakeup"]
 
 log = logging.getLogger("exchange.streaming.control")
 
-_LEN: Final = struct.Struct(">I")
 #: A registered task's frame may carry a collect sink's records.
 MAX_FRAME: Final = 256 * 1024 * 1024
 #: The registration (token, attempt, task id, daemon address) before the token is checked.
-MAX_REGISTER_FRAME: Final = 4 * 1024
+MAX_REGISTER_FRAME: Final = MAX_CONTROL_FRAME_SIZE
 #: Seconds a new connection has to register.
 REGISTER_TIMEOUT: Final = 30.0
 
 
-def _frame(msg: dict[str, Any]) -> bytes:
-    body: bytes = msgpack.packb(msg, use_bin_type=True)
-    return _LEN.pack(len(body)) + body
+@dataclass(frozen=True, slots=True)
+class ControlLost:
+    """In an inbox: the connection ended (``error`` says why) at ``time`` (wall clock)
+    before the task said it finished or failed."""
+
+    error: str
+    time: float
 
 
-async def _read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> dict[str, Any]:
-    head = await reader.readexactly(_LEN.size)
-    (n,) = _LEN.unpack(head)
-    if n > limit:  # checked before a byte of the body is read
-        raise ProtocolError(f"control frame of {n} bytes exceeds {limit}")
-    try:
-        msg = msgpack.unpackb(await reader.readexactly(n), raw=False, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as e:
-        raise ProtocolError(f"malformed control frame: {e}") from e
-    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-        raise ProtocolError("a control frame is a map with a 'type'")
-    return msg
+@dataclass(frozen=True, slots=True)
+class Wakeup:
+    """In a task's inbox, put by the task's own process (input handed over, room in
+    its output): whoever waited looks again."""
+
+
+WAKEUP: Final = Wakeup()
+
+#: What a task's inbox holds.
+Mail = Message | ControlLost | Wakeup
+
+
+def _lost(error: ExchangeError) -> ControlLost:
+    return ControlLost(f"{type(error).__name__}: {error}", time.time())
+
+
+class _TaskConnection(FramedProtocol):
+    """The driver's end of one task's connection."""
+
+    def __init__(self, server: ControlServer) -> None:
+        super().__init__(CONTROL_MESSAGE_IDS, MAX_REGISTER_FRAME)
+        self._server = server
+        self.task = ""  # set once registered
+        self.refused = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._server._admit(self)
+        self._timer = self._loop.call_later(
+            REGISTER_TIMEOUT, self.fail, TransportError("no registration in time")
+        )
+
+    def on_message(self, msg: Message) -> None:
+        if self.task:
+            self._server._received(self.task, msg)
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._server._register(self, msg)
+
+    def on_lost(self, error: ExchangeError) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._server._disconnected(self, error)
 
 
 class ControlServer:
@@ -97,15 +131,15 @@ class ControlServer:
         self.token = token
         self.attempt = attempt
         self.task_ids = set(task_ids)
-        #: (task id, message) in arrival order; (task, {"type": "lost", "time": ...}) when
-        #: a task's connection ended before its ``finished`` or ``failed``
-        self.inbox: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue()
-        self._writers: dict[str, asyncio.StreamWriter] = {}
+        #: (task id, message) in arrival order; (task, ControlLost) when a task's
+        #: connection ended before its TaskFinished or TaskFailed
+        self.inbox: queue.Queue[tuple[str, Message | ControlLost]] = queue.Queue()
+        self._conns: dict[str, _TaskConnection] = {}
         self._done: set[str] = set()
         self.max_unregistered = (
             max_unregistered if max_unregistered is not None else max(16, 2 * len(task_ids))
         )
-        self._unregistered: dict[asyncio.StreamWriter, None] = {}  # oldest first
+        self._unregistered: dict[_TaskConnection, None] = {}  # oldest first
         #: connections closed unregistered: over the limit, refused, or malformed
         self.refused = 0
         #: set while no registered task is connected
@@ -117,78 +151,78 @@ class ControlServer:
         self._rt.run(self._start())
 
     async def _start(self) -> None:
-        self._server, self.port = await listen_for_tasks(self._serve, self.host)
+        self._server, self.port = await listen_for_tasks(lambda: _TaskConnection(self), self.host)
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return format_address(self.host, self.port)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    # -- the connections' events (on the loop) -------------------------------------------
+
+    def _admit(self, conn: _TaskConnection) -> None:
         if len(self._unregistered) >= self.max_unregistered:
             oldest = next(iter(self._unregistered))
             del self._unregistered[oldest]
-            oldest.transport.abort()  # its _serve ends with a ConnectionError
-        task = ""
-        self._unregistered[writer] = None
-        try:
-            try:
-                first = await asyncio.wait_for(
-                    _read_frame(reader, MAX_REGISTER_FRAME), REGISTER_TIMEOUT
-                )
-            except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ProtocolError):
-                self.refused += 1
-                return
-            finally:
-                self._unregistered.pop(writer, None)
-            task = str(first.get("task", ""))
-            if (
-                first["type"] != "register"
-                or not hmac.compare_digest(str(first.get("token", "")), self.token)
-                or first.get("attempt") != self.attempt
-                or task not in self.task_ids
-                or task in self._writers
-            ):
-                self.refused += 1
-                writer.write(_frame({"type": "refused", "reason": "unknown or stale task"}))
-                task = ""
-                async with asyncio.timeout(REGISTER_TIMEOUT):
-                    await writer.drain()
-                return
-            self._writers[task] = writer
-            self._idle.clear()
-            self.inbox.put((task, first))
-            while True:
-                msg = await _read_frame(reader)
-                if msg["type"] in ("finished", "failed"):
-                    self._done.add(task)
-                self.inbox.put((task, msg))
-        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, ProtocolError) as e:
-            if task and task not in self._done:
-                lost = {"type": "lost", "error": f"{type(e).__name__}: {e}", "time": time.time()}
-                self.inbox.put((task, lost))
-        except asyncio.CancelledError:
-            pass
-        finally:
-            if task:
-                self._writers.pop(task, None)
-                if not self._writers:
-                    self._idle.set()
-            writer.close()
+            oldest.fail(TransportError("dropped for a newer unregistered connection"))
+        self._unregistered[conn] = None
 
-    def send(self, task: str, msg: dict[str, Any]) -> None:
+    def _register(self, conn: _TaskConnection, msg: Message) -> None:
+        self._unregistered.pop(conn, None)
+        if (
+            not isinstance(msg, RegisterTask)
+            or not hmac.compare_digest(msg.token, self.token)
+            or msg.attempt != self.attempt
+            or msg.task_id not in self.task_ids
+            or msg.task_id in self._conns
+        ):
+            conn.refused = True
+            self.refused += 1
+            conn.send(RegistrationRefused("unknown or stale task"))
+            conn.close()
+            return
+        conn.task = msg.task_id
+        conn.max_frame_size = MAX_FRAME
+        self._conns[conn.task] = conn
+        self._idle.clear()
+        self.inbox.put((conn.task, msg))
+
+    def _received(self, task: str, msg: Message) -> None:
+        if isinstance(msg, TaskFinished | TaskFailed):
+            self._done.add(task)
+        self.inbox.put((task, msg))
+
+    def _disconnected(self, conn: _TaskConnection, error: ExchangeError) -> None:
+        self._unregistered.pop(conn, None)
+        task = conn.task
+        if not task:
+            if not conn.refused:  # over the limit, silent, malformed or gone
+                self.refused += 1
+            return
+        if task not in self._done:
+            self.inbox.put((task, _lost(error)))
+        if self._conns.get(task) is conn:
+            del self._conns[task]
+            if not self._conns:
+                self._idle.set()
+
+    # -- from the driver's thread --------------------------------------------------------
+
+    def send(self, task: str, msg: Message) -> None:
         """Queue ``msg`` to ``task`` (any thread; dropped if the task is gone)."""
-        data = _frame(msg)
+        self.broadcast(msg, {task})
+
+    def broadcast(self, msg: Message, tasks: set[str] | None = None) -> None:
+        """Queue ``msg`` to ``tasks`` (None: every task), encoded once, here."""
+        frames = encode(msg)
+        targets = sorted(self.task_ids if tasks is None else tasks)
 
         def write() -> None:
-            w = self._writers.get(task)
-            if w is not None and not w.is_closing():
-                w.write(data)
+            for task in targets:
+                conn = self._conns.get(task)
+                if conn is not None:
+                    conn.write(frames)
 
         self._rt.loop.call_soon_threadsafe(write)
-
-    def broadcast(self, msg: dict[str, Any], tasks: set[str] | None = None) -> None:
-        for t in sorted(self.task_ids if tasks is None else tasks):
-            self.send(t, msg)
 
     def wait_disconnected(self, timeout: float) -> bool:
         """Wait until no task is connected (everything they sent is in ``inbox``);
@@ -207,75 +241,77 @@ class ControlServer:
         async def stop() -> None:
             if self._server is not None:
                 self._server.close()
-            for w in list(self._writers.values()):
-                w.close()
-            self._writers.clear()
+            for conn in [*self._conns.values(), *self._unregistered]:
+                conn.close()
+            self._conns.clear()
             self._idle.set()
 
         with best_effort(log, "stopping the control server"):
             self._rt.run(stop())
 
 
+class _DriverConnection(FramedProtocol):
+    """A task's end: what the driver sends goes to ``inbox``."""
+
+    def __init__(self, inbox: queue.Queue[Mail]) -> None:
+        super().__init__(CONTROL_MESSAGE_IDS, MAX_FRAME)
+        self._inbox = inbox
+        self.closing = False
+
+    def on_message(self, msg: Message) -> None:
+        self._inbox.put(msg)
+
+    def on_lost(self, error: ExchangeError) -> None:
+        if not self.closing:
+            self._inbox.put(_lost(error))
+
+
 class ControlClient:
     """A task's end: registers, then sends and receives (``inbox``) from its thread."""
 
-    def __init__(self, runtime: ClientRuntime | None = None) -> None:
-        self._rt = runtime if runtime is not None else get_runtime()
-        self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._writer: asyncio.StreamWriter | None = None
-        self._pump: Any = None
+    def __init__(self, conn: _DriverConnection, runtime: ClientRuntime) -> None:
+        self._rt = runtime
+        self._conn = conn
         self.closed = False
+
+    @property
+    def inbox(self) -> queue.Queue[Mail]:
+        """The driver's messages, in order; ControlLost once the connection ended."""
+        return self._conn._inbox
 
     @classmethod
     def connect(
-        cls, address: str, registration: dict[str, Any], *, timeout: float = 30.0
+        cls,
+        address: str,
+        registration: RegisterTask,
+        *,
+        timeout: float = 30.0,
+        runtime: ClientRuntime | None = None,
     ) -> ControlClient:
-        self = cls()
-        host, _, port = address.rpartition(":")
+        """Connect to the driver at ``address`` (``host:port``, ``[v6]:port``) and register."""
+        rt = runtime if runtime is not None else get_runtime()
+        inbox: queue.Queue[Mail] = queue.Queue()
 
-        async def open_() -> None:
-            try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(host, int(port)), timeout
-                )
-            except (OSError, TimeoutError) as e:
-                raise TransportError(f"cannot reach the job's driver at {address}: {e}") from e
-            writer.write(_frame({"type": "register", **registration}))
-            await writer.drain()
-            self._writer = writer
-            self._pump = asyncio.get_running_loop().create_task(self._read(reader))
+        async def open_() -> _DriverConnection:
+            conn = await connect(
+                address,
+                lambda: _DriverConnection(inbox),
+                timeout=timeout,
+                peer="the job's driver",
+            )
+            conn.send(registration)
+            return conn
 
-        self._rt.run(open_())
-        return self
+        return cls(rt.run(open_()), rt)
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
-        try:
-            while True:
-                self.inbox.put(await _read_frame(reader))
-        except (asyncio.IncompleteReadError, ConnectionError, ProtocolError) as e:
-            self.inbox.put({"type": "lost", "error": f"{type(e).__name__}: {e}"})
-        except asyncio.CancelledError:
-            pass
-
-    def send(self, msg: dict[str, Any]) -> None:
-        """Send ``msg`` to the driver (any thread)."""
-        data = _frame(msg)
-
-        def write() -> None:
-            w = self._writer
-            if w is not None and not w.is_closing():
-                w.write(data)
-
-        self._rt.loop.call_soon_threadsafe(write)
+    def send(self, msg: Message) -> None:
+        """Send ``msg`` to the driver (any thread; encoded here, not on the loop)."""
+        self._rt.loop.call_soon_threadsafe(self._conn.write, encode(msg))
 
     def flush(self) -> None:
-        """Wait until everything sent so far left this process."""
-
-        async def drain() -> None:
-            if self._writer is not None and not self._writer.is_closing():
-                await self._writer.drain()
-
-        self._rt.run(drain())
+        """Wait until what was sent so far is handed to the kernel (at most the
+        transport's low-water mark still queued)."""
+        self._rt.run(self._conn.drain())
 
     def close(self) -> None:
         if self.closed:
@@ -283,12 +319,12 @@ class ControlClient:
         self.closed = True
 
         async def stop() -> None:
-            if self._writer is not None:
-                with best_effort(log, "draining the control connection"):
-                    await self._writer.drain()
-                self._writer.close()
-            if self._pump is not None:
-                self._pump.cancel()
+            conn = self._conn
+            conn.closing = True
+            with best_effort(log, "draining the control connection"):
+                await conn.drain()
+            conn.close()
+            await conn.closed
 
         with best_effort(log, "closing the control connection"):
-            self._rt.run(stop())
+            self._rt.run(stop(), timeout=10)

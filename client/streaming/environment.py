@@ -49,14 +49,14 @@ from client.streaming.checkpoint_storage import (
     CheckpointStorage,
     operator_files,
 )
-from client.streaming.control import ControlServer
+from client.streaming.control import ControlLost, ControlServer
 from client.streaming.functions import Operator, Source
 from client.streaming.graph import JobGraph, Node, Partitioning, check_operator_id
 from client.streaming.job_status import AttemptFailure, FailureCollector, JobStatusTracker
 from client.streaming.runners import Runner, runner_for
 from client.streaming.task import JobSpec, dataset_of
 from exchange.best_effort import best_effort
-from exchange.checkpointing import AlignmentMode, CheckpointFailureReason
+from exchange.checkpointing import AlignmentMode
 from exchange.checkpointing.coordinator import (
     CheckpointConfig,
     CheckpointCoordinator,
@@ -70,6 +70,23 @@ from exchange.checkpointing.coordinator import (
 )
 from exchange.config_values import parse_duration, parse_size
 from exchange.errors import ConfigError, ExchangeError, UsageError
+from exchange.protocol.driver_messages import (
+    CheckpointAbort,
+    CheckpointAck,
+    CheckpointComplete,
+    CheckpointDecline,
+    CheckpointTrigger,
+    FinishTask,
+    RegisterTask,
+    RestorePoint,
+    SourceExhausted,
+    StartTask,
+    StopInput,
+    TaskDaemon,
+    TaskFailed,
+    TaskFinished,
+)
+from exchange.protocol.messages import Message
 from exchange.state import DEFAULT_MAX_PARALLELISM, NonRestoredStateError, checkpoint_key
 from exchange.state.key_groups import MAX_MAX_PARALLELISM
 
@@ -637,7 +654,7 @@ class _Attempt:
             # only operators of this job: what else the checkpoint holds was checked (and
             # allowed to be dropped) before the first attempt
             ops = {uid: list(f) for uid, f in latest.operators.items() if uid in uids}
-            restore_msg = {"checkpoint_id": cid, "operators": ops}
+            restore_msg = RestorePoint(cid, {uid: tuple(f) for uid, f in ops.items()})
         log.info(
             "job %s: attempt %d starting %d tasks, %s",
             env.job_id,
@@ -665,7 +682,7 @@ class _Attempt:
             raise
         self._coord = coord
         self._server = server
-        self._daemons: dict[str, dict[str, Any]] = {}
+        self._daemons: dict[str, TaskDaemon] = {}
         self._exhausted: set[str] = set()
         self._finished: set[str] = set()
         self._started = False
@@ -733,7 +750,7 @@ class _Attempt:
             self._fail(str(self.lease.lost))
         if env._stop.is_set() and self._started and not self._stopping:
             self._stopping = True  # a clean stop: sources end their input now
-            server.broadcast({"type": "stop"}, self.sources)
+            server.broadcast(StopInput(), self.sources)
         deadline = coord.next_deadline() if self._started else None
         wait = 0.05 if deadline is None else min(0.05, max(0.0, deadline - time.monotonic()))
         try:
@@ -753,51 +770,46 @@ class _Attempt:
         if env.status is not None:
             env.status.publish()
 
-    def _handle(self, task: str, msg: dict[str, Any]) -> None:
+    def _handle(self, task: str, msg: Message | ControlLost) -> None:
         coord, server = self._coord, self._server
-        kind = msg["type"]
-        if kind == "register":
-            self._daemons[task] = msg["daemon"]
-            if len(self._daemons) == self.graph.num_tasks:
-                server.broadcast(
-                    {"type": "start", "daemons": self._daemons, "restore": self._restore_msg}
+        match msg:
+            case RegisterTask():
+                self._daemons[task] = msg.daemon
+                if len(self._daemons) == self.graph.num_tasks:
+                    server.broadcast(StartTask(dict(self._daemons), self._restore_msg))
+                    log.info(
+                        "job %s: attempt %d running (%d tasks registered)",
+                        self.env.job_id,
+                        self.attempt,
+                        len(self._daemons),
+                    )
+                    coord.start()
+                    self._started = True
+            case CheckpointAck():  # with the task's CheckpointMetrics
+                cid = msg.checkpoint_id
+                alignment, size, aligned = self._acks.get(cid, (0.0, 0, 0))
+                self._acks[cid] = (
+                    max(alignment, msg.alignment or 0.0),
+                    size + msg.state_bytes,
+                    aligned + msg.aligned_bytes,
                 )
-                log.info(
-                    "job %s: attempt %d running (%d tasks registered)",
-                    self.env.job_id,
-                    self.attempt,
-                    len(self._daemons),
-                )
-                coord.start()
-                self._started = True
-        elif kind == "ack":
-            cid = msg["checkpoint"]
-            figures = msg.get("metrics") or {}  # the task's CheckpointMetrics
-            alignment, size, aligned = self._acks.get(cid, (0.0, 0, 0))
-            self._acks[cid] = (
-                max(alignment, float(figures.get("alignment", 0.0))),
-                size + int(figures.get("state_bytes", 0)),
-                aligned + int(figures.get("aligned_bytes", 0)),
-            )
-            if figures.get("unaligned") or figures.get("persisted_bytes"):
-                persisted = int(figures.get("persisted_bytes", 0))
-                self._unaligned.setdefault(cid, {})[task] = persisted
-            coord.acknowledge(task, cid, msg["handle"])
-        elif kind == "decline":
-            reason = CheckpointFailureReason[msg.get("reason", "DECLINED")]
-            coord.decline(task, msg["checkpoint"], reason)
-        elif kind == "exhausted":
-            self._exhausted.add(task)
-            if self._exhausted >= self.sources:
-                coord.request_final_checkpoint()
-        elif kind == "finished":
-            self._finished.add(task)
-            self.records[task] = int(msg.get("records_in", 0))
-            for name, blob in (msg.get("results") or {}).items():
-                records = pickle.loads(blob)  # from a task of this attempt (token checked)
-                self._collected.setdefault(name, {})[_subtask_of(task)] = records
-        elif kind in ("failed", "lost"):
-            self.failures.on_message(task, msg)
+                if msg.unaligned or msg.persisted_bytes:
+                    self._unaligned.setdefault(cid, {})[task] = msg.persisted_bytes
+                coord.acknowledge(task, cid, msg.handle)
+            case CheckpointDecline():
+                coord.decline(task, msg.checkpoint_id, msg.reason)
+            case SourceExhausted():
+                self._exhausted.add(task)
+                if self._exhausted >= self.sources:
+                    coord.request_final_checkpoint()
+            case TaskFinished():
+                self._finished.add(task)
+                self.records[task] = msg.records_in
+                for name, blob in msg.results.items():
+                    records = pickle.loads(blob)  # from a task of this attempt (token checked)
+                    self._collected.setdefault(name, {})[_subtask_of(task)] = records
+            case TaskFailed() | ControlLost():
+                self.failures.on_message(task, msg)
 
     def _execute(self, coord: CheckpointCoordinator, server: ControlServer) -> None:
         for cmd in coord.poll_commands():
@@ -806,12 +818,7 @@ class _Attempt:
             match cmd:
                 case TriggerCheckpoint():
                     server.broadcast(
-                        {
-                            "type": "trigger",
-                            "checkpoint": cmd.checkpoint_id,
-                            "timestamp": cmd.timestamp,
-                            "exactly_once": cmd.exactly_once,
-                        },
+                        CheckpointTrigger(cmd.checkpoint_id, cmd.timestamp, cmd.exactly_once),
                         set(cmd.tasks),
                     )
                 case FinalizeCheckpoint():
@@ -839,9 +846,9 @@ class _Attempt:
                         self.storage.apply_retention()
                 case NotifyComplete():
                     self._completed(coord, cmd.checkpoint_id, cmd.is_final)
-                    server.broadcast({"type": "complete", "checkpoint": cmd.checkpoint_id})
+                    server.broadcast(CheckpointComplete(cmd.checkpoint_id))
                     if cmd.is_final:
-                        server.broadcast({"type": "finish"})
+                        server.broadcast(FinishTask())
                 case NotifyAborted():
                     self._acks.pop(cmd.checkpoint_id, None)
                     self._unaligned.pop(cmd.checkpoint_id, None)
@@ -853,7 +860,7 @@ class _Attempt:
                         reason,
                     )
                     self.aborted.append((cmd.checkpoint_id, reason))
-                    server.broadcast({"type": "abort", "checkpoint": cmd.checkpoint_id})
+                    server.broadcast(CheckpointAbort(cmd.checkpoint_id))
                 case DiscardCheckpoint():
                     if cmd.whole_checkpoint:
                         with best_effort(
@@ -912,10 +919,10 @@ class _Attempt:
             size,
         )
 
-    def _release(self, daemons: dict[str, dict[str, Any]]) -> None:
+    def _release(self, daemons: dict[str, TaskDaemon]) -> None:
         """Release this attempt's partitions on every daemon its tasks used: tasks killed
         hard release nothing themselves."""
-        addresses = {d["data"] for d in daemons.values()}
+        addresses = {d.data_address for d in daemons.values()}
         for edge in self.graph.edges:
             for address in addresses:
                 dataset = dataset_of(self.env.job_id, self.attempt, edge)

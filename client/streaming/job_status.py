@@ -13,8 +13,8 @@ driver's host, a refused message) stops the publishing, never the job.
 
 A failed attempt reports one root cause, as Flink's exception history does: the
 :class:`FailureCollector` gathers every failure seen during the attempt (a task's
-``failed`` report carries when it failed and whether its error is a consequence of another
-failure; a ``lost`` task is stamped when its connection ended) and names the earliest
+TaskFailed carries when it failed and whether its error is a consequence of another
+failure; a ControlLost is stamped when the task's connection ended) and names the earliest
 failure that is not a consequence, whatever order the messages arrived in; the others are
 listed as its consequences (Flink's concurrent exceptions). Times are wall clocks of the
 tasks' and the driver's hosts: across hosts they order failures as well as the hosts'
@@ -29,14 +29,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from client.local_connection import LocalConnection, resolve_daemon_socket
 from client.runtime import get_runtime
+from client.streaming.control import ControlLost
 from client.streaming.graph import JobGraph
 from client.streaming.task import dataset_of
 from exchange.best_effort import best_effort
 from exchange.checkpointing.coordinator import NotifyAborted, NotifyComplete, TriggerCheckpoint
+from exchange.protocol.driver_messages import CheckpointAck, TaskFailed, TaskFinished
 from exchange.protocol.local_messages import (
     MAX_JOB_CHECKPOINTS,
     MAX_JOB_FAILURE_LENGTH,
@@ -159,21 +161,22 @@ class FailureCollector:
         a consequence when a failure was already known."""
         self.add(FailureReport("", self._wall(), message, consequence=self.failed))
 
-    def on_message(self, task: str, msg: dict[str, Any]) -> None:
-        """A ``failed`` or ``lost`` control message (others are ignored)."""
-        kind = msg.get("type")
-        if kind not in ("failed", "lost"):
-            return
-        at = msg.get("time")
-        at = float(at) if isinstance(at, int | float) and not isinstance(at, bool) else None
-        if at is None:
-            at = self._wall()
-        if kind == "lost":
-            consequence = self.failing_since is not None and at >= self.failing_since
-        else:
-            consequence = msg.get("consequence") is True
-        text = f"task {task} {kind}: {msg.get('error', '')}".strip()
-        self.add(FailureReport(task, at, text, consequence))
+    def on_message(self, task: str, msg: object) -> None:
+        """A TaskFailed or ControlLost (other messages are ignored)."""
+        match msg:
+            case TaskFailed():
+                self.add(
+                    FailureReport(
+                        task, msg.time, f"task {task} failed: {msg.error}".strip(), msg.consequence
+                    )
+                )
+            case ControlLost():
+                consequence = self.failing_since is not None and msg.time >= self.failing_since
+                self.add(
+                    FailureReport(
+                        task, msg.time, f"task {task} lost: {msg.error}".strip(), consequence
+                    )
+                )
 
     def root_cause(self) -> FailureReport | None:
         if not self.reports:
@@ -187,10 +190,6 @@ class FailureCollector:
             return None
         rest = sorted((r for r in self.reports if r is not root), key=lambda r: r.time)
         return AttemptFailure(attempt, root.message, tuple(r.message for r in rest))
-
-
-def _uint(v: Any) -> int:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
 
 class JobStatusTracker:
@@ -256,29 +255,27 @@ class JobStatusTracker:
             self._dirty = True
         self.publish(force=True)
 
-    def on_message(self, task: str, msg: dict[str, Any]) -> None:
-        """A task's control message: acknowledgements and ``finished`` carry figures."""
-        kind = msg.get("type")
-        if kind not in ("ack", "finished"):
+    def on_message(self, task: str, msg: object) -> None:
+        """A task's control message: CheckpointAck and TaskFinished carry figures."""
+        if not isinstance(msg, CheckpointAck | TaskFinished):
             return
         with self._lock:
             figures = self.tasks.get(task)
-            metrics = msg.get("metrics") if kind == "ack" else msg
-            if figures is not None and isinstance(metrics, dict):
-                figures.records_in = max(figures.records_in, _uint(metrics.get("records_in")))
-                figures.records_out = max(figures.records_out, _uint(metrics.get("records_out")))
-            if kind == "ack" and isinstance(metrics, dict):
-                entry = self.history.get((self.attempt, msg.get("checkpoint", -1)))
+            if figures is not None:
+                figures.records_in = max(figures.records_in, msg.records_in)
+                if isinstance(msg, CheckpointAck):
+                    figures.records_out = max(figures.records_out, msg.records_out)
+            if isinstance(msg, CheckpointAck):
+                entry = self.history.get((self.attempt, msg.checkpoint_id))
                 if entry is not None:
                     entry.acks += 1
-                    entry.state_bytes += _uint(metrics.get("state_bytes"))
-                    entry.aligned_bytes += _uint(metrics.get("aligned_bytes"))
-                    if metrics.get("unaligned") is True:
+                    entry.state_bytes += msg.state_bytes
+                    entry.aligned_bytes += msg.aligned_bytes
+                    if msg.unaligned:
                         entry.unaligned = True
-                        entry.persisted[task] = _uint(metrics.get("persisted_bytes"))
-                    alignment = metrics.get("alignment")
-                    if isinstance(alignment, int | float) and alignment >= 0:
-                        entry.alignment = max(entry.alignment or 0.0, float(alignment))
+                        entry.persisted[task] = msg.persisted_bytes
+                    if msg.alignment is not None:
+                        entry.alignment = max(entry.alignment or 0.0, msg.alignment)
 
     def on_command(self, cmd: object) -> None:
         """A command of the CheckpointCoordinator, as the loop carries it out."""

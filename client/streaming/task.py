@@ -70,7 +70,7 @@ from client.options import ReaderOptions
 from client.producer import PartitionWriter
 from client.runtime import get_runtime
 from client.streaming.checkpoint_storage import CheckpointDiscardedError, CheckpointStorage
-from client.streaming.control import ControlClient
+from client.streaming.control import WAKEUP, ControlClient, ControlLost, Mail, Wakeup
 from client.streaming.functions import Collector, Operator, OperatorContext, Source
 from client.streaming.graph import Edge, JobGraph, Partitioning, TaskSpec
 from exchange.best_effort import best_effort
@@ -91,6 +91,24 @@ from exchange.events.events import (
     EndOfDataEvent,
 )
 from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.protocol.driver_messages import (
+    CancelTask,
+    CheckpointAbort,
+    CheckpointAck,
+    CheckpointComplete,
+    CheckpointDecline,
+    CheckpointTrigger,
+    FinishTask,
+    RegisterTask,
+    RegistrationRefused,
+    RestorePoint,
+    SourceExhausted,
+    StartTask,
+    StopInput,
+    TaskDaemon,
+    TaskFailed,
+    TaskFinished,
+)
 from exchange.state import (
     CorruptSnapshotError,
     KeyedStateBackend,
@@ -115,10 +133,6 @@ _OUTPUT_OVERDRAFT: Final = 2
 _MAIL_EVERY: Final = 64
 #: How long an idle source without ``ready_in()`` waits for mail before it polls again.
 _IDLE_WAIT: Final = 0.1
-#: Mails from the task's own process (not the driver) that wake a task waiting for room
-#: in its output or for input.
-_OUTPUT_AVAILABLE: Final = "output-available"
-_INPUT_AVAILABLE: Final = "input-available"
 
 
 class StreamTaskFailed(ExchangeError):
@@ -291,30 +305,30 @@ class StreamTask:
 
     # -- setup -----------------------------------------------------------------------------
 
-    def _register(self) -> dict[str, Any]:
+    def _register(self) -> StartTask:
         sock = resolve_daemon_socket(self.job.daemon_hint)
         info = get_runtime().run(fetch_daemon_info(sock, secret=self.job.credential))
         self.daemon_socket = sock
         self.daemon_info = info
         self.ctl = ControlClient.connect(
             self.job.control_address,
-            {
-                "token": self.job.token,
-                "attempt": self.job.attempt,
-                "task": self.task_id,
-                "daemon": {"id": info.daemon_id, "data": info.data_address, "socket": sock},
-            },
+            RegisterTask(
+                self.job.token,
+                self.job.attempt,
+                self.task_id,
+                TaskDaemon(info.daemon_id, info.data_address, sock),
+            ),
         )
         while True:
             msg = self._take_mail(timeout=120.0)
             if msg is None:
                 raise StreamTaskFailed(f"{self.task_id}: no start from the driver in 120 s")
-            if msg["type"] == "start":
+            if isinstance(msg, StartTask):
                 return msg
             self._control(msg)
 
-    def _restore_and_open(self, start: dict[str, Any]) -> None:
-        restore = start.get("restore")
+    def _restore_and_open(self, start: StartTask) -> None:
+        restore = start.restore
         p, me = self.vertex.parallelism, self.spec.subtask
         maxp = self.graph.max_parallelism
         files: dict[str, dict[str, Any]] = {}  # state file -> its snapshot (read once)
@@ -334,7 +348,7 @@ class StreamTask:
                 if keyed is not None:
                     keyed.restore([(name, s["keyed"]) for name, s in old if s["keyed"]])
                 ended = {name: bool(s.get("ended_input")) for name, s in old}
-                subtasks = restore["operators"].get(node.state_id, ())
+                subtasks = restore.operators.get(node.state_id, ())
                 finished.append(
                     _finished_on_restore(
                         [True if n is None else ended.get(n, False) for n in subtasks], p, me
@@ -348,7 +362,7 @@ class StreamTask:
                 attempt=self.job.attempt,
                 operator_state=op_state,
                 keyed_state=keyed,
-                restored_checkpoint_id=None if restore is None else restore["checkpoint_id"],
+                restored_checkpoint_id=None if restore is None else restore.checkpoint_id,
             )
             op = node.factory()
             self.ops.append(op)
@@ -400,12 +414,12 @@ class StreamTask:
             self._process = lambda record: head_op.process(record, chain_out)
 
     def _old_state(
-        self, restore: dict[str, Any], uid: str, files: dict[str, dict[str, Any]]
+        self, restore: RestorePoint, uid: str, files: dict[str, dict[str, Any]]
     ) -> list[tuple[str, dict[str, Any]]]:
         """(file, state) of operator ``uid`` in each old subtask that wrote one, in order."""
-        cid = restore["checkpoint_id"]
+        cid = restore.checkpoint_id
         old = []
-        for name in restore["operators"].get(uid, ()):
+        for name in restore.operators.get(uid, ()):
             if name is None:  # that subtask had finished: no state
                 continue
             snap = files.get(name)
@@ -420,20 +434,20 @@ class StreamTask:
         return old
 
     def _old_file(
-        self, restore: dict[str, Any], name: str, files: dict[str, dict[str, Any]]
+        self, restore: RestorePoint, name: str, files: dict[str, dict[str, Any]]
     ) -> dict[str, Any]:
         snap = files.get(name)
         if snap is None:
-            snap = files[name] = self.storage.read_task_state(restore["checkpoint_id"], name)
+            snap = files[name] = self.storage.read_task_state(restore.checkpoint_id, name)
         return snap
 
-    def _old_names(self, restore: dict[str, Any], vertex_id: int) -> list[str | None]:
+    def _old_names(self, restore: RestorePoint, vertex_id: int) -> list[str | None]:
         """The state file each old subtask of vertex ``vertex_id`` wrote (None: finished)."""
         uid = self.graph.vertex(vertex_id).nodes[0].state_id
-        return list(restore["operators"].get(uid, ()))
+        return list(restore.operators.get(uid, ()))
 
     def _restore_unaligned_cut(
-        self, restore: dict[str, Any], files: dict[str, dict[str, Any]]
+        self, restore: RestorePoint, files: dict[str, dict[str, Any]]
     ) -> None:
         """What priority barriers cut, from the restored checkpoint: each writer re-emits
         its output channel state before any record, and each input channel gets back the
@@ -443,7 +457,7 @@ class StreamTask:
         the checkpoint holds any)."""
         names = self._old_names(restore, self.vertex.vertex_id)
         p, me = self.vertex.parallelism, self.spec.subtask
-        cid = restore["checkpoint_id"]
+        cid = restore.checkpoint_id
         same = len(names) == p
         mine = names[me] if same else None
         own = self._old_file(restore, mine, files) if mine is not None else {}
@@ -480,7 +494,7 @@ class StreamTask:
         self._replay_partials = dict(own.get("partial_records") or {})
 
     def _restored_channel_state(
-        self, restore: dict[str, Any], files: dict[str, dict[str, Any]]
+        self, restore: RestorePoint, files: dict[str, dict[str, Any]]
     ) -> list[list[Any]]:
         """The record lists of the restored checkpoint's input channel state this subtask
         replays, channel by channel, each in its order. Same parallelism: its own old
@@ -488,8 +502,8 @@ class StreamTask:
         rebalanced one's whole channels to old subtask mod parallelism; a broadcast or
         forward exchange with channel state cannot be rescaled (UsageError)."""
         uid = self.vertex.nodes[0].state_id
-        cid = restore["checkpoint_id"]
-        names = list(restore["operators"].get(uid, ()))
+        cid = restore.checkpoint_id
+        names = list(restore.operators.get(uid, ()))
         p, me = self.vertex.parallelism, self.spec.subtask
         maxp = self.graph.max_parallelism
         edges = {e.edge_id: e for e in self.vertex.inputs}
@@ -525,8 +539,8 @@ class StreamTask:
                     )
         return out
 
-    def _open_reader(self, start: dict[str, Any]) -> PartitionReader:
-        daemons = start["daemons"]
+    def _open_reader(self, start: StartTask) -> PartitionReader:
+        daemons = start.daemons
         locations = []
         for edge in self.vertex.inputs:
             dataset = dataset_of(self.job.job_id, self.job.attempt, edge)
@@ -538,9 +552,9 @@ class StreamTask:
                     PartitionLocation(
                         ResultPartitionID(dataset, u, 0),
                         self.spec.subtask,
-                        d["data"],
-                        d["id"],
-                        d["socket"],
+                        d.data_address,
+                        d.daemon_id,
+                        d.local_socket,
                     )
                 )
         info = self.daemon_info
@@ -597,11 +611,11 @@ class StreamTask:
             self._pending_snapshots[checkpoint_id] = _PendingSnapshot(state, {}, outputs)
             return
         snapshot: dict[str, Any] = {"task": self.task_id, "operators": state}
-        extra: dict[str, Any] | None = None
         if outputs:
             nbytes = self._take_output_state(snapshot, outputs)
-            extra = {"unaligned": True, "persisted_bytes": nbytes}
-        self._write_and_ack(checkpoint_id, snapshot, extra)
+            self._write_and_ack(checkpoint_id, snapshot, unaligned=True, persisted_bytes=nbytes)
+        else:
+            self._write_and_ack(checkpoint_id, snapshot)
 
     def _priority_barriers(self, options: CheckpointOptions) -> bool:
         """Whether this task's barrier of a checkpoint with ``options`` is a priority one:
@@ -679,15 +693,22 @@ class StreamTask:
         self._write_and_ack(
             checkpoint_id,
             snapshot,
-            {
-                "unaligned": bool(self.reader is not None and self.reader.last_unaligned),
-                "persisted_bytes": nbytes,
-            },
+            unaligned=bool(self.reader is not None and self.reader.last_unaligned),
+            persisted_bytes=nbytes,
         )
 
     def _write_and_ack(
-        self, checkpoint_id: int, snapshot: dict[str, Any], extra: dict[str, Any] | None = None
+        self,
+        checkpoint_id: int,
+        snapshot: dict[str, Any],
+        *,
+        unaligned: bool = False,
+        persisted_bytes: int = 0,
     ) -> None:
+        """Write the task's state and acknowledge it with the task's figures (Flink's
+        CheckpointMetrics, and the record counts for the job's status): the state's size,
+        the alignment of this checkpoint (a task that reads), the records in and out so
+        far, and (unaligned) the in-flight bytes persisted."""
         try:
             handle = self.storage.write_task_state(checkpoint_id, self.task_id, snapshot)
         except CheckpointDiscardedError as e:
@@ -696,34 +717,21 @@ class StreamTask:
             log.info("task %s: %s; not acknowledged", self.task_id, e)
             return
         assert self.ctl is not None
-        metrics = self._ack_metrics(handle.size)
-        if extra:
-            metrics.update(extra)
+        stats = self.reader.barrier_stats if self.reader is not None else None
         self.ctl.send(
-            {
-                "type": "ack",
-                "checkpoint": checkpoint_id,
-                "handle": handle.path,
-                "metrics": metrics,
-            }
+            CheckpointAck(
+                checkpoint_id,
+                handle.path,
+                state_bytes=handle.size,
+                records_in=self._records_in(),
+                records_out=self._out.count if self._out is not None else 0,
+                alignment=None if stats is None else stats.last_alignment_duration,
+                aligned_bytes=0 if stats is None else stats.last_aligned_bytes,
+                unaligned=unaligned,
+                persisted_bytes=persisted_bytes,
+            )
         )
         self.checkpoints += 1
-
-    def _ack_metrics(self, state_bytes: int) -> dict[str, Any]:
-        """Figures an acknowledgement carries (Flink's CheckpointMetrics, and the task's
-        record counts for the job's status): the state's size, the alignment of this
-        checkpoint (a task that reads) and the records in and out so far."""
-        out = self._out.count if self._out is not None else 0
-        metrics: dict[str, Any] = {
-            "state_bytes": state_bytes,
-            "records_in": self._records_in(),
-            "records_out": out,
-        }
-        stats = self.reader.barrier_stats if self.reader is not None else None
-        if stats is not None:
-            metrics["alignment"] = stats.last_alignment_duration
-            metrics["aligned_bytes"] = stats.last_aligned_bytes
-        return metrics
 
     def abort_checkpoint(self, checkpoint_id: int, reason: CheckpointFailureReason) -> None:
         self._pending_snapshots.pop(checkpoint_id, None)
@@ -733,7 +741,7 @@ class StreamTask:
             w.broadcast_cancel(checkpoint_id)
         if reason is not CheckpointFailureReason.CANCELLED:
             assert self.ctl is not None
-            self.ctl.send({"type": "decline", "checkpoint": checkpoint_id, "reason": reason.name})
+            self.ctl.send(CheckpointDecline(checkpoint_id, reason))
 
     def _records_in(self) -> int:
         """Records taken in so far (a source task: the records its source emitted)."""
@@ -768,9 +776,7 @@ class StreamTask:
 
     # -- the mailbox -------------------------------------------------------------------------
 
-    def _take_mail(
-        self, timeout: float | None = None, *, block: bool = True
-    ) -> dict[str, Any] | None:
+    def _take_mail(self, timeout: float | None = None, *, block: bool = True) -> Mail | None:
         """The next mail: waits up to ``timeout`` seconds (None: until one comes) when
         ``block``, else only what is queued; None if nothing came."""
         assert self.ctl is not None
@@ -795,38 +801,39 @@ class StreamTask:
             self._control(msg)
             msg = self._take_mail(block=False)
 
-    def _control(self, msg: dict[str, Any]) -> None:
-        match msg["type"]:
-            case "trigger":
+    def _control(self, msg: Mail) -> None:
+        match msg:
+            case CheckpointTrigger():
                 if self.vertex.is_source:
-                    opts = CheckpointOptions(exactly_once=bool(msg.get("exactly_once", True)))
-                    self.trigger_checkpoint(msg["checkpoint"], msg["timestamp"], opts)
-            case "complete":
+                    opts = CheckpointOptions(exactly_once=msg.exactly_once)
+                    self.trigger_checkpoint(msg.checkpoint_id, msg.timestamp, opts)
+            case CheckpointComplete():
                 for op in self.ops:
-                    op.notify_checkpoint_complete(msg["checkpoint"])
-            case "abort":
-                cid = msg["checkpoint"]
+                    op.notify_checkpoint_complete(msg.checkpoint_id)
+            case CheckpointAbort():
+                cid = msg.checkpoint_id
                 self._pending_snapshots.pop(cid, None)
                 for op in self.ops:
                     op.notify_checkpoint_aborted(cid)
                 if self.vertex.is_source:
                     for _, w in self.writers:
                         w.broadcast_cancel(cid)
-            case "output-available" | "input-available":
-                pass  # a wake-up: whoever waited looks again
-            case "finish":
+            case Wakeup():
+                pass  # whoever waited looks again
+            case FinishTask():
                 self._finish = True
-            case "stop":
+            case StopInput():
                 self._stop = True
-            case "cancel":
+            case CancelTask():
                 raise StreamTaskFailed(f"{self.task_id}: cancelled by the driver")
-            case "refused":
-                reason = msg.get("reason")
-                raise StreamTaskFailed(f"{self.task_id}: refused by the driver: {reason}")
-            case "lost":
-                raise StreamTaskFailed(f"{self.task_id}: lost the driver: {msg.get('error')}")
-            case other:
-                raise IllegalStateError(f"{self.task_id}: unexpected control message {other!r}")
+            case RegistrationRefused():
+                raise StreamTaskFailed(f"{self.task_id}: refused by the driver: {msg.reason}")
+            case ControlLost():
+                raise StreamTaskFailed(f"{self.task_id}: lost the driver: {msg.error}")
+            case _:
+                raise IllegalStateError(
+                    f"{self.task_id}: unexpected control message {type(msg).__name__}"
+                )
 
     # -- running ---------------------------------------------------------------------------
 
@@ -842,9 +849,7 @@ class StreamTask:
                 w.close()  # EndOfPartition downstream
             self.writers = []
             assert self.ctl is not None
-            self.ctl.send(
-                {"type": "finished", "records_in": self._records_in(), **self._collected()}
-            )
+            self.ctl.send(TaskFinished(self._records_in(), self._collected()))
             self.ctl.flush()
             return {"task": self.task_id, "records_in": self._records_in()}
         except BaseException as e:
@@ -852,29 +857,27 @@ class StreamTask:
             if self.ctl is not None and not self.ctl.closed:
                 with best_effort(log, f"reporting the failure of task {self.task_id}"):
                     self.ctl.send(
-                        {
-                            "type": "failed",
-                            "error": "".join(traceback.format_exception(e))[-4000:],
-                            "time": failed_at,
-                            "consequence": is_consequence(e),
-                        }
+                        TaskFailed(
+                            "".join(traceback.format_exception(e))[-4000:],
+                            failed_at,
+                            is_consequence(e),
+                        )
                     )
                     self.ctl.flush()
             raise
         finally:
             self.close()
 
-    def _collected(self) -> dict[str, Any]:
+    def _collected(self) -> dict[str, bytes]:
         """The ``results`` of the task's collect sinks (pickled: exact types), for the
         driver's JobResult: after the final checkpoint completed, all of them committed."""
         from client.streaming.connectors import CollectSink
 
-        results = {
+        return {
             node.name: pickle.dumps(op.results(), protocol=pickle.HIGHEST_PROTOCOL)
             for node, op in zip(self.vertex.nodes, self.ops, strict=True)
             if isinstance(op, CollectSink)
         }
-        return {"results": results} if results else {}
 
     def _run_source(self) -> None:
         source = self.ops[0]
@@ -883,7 +886,7 @@ class StreamTask:
         if self._finished_on_restore:  # its input ended before the checkpoint: no poll
             self._end_input()
             assert self.ctl is not None
-            self.ctl.send({"type": "exhausted"})
+            self.ctl.send(SourceExhausted())
         while not self._finish:
             if self._ended_input:  # serve checkpoints (the final one) until finish
                 self._wait_for_mail()
@@ -905,7 +908,7 @@ class StreamTask:
             if not alive:
                 self._end_input()  # nothing may follow the final checkpoint's barrier
                 assert self.ctl is not None
-                self.ctl.send({"type": "exhausted"})
+                self.ctl.send(SourceExhausted())
 
     def _poll_batch(self) -> int:
         """Records a source emits in one poll: ``_POLL_BATCH``, or fewer when a writer's
@@ -930,18 +933,18 @@ class StreamTask:
         """Run mails until ``blocked`` is done (or the task must end)."""
         assert self.ctl is not None
         inbox = self.ctl.inbox
-        blocked.add_done_callback(lambda _: inbox.put({"type": _OUTPUT_AVAILABLE}))
+        blocked.add_done_callback(lambda _: inbox.put(WAKEUP))
         reader = self.reader
         while not (blocked.done() or self._finish or self._stop):
             self._wait_for_mail()
             if reader is not None:  # at a record boundary: a priority barrier goes now
                 reader.take_priority()
 
-    def _run_reader(self, start: dict[str, Any]) -> None:
+    def _run_reader(self, start: StartTask) -> None:
         self.reader = reader = self._open_reader(start)
         assert self.ctl is not None
         inbox = self.ctl.inbox
-        wake = {"type": _INPUT_AVAILABLE}
+        wake = WAKEUP
         process = self._process
         if self.job.mode == "unaligned":  # a priority barrier wakes a task blocked on output
             reader.set_priority_notify(lambda: inbox.put(wake))

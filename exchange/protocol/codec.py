@@ -54,6 +54,7 @@ __all__ = [
     "BUFFER_RESPONSE_SPEC",
     "DEFAULT_MAX_FRAME_SIZE",
     "DEFAULT_READ_AHEAD",
+    "DRIVER_MESSAGE_IDS",
     "FRAME_HEADER_SIZE",
     "LOCAL_ENDPOINT_MESSAGE_IDS",
     "MAGIC",
@@ -82,6 +83,8 @@ MAX_CONTROL_FRAME_SIZE: Final = 4096
 DEFAULT_MAX_FRAME_SIZE: Final = 32 * 1024 + FRAME_SLACK
 # Reserved for the daemon's local-endpoint protocol, added with ``register_message``.
 LOCAL_ENDPOINT_MESSAGE_IDS: Final = range(64, 128)
+# Reserved for the driver's services (control, rendezvous: ``driver_messages``), likewise.
+DRIVER_MESSAGE_IDS: Final = range(128, 160)
 
 Piece = bytes | memoryview
 _M = TypeVar("_M", bound=Message)
@@ -438,17 +441,19 @@ def register_message(
     decode_body: Callable[[memoryview], _M],
     encode_body: Callable[[_M], Sequence[Piece]],
 ) -> None:
-    """Add a message with an id in ``LOCAL_ENDPOINT_MESSAGE_IDS`` to ``encode``/``FrameDecoder``.
+    """Add a message with an id in ``LOCAL_ENDPOINT_MESSAGE_IDS`` or ``DRIVER_MESSAGE_IDS``
+    to ``encode`` and the frame decoder.
 
     ``decode_body`` gets the exact body as a read-only memoryview (zero-copy when the frame
     arrived in one chunk) and should raise ``ProtocolError`` for a malformed body;
     ``ValueError``, ``LookupError`` and ``struct.error`` are turned into ``ProtocolError``
     too. ``encode_body`` returns the body's pieces; the frame header is added here.
     """
-    if msg_id not in LOCAL_ENDPOINT_MESSAGE_IDS:
+    if msg_id not in LOCAL_ENDPOINT_MESSAGE_IDS and msg_id not in DRIVER_MESSAGE_IDS:
         raise UsageError(
-            f"message id {msg_id} outside the reserved range "
-            f"{LOCAL_ENDPOINT_MESSAGE_IDS.start}..{LOCAL_ENDPOINT_MESSAGE_IDS.stop - 1}"
+            f"message id {msg_id} outside the reserved ranges "
+            f"{LOCAL_ENDPOINT_MESSAGE_IDS.start}..{LOCAL_ENDPOINT_MESSAGE_IDS.stop - 1} and "
+            f"{DRIVER_MESSAGE_IDS.start}..{DRIVER_MESSAGE_IDS.stop - 1}"
         )
     if msg_id in _DECODERS:
         raise UsageError(f"message id {msg_id} is already registered")

@@ -242,7 +242,18 @@ cdef class InPlaceFrameDecoder:
 
     @property
     def max_frame_size(self):
+        """The largest frame accepted; settable (a connection that authenticates in its
+        first frame raises it once it has): applies to frames whose header has not
+        arrived yet."""
         return self._max_frame_size
+
+    @max_frame_size.setter
+    def max_frame_size(self, value):
+        if not isinstance(value, int) or value < MAX_CONTROL_FRAME_SIZE:
+            raise UsageError(
+                f"max_frame_size must be an int >= {MAX_CONTROL_FRAME_SIZE}, got {value!r}"
+            )
+        self._max_frame_size = value
 
     @property
     def error(self):

@@ -5,14 +5,26 @@ at any time, and refuse at once what can never complete."""
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 from typing import Any
 
 import pytest
 
-from client.rendezvous import RendezvousServer, RendezvousTicket, rendezvous, report_abort
-from exchange.errors import SchedulingError, TransportError, UsageError
+from client.rendezvous import (
+    RendezvousServer,
+    RendezvousTicket,
+    TaskLocation,
+    rendezvous,
+    report_abort,
+)
+from exchange.addresses import parse_address
+from exchange.errors import ProtocolError, SchedulingError, TransportError, UsageError
+from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, encode
+from exchange.protocol.driver_messages import Met
 from tests.kit.polling import wait_for
+from tests.kit.sockets import closed_by_peer, has_ipv6_loopback
 
 
 @pytest.fixture
@@ -22,6 +34,15 @@ def server() -> Any:
     s.close()
 
 
+def loc(index: int, attempt: int) -> TaskLocation:
+    """Task ``index``'s location (only index and attempt matter here)."""
+    return TaskLocation(index, attempt, "daemon", "127.0.0.1:1", "/tmp/sock", 32768)
+
+
+def pairs(locations: list[TaskLocation]) -> list[list[int]]:
+    return [[x.index, x.attempt] for x in locations]
+
+
 def meet_all(
     ticket: RendezvousTicket, attempts: list[int], timeout: float = 10, round_id: int = 0
 ) -> list[Any]:
@@ -29,9 +50,8 @@ def meet_all(
 
     def one(i: int) -> None:
         try:
-            location = [i, attempts[i]]
-            results[i] = rendezvous(
-                ticket, i, attempts[i], location, timeout=timeout, round_id=round_id
+            results[i] = pairs(
+                rendezvous(ticket, loc(i, attempts[i]), timeout=timeout, round_id=round_id)
             )
         except Exception as e:
             results[i] = e
@@ -65,21 +85,21 @@ def test_rounds_with_adjacent_attempts_stay_apart(server: RendezvousServer) -> N
     ticket = server.open_group("x6", 2)
     assert meet_all(ticket, [5, 6], round_id=1) == [[[0, 5], [1, 6]]] * 2
     with pytest.raises(TransportError, match="waited"):
-        rendezvous(ticket, 0, 7, [0, 7], timeout=0.5, round_id=2)
+        rendezvous(ticket, loc(0, 7), timeout=0.5, round_id=2)
     assert meet_all(ticket, [7, 8], round_id=2) == [[[0, 7], [1, 8]]] * 2
 
 
 def test_a_lone_task_of_a_dead_round_gives_up_typed(server: RendezvousServer) -> None:
     ticket = server.open_group("x3", 2)
     with pytest.raises(TransportError, match="waited"):
-        rendezvous(ticket, 0, 1, [0, 1], timeout=0.5)
+        rendezvous(ticket, loc(0, 1), timeout=0.5)
 
 
 def test_a_bad_token_is_refused(server: RendezvousServer) -> None:
     ticket = server.open_group("x4", 1)
-    forged = RendezvousTicket(ticket.address, ticket.port, "x4", "0" * 32, 1)
+    forged = RendezvousTicket(ticket.address, "x4", "0" * 32, 1)
     with pytest.raises(TransportError, match="refused"):
-        rendezvous(forged, 0, 1, [0, 1], timeout=5)
+        rendezvous(forged, loc(0, 1), timeout=5)
 
 
 def test_a_failing_task_runs_the_abort_hook_once_with_every_location(
@@ -87,8 +107,8 @@ def test_a_failing_task_runs_the_abort_hook_once_with_every_location(
 ) -> None:
     calls: list[tuple[int, list[Any]]] = []
 
-    async def hook(round_id: int, locations: list[Any]) -> None:
-        calls.append((round_id, sorted(locations)))
+    async def hook(round_id: int, locations: list[TaskLocation]) -> None:
+        calls.append((round_id, sorted(pairs(locations))))
 
     ticket = server.open_group("x5", 2, hook)
     meet_all(ticket, [7, 8], round_id=3)
@@ -120,8 +140,8 @@ def test_an_ordinary_stage_refuses_a_task_run_again_alone(server: RendezvousServ
     the round's clean-up runs once, and later registrations are refused as well."""
     calls: list[tuple[int, list[Any]]] = []
 
-    async def hook(round_id: int, locations: list[Any]) -> None:
-        calls.append((round_id, sorted(locations)))
+    async def hook(round_id: int, locations: list[TaskLocation]) -> None:
+        calls.append((round_id, sorted(pairs(locations))))
 
     ticket = server.open_group("o2", 3, hook, whole_stage_retries=False)
     waiting: list[Any] = []
@@ -133,7 +153,7 @@ def test_an_ordinary_stage_refuses_a_task_run_again_alone(server: RendezvousServ
         t.start()
     wait_for(lambda: _registered(server, "o2", 0) == 2, 30, "two tasks registered")
     with pytest.raises(SchedulingError, match="ran task 0 again") as excinfo:
-        rendezvous(ticket, 0, 9, [0, 9], timeout=120)
+        rendezvous(ticket, loc(0, 9), timeout=120)
     assert "mode='blocking'" in str(excinfo.value)  # the way out
     for t in threads:
         t.join(30)
@@ -141,12 +161,12 @@ def test_an_ordinary_stage_refuses_a_task_run_again_alone(server: RendezvousServ
     assert all(isinstance(e, SchedulingError) for e in waiting), waiting
     assert calls == [(0, [[0, 5], [1, 6]])]
     with pytest.raises(SchedulingError, match="ran task 0 again"):
-        rendezvous(ticket, 2, 7, [2, 7], timeout=120)
+        rendezvous(ticket, loc(2, 7), timeout=120)
 
 
 def meet_all_one(ticket: RendezvousTicket, i: int, attempt: int) -> Any:
     try:
-        return rendezvous(ticket, i, attempt, [i, attempt], timeout=120)
+        return pairs(rendezvous(ticket, loc(i, attempt), timeout=120))
     except Exception as e:
         return e
 
@@ -155,7 +175,7 @@ def test_an_ordinary_round_a_task_failed_in_refuses_the_rest(server: RendezvousS
     ticket = server.open_group("o3", 2, whole_stage_retries=False)
     report_abort(ticket, 0, 4, round_id=1)
     with pytest.raises(SchedulingError, match="a task of its stage failed"):
-        rendezvous(ticket, 1, 5, [1, 5], timeout=120, round_id=1)
+        rendezvous(ticket, loc(1, 5), timeout=120, round_id=1)
     assert meet_all(ticket, [6, 7], round_id=2) == [[[0, 6], [1, 7]]] * 2  # the next run
 
 
@@ -172,7 +192,7 @@ def test_a_round_its_check_finds_short_of_tasks_is_refused_as_misuse(
 
     ticket = server.open_group("o4", 2, whole_stage_retries=False, check_round=check)
     with pytest.raises(UsageError, match="the job runs 1 of the 2 tasks"):
-        rendezvous(ticket, 0, 3, [0, 3], timeout=120, round_id=1)
+        rendezvous(ticket, loc(0, 3), timeout=120, round_id=1)
     assert meet_all(ticket, [4, 5], round_id=2) == [[[0, 4], [1, 5]]] * 2
     assert checked == [1, 2]  # once per round
 
@@ -182,5 +202,57 @@ def test_an_ordinary_round_short_of_tasks_times_out_naming_the_slots(
 ) -> None:
     ticket = server.open_group("o5", 3, whole_stage_retries=False)
     with pytest.raises(SchedulingError, match="waited") as excinfo:
-        rendezvous(ticket, 0, 1, [0, 1], timeout=0.5)
+        rendezvous(ticket, loc(0, 1), timeout=0.5)
     assert "needs 3 free task slots" in str(excinfo.value), str(excinfo.value)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(struct.pack(">IIB", FRAME_HEADER_SIZE + 1, MAGIC, 128) + b"\xc1", id="body"),
+        pytest.param(struct.pack(">IIB", 1 << 20, MAGIC, 128), id="oversized"),
+        pytest.param(struct.pack(">IIB", FRAME_HEADER_SIZE, MAGIC, 136), id="control-id"),
+        pytest.param(b"".join(encode(Met(()))), id="an-answer"),
+        pytest.param(b'{"exchange": "m1", "index": 0}\n', id="json"),
+    ],
+)
+def test_a_bad_request_is_dropped_and_the_tasks_still_meet(
+    server: RendezvousServer, data: bytes
+) -> None:
+    ticket = server.open_group("m1", 2)
+    with socket.create_connection(parse_address(ticket.address), timeout=10) as s:
+        s.sendall(data)
+        assert closed_by_peer(s, 10)  # no answer: the connection ends
+    assert _registered(server, "m1", 0) == 0
+    assert meet_all(ticket, [1, 2]) == [[[0, 1], [1, 2]]] * 2
+
+
+def test_a_bad_answer_fails_the_task_typed() -> None:
+    """A peer at the rendezvous's address that answers garbage: ProtocolError, not a hang."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        ticket = RendezvousTicket(f"127.0.0.1:{port}", "b1", "t" * 32, 2)
+
+        def answer() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(struct.pack(">IIB", FRAME_HEADER_SIZE + 1, MAGIC, 130) + b"\x90")
+                closed_by_peer(conn, 10)
+
+        peer = threading.Thread(target=answer, daemon=True)
+        peer.start()
+        with pytest.raises(ProtocolError, match="locations"):
+            rendezvous(ticket, loc(0, 1), timeout=10)
+        peer.join(10)
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
+def test_tasks_meet_over_ipv6() -> None:
+    server = RendezvousServer(host="::1")
+    try:
+        ticket = server.open_group("v6", 2)
+        assert ticket.address == f"[::1]:{server.port}"
+        assert meet_all(ticket, [3, 4]) == [[[0, 3], [1, 4]]] * 2
+    finally:
+        server.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from exchange.checkpointing.coordinator import (
     NotifyComplete,
     TriggerCheckpoint,
 )
+from exchange.protocol.driver_messages import CheckpointAck
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,14 +75,12 @@ def test_the_drivers_view_reaches_the_daemon(
 
     tracker.on_command(TriggerCheckpoint(1, 1_764_000_000_000, ("v0-0", "v0-1")))
     for task, alignment in (("v0-0", None), ("v0-1", None), ("v1-0", 0.02)):
-        metrics: dict[str, Any] = {"state_bytes": 1000, "records_in": 50, "records_out": 40}
+        ack = CheckpointAck(1, "h", state_bytes=1000, records_in=50, records_out=40)
         if alignment is not None:  # the reading task triggered it unaligned
-            metrics.update(
-                alignment=alignment, aligned_bytes=4096, unaligned=True, persisted_bytes=2048
+            ack = replace(
+                ack, alignment=alignment, aligned_bytes=4096, unaligned=True, persisted_bytes=2048
             )
-        tracker.on_message(
-            task, {"type": "ack", "checkpoint": 1, "handle": "h", "metrics": metrics}
-        )
+        tracker.on_message(task, ack)
     tracker.on_command(NotifyComplete(1))
     tracker.on_command(TriggerCheckpoint(2, 1_764_000_001_000, ("v0-0", "v0-1")))
     tracker.on_command(NotifyAborted(2, AbortReason.EXPIRED))

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 from client.consumer import PartitionLocation, PartitionReader
-from client.network import parse_address
 from client.producer import PartitionWriter
+from exchange.addresses import parse_address
 from exchange.buffers.buffer import DataType
 from exchange.errors import IllegalStateError, UsageError
 from exchange.events.events import (

@@ -7,11 +7,13 @@ Usage::
     python tests/fuzz/fuzz_targets.py TARGET --replay FILE...   # run inputs once
     python tests/fuzz/fuzz_targets.py TARGET --corpus DIR --save-to tests/fuzz/corpus/TARGET
 
-Targets (``TARGETS``): ``frame`` (the compiled ``InPlaceFrameDecoder``, beside the pure-Python
-reference ``FrameDecoder`` of ``tests/kit/reference_frame_decoder.py``; data-port and
-local-endpoint ids), ``handshake`` (``ServerHandshake``/``ClientHandshake`` fed the messages
-the frame decoder makes of the input), ``local_messages`` (the bodies of the local-endpoint
-messages, ids 64..75), ``msgpack`` (``MsgpackDecoder``), ``framed`` (``FramedDecoder`` of
+Targets (``TARGETS``): ``frame`` (the compiled ``InPlaceFrameDecoder``, beside the
+pure-Python reference ``FrameDecoder`` of ``tests/kit/reference_frame_decoder.py``;
+data-port, local-endpoint and driver ids), ``handshake`` (``ServerHandshake``/
+``ClientHandshake`` fed the messages the frame decoder makes of the input),
+``local_messages`` (the bodies of the local-endpoint messages, ids 64..127),
+``driver_messages`` (the bodies of the driver's control and rendezvous messages, ids
+128..159), ``msgpack`` (``MsgpackDecoder``), ``framed`` (``FramedDecoder`` of
 ``BytesCodec`` and of a UTF-8 payload codec), ``pickle_framing`` (``PickleBatchDecoder``),
 ``manifest`` (the partition manifests a restarted daemon reads, ``decode_manifest``).
 
@@ -96,6 +98,7 @@ with _instrumented():
     )
     from exchange.partition.result_partition_id import ResultPartitionID
     from exchange.partition.result_partition_type import ResultPartitionType
+    from exchange.protocol import driver_messages as dm  # registers ids 128..
     from exchange.protocol import local_messages  # registers ids 64..
     from exchange.protocol.codec import (
         FRAME_HEADER_SIZE,
@@ -148,6 +151,7 @@ DOCUMENTED: dict[str, tuple[type[BaseException], ...]] = {
     # and, for an ErrorResponse from the server, the typed error it maps to
     "handshake": (ProtocolError,),
     "local_messages": (ProtocolError,),
+    "driver_messages": (ProtocolError,),
     "msgpack": (CorruptRecordError,),
     "framed": (CorruptRecordError,),
     "pickle_framing": (CorruptRecordError,),
@@ -161,6 +165,8 @@ _HEADER = struct.Struct(">IIB")
 #: The first input byte of ``local_messages`` picks the id (64 + byte % 64): ids added
 #: later keep the meaning of the saved corpus; unregistered ids are UnknownMessageErrors.
 LOCAL_IDS = range(64, 128)
+#: The same for ``driver_messages`` (128 + byte % 32).
+DRIVER_IDS = range(128, 160)
 
 
 # -- splitting an input into chunks, deterministically ----------------------------------------
@@ -316,27 +322,38 @@ def run_handshake(data: bytes) -> None:
 # -- local-endpoint messages -------------------------------------------------------------------
 
 
-def run_local_messages(data: bytes) -> None:
-    """A local-endpoint frame built from ``data`` (id byte, body): it decodes, or raises a
-    ProtocolError; what decodes re-encodes to an equal message."""
-    if not data:
-        return
-    msg_id = LOCAL_IDS[data[0] % len(LOCAL_IDS)]
-    body = data[1:]
-    frame = _HEADER.pack(FRAME_HEADER_SIZE + len(body), MAGIC, msg_id) + body
-    try:
-        msgs = InPlaceFrameDecoder().feed(frame)
-    except ProtocolError:
-        return
-    if len(msgs) != 1:
-        raise InvariantError(f"one frame gave {len(msgs)} messages")
-    (msg,) = msgs
-    frame_again = b"".join(bytes(p) for p in encode(msg))
-    if frame_again[8] != msg_id:  # (MESSAGE_ID is not set on every class: see the replay test)
-        raise InvariantError(f"id {msg_id} decoded as {msg!r}, which encodes as {frame_again[8]}")
-    again = InPlaceFrameDecoder().feed(frame_again)
-    if [_norm(m) for m in again] != [_norm(msg)]:
-        raise InvariantError(f"{msg!r} re-encodes as {again!r}")
+def _run_messages(ids: range) -> Callable[[bytes], None]:
+    def run(data: bytes) -> None:
+        """A frame of a registered message built from ``data`` (id byte, body): it
+        decodes, or raises a ProtocolError; what decodes re-encodes to an equal message."""
+        if not data:
+            return
+        msg_id = ids[data[0] % len(ids)]
+        body = data[1:]
+        frame = _HEADER.pack(FRAME_HEADER_SIZE + len(body), MAGIC, msg_id) + body
+        try:
+            msgs = InPlaceFrameDecoder().feed(frame)
+        except ProtocolError:
+            return
+        if len(msgs) != 1:
+            raise InvariantError(f"one frame gave {len(msgs)} messages")
+        (msg,) = msgs
+        frame_again = b"".join(bytes(p) for p in encode(msg))
+        if frame_again[8] != msg_id:  # (MESSAGE_ID is not set on every class: see the replay)
+            raise InvariantError(
+                f"id {msg_id} decoded as {msg!r}, which encodes as {frame_again[8]}"
+            )
+        again = InPlaceFrameDecoder().feed(frame_again)
+        if [_norm(m) for m in again] != [_norm(msg)]:
+            raise InvariantError(f"{msg!r} re-encodes as {again!r}")
+
+    return run
+
+
+#: local-endpoint messages (ids 64..127)
+run_local_messages = _run_messages(LOCAL_IDS)
+#: the driver's control and rendezvous messages (ids 128..159)
+run_driver_messages = _run_messages(DRIVER_IDS)
 
 
 # -- record decoders --------------------------------------------------------------------------
@@ -533,6 +550,7 @@ def _frame_seeds() -> list[bytes]:
     seeds = [_frames(m) for m in data]
     seeds.append(b"".join(seeds))
     seeds += [s for s in _local_frames()]
+    seeds += _driver_frames()
     return seeds
 
 
@@ -594,6 +612,37 @@ def _local_seeds() -> list[bytes]:
     return out
 
 
+def _driver_frames() -> list[bytes]:
+    loc = dm.TaskLocation(1, 7, "d1", "[::1]:7000", "/tmp/s", 32768)
+    daemon = dm.TaskDaemon("d1", "127.0.0.1:7000", "/tmp/s")
+    reason = dm.CheckpointFailureReason.SUBSUMED
+    msgs: list[Message] = [
+        dm.MeetRequest("ex-1", "tok", 3, loc),
+        dm.AbortRound("ex-1", "tok", 3, 1, 7),
+        dm.Met((loc, loc)),
+        dm.RendezvousRefused(dm.RefusalKind.USAGE, "the job runs 1 of 2 tasks"),
+        dm.RegisterTask("tok", 1, "v0-0", daemon),
+        dm.RegistrationRefused("unknown or stale task"),
+        dm.StartTask({"v0-0": daemon}, dm.RestorePoint(4, {"gen": ("f", None)})),
+        dm.CheckpointTrigger(4, 1_764_000_000_000, True),
+        dm.CheckpointComplete(4),
+        dm.CheckpointAbort(5),
+        dm.StopInput(),
+        dm.FinishTask(),
+        dm.CancelTask(),
+        dm.CheckpointAck(4, "/c/4", 10, 2, 1, 0.5, 4096, True, 100),
+        dm.CheckpointDecline(4, reason),
+        dm.SourceExhausted(),
+        dm.TaskFinished(3, {"sink": b"\x80\x05N."}),
+        dm.TaskFailed("ValueError: boom", 1.5, False),
+    ]
+    return [_frames(m) for m in msgs]
+
+
+def _driver_seeds() -> list[bytes]:
+    return [bytes([f[8] - DRIVER_IDS.start]) + f[FRAME_HEADER_SIZE:] for f in _driver_frames()]
+
+
 def _msgpack_seeds() -> list[bytes]:
     recs: list[Any] = [1, -1, 2**63, "text", b"bin", [1, [2, [3]]], {"k": [1.5, None, True]},
                        (4, "x" * 40), 1e308, float("nan")]  # fmt: skip
@@ -635,6 +684,7 @@ TARGETS: dict[str, Target] = {
         Target("frame", run_frame, _frame_seeds),
         Target("handshake", run_handshake, _handshake_seeds),
         Target("local_messages", run_local_messages, _local_seeds),
+        Target("driver_messages", run_driver_messages, _driver_seeds),
         Target("msgpack", run_msgpack, _msgpack_seeds),
         Target("framed", run_framed, _framed_seeds),
         Target("pickle_framing", run_pickle_framing, _framed_seeds),

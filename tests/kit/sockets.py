@@ -17,3 +17,13 @@ def closed_by_peer(s: socket.socket, timeout: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def has_ipv6_loopback() -> bool:
+    """Whether this machine can listen on ``::1`` (tests over IPv6 skip without it)."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True

@@ -370,8 +370,9 @@ def test_bad_magic() -> None:
     assert info.value.magic == 0xCAFEBABE
 
 
-# 64..74 belong to the local endpoint (exchange.protocol.local_messages) once imported.
-@pytest.mark.parametrize("msg_id", [0, 5, 9, 20, 63, 100, 127, 128, 255])
+# 64..89 belong to the local endpoint (exchange.protocol.local_messages), 128..149 to the
+# driver's services (exchange.protocol.driver_messages), once imported.
+@pytest.mark.parametrize("msg_id", [0, 5, 9, 20, 63, 100, 127, 159, 160, 255])
 def test_unknown_id_rejected_before_the_body(msg_id: int) -> None:
     with pytest.raises(UnknownMessageError) as info:
         InPlaceFrameDecoder().feed(struct.pack(">IIB", 100, MAGIC, msg_id))

@@ -982,7 +982,7 @@ def test_a_lost_daemon_fails_the_read_typed_naming_it(spark: Any) -> None:
     with pytest.raises(PythonException) as excinfo:
         out.count()
     text = str(excinfo.value)
-    assert "exchange.errors.TransportError: cannot connect to daemon" in text, text[-3000:]
+    assert "exchange.errors.TransportError: cannot reach daemon at" in text, text[-3000:]
     assert daemon.socket in text, text[-3000:]
     # the session goes on with a new embedded daemon
     again = exchange_shuffle(sc.parallelize([(1, 1), (2, 2)], 2), 2)

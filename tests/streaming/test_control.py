@@ -1,7 +1,8 @@
-"""The driver's control port before registration: what reaches it without the token
-gets a few KiB and a bounded number of connections, never the driver's memory or the
-registration of the real tasks (a real ControlServer on loopback, raw sockets as the
-attacker, a real ControlClient as the task)."""
+"""The driver's control port: before registration what reaches it without the token gets
+a few KiB and a bounded number of connections, never the driver's memory or the
+registration of the real tasks; bad frames end a connection with a typed error (a real
+ControlServer on loopback, raw sockets as the attacker, a real ControlClient as the
+task), also over IPv6."""
 
 from __future__ import annotations
 
@@ -12,15 +13,39 @@ import time
 
 import pytest
 
-from client.streaming.control import MAX_REGISTER_FRAME, ControlClient, ControlServer
-from tests.kit.sockets import closed_by_peer
+from client.streaming.control import (
+    MAX_REGISTER_FRAME,
+    ControlClient,
+    ControlLost,
+    ControlServer,
+)
+from exchange.addresses import parse_address
+from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, encode
+from exchange.protocol.driver_messages import (
+    CheckpointTrigger,
+    RegisterTask,
+    RegistrationRefused,
+    SourceExhausted,
+    TaskDaemon,
+)
+from tests.kit.sockets import closed_by_peer, has_ipv6_loopback
 
 pytestmark = pytest.mark.timeout(60)
 
+DAEMON = TaskDaemon("d", "127.0.0.1:1", "/tmp/d.sock")
+
 
 def connect(server: ControlServer) -> socket.socket:
-    host, port = server.address.rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=10)
+    return socket.create_connection(parse_address(server.address), timeout=10)
+
+
+def registration(token: str, task: str = "t0", attempt: int = 1) -> RegisterTask:
+    return RegisterTask(token, attempt, task, DAEMON)
+
+
+def frame(msg_id: int, body: bytes, length: int | None = None) -> bytes:
+    size = FRAME_HEADER_SIZE + len(body) if length is None else length
+    return struct.pack(">IIB", size, MAGIC, msg_id) + body
 
 
 def test_a_large_frame_before_registration_is_refused_before_it_is_read() -> None:
@@ -28,12 +53,52 @@ def test_a_large_frame_before_registration_is_refused_before_it_is_read() -> Non
     server = ControlServer(secrets.token_hex(8), 1, {"t0"})
     try:
         with connect(server) as s:
-            s.sendall(struct.pack(">I", 200 * 1024 * 1024) + b"x" * 65536)
+            s.sendall(frame(136, b"x" * 65536, 200 * 1024 * 1024))
             assert closed_by_peer(s, 10)  # at the header: the body is never waited for
         with connect(server) as s:
-            s.sendall(struct.pack(">I", MAX_REGISTER_FRAME + 1))
+            s.sendall(frame(136, b"", MAX_REGISTER_FRAME + 1))
             assert closed_by_peer(s, 10)
         assert server.refused == 2 and server.inbox.empty()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(struct.pack(">I", 100) + b"junk\x88", id="bad-magic"),
+        pytest.param(frame(11, b"\x00" * 22), id="data-port-id"),  # a BufferResponse
+        pytest.param(frame(146, b"\xc1"), id="malformed-body"),  # msgpack's never-used byte
+        pytest.param(frame(146, b"\x81\xa1x\x01"), id="unknown-key"),
+        pytest.param(frame(130, b"\x81\xa9locations\x90"), id="rendezvous-id"),  # Met
+    ],
+)
+def test_a_bad_first_frame_is_refused_typed_and_counted(data: bytes) -> None:
+    server = ControlServer(secrets.token_hex(8), 1, {"t0"})
+    try:
+        with connect(server) as s:
+            s.sendall(data)
+            assert closed_by_peer(s, 10)
+        assert server.refused == 1 and server.inbox.empty()
+    finally:
+        server.close()
+
+
+def test_a_registered_task_sending_a_bad_frame_is_lost_with_the_typed_error() -> None:
+    token = secrets.token_hex(8)
+    server = ControlServer(token, 1, {"t0"})
+    try:
+        with connect(server) as s:
+            s.sendall(b"".join(encode(registration(token))))
+            assert server.inbox.get(timeout=10) == ("t0", registration(token))
+            s.sendall(b"".join(encode(SourceExhausted())))
+            assert server.inbox.get(timeout=10) == ("t0", SourceExhausted())
+            s.sendall(frame(146, b"\x81\xa4oops\xc3"))  # SourceExhausted has no field
+            task, lost = server.inbox.get(timeout=10)
+            assert task == "t0" and isinstance(lost, ControlLost)
+            assert lost.error.startswith("ProtocolError: control body must be a map with keys")
+            assert closed_by_peer(s, 10)
+        assert server.wait_disconnected(10)
     finally:
         server.close()
 
@@ -46,12 +111,10 @@ def test_silent_connections_cannot_keep_a_task_from_registering() -> None:
         deadline = time.monotonic() + 10
         while sum(closed_by_peer(s, 0.01) for s in silent[:6]) < 6:  # the oldest made room
             assert time.monotonic() < deadline
-        client = ControlClient.connect(
-            server.address, {"token": token, "attempt": 1, "task": "t0", "daemon": "d"}
-        )
+        client = ControlClient.connect(server.address, registration(token))
         try:
             sender, msg = server.inbox.get(timeout=10)
-            assert (sender, msg["type"]) == ("t0", "register")
+            assert (sender, msg) == ("t0", registration(token))
         finally:
             client.close()
     finally:
@@ -63,13 +126,32 @@ def test_silent_connections_cannot_keep_a_task_from_registering() -> None:
 def test_a_wrong_token_is_refused() -> None:
     server = ControlServer(secrets.token_hex(8), 1, {"t0"})
     try:
-        client = ControlClient.connect(
-            server.address, {"token": "guess", "attempt": 1, "task": "t0", "daemon": "d"}
-        )
+        client = ControlClient.connect(server.address, registration("guess"))
         try:
-            assert client.inbox.get(timeout=10)["type"] == "refused"
+            assert client.inbox.get(timeout=10) == RegistrationRefused("unknown or stale task")
+            assert isinstance(client.inbox.get(timeout=10), ControlLost)  # then it closes
         finally:
             client.close()
         assert server.refused == 1 and server.inbox.empty()
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
+def test_a_task_registers_and_is_driven_over_ipv6() -> None:
+    token = secrets.token_hex(8)
+    server = ControlServer(token, 1, {"t0"}, host="::1")
+    try:
+        assert server.address == f"[::1]:{server.port}"
+        client = ControlClient.connect(server.address, registration(token))
+        try:
+            assert server.inbox.get(timeout=10) == ("t0", registration(token))
+            server.send("t0", CheckpointTrigger(3, 4, exactly_once=False))
+            assert client.inbox.get(timeout=10) == CheckpointTrigger(3, 4, exactly_once=False)
+            client.send(SourceExhausted())
+            assert server.inbox.get(timeout=10) == ("t0", SourceExhausted())
+        finally:
+            client.close()
+        assert server.wait_disconnected(10)
     finally:
         server.close()

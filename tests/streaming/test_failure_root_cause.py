@@ -17,13 +17,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from client.runtime import get_runtime
 from client.streaming.connectors import CollectSink, GeneratorSource
-from client.streaming.control import ControlServer
+from client.streaming.control import ControlLost, ControlServer
 from client.streaming.graph import JobGraph, Node, Partitioning
 from client.streaming.job_status import AttemptFailure, FailureCollector, FailureReport
 from client.streaming.operators import MapOperator
@@ -32,9 +32,20 @@ from exchange.errors import (
     PartitionDataLostError,
     PartitionReleasedError,
     ProducerFailedError,
+    ProtocolError,
     WriterClosedError,
 )
+from exchange.protocol.driver_messages import (
+    CancelTask,
+    CheckpointAck,
+    RegisterTask,
+    StartTask,
+    TaskFailed,
+)
+from exchange.protocol.messages import Message
 from exchange.state import DEFAULT_MAX_PARALLELISM
+
+_M = TypeVar("_M", bound=Message)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,11 +67,11 @@ def test_the_earliest_failure_is_the_root_cause_though_its_report_arrives_last()
     clock = _Clock(12.0)
     c = FailureCollector(wall_clock=clock)
     released = "PartitionReleasedError: ... [remote PARTITION_RELEASED]"
-    c.on_message("v0-0", {"type": "failed", "error": released, "time": 11.0, "consequence": True})
+    c.on_message("v0-0", TaskFailed(released, 11.0, True))
     assert c.failed and c.failing_since == 12.0
     clock.now = 13.0
-    c.on_message("v1-0", {"type": "lost", "error": "ConnectionResetError", "time": 12.5})
-    c.on_message("v2-0", {"type": "failed", "error": "SinkCommitError: injected", "time": 10.0})
+    c.on_message("v1-0", ControlLost("ConnectionResetError", 12.5))
+    c.on_message("v2-0", TaskFailed("SinkCommitError: injected", 10.0, False))
     assert c.result(5) == AttemptFailure(
         5,
         "task v2-0 failed: SinkCommitError: injected",
@@ -72,8 +83,8 @@ def test_a_root_cause_later_in_time_beats_an_earlier_consequence() -> None:
     """A consequence never wins over a failure of its own, even stamped earlier (clocks
     of two hosts disagree)."""
     c = FailureCollector(wall_clock=_Clock(0.0))
-    c.on_message("a", {"type": "failed", "error": "released", "time": 1.0, "consequence": True})
-    c.on_message("b", {"type": "failed", "error": "ValueError: boom", "time": 2.0})
+    c.on_message("a", TaskFailed("released", 1.0, True))
+    c.on_message("b", TaskFailed("ValueError: boom", 2.0, False))
     root = c.root_cause()
     assert root == FailureReport("b", 2.0, "task b failed: ValueError: boom", False)
 
@@ -81,7 +92,7 @@ def test_a_root_cause_later_in_time_beats_an_earlier_consequence() -> None:
 def test_with_only_consequences_the_earliest_is_reported() -> None:
     c = FailureCollector(wall_clock=_Clock(0.0))
     for task, at in (("x", 3.0), ("y", 1.0), ("z", 2.0)):
-        c.on_message(task, {"type": "failed", "error": "e", "time": at, "consequence": True})
+        c.on_message(task, TaskFailed("e", at, True))
     result = c.result(1)
     assert result is not None
     assert result.root_cause == "task y failed: e"
@@ -93,9 +104,9 @@ def test_a_task_lost_after_the_attempt_began_failing_is_a_consequence() -> None:
     first (its worker killed) is the root cause."""
     clock = _Clock(100.0)
     c = FailureCollector(wall_clock=clock)
-    c.on_message("k", {"type": "lost", "error": "killed", "time": 99.0})
+    c.on_message("k", ControlLost("killed", 99.0))
     clock.now = 101.0
-    c.on_message("m", {"type": "lost", "error": "killed too", "time": 100.5})
+    c.on_message("m", ControlLost("killed too", 100.5))
     assert [r.consequence for r in c.reports] == [False, True]
     assert c.root_cause() is c.reports[0]
 
@@ -113,13 +124,14 @@ def test_the_drivers_findings_after_a_task_failure_are_consequences() -> None:
     )
 
 
-def test_a_report_without_a_time_is_stamped_on_arrival_and_nothing_else_counts() -> None:
-    clock = _Clock(7.0)
-    c = FailureCollector(wall_clock=clock)
-    c.on_message("t", {"type": "ack", "checkpoint": 1})
+def test_only_failure_reports_count_and_they_are_typed() -> None:
+    c = FailureCollector(wall_clock=_Clock(7.0))
+    c.on_message("t", CheckpointAck(1, "h", 0, 0, 0))
     assert not c.failed and c.result(1) is None
-    c.on_message("t", {"type": "failed", "error": "x", "time": True, "consequence": 1})
-    assert c.reports == [FailureReport("t", 7.0, "task t failed: x", False)]
+    with pytest.raises(ProtocolError, match="time"):  # a report always says when
+        TaskFailed("x", True, False)
+    with pytest.raises(ProtocolError, match="consequence"):
+        TaskFailed("x", 1.0, 1)  # type: ignore[arg-type]
 
 
 # -- which errors are consequences --------------------------------------------------------
@@ -180,13 +192,13 @@ def _explode_at(n: int) -> Callable[[int], int]:
     return f
 
 
-def _next(server: ControlServer, kind: str, timeout: float = 30.0) -> tuple[str, dict[str, Any]]:
+def _next(server: ControlServer, kind: type[_M], timeout: float = 30.0) -> tuple[str, _M]:
     while True:
         try:
             task, msg = server.inbox.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"no {kind!r} within {timeout} s") from None
-        if msg["type"] == kind:
+            raise AssertionError(f"no {kind.__name__} within {timeout} s") from None
+        if isinstance(msg, kind):
             return task, msg
 
 
@@ -225,16 +237,16 @@ def test_a_real_task_reports_when_it_failed_and_whether_it_is_a_consequence(
             t.start()
         daemons = {}
         for _ in tasks:
-            task, reg = _next(server, "register")
-            daemons[task] = reg["daemon"]
+            task, reg = _next(server, RegisterTask)
+            daemons[task] = reg.daemon
         for task in tasks:
-            server.send(task, {"type": "start", "daemons": daemons, "restore": None})
+            server.send(task, StartTask(daemons, None))
         if how == "cancelled":
-            server.send("v1-0", {"type": "cancel"})
+            server.send("v1-0", CancelTask())
         elif how == "released":
             edge = next(e for e in graph.edges if e.source == 1)
             dataset = dataset_of("rc", 9, edge)
-            address = daemons["v1-0"]["data"]
+            address = daemons["v1-0"].data_address
             deadline = time.monotonic() + 60
             while get_runtime().run(_release(address, dataset)) == 0:  # until it exists
                 assert time.monotonic() < deadline, "the map's partition never appeared"
@@ -242,14 +254,14 @@ def test_a_real_task_reports_when_it_failed_and_whether_it_is_a_consequence(
         # the map's failure; another task's consequence of it (the gen meeting its
         # released partition) may reach the control server first: which message arrives
         # first is a race, what each says is not
-        task, failed = _next(server, "failed")
+        task, failed = _next(server, TaskFailed)
         while task != "v1-0":
-            assert task == "v0-0" and failed["consequence"] is True, (task, failed)
-            task, failed = _next(server, "failed")
+            assert task == "v0-0" and failed.consequence is True, (task, failed)
+            task, failed = _next(server, TaskFailed)
         after = time.time()
-        assert before <= failed["time"] <= after
-        assert failed["consequence"] is (how != "raised"), failed["error"]
-        server.send("v0-0", {"type": "cancel"})
+        assert before <= failed.time <= after
+        assert failed.consequence is (how != "raised"), failed.error
+        server.send("v0-0", CancelTask())
         for t in threads:
             t.join(30)
             assert not t.is_alive()

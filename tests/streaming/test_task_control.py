@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -25,17 +25,35 @@ from client.streaming.checkpoint_storage import (
     operator_files,
 )
 from client.streaming.connectors import CollectSink, GeneratorSource
-from client.streaming.control import ControlServer
+from client.streaming.control import ControlLost, ControlServer
 from client.streaming.functions import Collector, Operator, Source
 from client.streaming.graph import JobGraph, Node, Partitioning
 from client.streaming.operators import MapOperator
 from client.streaming.task import JobSpec, run_task
+from exchange.protocol.driver_messages import (
+    CancelTask,
+    CheckpointAbort,
+    CheckpointAck,
+    CheckpointComplete,
+    CheckpointTrigger,
+    FinishTask,
+    RegisterTask,
+    RestorePoint,
+    SourceExhausted,
+    StartTask,
+    StopInput,
+    TaskFailed,
+    TaskFinished,
+)
+from exchange.protocol.messages import Message
 from exchange.state import (
     DEFAULT_MAX_PARALLELISM,
     OperatorStateBackend,
     SnapshotKind,
     decode_snapshot,
 )
+
+_M = TypeVar("_M", bound=Message)
 
 
 @pytest.fixture
@@ -44,16 +62,16 @@ def daemon(start_daemon: Callable[..., Any]) -> Any:
 
 
 def _next(
-    server: ControlServer, kind: str, timeout: float = 30.0, task: str | None = None
-) -> dict[str, Any]:
+    server: ControlServer, kind: type[_M], timeout: float = 30.0, task: str | None = None
+) -> _M:
     """The next ``kind`` message (from ``task``, if given; the others are dropped)."""
     while True:
         try:
             sender, msg = server.inbox.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"no {kind!r} from the task within {timeout} s") from None
-        assert msg["type"] not in ("failed", "lost"), msg
-        if msg["type"] == kind and task in (None, sender):
+            raise AssertionError(f"no {kind.__name__} from the task within {timeout} s") from None
+        assert not isinstance(msg, TaskFailed | ControlLost), msg
+        if isinstance(msg, kind) and task in (None, sender):
             return msg
 
 
@@ -77,10 +95,10 @@ def _start_tasks(
         t.start()
     daemons = {}
     for _ in tasks:
-        reg = _next(server, "register")
-        daemons[reg["task"]] = reg["daemon"]
+        reg = _next(server, RegisterTask)
+        daemons[reg.task_id] = reg.daemon
     for task in tasks:
-        server.send(task, {"type": "start", "daemons": daemons, "restore": None})
+        server.send(task, StartTask(daemons, None))
     return threads
 
 
@@ -103,31 +121,31 @@ def test_a_stopped_source_ends_its_input_and_the_final_checkpoint_holds_its_posi
     )
     try:
         thread.start()
-        reg = _next(server, "register")
-        server.send("v0-0", {"type": "start", "daemons": {"v0-0": reg["daemon"]}, "restore": None})
-        server.send("v0-0", {"type": "trigger", "checkpoint": 1, "timestamp": 1})
-        ack = _next(server, "ack")
-        figures = ack["metrics"]  # a source reads no input: no alignment figure
-        assert ack["checkpoint"] == 1 and figures["state_bytes"] > 0 and "alignment" not in figures
-        server.send("v0-0", {"type": "complete", "checkpoint": 1})
-        server.send("v0-0", {"type": "stop"})
-        _next(server, "exhausted")
-        server.send("v0-0", {"type": "trigger", "checkpoint": 2, "timestamp": 2})
-        final = _next(server, "ack")
-        server.send("v0-0", {"type": "complete", "checkpoint": 2})
-        server.send("v0-0", {"type": "finish"})
-        finished = _next(server, "finished")
+        reg = _next(server, RegisterTask)
+        server.send("v0-0", StartTask({"v0-0": reg.daemon}, None))
+        server.send("v0-0", CheckpointTrigger(1, 1))
+        ack = _next(server, CheckpointAck)
+        # a source reads no input: no alignment figure
+        assert ack.checkpoint_id == 1 and ack.state_bytes > 0 and ack.alignment is None
+        server.send("v0-0", CheckpointComplete(1))
+        server.send("v0-0", StopInput())
+        _next(server, SourceExhausted)
+        server.send("v0-0", CheckpointTrigger(2, 2))
+        final = _next(server, CheckpointAck)
+        server.send("v0-0", CheckpointComplete(2))
+        server.send("v0-0", FinishTask())
+        finished = _next(server, TaskFinished)
         thread.join(30)
         assert not thread.is_alive() and outcome
     finally:
         server.close()
         thread.join(30)
-    emitted = finished["records_in"]
+    emitted = finished.records_in
     assert emitted > 0
     state = decode_snapshot(
-        Path(final["handle"]).read_bytes(),  # the driver did not commit it: no metadata
+        Path(final.handle).read_bytes(),  # the driver did not commit it: no metadata
         SnapshotKind.TASK_STATE,
-        final["handle"],
+        final.handle,
     )
     gen = OperatorStateBackend(0, 1)
     gen.restore([("v0-0", state["operators"]["gen"]["operator"])])
@@ -144,13 +162,13 @@ def _trigger_until_the_source_is_held(server: ControlServer) -> None:
     counts: list[int] = []
     for cid in itertools.count(1):
         assert cid <= 500, f"the source never stopped emitting: {counts[-5:]}"
-        server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
-        ack = _next(server, "ack", timeout=20.0, task="v0-0")
-        assert ack["checkpoint"] == cid
-        counts.append(ack["metrics"]["records_out"])
+        server.send("v0-0", CheckpointTrigger(cid, cid))
+        ack = _next(server, CheckpointAck, timeout=20.0, task="v0-0")
+        assert ack.checkpoint_id == cid
+        counts.append(ack.records_out)
         if len(counts) >= 2 and counts[-1] == counts[-2] > 0:
             break
-    handle = ack["handle"]
+    handle = ack.handle
     state = decode_snapshot(Path(handle).read_bytes(), SnapshotKind.TASK_STATE, handle)
     gen = OperatorStateBackend(0, 1)
     gen.restore([("v0-0", state["operators"]["gen"]["operator"])])
@@ -196,7 +214,7 @@ def test_a_task_held_by_back_pressure_still_handles_its_control_messages(
         threads = _start_tasks(server, job, tasks, errors)
         _trigger_until_the_source_is_held(server)
         for task in reversed(tasks):  # the map first: the source alone cannot free it
-            server.send(task, {"type": "cancel"})
+            server.send(task, CancelTask())
         for t in threads:
             t.join(30)
             assert not t.is_alive(), f"{t.name}, held, did not see the cancel"
@@ -283,7 +301,7 @@ def test_a_source_held_with_debloated_buffers_still_takes_triggers(
     finally:
         release.set()
         for task in reversed(tasks):
-            server.send(task, {"type": "cancel"})
+            server.send(task, CancelTask())
         for t in threads:
             t.join(30)
         server.close()
@@ -356,19 +374,19 @@ def test_a_task_waiting_for_input_handles_its_control_messages(daemon: Any, tmp_
     try:
         threads = _start_tasks(server, job, tasks, errors)
         _until(lambda: len(sink.records) == 100, "the 100 records reached the sink")
-        server.send("v0-0", {"type": "trigger", "checkpoint": 1, "timestamp": 1})
-        assert _next(server, "ack", task="v1-0")["checkpoint"] == 1  # the barrier came
-        server.send("v1-0", {"type": "complete", "checkpoint": 1})
+        server.send("v0-0", CheckpointTrigger(1, 1))
+        assert _next(server, CheckpointAck, task="v1-0").checkpoint_id == 1  # the barrier came
+        server.send("v1-0", CheckpointComplete(1))
         _until(lambda: sink.calls == [("complete", 1)], "complete while waiting for input")
-        server.send("v1-0", {"type": "abort", "checkpoint": 2})
+        server.send("v1-0", CheckpointAbort(2))
         _until(lambda: ("abort", 2) in sink.calls, "abort while waiting for input")
-        server.send("v1-0", {"type": "cancel"})
+        server.send("v1-0", CancelTask())
         threads[1].join(20)
         assert not threads[1].is_alive(), "the idle task did not see the cancel"
         assert "cancelled by the driver" in str(errors[1])
         assert sink.records == list(range(100))
     finally:
-        server.send("v0-0", {"type": "cancel"})
+        server.send("v0-0", CancelTask())
         for t in threads:
             t.join(30)
         server.close()
@@ -385,8 +403,8 @@ class _EndMarker(Operator):
 
 
 def _run_bounded_chain(
-    daemon: Any, ckpt: str, attempt: int, restore: dict[str, Any] | None
-) -> tuple[_Recorder, dict[str, Any]]:
+    daemon: Any, ckpt: str, attempt: int, restore: RestorePoint | None
+) -> tuple[_Recorder, CheckpointAck]:
     """generator(3) -> _EndMarker -> _Recorder, chained in one task, to its end: the
     records that reached the recorder and the final checkpoint's ack."""
     sink = _Recorder()
@@ -415,23 +433,21 @@ def _run_bounded_chain(
     thread = threading.Thread(target=body, daemon=True)
     try:
         thread.start()
-        reg = _next(server, "register")
-        server.send(
-            "v0-0", {"type": "start", "daemons": {"v0-0": reg["daemon"]}, "restore": restore}
-        )
-        _next(server, "exhausted")
+        reg = _next(server, RegisterTask)
+        server.send("v0-0", StartTask({"v0-0": reg.daemon}, restore))
+        _next(server, SourceExhausted)
         cid = attempt * 10
-        server.send("v0-0", {"type": "trigger", "checkpoint": cid, "timestamp": cid})
-        ack = _next(server, "ack")
-        name = os.path.basename(ack["handle"])  # the driver's part: the metadata
+        server.send("v0-0", CheckpointTrigger(cid, cid))
+        ack = _next(server, CheckpointAck)
+        name = os.path.basename(ack.handle)  # the driver's part: the metadata
         files = {"v0-0": name}
         operators = operator_files(files, graph.operator_tasks())
         CheckpointStorage(ckpt).commit(
             CheckpointMetadata(cid, cid, files, is_final=True, operators=operators)
         )
-        server.send("v0-0", {"type": "complete", "checkpoint": cid})
-        server.send("v0-0", {"type": "finish"})
-        _next(server, "finished")
+        server.send("v0-0", CheckpointComplete(cid))
+        server.send("v0-0", FinishTask())
+        _next(server, TaskFinished)
         thread.join(30)
         assert not thread.is_alive() and not errors
     finally:
@@ -451,10 +467,7 @@ def test_a_task_restored_after_its_end_of_input_does_not_run_end_input_again(
     first, ack = _run_bounded_chain(daemon, ckpt, 1, None)
     assert first.records == [0, 1, 2, "end"]
     latest = CheckpointStorage(ckpt).latest_completed()
-    assert latest is not None and latest.checkpoint_id == ack["checkpoint"]
-    restore = {
-        "checkpoint_id": latest.checkpoint_id,
-        "operators": {uid: list(f) for uid, f in latest.operators.items()},
-    }
+    assert latest is not None and latest.checkpoint_id == ack.checkpoint_id
+    restore = RestorePoint(latest.checkpoint_id, dict(latest.operators))
     again, _ = _run_bounded_chain(daemon, ckpt, 2, restore)
     assert again.records == []
