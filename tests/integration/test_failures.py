@@ -202,7 +202,7 @@ async def test_no_daemon_is_a_transport_error(
     nbp = client_pool(16, SEG)
     cm = ConnectionManager(segment_size=SEG, connect_retries=2, connect_backoff=0.01)
     gate = net.make_gate(address, [ResultPartitionID("x", 0)], 0, cm, nbp)
-    with pytest.raises(TransportError, match="cannot reach daemon at .* after 3 attempts"):
+    with pytest.raises(TransportError, match=r"cannot reach daemon at .* after 3 attempts"):
         await net.read_all(gate, timeout=10)
     await cm.close()
     await net.assert_no_other_tasks()
