@@ -642,9 +642,11 @@ class PartitionReader:
         # last of a burst (when the daemon's queue is at its lowest).
         self._hold_until_processed = debloater is not None
         self._in_flight = 0  # buffers handed to the task thread, not yet given back
-        #: set by the pump (loop thread) when a channel failed: the task raises it at its
-        #: next record list, ahead of the record lists still queued in the hand-off
+        #: a batch reader's (no checkpoint listener): set by the pump (loop thread) when a
+        #: channel failed; the task raises it at its next record list, ahead of the record
+        #: lists still queued in the hand-off (see ``_pump``)
         self._failure: BaseException | None = None
+        self._error_overtakes = self._listener is None
         self._all_back: asyncio.Event | None = None
         self._rt.call_soon(self._recycle)  # arms the give-back's first notification
         self._pump_future = self._rt.submit(self._pump())
@@ -698,10 +700,14 @@ class PartitionReader:
 
         The end of the input, or the gate's error (a channel that failed), is the last item
         of the last batch, after the buffers polled before it. The end comes after their
-        records; an error overtakes them (``_failure``): the task raises it at its next
-        record list, as Flink's gate throws a failed channel's error at that channel's
-        turn rather than after the data other channels queued. The buffers it overtakes
-        still go back to their channels (pools whole)."""
+        records, and so does the error of a streaming reader (a checkpoint listener: its
+        window is Flink's 8 floating buffers, what waits ahead of the error is bounded by
+        it, and a task cancelled with its job sees its own cancel before an upstream's
+        failure the same cancel caused). In a batch reader the error overtakes them
+        (``_failure``): the task raises it at its next record list, as Flink's gate throws
+        a failed channel's error at that channel's turn rather than after the data other
+        channels queued (with 32 floating buffers that can be the whole stream). The
+        buffers it overtakes still go back to their channels (pools whole)."""
         gate = self._core.gate
         send = self._handoff.asend
         on_busy = self._on_busy
@@ -749,7 +755,8 @@ class PartitionReader:
                 raise  # only get_next() waits: the batch is empty
             except BaseException as e:  # a channel failed, maybe after others' buffers
                 batch.append((_ERROR, 0, e))
-                self._failure = e  # before the send: raised ahead of what is queued
+                if self._error_overtakes:
+                    self._failure = e  # before the send: raised ahead of what is queued
                 last = True
             buffers = _buffers_of(batch)
             self._in_flight += len(buffers)
