@@ -89,7 +89,9 @@ def test_a_session_no_longer_open_sends_nothing_and_releases(
     s = ProducerSession(part, sent.append, max_credit=2)
     s.start()
     s.on_push(0, DataType.DATA_BUFFER, memoryview(b"a" * 10))
-    slice_ = part.subpartitions[0]._buffers[0].retained_slice()  # as the subpartition does
+    polled = part.subpartitions[0].poll_buffer()  # type: ignore[union-attr]
+    assert polled is not None
+    slice_ = polled.buffer  # a slice holding its own reference, as the state's are
     s.fail("the task went away")
     sent.clear()
     s._on_output_channel_state(0, 9, [slice_])

@@ -23,7 +23,12 @@ from exchange.errors import (
 from exchange.events.events import CancelCheckpointMarker, EventSerializer
 from exchange.local import ProducerSession, ProducerSessionState
 from exchange.local.producer_session import PUSH_BUFFER_FRAMES, PushHeader
-from exchange.partition import ALL_SUBPARTITIONS, ResultPartition, ResultPartitionType
+from exchange.partition import (
+    ALL_SUBPARTITIONS,
+    PipelinedSubpartition,
+    ResultPartition,
+    ResultPartitionType,
+)
 from exchange.protocol.codec import (
     DEFAULT_MAX_FRAME_SIZE,
     InPlaceFrameDecoder,
@@ -68,9 +73,10 @@ def push(s: ProducerSession, target: int, data: bytes) -> None:
 
 def drain(part: ResultPartition, sub: int) -> int:
     """Read and release what subpartition ``sub`` holds (a consumer freeing segments)."""
-    view = part.subpartitions[sub]._view
+    subpartition = part.subpartitions[sub]
+    assert isinstance(subpartition, PipelinedSubpartition)
     n = 0
-    while view is not None and (b := view.get_next_buffer()) is not None:
+    while (b := subpartition.poll_buffer()) is not None:
         b.buffer.release()
         n += 1
     return n
@@ -346,7 +352,7 @@ def test_shared_grants_name_segments_and_a_commit_queues_that_very_segment(
     make_partition: Callable[..., Any],
 ) -> None:
     part, s, task = shared_session(make_partition)
-    part.create_subpartition_view(1, Listener())
+    view = part.create_subpartition_view(1, Listener())
     n = s.start()
     granted = s.granted_segments(n)
     assert n == 4 and len(set(granted)) == 4
@@ -354,8 +360,6 @@ def test_shared_grants_name_segments_and_a_commit_queues_that_very_segment(
     seg = next(b.segment for b in s._reserved if b.segment.index == first)
     seg.view()[:5] = b"hello"  # what the task wrote into the arena
     s.commit(first, 5, 1)
-    view = part.subpartitions[1]._view
-    assert view is not None
     got = view.get_next_buffer()
     assert got is not None and got.buffer.segment is seg  # no copy: the segment itself
     assert bytes(got.buffer.memoryview()) == b"hello"
@@ -424,7 +428,7 @@ def test_a_batch_of_commits_is_granted_back_in_one_message(
     s.commit_all([(idx, 1, 0) for idx in granted])
     assert [len(m.segments) for m in task.sent if isinstance(m, GrantSegments)] == [4]
     assert s.buffers_received == 4 and s.bytes_received == 4
-    assert drain(part, 0) == 0  # no reader yet: still queued
+    assert part.subpartitions[0].num_queued_buffers == 4  # type: ignore[union-attr]
     part.create_subpartition_view(0, Listener())
     assert drain(part, 0) == 4
     part.release()
@@ -453,10 +457,8 @@ def test_segments_granted_to_an_ended_task_wait_for_its_connection_to_go(
     out of the pool until the task's connection is gone (it may still write into them)."""
     part, s, _ = shared_session(make_partition)
     granted = s.granted_segments(s.start())
-    part.create_subpartition_view(0, Listener())
+    view = part.create_subpartition_view(0, Listener())
     s.commit(granted[0], 3, 0)
-    view = part.subpartitions[0]._view
-    assert view is not None
     got = view.get_next_buffer()
     assert got is not None and len(got.buffer.memoryview()) == 3
     got.buffer.release()

@@ -7,6 +7,7 @@ records notifications (the reader only calls ``notify_reader_non_empty`` on it).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -186,3 +187,78 @@ def test_end_of_partition_is_an_event_buffer() -> None:
         assert not buf.is_buffer and EventSerializer.is_end_of_partition(buf)
     finally:
         buf.release()
+
+
+class PythonView:
+    """A pipelined view behind a Python object: the reader takes its generic path (the
+    view's ``get_next_buffer`` and its ``BufferAndBacklog``), not the compiled poll."""
+
+    def __init__(self, view: Any) -> None:
+        self._view = view
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._view, name)
+
+
+def test_the_compiled_poll_of_a_pipelined_view_reads_as_its_python_api(
+    make_partition: PartitionFactory,
+    manager: ResultPartitionManager,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The data port polls a pipelined view in C (``c_poll``, no ``BufferAndBacklog``);
+    every other view through ``get_next_buffer``. The same stream under the same credit
+    gives the same buffers, sequence numbers, backlogs, "more" and credit both ways:
+    data, an aligned barrier (blocks until resumed), more data, EndOfPartition."""
+    seen: list[list[tuple[Any, ...]]] = []
+    for wrap in (False, True):
+        part = make_partition(f"both-{wrap}", "pipelined", 1, (1, 12))
+        add_full_buffers(part, 0, 3)
+        part.broadcast_event(CheckpointBarrier(1, 0))
+        add_full_buffers(part, 0, 4, start=3)
+        part.finish()
+        queue = StubQueue()
+        reader = CreditBasedSequenceNumberingViewReader(7, 2, queue)  # type: ignore[arg-type]
+        if wrap:
+            real = manager.create_subpartition_view
+            monkeypatch.setattr(
+                manager, "create_subpartition_view", lambda *a, real=real: PythonView(real(*a))
+            )
+        reader.request_subpartition_view(manager, part.partition_id, 0)
+        monkeypatch.undo()
+        got: list[tuple[Any, ...]] = []
+        ended = False
+        while not ended:
+            if not reader.is_available():  # the queue polls only an available reader
+                got.append(("none", reader.credits))
+                if got[-2][0] == "barrier":  # blocked: the consumer resumes once aligned
+                    reader.resume_consumption()
+                else:  # out of credit: the consumer frees two buffers
+                    reader.add_credit(2)
+                continue
+            nxt = reader.get_next_buffer()
+            assert nxt is not None
+            buf = nxt.buffer
+            kind = "data" if buf.is_buffer else "event"
+            if buf.data_type.is_blocking_upstream:
+                kind = "barrier"
+            ended = kind == "event" and EventSerializer.is_end_of_partition(buf)
+            got.append(
+                (
+                    kind,
+                    buf.to_bytes(),
+                    nxt.more_available,
+                    nxt.buffers_in_backlog,
+                    nxt.sequence_number,
+                    reader.credits,
+                )
+            )
+            buf.release()
+        assert reader.get_next_buffer() is None  # consumed: nothing after the end
+        reader.release_all_resources()
+        assert reader.is_released and reader.get_next_buffer() is None
+        seen.append(got)
+    compiled, python = seen
+    assert compiled == python
+    kinds = [g[0] for g in compiled]
+    assert kinds.count("data") == 7 and "barrier" in kinds and kinds[-1] == "event"
+    assert [g[4] for g in compiled if g[0] != "none"] == list(range(9))

@@ -486,9 +486,11 @@ def test_any_view_error_fails_that_channel_and_nothing_else(
 ) -> None:
     view = FailingView(OSError(5, "Input/output error"))
     bad = CreditBasedSequenceNumberingViewReader(7, 1, queue)
-    monkeypatch.setattr(bad, "_view", view)
-    queue.add_reader(bad)
     part = make_partition(1, "pipelined", 1, (1, 8))
+    monkeypatch.setattr(manager, "create_subpartition_view", lambda *_: view)
+    bad.request_subpartition_view(manager, part.partition_id, 0)
+    monkeypatch.undo()
+    queue.add_reader(bad)
     attach(queue, manager, part, 8, credit=4)
     add_full_buffers(part, 0, 2)
     view.armed = True
