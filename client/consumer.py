@@ -288,7 +288,7 @@ class AsyncPartitionReader:
         _check_locations(locations)
         secret = secret_or_env(opts.secret)
         n = len(locations)
-        num_floating = opts.num_floating
+        num_floating = opts.floating_buffers
         pool = NetworkBufferPool(max(n * opts.num_exclusive + num_floating, 1), opts.segment_size)
         connections = ConnectionManager(secret=secret, segment_size=opts.segment_size)
         gate = SingleInputGate(
@@ -613,6 +613,7 @@ class PartitionReader:
             secret=secret,
             event_handler=None,
             checkpoint_listener=None,
+            num_floating=opts.floating_buffers,  # decided by the listener taken off here
             metrics_socket=None,
             task_name=None,
         )
@@ -641,6 +642,11 @@ class PartitionReader:
         # last of a burst (when the daemon's queue is at its lowest).
         self._hold_until_processed = debloater is not None
         self._in_flight = 0  # buffers handed to the task thread, not yet given back
+        #: a batch reader's (no checkpoint listener): set by the pump (loop thread) when a
+        #: channel failed; the task raises it at its next record list, ahead of the record
+        #: lists still queued in the hand-off (see ``_pump``)
+        self._failure: BaseException | None = None
+        self._error_overtakes = self._listener is None
         self._all_back: asyncio.Event | None = None
         self._rt.call_soon(self._recycle)  # arms the give-back's first notification
         self._pump_future = self._rt.submit(self._pump())
@@ -693,8 +699,15 @@ class PartitionReader:
         """Loop thread: move buffers (themselves) and events to the task thread.
 
         The end of the input, or the gate's error (a channel that failed), is the last item
-        of the last batch, after the buffers polled before it: those reach the task (and
-        go back to their channels) like any others, in order before the error."""
+        of the last batch, after the buffers polled before it. The end comes after their
+        records, and so does the error of a streaming reader (a checkpoint listener: its
+        window is Flink's 8 floating buffers, what waits ahead of the error is bounded by
+        it, and a task cancelled with its job sees its own cancel before an upstream's
+        failure the same cancel caused). In a batch reader the error overtakes them
+        (``_failure``): the task raises it at its next record list, as Flink's gate throws
+        a failed channel's error at that channel's turn rather than after the data other
+        channels queued (with 32 floating buffers that can be the whole stream). The
+        buffers it overtakes still go back to their channels (pools whole)."""
         gate = self._core.gate
         send = self._handoff.asend
         on_busy = self._on_busy
@@ -742,6 +755,8 @@ class PartitionReader:
                 raise  # only get_next() waits: the batch is empty
             except BaseException as e:  # a channel failed, maybe after others' buffers
                 batch.append((_ERROR, 0, e))
+                if self._error_overtakes:
+                    self._failure = e  # before the send: raised ahead of what is queued
                 last = True
             buffers = _buffers_of(batch)
             self._in_flight += len(buffers)
@@ -1015,6 +1030,10 @@ class PartitionReader:
         """Yield the records of ``out``, run its events and listener calls in order."""
         for kind, ch, item in out:
             if kind == _DATA:
+                failure = self._failure
+                if failure is not None:  # a channel failed: not after what is queued
+                    self._done = True
+                    raise failure
                 yield item
             elif kind == _EVENT:
                 self._stream.on_event(item, ch)

@@ -31,7 +31,12 @@ from client._checks import (
     check_selector,
 )
 from exchange.checkpointing import AlignmentMode, CheckpointingMode, CheckpointListener
-from exchange.consumer.input_channel import DEFAULT_BACKOFF_INITIAL, DEFAULT_BACKOFF_MAX
+from exchange.consumer.input_channel import (
+    BATCH_FLOATING_BUFFERS,
+    DEFAULT_BACKOFF_INITIAL,
+    DEFAULT_BACKOFF_MAX,
+    STREAMING_FLOATING_BUFFERS,
+)
 from exchange.consumer.record_reader import EventHandler
 from exchange.debloat.config import DebloatConfig
 from exchange.errors import ConfigError
@@ -92,7 +97,9 @@ class ReaderOptions(_Options):
     debloating, metrics.
 
     ``num_exclusive`` buffers per channel are its initial credit; ``num_floating`` are
-    shared by the gate's channels as their backlogs ask; a partition not registered yet is
+    shared by the gate's channels as their backlogs ask (None, the default: 32 for a batch
+    reader, 8, Flink's default, for a streaming one, i.e. with a ``checkpoint_listener``:
+    ``floating_buffers``); a partition not registered yet is
     requested again after ``backoff_initial`` doubling up to ``backoff_max`` seconds.
     ``auto_resume_barriers``: see ``exchange.consumer.record_reader``.
     ``checkpoint_listener``: its ``trigger_checkpoint`` / ``abort_checkpoint`` run at the
@@ -117,7 +124,7 @@ class ReaderOptions(_Options):
     secret: bytes | None = field(default=None, repr=False)  # never in a log line
     segment_size: int = 32 * 1024
     num_exclusive: int = 2
-    num_floating: int = 8
+    num_floating: int | None = None
     backoff_initial: float = DEFAULT_BACKOFF_INITIAL
     backoff_max: float = DEFAULT_BACKOFF_MAX
     event_handler: EventHandler | None = None
@@ -144,7 +151,8 @@ class ReaderOptions(_Options):
                 "segment_size", f"must be <= {MAX_SEGMENT_SIZE}, got {self.segment_size}"
             )
         check_count("num_exclusive", self.num_exclusive, 1)
-        check_count("num_floating", self.num_floating, 0)
+        if self.num_floating is not None:
+            check_count("num_floating", self.num_floating, 0)
         check_seconds("backoff_initial", self.backoff_initial)
         check_seconds("backoff_max", self.backoff_max)
         if self.backoff_max < self.backoff_initial:
@@ -202,6 +210,18 @@ class ReaderOptions(_Options):
                     f"{self.segment_size}",
                 )
         check_metrics_target(self.metrics_socket, self.task_name)
+
+    @property
+    def floating_buffers(self) -> int:
+        """The gate's floating buffers: ``num_floating``, or when None by the reader's
+        kind: ``STREAMING_FLOATING_BUFFERS`` (8, Flink's default: checkpoint alignment
+        depends on the data in flight) with a ``checkpoint_listener``, else
+        ``BATCH_FLOATING_BUFFERS`` (32: a larger credit window, fewer wake-ups per buffer)."""
+        if self.num_floating is not None:
+            return self.num_floating
+        if self.checkpoint_listener is not None:
+            return STREAMING_FLOATING_BUFFERS
+        return BATCH_FLOATING_BUFFERS
 
     @classmethod
     def from_daemon(cls, info: DaemonInfo, **overrides: Any) -> ReaderOptions:

@@ -106,7 +106,8 @@ class DaemonConfig:
     network_memory: int = 64 * MIB
     segment_size: int = 32 * KIB
     exclusive_buffers_per_channel: int = 2
-    floating_buffers_per_gate: int = 8
+    #: None: each reader's own default (32 for a batch reader, 8 for a streaming one)
+    floating_buffers_per_gate: int | None = None
     producer_credit: int = 16
     max_overdraft_buffers_per_partition: int = 5
     high_watermark: int | None = None
@@ -651,7 +652,11 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         _int(1), _INT, "N", "buffers each remote input channel owns (at least 1)"
     ),
     "floating_buffers_per_gate": _Setting(
-        _int(0), _INT, "N", "buffers an input gate shares among its channels"
+        _optional_int(0),
+        _INT,
+        "N",
+        "buffers an input gate shares among its channels; default: 32 for a batch reader, "
+        "8 (Flink's) for a streaming one",
     ),
     "producer_credit": _Setting(
         _int(1, 1024),

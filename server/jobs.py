@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+from exchange.consumer.input_channel import STREAMING_FLOATING_BUFFERS
 from exchange.partition.result_partition import ResultPartition
 from exchange.protocol.local_messages import JobStatus
 from server.config import DaemonConfig
@@ -286,9 +287,9 @@ class JobBoard:
                         usage = max(p.stats().out_pool_usage for p in outs)
                     gate = gates.get((app, f"{status.job}/{t.task}"))
                     if gate is not None:
-                        capacity = (
-                            cfg.exclusive_buffers_per_channel * t.channels
-                            + cfg.floating_buffers_per_gate
+                        floating = cfg.floating_buffers_per_gate
+                        capacity = cfg.exclusive_buffers_per_channel * t.channels + (
+                            STREAMING_FLOATING_BUFFERS if floating is None else floating
                         )
                         in_use = gate.get("buffers_in_use")
                         if in_use is not None and capacity > 0:

@@ -14,8 +14,10 @@ if TYPE_CHECKING:
     from exchange.consumer.single_input_gate import SingleInputGate
 
 __all__ = [
+    "BATCH_FLOATING_BUFFERS",
     "DEFAULT_BACKOFF_INITIAL",
     "DEFAULT_BACKOFF_MAX",
+    "STREAMING_FLOATING_BUFFERS",
     "BufferAndAvailability",
     "InputChannel",
     "backoff_delays",
@@ -23,6 +25,13 @@ __all__ = [
 
 DEFAULT_BACKOFF_INITIAL: Final = 0.1
 DEFAULT_BACKOFF_MAX: Final = 10.0
+#: Floating buffers per gate of a streaming reader (one with a checkpoint listener): Flink's
+#: default. How a checkpoint aligns depends on the data in flight: the window stays Flink's.
+STREAMING_FLOATING_BUFFERS: Final = 8
+#: Floating buffers per gate of a batch reader: a larger credit window, so the stream
+#: arrives in larger bursts (fewer reads, AddCredit writes and hand-off wake-ups per
+#: buffer: docs/architecture.md, "The consumer's CPU per 32 KiB").
+BATCH_FLOATING_BUFFERS: Final = 32
 
 
 def backoff_delays(initial: float, maximum: float) -> Iterator[float]:

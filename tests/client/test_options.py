@@ -205,3 +205,35 @@ def test_reader_alignment_option_is_validated() -> None:
         ReaderOptions(alignment="park")
     with pytest.raises(ConfigError, match="alignment_spill_dir"):
         ReaderOptions(alignment="spill", alignment_spill_dir=3)  # type: ignore[arg-type]
+
+
+def test_floating_buffers_default_by_the_readers_kind(start_daemon: Any) -> None:
+    """A daemon that does not set ``floating_buffers_per_gate`` leaves it to the reader:
+    32 for a batch reader, 8 (Flink's) for a streaming one (a checkpoint listener), also
+    in the synchronous reader, whose core reads without the listener; a value set by the
+    reader or by the daemon wins. The pools are sized by it and every record arrives."""
+    d = start_daemon()
+    info = get_runtime().run(fetch_daemon_info(d.local_socket))
+    assert info.settings.get("floating_buffers_per_gate") is None
+    batch = ReaderOptions.from_daemon(info)
+    streaming = ReaderOptions.from_daemon(info, checkpoint_listener=_Listener())
+    assert (batch.num_floating, batch.floating_buffers) == (None, 32)
+    assert (streaming.num_floating, streaming.floating_buffers) == (None, 8)
+    assert batch.replace(num_floating=4).floating_buffers == 4
+    assert streaming.replace(num_floating=16).floating_buffers == 16
+    pid = ResultPartitionID("floating-default", 0, 0)
+    wopts = WriterOptions.from_daemon(info, blocking=True, daemon_socket=d.local_socket)
+    with PartitionWriter(pid, 1, wopts) as w:
+        w.emit_all(((i, i) for i in range(300)), lambda k: 0)
+    locs = [PartitionLocation(pid, 0, d.data_address, d.daemon_id, d.local_socket)]
+    for opts, floating in ((batch, 32), (streaming, 8), (batch.replace(num_floating=4), 4)):
+        with PartitionReader(locs, opts) as reader:
+            assert reader._core.pool.total_segments == 2 + floating
+            assert list(reader.records()) == [(i, i) for i in range(300)]
+    get_runtime().run(release_dataset(d.local_socket, "floating-default"))
+    d.wait_pool_whole()
+    # the daemon's setting, when given, is every reader's
+    d5 = start_daemon("--floating-buffers-per-gate=5")
+    info5 = get_runtime().run(fetch_daemon_info(d5.local_socket))
+    assert ReaderOptions.from_daemon(info5).floating_buffers == 5
+    assert ReaderOptions.from_daemon(info5, checkpoint_listener=_Listener()).floating_buffers == 5

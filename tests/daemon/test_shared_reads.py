@@ -21,12 +21,17 @@ import pytest
 
 from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
+from exchange.consumer.input_channel import BATCH_FLOATING_BUFFERS
 from exchange.errors import TransportError
 from exchange.partition.result_partition_id import ResultPartitionID
 from tests.daemon._daemon import READY_TIMEOUT, ROOT, ChildProducer, _LineReader, child_env
 from tests.daemon.test_shared_memory import bytes_by_path
 from tests.kit.pidfds import pidfds
 from tests.kit.polling import wait_for
+
+#: What the stalled readers (one channel, a batch reader) may hold: their credit,
+#: 2 exclusive buffers + the batch readers' floating buffers.
+CREDIT = 2 + BATCH_FLOATING_BUFFERS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -169,11 +174,11 @@ sys.stdin.read()
 def test_a_reader_sigkilled_holding_segments_gives_them_back(start_daemon: Any) -> None:
     d = start_daemon()
     with holding_reader(d, "killed-reader", _STALLED_READER) as (_, reader):
-        # stalled: it holds what it received, at most its credit (2 exclusive + 8 floating)
+        # stalled: it holds what it received, at most its credit
         local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)["local"]
         assert local["consumer_bytes_shared_memory"] > 0
         held = local["consumer_segments_held"]
-        assert 0 < held <= 10
+        assert 0 < held <= CREDIT
         assert local["shared_segments_in_use"] >= held  # never back in the pool meanwhile
         assert reader.end(kill=True) == -signal.SIGKILL
         local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] == 0, timeout=30)
@@ -290,7 +295,7 @@ def in_log(d: Any, text: str) -> None:
 
 def held_then_pinned(d: Any) -> int:
     """Wait until the daemon dropped the reader's connection and pinned what it held; the
-    number pinned (at most the reader's credit: 2 exclusive + 8 floating buffers)."""
+    number pinned (at most the reader's credit, ``CREDIT``)."""
     local = d.wait_stats(
         lambda s: (
             s["local"]["consumer_segments_pinned"] > 0 and s["local"]["consumer_segments_held"] == 0
@@ -298,7 +303,7 @@ def held_then_pinned(d: Any) -> int:
         timeout=60,
     )["local"]
     pinned: int = local["consumer_segments_pinned"]
-    assert 0 < pinned <= 10
+    assert 0 < pinned <= CREDIT
     return pinned
 
 

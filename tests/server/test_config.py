@@ -211,7 +211,7 @@ def test_defaults_are_flinks() -> None:
     assert config.segment_size == 32 * KIB
     assert config.num_segments == 2048
     assert config.exclusive_buffers_per_channel == 2
-    assert config.floating_buffers_per_gate == 8
+    assert config.floating_buffers_per_gate is None  # the reader decides: 32 batch, 8 streaming
     assert (config.high_watermark, config.low_watermark) == (None, None)
     # Flink's Netty watermarks are 2 segments / 1; ours gather 8 segments per write
     assert config.effective_high_watermark == 8 * 32 * KIB
