@@ -442,10 +442,10 @@ def test_a_reader_sigkilled_holding_blocking_segments_gives_them_back(start_daem
     reader = ReaderProcess(_PAUSED_READER, d, pid.dataset_id)
     try:
         assert reader.next() == {"read": 10}
-        # paused: it holds what it received, at most its credit (2 exclusive + 8 floating)
+        # paused: it holds what it received, at most its credit
         local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 0)["local"]
         held = local["consumer_segments_held"]
-        assert 0 < held <= 10
+        assert 0 < held <= CREDIT
         assert local["shared_segments_in_use"] >= held  # never back in the arena meanwhile
     finally:
         assert reader.end(kill=True) == -signal.SIGKILL
@@ -468,18 +468,20 @@ def test_a_reader_sigkilled_holding_blocking_segments_gives_them_back(start_daem
 def test_readers_of_one_application_share_its_arena_and_never_wait_for_it(
     start_daemon: Any,
 ) -> None:
-    """An arena of 8 segments: a reader that stops reading holds them all (its credit is
-    10); a reader of another partition of the same application still reads all of it
-    (over the socket while none is spare: it never waits for the arena), and the first
-    reads all of its own once it goes on, in place again."""
+    """An arena of 8 segments: a reader that stops reading holds them all (its credit,
+    ``CREDIT``, is larger); a reader of another partition of the same application still
+    reads all of it (over the socket while none is spare: it never waits for the arena),
+    and the first reads all of its own once it goes on, in place again (its partition is
+    larger than its credit: the rest is sent after it goes on)."""
     d = start_daemon("--shared-memory-per-app", str(8 * 32 * 1024))
     seg = d.segment_size
     assert seg == 32 * 1024
     held = ResultPartitionID("arena-full", 0, 0)
     other = ResultPartitionID("arena-full-other", 0, 0)
-    data = write_blocking(d, held, 1, RECORDS)
+    records = [(i, f"value-{i}" * 3) for i in range(4 * len(RECORDS))]
+    data = write_blocking(d, held, 1, records)
     write_blocking(d, other, 1, RECORDS)
-    assert data > 20 * seg  # more buffers than the first reader's credit and the arena
+    assert data > 2 * (CREDIT + 8) * seg  # far more than the reader's credit and the arena
     reader = ReaderProcess(_PAUSED_READER, d, held.dataset_id)
     try:
         assert reader.next() == {"read": 10}
@@ -489,7 +491,7 @@ def test_readers_of_one_application_share_its_arena_and_never_wait_for_it(
             "consumer_bytes_shared_memory"
         ]
         reader.step()
-        assert reader.next() == {"count": len(RECORDS), "keys": sum(k for k, _ in RECORDS)}
+        assert reader.next() == {"count": len(records), "keys": sum(k for k, _ in records)}
     finally:
         assert reader.end() == 0
     local = d.wait_stats(lambda s: s["local"]["connections"] == 0)["local"]
