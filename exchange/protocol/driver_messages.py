@@ -27,7 +27,6 @@ Spark, this is for a driver that cannot).
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Final, TypeVar
@@ -35,7 +34,7 @@ from typing import Any, ClassVar, Final, TypeVar
 from exchange.checkpointing.barrier_handler import CheckpointFailureReason
 from exchange.errors import ProtocolError
 from exchange.protocol.codec import register_message
-from exchange.protocol.local_messages import _check_uint, _pack, _unpack_map
+from exchange.protocol.local_messages import _check_seconds, _check_uint, _pack, _unpack_map
 from exchange.protocol.messages import Message
 
 __all__ = [
@@ -90,11 +89,6 @@ def _text(v: Any, what: str, limit: int = _MAX_NAME, *, empty: bool = False) -> 
 def _flag(v: Any, what: str) -> None:
     if not isinstance(v, bool):
         raise ProtocolError(f"{what} must be a bool, got {v!r:.80}")
-
-
-def _seconds(v: Any, what: str) -> None:
-    if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
-        raise ProtocolError(f"{what} must be a finite number >= 0, got {v!r:.80}")
 
 
 def _map(v: Any, what: str) -> dict[Any, Any]:
@@ -375,7 +369,7 @@ class CheckpointAck(Message):
         for name in ("state_bytes", "records_in", "records_out", "aligned_bytes"):
             _check_uint(getattr(self, name), f"CheckpointAck {name}", _U64)
         if self.alignment is not None:
-            _seconds(self.alignment, "CheckpointAck alignment")
+            _check_seconds(self.alignment, "CheckpointAck alignment")
         _flag(self.unaligned, "CheckpointAck unaligned")
         _check_uint(self.persisted_bytes, "CheckpointAck persisted_bytes", _U64)
 
@@ -430,7 +424,7 @@ class TaskFailed(Message):
 
     def __post_init__(self) -> None:
         _text(self.error, "TaskFailed error", MAX_ERROR_TEXT, empty=True)
-        _seconds(self.time, "TaskFailed time")
+        _check_seconds(self.time, "TaskFailed time")
         _flag(self.consequence, "TaskFailed consequence")
 
 
