@@ -241,7 +241,8 @@ def main() -> None:
         f"  consumer CPU per 32 KiB: {results['consumer_cpu_us_per_32k_1ch']:.1f} us (1 ch; "
         f"task thread {results['consumer_task_thread_cpu_us_per_32k_1ch']:.1f}), "
         f"{results['consumer_cpu_us_per_32k_8ch']:.1f} us (8 ch); daemon "
-        f"{results['daemon_cpu_us_per_32k_1ch']:.1f} / {results['daemon_cpu_us_per_32k_8ch']:.1f} us"
+        f"{results['daemon_cpu_us_per_32k_1ch']:.1f} / "
+        f"{results['daemon_cpu_us_per_32k_8ch']:.1f} us"
     )
     print(json_line(results))
 
