@@ -57,6 +57,7 @@ __all__ = [
 
 HEADER: Final = struct.Struct(">BBI")
 FLAG_COMPRESSED: Final = 0x01
+_DATA_TYPES: Final[dict[int, DataType]] = {t.value: t for t in DataType}
 #: Read segments (outside network memory) a reader of ``file`` storage allocates at most.
 READ_SEGMENTS: Final = 2
 #: A spill file is new (never an existing file or a symlink planted there) and private.
@@ -295,12 +296,11 @@ def _write_rest(fd: int, header: bytes, view: memoryview, done: int) -> None:
         done += k
 
 
-def _parse_header(header: bytes | memoryview, path: Path) -> tuple[DataType, bool, int]:
+def _parse_header(header: bytes | bytearray | memoryview, path: Path) -> tuple[DataType, bool, int]:
     dt, flags, n = HEADER.unpack(header)
-    try:
-        data_type = DataType(dt)
-    except ValueError:
-        raise CorruptRecordError(f"{path}: bad data type {dt} in spilled buffer header") from None
+    data_type = _DATA_TYPES.get(dt)  # a dict lookup: DataType(dt) runs two Python frames
+    if data_type is None:
+        raise CorruptRecordError(f"{path}: bad data type {dt} in spilled buffer header")
     return data_type, bool(flags & FLAG_COMPRESSED), n
 
 
