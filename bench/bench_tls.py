@@ -8,8 +8,10 @@ process over the local socket (``PartitionWriter``). Each round, a fresh consume
 process reads each partition over loopback TCP with ``PartitionReader`` and checks every
 record (``_common.Checker``): the plain daemon, then the TLS one (the reader trusts the
 CA through ``$EXCHANGE_TLS_CA_FILE``). Figures: GB/s of record payload, medians of the rounds,
-and their ratio (plain / TLS; Flink reports losing about 4x with SSL). The last line
-printed is one JSON object.
+and their ratio (plain / TLS; Flink reports losing about 4x with SSL); and the CPU each
+side spends per 32 KiB of payload, with and without TLS (the daemon's from ``/proc``
+around the read, the consumer process's own), the figure to trust on a loaded machine.
+The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from _common import (
     fill_partition,
     json_line,
     median,
+    proc_cpu,
     read_partition,
 )
 
 RECORD = 4096
+SEGMENT = 32 * 1024
 CA_ENV = "EXCHANGE_TLS_CA_FILE"
 
 
@@ -49,10 +53,17 @@ def _certs() -> Any:
     return module
 
 
-def read_once(daemon: Daemon, dataset: str, count: int, ca: str | None) -> float:
-    """GB/s of one consumer task process reading the partition over TCP (TLS if ``ca``)."""
+def read_once(
+    daemon: Daemon, dataset: str, count: int, ca: str | None
+) -> tuple[float, float, float]:
+    """One consumer task process reads the partition over TCP (TLS if ``ca``): GB/s, and
+    the daemon's and the consumer's CPU microseconds per 32 KiB of payload."""
+    cpu0 = proc_cpu(daemon.pid)
     res = read_partition(daemon, dataset, 1, RECORD, count, env={CA_ENV: ca})
-    return float(count * RECORD / (res["t1"] - res["t0"]) / GB)
+    daemon_cpu = proc_cpu(daemon.pid) - cpu0
+    per_32k = 1e6 * SEGMENT / (count * RECORD)
+    gbps = float(count * RECORD / (res["t1"] - res["t0"]) / GB)
+    return gbps, daemon_cpu * per_32k, float(res["cpu"]) * per_32k
 
 
 def main() -> None:
@@ -67,6 +78,7 @@ def main() -> None:
     pki = _certs().make_pki(work / "pki")
     tls = ["--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key)]
     runs: dict[str, list[float]] = {"plain": [], "tls": []}
+    cpu: dict[str, list[float]] = {f"{k}_{who}": [] for k in runs for who in ("daemon", "consumer")}
     plain_d, tls_d = Daemon(), Daemon(*tls)
     try:
         if tls_d.info.get("tls") is not True:
@@ -74,8 +86,11 @@ def main() -> None:
         fill_partition(plain_d, "plain", 1, RECORD, count)
         fill_partition(tls_d, "tls", 1, RECORD, count)
         for _ in range(rounds):
-            runs["plain"].append(read_once(plain_d, "plain", count, None))
-            runs["tls"].append(read_once(tls_d, "tls", count, str(pki.ca)))
+            for key, daemon, ca in (("plain", plain_d, None), ("tls", tls_d, str(pki.ca))):
+                gbps, daemon_us, consumer_us = read_once(daemon, key, count, ca)
+                runs[key].append(gbps)
+                cpu[f"{key}_daemon"].append(daemon_us)
+                cpu[f"{key}_consumer"].append(consumer_us)
         whole = plain_d.stop() and tls_d.stop()
     finally:
         plain_d.close()
@@ -85,6 +100,7 @@ def main() -> None:
         raise BenchError("a daemon's network pool was not whole when it stopped")
 
     m = {k: median(v) for k, v in runs.items()}
+    c = {k: median(v) for k, v in cpu.items()}
     results: dict[str, Any] = {
         "bench": "tls",
         "quick": args.quick,
@@ -95,6 +111,9 @@ def main() -> None:
         "tls_gbps": m["tls"],
         "plain_over_tls": m["plain"] / m["tls"],
         "flink_plain_over_ssl": 4.0,
+        **{f"{k}_us_per_32k": round(v, 2) for k, v in c.items()},
+        "tls_over_plain_cpu": (c["tls_daemon"] + c["tls_consumer"])
+        / (c["plain_daemon"] + c["plain_consumer"]),
         "plain_runs": [round(v, 3) for v in runs["plain"]],
         "tls_runs": [round(v, 3) for v in runs["tls"]],
     }
@@ -102,6 +121,11 @@ def main() -> None:
     print(f"  plain TCP   {m['plain']:6.2f} GB/s   runs {results['plain_runs']}")
     print(f"  TLS         {m['tls']:6.2f} GB/s   runs {results['tls_runs']}")
     print(f"  plain / TLS {results['plain_over_tls']:.2f} (Flink: about 4)")
+    print(
+        f"  CPU per 32 KiB, daemon / consumer: plain {c['plain_daemon']:.1f} / "
+        f"{c['plain_consumer']:.1f} us, TLS {c['tls_daemon']:.1f} / {c['tls_consumer']:.1f} us"
+        f" (TLS / plain {results['tls_over_plain_cpu']:.2f})"
+    )
     print(json_line(results))
 
 
