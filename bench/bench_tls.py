@@ -11,16 +11,24 @@ CA through ``$EXCHANGE_TLS_CA_FILE``). Figures: GB/s of record payload, medians 
 and their ratio (plain / TLS; Flink reports losing about 4x with SSL); and the CPU each
 side spends per 32 KiB of payload, with and without TLS (the daemon's from ``/proc``
 around the read, the consumer process's own), the figure to trust on a loaded machine.
-The last line printed is one JSON object.
+Beside them, the floor of the ``ssl`` module on this machine (``ssl_floor``): the CPU to
+encrypt and to decrypt the same frames with the daemon's and the task's own contexts over
+``MemoryBIO`` pairs in this process (what uvloop's SSL transport does per buffer, without
+sockets or an event loop), and the protocol and cipher they negotiate. The last line
+printed is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import os
 import shutil
+import ssl
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +61,62 @@ def _certs() -> Any:
     return module
 
 
+def ssl_floor(pki: Any, frames: int = 2048) -> dict[str, Any]:
+    """CPU microseconds per 32 KiB to encrypt and to decrypt BufferResponse frames (header
+    piece + 32 KiB view, 8 per write batch, as the daemon's ``writelines``) with the
+    daemon's and the task's contexts over MemoryBIOs (uvloop's SSLProtocol's own calls:
+    ``write`` per piece then one ``outgoing.read``; ``incoming.write`` then ``read`` into
+    one buffer until ``SSLWantReadError``); medians of 3, and what is negotiated."""
+    from client.tls import client_ssl_context
+    from exchange.protocol.codec import BUFFER_RESPONSE_HEADER_SIZE
+    from server.config import DaemonConfig
+    from server.tls import server_ssl_context
+
+    config = DaemonConfig(tls_cert_file=str(pki.server_cert), tls_key_file=str(pki.server_key))
+    server_ctx, client_ctx = server_ssl_context(config), client_ssl_context(str(pki.ca))
+    assert server_ctx is not None and client_ctx is not None
+    s_in, s_out, c_in, c_out = (ssl.MemoryBIO() for _ in range(4))
+    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
+    client = client_ctx.wrap_bio(c_in, c_out, server_hostname="127.0.0.1")
+    for _ in range(8):  # the handshake, both ends over the BIOs
+        for end in (client, server):
+            with contextlib.suppress(ssl.SSLWantReadError):
+                end.do_handshake()
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+    header = os.urandom(BUFFER_RESPONSE_HEADER_SIZE)
+    payload = memoryview(os.urandom(SEGMENT))
+    into = memoryview(bytearray(8 * (SEGMENT + 1024)))
+    enc: list[float] = []
+    dec: list[float] = []
+    clock = time.process_time
+    for _ in range(3):
+        enc_s = dec_s = 0.0
+        for _ in range(frames // 8):  # each batch decrypted before the next: memory reused
+            t0 = clock()
+            for _ in range(8):
+                server.write(header)
+                server.write(payload)
+            batch = s_out.read()
+            t1 = clock()
+            c_in.write(batch)
+            with contextlib.suppress(ssl.SSLWantReadError):
+                while client.read(len(into), into):
+                    pass
+            t2 = clock()
+            enc_s += t1 - t0
+            dec_s += t2 - t1
+        enc.append(enc_s * 1e6 / frames)
+        dec.append(dec_s * 1e6 / frames)
+    cipher = client.cipher()
+    return {
+        "version": client.version(),
+        "cipher": cipher[0] if cipher else None,
+        "encrypt_us": median(enc),
+        "decrypt_us": median(dec),
+    }
+
+
 def read_once(
     daemon: Daemon, dataset: str, count: int, ca: str | None
 ) -> tuple[float, float, float]:
@@ -76,6 +140,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="xbench-tls-"))
     pki = _certs().make_pki(work / "pki")
+    floor = ssl_floor(pki)  # before the daemons start: this process alone
     tls = ["--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key)]
     runs: dict[str, list[float]] = {"plain": [], "tls": []}
     cpu: dict[str, list[float]] = {f"{k}_{who}": [] for k in runs for who in ("daemon", "consumer")}
@@ -114,6 +179,10 @@ def main() -> None:
         **{f"{k}_us_per_32k": round(v, 2) for k, v in c.items()},
         "tls_over_plain_cpu": (c["tls_daemon"] + c["tls_consumer"])
         / (c["plain_daemon"] + c["plain_consumer"]),
+        "tls_version": floor["version"],
+        "tls_cipher": floor["cipher"],
+        "ssl_floor_encrypt_us_per_32k": round(floor["encrypt_us"], 2),
+        "ssl_floor_decrypt_us_per_32k": round(floor["decrypt_us"], 2),
         "plain_runs": [round(v, 3) for v in runs["plain"]],
         "tls_runs": [round(v, 3) for v in runs["tls"]],
     }
@@ -125,6 +194,10 @@ def main() -> None:
         f"  CPU per 32 KiB, daemon / consumer: plain {c['plain_daemon']:.1f} / "
         f"{c['plain_consumer']:.1f} us, TLS {c['tls_daemon']:.1f} / {c['tls_consumer']:.1f} us"
         f" (TLS / plain {results['tls_over_plain_cpu']:.2f})"
+    )
+    print(
+        f"  ssl module floor ({floor['version']}, {floor['cipher']}), per 32 KiB: encrypt "
+        f"{floor['encrypt_us']:.1f} us, decrypt {floor['decrypt_us']:.1f} us"
     )
     print(json_line(results))
 
