@@ -329,6 +329,14 @@ class PartitionWriter:
     def stats(self) -> Any:
         return self._writer.stats
 
+    @property
+    def segments_filled(self) -> tuple[int, int]:
+        """Data buffers written into the daemon's shared-memory segments so far: (by the
+        task thread as it shipped them, by the loop thread because no granted segment
+        was free then); (0, 0) over the socket."""
+        conn = self._sink.conn
+        return conn.buffers_staged, conn.buffers_copied
+
     def window_statistics(self) -> ChannelStatistics:
         """The figures of the channel to the loop's sender (items are batches of buffers;
         ``batches_received`` counts the sender's takes, ``wakeups`` the cross-thread
