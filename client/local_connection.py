@@ -6,12 +6,10 @@ a lost connection into a typed error raised by whatever call is waiting.
 
 On a Unix socket a producer asks for shared memory (``create_partition``); when the daemon
 grants it (SharedArena), the connection fetches the arena's descriptor with the one-time
-token (``SCM_RIGHTS`` on the hand-out socket), maps it, and from then on each data buffer
-is written into a granted segment and only its commit (segment, length, subpartition) is
-sent; events still go as PushBuffer. The sync writer's task thread writes the buffers it
-ships into free granted segments itself (``stage``); a buffer shipped while none was
-free is copied by the loop thread once credit comes (``push_buffers``). The daemon
-chooses: without an arena the connection pushes bytes over the socket, as it does on TCP.
+token (``SCM_RIGHTS`` on the hand-out socket), maps it, and from then on copies each data
+buffer into the oldest segment granted and sends only its commit (segment, length,
+subpartition); events still go as PushBuffer. The daemon chooses: without an arena the
+connection pushes bytes over the socket, as it does on TCP.
 """
 
 from __future__ import annotations
@@ -198,17 +196,6 @@ class LocalConnection(HandshakingClientProtocol):
         self._arena_view: memoryview | None = None
         self._segment_size = 0
         self.bytes_shared = 0
-        #: data buffers written into their segment by the task thread (``stage``), and by
-        #: the loop thread (none was free when the task shipped them)
-        self.buffers_staged = 0
-        self.buffers_copied = 0
-        # Data buffers ``stage`` handed on without a segment (task thread, under its
-        # writer's lock) and how many of those the loop gave one since. The task fills
-        # segments only while the two are equal: a filled segment never waits in the
-        # stream behind a buffer that still needs one (the loop would wait for credit
-        # the task holds). Each is written by one thread only.
-        self._unstaged_handed = 0
-        self._unstaged_pushed = 0
         #: the inode of the shared arena mapped (None without one): which arena it is
         self.arena_inode: int | None = None
 
@@ -385,57 +372,14 @@ class LocalConnection(HandshakingClientProtocol):
         t.writelines([header, *out.pieces])
         self.bytes_pushed += out.size
 
-    def stage(self, outs: list[OutputBuffer]) -> None:
-        """Task thread, before ``outs`` go to ``push_buffers`` in this order (and after
-        every batch staged before): write each data buffer into a free granted segment
-        (the oldest first) and note it in ``OutputBuffer.segment``, so the loop thread
-        only sends its commit. Stops at the first buffer with no free segment: that one
-        and the rest are copied on the loop once credit comes (backpressure is the
-        loop's, as without staging). Nothing without shared memory. Only committed
-        segments count on the daemon: a task that dies here leaves nothing torn, and the
-        daemon takes back every segment it was granted, filled or not."""
-        arena = self._arena_view
-        staging = arena is not None and self._unstaged_handed == self._unstaged_pushed
-        data = DataType.DATA_BUFFER
-        segments = self.segments
-        size = self._segment_size
-        unstaged = staged = 0
-        for out in outs:
-            if out.data_type is not data:
-                continue
-            if staging:
-                assert arena is not None
-                try:
-                    seg = segments.popleft()
-                except IndexError:
-                    staging = False
-                else:
-                    pos = seg * size
-                    try:
-                        for piece in out.pieces:
-                            end = pos + len(piece)
-                            arena[pos:end] = piece
-                            pos = end
-                    except ValueError:  # the loop unmapped it: the connection is lost
-                        staging = False
-                    else:
-                        out.segment = seg
-                        staged += 1
-                        continue
-            unstaged += 1
-        self._unstaged_handed += unstaged
-        self.buffers_staged += staged
-
     async def push_buffer(self, out: OutputBuffer) -> None:
         """Push one buffer the RecordWriter cut (see ``push_buffers``)."""
         await self.push_buffers([out])
 
     async def push_buffers(self, outs: list[OutputBuffer]) -> None:
         """Push buffers in order, as many per write as credit allows (one syscall for
-        several buffers, their pieces gathered: no copy here; with shared memory each
-        data buffer's commit, the buffer written into a granted segment here unless
-        ``stage`` did it already). A push that runs out of credit inside a record asks
-        for overdraft in that same write."""
+        several buffers, their pieces gathered: no copy here). A push that runs out of
+        credit inside a record asks for overdraft in that same write."""
         i, n = 0, len(outs)
         data = DataType.DATA_BUFFER
         asked = -1  # the index of the buffer overdraft was asked for
@@ -478,16 +422,12 @@ class LocalConnection(HandshakingClientProtocol):
                     else:
                         mid_record.discard(target)
                     if arena is not None:  # written in place, committed by index
-                        seg = out.segment
-                        if seg < 0:  # not staged by the task: written here
-                            seg = self.segments.popleft()
-                            pos = seg * self._segment_size
-                            for piece in out.pieces:
-                                end = pos + len(piece)
-                                arena[pos:end] = piece
-                                pos = end
-                            self._unstaged_pushed += 1
-                            self.buffers_copied += 1
+                        seg = self.segments.popleft()
+                        pos = seg * self._segment_size
+                        for piece in out.pieces:
+                            end = pos + len(piece)
+                            arena[pos:end] = piece
+                            pos = end
                         commits.append(encode_commit(seg, out.size, target))
                         self.bytes_shared += out.size
                         i += 1

@@ -12,9 +12,7 @@ partition's pool on the daemon is full, credit runs out and the producer waits
   batched and encoded in the calling thread (no GIL ping-pong per record); the buffers
   are handed to the process's background loop a batch at a time *without waiting*,
   through one bounded channel (``client.channel``), so encoding overlaps with sending:
-  the loop's sender takes every batch queued at once and pushes them in one go. With
-  shared memory the task thread writes the buffers it hands into the segments the daemon
-  granted (while any is free), so the sender sends only their commits. At most
+  the loop's sender takes every batch queued at once and pushes them in one go. At most
   ``window`` batches are in flight (queued, or taken by the sender and not pushed yet:
   it holds their room until the daemon took them); the task waits only when they all
   are (backpressure; a wake-up when the sender makes room, none per buffer). The output
@@ -329,14 +327,6 @@ class PartitionWriter:
     def stats(self) -> Any:
         return self._writer.stats
 
-    @property
-    def segments_filled(self) -> tuple[int, int]:
-        """Data buffers written into the daemon's shared-memory segments so far: (by the
-        task thread as it shipped them, by the loop thread because no granted segment
-        was free then); (0, 0) over the socket."""
-        conn = self._sink.conn
-        return conn.buffers_staged, conn.buffers_copied
-
     def window_statistics(self) -> ChannelStatistics:
         """The figures of the channel to the loop's sender (items are batches of buffers;
         ``batches_received`` counts the sender's takes, ``wakeups`` the cross-thread
@@ -375,10 +365,7 @@ class PartitionWriter:
         return False
 
     def _hand(self, outs: list[OutputBuffer]) -> None:
-        """Queue one batch for the sender, beyond the window if need be (lock held); with
-        shared memory its data buffers are written into free granted segments first, on
-        this thread (``LocalConnection.stage``)."""
-        self._sink.conn.stage(outs)
+        """Queue one batch for the sender, beyond the window if need be (lock held)."""
         try:
             self._out.send_nowait((outs,), force=True)
         except (ChannelBrokenError, ChannelClosedError):
@@ -503,9 +490,7 @@ class PartitionWriter:
                 return
             self._flushes_shipped = writer.stats.flushes
             # not part of the task's window: errors reach the task through _error
-            outs = writer.take_output()
-            self._sink.conn.stage(outs)
-            self._out.send_nowait((outs,), force=True)
+            self._out.send_nowait((writer.take_output(),), force=True)
         except (ChannelBrokenError, ChannelClosedError):
             pass  # the sender stopped: its error is kept already, or the writer aborted
         except Exception as e:  # a user's partitioner failed: the task hears of it

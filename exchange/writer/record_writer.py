@@ -84,8 +84,6 @@ class OutputBuffer:
     ``ends_mid_record``: the buffer ends inside an encoded batch, whose rest follows in
     the target's next buffer (a record spans them: the consumer decodes it only once that
     one arrives; a driver out of credit may ask for overdraft to send it).
-    ``segment``: the shared-memory segment a driver already copied the bytes into (-1:
-    none yet; ``client.local_connection.LocalConnection.stage``).
     """
 
     target: int
@@ -93,7 +91,6 @@ class OutputBuffer:
     size: int
     pieces: list[memoryview | bytes] = field(repr=False)
     ends_mid_record: bool = False
-    segment: int = -1
 
     @property
     def is_event(self) -> bool:

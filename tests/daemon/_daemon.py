@@ -269,22 +269,14 @@ def run_daemon_cli(
 
 
 class ChildProducer:
-    """``python _daemon.py produce ...`` (or ``mode``, e.g. ``produce-staged``): a
-    producer process the test can SIGKILL."""
+    """``python _daemon.py produce ...``: a producer process the test can SIGKILL."""
 
-    def __init__(
-        self,
-        socket: str,
-        dataset: str,
-        index: int,
-        num_subpartitions: int,
-        mode: str = "produce",
-    ) -> None:
+    def __init__(self, socket: str, dataset: str, index: int, num_subpartitions: int) -> None:
         self.proc = subprocess.Popen(
             [
                 sys.executable,
                 __file__,
-                mode,
+                "produce",
                 socket,
                 dataset,
                 str(index),
@@ -341,44 +333,6 @@ def _produce(argv: Sequence[str]) -> None:
     writer = PartitionWriter(pid, n, blocking=False, daemon_socket=socket, buffer_timeout=0.01)
     print(json.dumps({"event": "writing", "pid": os.getpid()}), flush=True)
     writer.emit_all(_records(n, b"p" * 100), partition_func=lambda k: k % n)
-
-
-#: Records (of about 1 KB) ``produce-staged`` commits before its loop thread stalls.
-STAGED_COMMITTED = 100
-
-
-def _produce_staged(argv: Sequence[str]) -> None:
-    """A producer task whose loop thread stalls after it committed ``STAGED_COMMITTED``
-    records (flushed); its task thread then ships about 400 KB more, which it writes
-    into granted shared segments itself, never committed. Prints ``{"committed":
-    STAGED_COMMITTED, "filled": [by the task, by the loop]}`` once they are written, then
-    waits to be killed."""
-    from client.producer import PartitionWriter
-    from client.runtime import get_runtime
-    from exchange.partition.result_partition_id import ResultPartitionID
-
-    socket, dataset, index, n = argv[0], argv[1], int(argv[2]), int(argv[3])
-    pid = ResultPartitionID(dataset, index, 0)
-    writer = PartitionWriter(pid, n, blocking=False, daemon_socket=socket, buffer_timeout=-1)
-    def records(start: int, stop: int) -> Iterator[tuple[int, int, bytes]]:
-        # a pad object per record (pickle would write one shared object once)
-        return ((i, 0, i.to_bytes(4, "big") * 250) for i in range(start, stop))
-
-    writer.emit_all(records(0, STAGED_COMMITTED))
-    writer.flush()  # pushed: committed on the daemon
-    stalled = threading.Event()
-
-    def stall() -> None:
-        stalled.set()
-        time.sleep(3600)
-
-    get_runtime().call_soon(stall)
-    if not stalled.wait(60):
-        sys.exit("the loop thread never ran the stall")
-    writer.emit_all(records(STAGED_COMMITTED, STAGED_COMMITTED + 400))
-    filled = writer.segments_filled
-    print(json.dumps({"committed": STAGED_COMMITTED, "filled": filled}), flush=True)
-    time.sleep(3600)
 
 
 class BarrierProducer(ChildProducer):
@@ -474,14 +428,11 @@ def _produce_barriers(argv: Sequence[str]) -> None:
 if __name__ == "__main__":
     if len(sys.argv) >= 2 and sys.argv[1] == "produce":
         _produce(sys.argv[2:])
-    elif len(sys.argv) >= 2 and sys.argv[1] == "produce-staged":
-        _produce_staged(sys.argv[2:])
     elif len(sys.argv) >= 2 and sys.argv[1] == "produce-barriers":
         _produce_barriers(sys.argv[2:])
     else:
         sys.exit(
-            f"usage: {sys.argv[0]} produce|produce-staged SOCKET DATASET INDEX "
-            "NUM_SUBPARTITIONS\n"
+            f"usage: {sys.argv[0]} produce SOCKET DATASET INDEX NUM_SUBPARTITIONS\n"
             f"       {sys.argv[0]} produce-barriers SOCKET DATASET INDEX BARRIERS INTERVAL "
             "aligned|unaligned CANCEL_IDS"
         )

@@ -23,8 +23,8 @@ _daemon: Any = _load("exchange_tests_daemon_helpers", Path(__file__).with_name("
 def start_producer() -> Iterator[Callable[..., Any]]:
     started: list[Any] = []
 
-    def start(socket: str, dataset: str, index: int, n: int, mode: str = "produce") -> Any:
-        p = _daemon.ChildProducer(socket, dataset, index, n, mode)
+    def start(socket: str, dataset: str, index: int, n: int) -> Any:
+        p = _daemon.ChildProducer(socket, dataset, index, n)
         started.append(p)
         return p
 

@@ -280,43 +280,6 @@ def test_sigkilled_producer_fails_its_consumer_and_frees_the_pool(
     d.stop_clean()
 
 
-def test_a_task_killed_with_filled_uncommitted_segments_leaves_nothing_torn(
-    start_daemon: Any, start_producer: Any
-) -> None:
-    """The task thread writes its buffers into granted shared segments itself (the loop
-    thread only commits them): a task killed after it filled segments that its loop never
-    committed leaves its reader exactly the committed records, then ProducerFailedError,
-    and every segment it was granted, filled or not, comes back."""
-    d = start_daemon("--shared-memory")
-    pid = ResultPartitionID("staged", 0, 0)
-    child = start_producer(d.local_socket, "staged", 0, 1, mode="produce-staged")
-    event = child.wait_writing()
-    committed = event["committed"]
-    by_task, by_loop = event["filled"]
-    # the 100 committed records (4 buffers) and at least one 256 KiB shipment (8) were
-    # written by the task thread; the loop thread, stalled, wrote none
-    assert (by_task >= 12, by_loop) == (True, 0), (by_task, by_loop)
-    consumer = Collector(lambda: PartitionReader([location(d, pid, 0)], **FAST_BACKOFF))
-    consumer.start()
-    consumer.wait_for(committed)
-    local = d.stats()["local"]
-    assert local["shared_segments_in_use"] >= 8, local  # the filled ones, held by the task
-
-    assert child.sigkill() == -9
-    consumer.result(timeout=20)
-    assert isinstance(consumer.error, ProducerFailedError), repr(consumer.error)
-    assert [r[0] for r in consumer.records] == list(range(committed))
-    d.wait_stats(
-        lambda s: (
-            s["network"]["available_segments"] == s["network"]["total_segments"]
-            and s["partitions"]["count"] == 0
-            and s["local"]["shared_arenas"] == 0
-            and s["local"]["shared_segments_in_use"] == 0
-        )
-    )
-    d.stop_clean()
-
-
 # -- blocking partitions: time to live and release -------------------------------------
 
 

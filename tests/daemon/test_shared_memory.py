@@ -7,7 +7,6 @@ by path; every segment and the arena come back."""
 from __future__ import annotations
 
 import re
-import threading
 from typing import Any
 
 import pytest
@@ -15,7 +14,6 @@ import pytest
 from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
 from exchange.partition.result_partition_id import ResultPartitionID
-from tests.kit.polling import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -54,48 +52,3 @@ def test_the_daemon_chooses_the_path_and_metrics_show_it(start_daemon: Any, shar
     d.stop_clean()
     if not shared:
         assert "shared memory off (shared_memory = off)" in d.stderr
-
-
-def test_buffers_the_task_and_the_loop_write_into_segments_keep_the_streams_order(
-    start_daemon: Any,
-) -> None:
-    """The task thread writes the buffers it ships into free granted segments; once none
-    is free (no reader yet: credit runs out), the buffers it ships wait for the loop
-    thread to write them as credit comes, and the task writes again once the loop has
-    caught up. Both kinds of buffer interleave in one stream: read back exact, in order,
-    with every segment back."""
-    d = start_daemon()
-    pid = ResultPartitionID("fills", 0, 0)
-    total = 20_000  # about 20 MB: far beyond the first grants
-    records = [(i, i.to_bytes(4, "big") * 250) for i in range(total)]
-    w = PartitionWriter(pid, 1, daemon_socket=d.local_socket)
-    writing = threading.Thread(target=w.emit_all, args=(records,), daemon=True)
-    writing.start()
-    # the task fills what it was granted, then (credit gone, no reader) ships on
-    # without segments: it blocks once its window is full
-    wait_for(
-        lambda: w.segments_filled[0] > 0 and w.window_statistics().senders_waiting > 0,
-        60,
-        "the task blocked on its full window",
-    )
-    loc = PartitionLocation(pid, 0, d.data_address, d.daemon_id, d.local_socket)
-    got: list[Any] = []
-
-    def read() -> None:
-        with PartitionReader([loc]) as reader:
-            got.extend(reader.read_all())
-
-    reading = threading.Thread(target=read, daemon=True)
-    reading.start()
-    writing.join(60)
-    assert not writing.is_alive()
-    w.close()
-    reading.join(60)
-    assert not reading.is_alive()
-    assert [r[0] for r in got] == list(range(total))
-    assert got == records
-    by_task, by_loop = w.segments_filled
-    assert by_task > 0 and by_loop > 0, (by_task, by_loop)
-    assert by_task + by_loop == w.stats.buffers_out
-    d.wait_stats(lambda s: s["local"]["shared_arenas"] == 0)
-    d.wait_pool_whole()
