@@ -18,8 +18,8 @@ load drift):
 * flight: Arrow Flight ``DoGet`` of one binary column of 4 KiB values (two processes).
 
 Figures are GB/s of record payload, medians of the rounds; the consumer's CPU per 32 KiB
-of stream (and the share of its task thread, which decodes), and the daemon's (from /proc
-around each read; the daemon serves only that reader then). Ratios stack/flight (target
+of stream (and the share of its task thread, which decodes), and the daemon's (its threads'
+schedstat around each read; the daemon serves only that reader then). Ratios stack/flight (target
 >= 1.0) and stack/raw (target >= 0.45). The last line printed is one JSON object.
 """
 
@@ -44,9 +44,9 @@ from _common import (
     flight_gbps,
     json_line,
     median,
-    proc_cpu,
     read_partition,
     run_pair,
+    threads_cpu,
 )
 
 CHUNK = 32 * 1024
@@ -138,10 +138,10 @@ def raw_sender(conn: Connection, port: int, total: int) -> None:
 
 def read_once(daemon: Daemon, dataset: str, subpartitions: int, count: int) -> dict[str, float]:
     """A consumer task reads the filled partition over TCP: GB/s, its CPU per 32 KiB and the
-    daemon's (the daemon's from /proc around the whole read: it serves only this reader)."""
-    daemon_cpu = proc_cpu(daemon.pid)
+    daemon's (its threads' schedstat around the whole read: it serves only this reader)."""
+    daemon_cpu = threads_cpu(daemon.pid)
     res = read_partition(daemon, dataset, subpartitions, RECORD, count)
-    daemon_cpu = proc_cpu(daemon.pid) - daemon_cpu
+    daemon_cpu = threads_cpu(daemon.pid) - daemon_cpu
     seconds = res["t1"] - res["t0"]
     stream_buffers = count * RECORD / SEG
     return {
