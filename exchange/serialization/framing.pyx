@@ -31,7 +31,13 @@ from exchange.buffers.buffer cimport Buffer
 from exchange.memory.memory_segment cimport MemorySegment
 from exchange.serialization.int_pairs cimport _PAIRS_TAG, decode_int_pairs
 
-from exchange.errors import CorruptRecordError, ProtocolError, RecordTooLargeError, fresh_error
+from exchange.errors import (
+    CorruptRecordError,
+    IllegalStateError,
+    ProtocolError,
+    RecordTooLargeError,
+    fresh_error,
+)
 
 __all__ = [
     "ITEM_DATA",
@@ -146,7 +152,9 @@ cdef class LengthPrefixedDecoder(DecoderBase):
             if length < 0:
                 length = pb.len - base
             if base < 0 or base + length > pb.len:
-                raise ValueError(f"[{base}, {base + length}) outside a view of {pb.len} bytes")
+                raise IllegalStateError(
+                    f"[{base}, {base + length}) outside a view of {pb.len} bytes"
+                )
             p = <const unsigned char*>pb.buf + base
             end = length
             if self._headlen or self._frame is not None:
