@@ -247,7 +247,8 @@ def test_file_reader_reads_each_buffer_and_the_next_header_in_one_system_call(
         buf.release()
     reads = _reads_by_this_thread() - before - proc_read
     assert got == payloads and reader.at_end
-    # the first header alone, then one readv per buffer (body + next header); was two
-    assert reads == 1 + len(payloads)
+    # the first header alone, then one readv per buffer (body + next header): 41 here,
+    # was two per buffer (81); a margin for a read this thread might make otherwise
+    assert 1 + len(payloads) <= reads <= 4 + len(payloads)
     reader.close()
     data.close()
