@@ -98,7 +98,10 @@ def buffer_response_header(
     receiver_id, sequence_number, backlog, data_type, compressed, payload_size
 ):
     """The BufferResponse header (``codec.encode_buffer_response_header``'s bytes), in C."""
-    return _header(receiver_id, sequence_number, backlog, data_type, compressed, payload_size)
+    cdef unsigned long long size = _field(payload_size, _U32 - _HEADER, "payload size")
+    return _header(
+        receiver_id, sequence_number, backlog, data_type, compressed, <Py_ssize_t>size
+    )
 
 
 cdef class OutboundBatch:
