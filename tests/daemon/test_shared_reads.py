@@ -416,6 +416,72 @@ def test_a_reader_that_closes_holding_segments_gives_them_back_at_once(
     d.stop_clean()
 
 
+#: A consumer task in a child process (a reused Spark worker): reads 10 records of
+#: subpartition 0 of a pipelined partition on its own host's daemon and says so; at the
+#: next line makes the daemon drop that connection (it gives back a segment it never
+#: held); at the line after, reads the whole finished blocking partition named last with
+#: a new reader and says how many records, in order, came. It lives until its stdin closes.
+_REUSED_READER = """
+import json, sys
+from client.consumer import PartitionLocation, PartitionReader
+from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.protocol.local_messages import encode_recycle
+sock, daemon_id, data, dataset, blocking = sys.argv[1:6]
+loc = PartitionLocation(ResultPartitionID(dataset, 0, 0), 0, data, daemon_id, sock)
+reader = PartitionReader([loc], local_daemon_id=daemon_id)
+it = reader.records()
+print(json.dumps({"read": len([next(it) for _ in range(10)])}), flush=True)
+sys.stdin.readline()
+handler = reader._core.connections.connections[0]
+reader._rt.loop.call_soon_threadsafe(handler._transport.write, encode_recycle([2**32 - 1]))
+sys.stdin.readline()
+loc = PartitionLocation(ResultPartitionID(blocking, 0, 0), 0, data, daemon_id, sock)
+with PartitionReader([loc], local_daemon_id=daemon_id) as again:
+    keys = [k for k, _ in again.read_all()]
+print(json.dumps({"reread": len(keys), "in_order": keys == sorted(keys)}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_process_at_max_consumer_pins_reads_over_the_socket_until_it_exits(
+    start_daemon: Any,
+) -> None:
+    """A reused worker whose connection the daemon dropped has its segments pinned; at
+    ``--max-consumer-pins-per-process`` its next reader is offered no arena and reads a
+    blocking partition (read in place otherwise) over the socket, exactly; the daemon
+    logs why and counts it. Once the process is killed its pins go and the pool is whole."""
+    d = start_daemon("--max-consumer-pins-per-process", "1")
+    blocking = ResultPartitionID("capped-blocking", 0, 0)
+    data = write_blocking(d, blocking, 1, RECORDS)
+    with holding_reader(d, "capped-reader", _REUSED_READER, blocking.dataset_id) as (
+        producer,
+        reader,
+    ):
+        reader.step()  # the bad RecycleSegments: dropped while it lives
+        pinned = held_then_pinned(d)  # at least the cap of 1
+        in_log(d, f"process {reader.proc.pid} has {pinned} shared segment(s) pinned")
+        before = d.stats()["local"]
+        assert before["consumer_reads_refused"] == 0
+        reader.step()  # a new reader in the same process
+        assert reader.next() == {"reread": len(RECORDS), "in_order": True}
+        local = d.wait_stats(lambda s: s["local"]["consumers"] == 0, timeout=30)["local"]
+        # every byte of the blocking partition over the socket, none in place, one refusal
+        assert local["consumer_bytes_shared_memory"] == before["consumer_bytes_shared_memory"]
+        assert local["consumer_bytes_socket"] - before["consumer_bytes_socket"] > data
+        assert local["consumer_reads_refused"] == 1
+        assert d.metric("exchange_consumer_in_place_reads_refused_total") == 1
+        assert local["consumer_segments_pinned"] == pinned  # nothing more pinned
+        in_log(d, "reads over the socket, not in place: its process")
+        assert reader.end(kill=True) == -signal.SIGKILL
+        d.wait_stats(lambda s: s["local"]["consumer_segments_pinned"] == 0, timeout=30)
+        producer.sigkill()
+    d.wait_stats(
+        lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 1, timeout=30
+    )
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
 #: A consumer task in a child process: reads 10 records of subpartition 0 of a finished
 #: partition on its own host's daemon, says so, and stalls holding what it received until
 #: a line comes on stdin; then reads the rest and says how many and their sum of keys.
