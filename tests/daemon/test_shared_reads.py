@@ -190,6 +190,28 @@ def test_a_reader_sigkilled_holding_segments_gives_them_back(start_daemon: Any) 
     d.stop_clean()
 
 
+def test_a_local_reader_holds_its_whole_credit_of_a_pipelined_partition_read_in_place(
+    start_daemon: Any,
+) -> None:
+    """Read in place, the reader's credit is held in the producer's pool (over the socket
+    it is the reader's own memory): a pipelined partition in the arena may grow by the
+    readers' floating buffers beyond its 2n + 8 (16 at least) segments, so a stalled reader
+    fills its whole credit (with 16 the stream's whole window was 16 segments)."""
+    d = start_daemon()
+    with holding_reader(d, "deep-reader", _STALLED_READER) as (producer, reader):
+        local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 16, timeout=60)[
+            "local"
+        ]
+        assert local["consumer_segments_held"] <= CREDIT
+        assert reader.end(kill=True) == -signal.SIGKILL
+        producer.sigkill()
+    d.wait_stats(
+        lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 0, timeout=30
+    )
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
 def test_a_local_reader_whose_daemon_dies_gets_the_transport_error_and_its_pool_back(
     start_daemon: Any,
 ) -> None:
