@@ -313,8 +313,8 @@ class LocalEndpoint(DataServer):
         """``process`` reached ``max_consumer_pins_per_process``: its connections that
         read in place send bytes from now on (what they hold stays held)."""
         for proto in self.connections:
-            if isinstance(proto, LocalEndpointProtocol) and proto.reader_process == process:
-                proto.refuse_in_place_reads()
+            if isinstance(proto, LocalEndpointProtocol):
+                proto.refuse_in_place_reads()  # those of a process at the cap
 
     def producers_waiting(self) -> dict[tuple[str, int], float]:
         """(dataset, partition index) -> seconds its producer task has been waiting for
@@ -551,6 +551,8 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
     def refuse_in_place_reads(self) -> str | None:
         """If this consumer's process is at ``max_consumer_pins_per_process``: no more
         descriptors to it (its reads go over the socket), counted and logged once; why."""
+        if not self._wants_arena:
+            return None  # not a consumer that reads in place (a producer, a driver)
         pins = self.endpoint.pins
         process = self.reader_process
         if not pins.at_cap(process):
