@@ -483,6 +483,19 @@ def order_sum(keys: list[int]) -> int:
     return sum(k * (i + 1) for i, k in enumerate(keys)) % 2**61
 
 
+def end_capped(d: Any, producer: ChildProducer, reader: ReaderProcess) -> None:
+    """SIGKILL the capped reader (its pins come back), then the producer: only the blocking
+    partition is left, the arena goes, every pool whole; the daemon stops clean."""
+    assert reader.end(kill=True) == -signal.SIGKILL
+    d.wait_stats(lambda s: s["local"]["consumer_segments_pinned"] == 0, timeout=30)
+    producer.sigkill()
+    d.wait_stats(
+        lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 1, timeout=30
+    )
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
 def test_a_process_at_max_consumer_pins_reads_over_the_socket_until_it_exits(
     start_daemon: Any,
 ) -> None:
@@ -513,14 +526,7 @@ def test_a_process_at_max_consumer_pins_reads_over_the_socket_until_it_exits(
         assert d.metric("exchange_consumer_in_place_reads_refused_total") == 1
         assert local["consumer_segments_pinned"] == pinned  # nothing more pinned
         in_log(d, "reads over the socket, not in place: its process")
-        assert reader.end(kill=True) == -signal.SIGKILL
-        d.wait_stats(lambda s: s["local"]["consumer_segments_pinned"] == 0, timeout=30)
-        producer.sigkill()
-    d.wait_stats(
-        lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 1, timeout=30
-    )
-    d.wait_pool_whole()
-    d.stop_clean()
+        end_capped(d, producer, reader)
 
 
 def test_a_process_reaching_max_consumer_pins_reads_on_over_the_socket(
@@ -558,14 +564,7 @@ def test_a_process_reaching_max_consumer_pins_reads_on_over_the_socket(
         assert local["consumer_bytes_shared_memory"] + local["consumer_bytes_socket"] > data
         assert local["consumer_segments_pinned"] == pinned
         assert local["consumer_segments_held"] == 0  # what it held came back
-        assert reader.end(kill=True) == -signal.SIGKILL
-        d.wait_stats(lambda s: s["local"]["consumer_segments_pinned"] == 0, timeout=30)
-        producer.sigkill()
-    d.wait_stats(
-        lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 1, timeout=30
-    )
-    d.wait_pool_whole()
-    d.stop_clean()
+        end_capped(d, producer, reader)
 
 
 #: A consumer task in a child process: reads 10 records of subpartition 0 of a finished
