@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, Final
 
 from exchange.addresses import format_address
-from exchange.consumer.input_channel import BATCH_FLOATING_BUFFERS
 from exchange.errors import (
     ConfigError,
     CorruptRecordError,
@@ -294,22 +293,6 @@ class ExchangeDaemon:
 
     # -- partitions ----------------------------------------------------------------------
 
-    def _in_place_read_credit(
-        self, ptype: ResultPartitionType, network_pool: NetworkBufferPool | None
-    ) -> int:
-        """Segments a pipelined partition in an application's shared arena may take beyond
-        its size over TCP: a reader on this host reads its buffers in place and holds them
-        (its floating credit) until it gives them back, where a reader over the socket
-        holds copies in its own memory. Without them the stream's whole window is the
-        pool's 2n + 8 segments, cycled through producer, daemon and reader in batches of a
-        few segments (twice the wake-ups per buffer of the socket path, measured). They
-        only raise the pool's ceiling (redistribution gives it spare arena segments), and
-        count in ``max_pinned_segments_per_app`` as the rest of it."""
-        if network_pool is None or not ptype.is_pipelined:
-            return 0
-        floating = self.config.floating_buffers_per_gate
-        return BATCH_FLOATING_BUFFERS if floating is None else floating
-
     def create_partition(
         self,
         pid: ResultPartitionID,
@@ -338,7 +321,6 @@ class ExchangeDaemon:
                 limit=limit,
             )
         max_segments = max(num_subpartitions * 2 + 8, 16)
-        max_segments += self._in_place_read_credit(ptype, network_pool)
         nbp = self.network_pool if network_pool is None else network_pool
         if num_subpartitions <= nbp.total_segments - nbp.num_required:
             self._check_app_limits(pid, app_id, max_segments)

@@ -54,6 +54,7 @@ import socket
 import time
 from typing import ClassVar, Final, Protocol
 
+from exchange.consumer.input_channel import BATCH_FLOATING_BUFFERS
 from exchange.errors import (
     ConfigError,
     ExchangeError,
@@ -62,6 +63,7 @@ from exchange.errors import (
     ProtocolError,
 )
 from exchange.local.producer_session import PUSH_BUFFER_FRAMES, ProducerSession, PushHeader
+from exchange.memory.local_buffer_pool import LocalBufferPool
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.network.server_connection import DATA_PORT_MESSAGES, ServerConnection
 from exchange.partition.result_partition import ResultPartition
@@ -391,6 +393,8 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         self._in_place_refused = False  # its process was at max_consumer_pins_per_process
         self._process: PeerProcess | None = None
         self._process_known = False
+        # id(pool) -> (arena, pool, segments): partition pools grown by this reader's credit
+        self._lent: dict[int, tuple[NetworkBufferPool, LocalBufferPool, int]] = {}
         #: (task, gate) -> the latest TaskMetrics of that gate on this connection
         self.task_reports: dict[tuple[str, str], TaskReport] = {}
 
@@ -509,6 +513,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 super().on_message(msg)
                 if self._wants_arena and self._read_offer is None:
                     self._offer_arena(self._is_blocking(msg))
+                self._lend_read_credit(msg)
             case _:
                 super().on_message(msg)
 
@@ -604,6 +609,38 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             log.info("consumer %s: its application's shared arena exists now, offered", self.peer)
         return None
 
+    def _lend_read_credit(self, req: PartitionRequest) -> None:
+        """A consumer reading in place holds its floating credit in the producer's pool
+        (over the socket it holds copies in its own memory): with only the pool's
+        ``max(2n + 8, 16)`` the whole stream cycled through those few segments, a few at a
+        time, at twice the wake-ups per 32 KiB of a TCP reader. So the pool of a pipelined
+        partition in the arena this connection mapped grows by the readers' floating
+        buffers while the connection lives (once per partition), back at its end."""
+        conn = self.connection
+        arena = None if conn is None else conn.read_arena
+        if conn is None or arena is None or arena.is_destroyed:
+            return
+        try:
+            part = self.daemon.manager.get_partition(req.partition_id, conn.app_id)
+        except PartitionError:
+            return  # not there yet: the reader asks again
+        pool = part.buffer_pool
+        if not part.partition_type.is_pipelined or id(pool) in self._lent:
+            return
+        if pool.is_destroyed or not arena.has_pool(pool):
+            return  # in the daemon's own pool: its buffers go as bytes
+        floating = self.daemon.config.floating_buffers_per_gate
+        lend = BATCH_FLOATING_BUFFERS if floating is None else floating
+        if lend:
+            self._lent[id(pool)] = (arena, pool, lend)
+            arena.set_max_segments(pool, pool.max_segments + lend)
+
+    def _take_back_read_credit(self) -> None:
+        lent, self._lent = self._lent, {}
+        for arena, pool, lend in lent.values():
+            if not arena.is_destroyed and arena.has_pool(pool):
+                arena.set_max_segments(pool, pool.max_segments - lend)
+
     def _pin_on_drop(self, conn: ServerConnection) -> None:
         """Segments this consumer holds when the daemon drops its connection stay out of
         the pool until its process (the connecting one, ``SO_PEERCRED``) exits."""
@@ -689,6 +726,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.task_reports.clear()
+        self._take_back_read_credit()
         if self._arena_token is not None:
             self.daemon.shared_arenas.revoke(self._arena_token)
         session = self.session

@@ -358,6 +358,28 @@ class NetworkBufferPool:
         self._redistribute()
         return pool
 
+    def has_pool(self, pool: LocalBufferPool) -> bool:
+        """True if ``pool`` is one of this pool's live local pools."""
+        return self._pools.get(id(pool)) is pool
+
+    def set_max_segments(self, pool: LocalBufferPool, max_segments: int) -> None:
+        """Move the ceiling of the local pool ``pool`` and redistribute: a raised one may
+        grow into spare segments, a lowered one gives back its excess as it recycles."""
+        self._check_alive()
+        if not self.has_pool(pool):
+            raise UsageError(f"{pool!r} is not a live local pool of {self!r}")
+        if (
+            not isinstance(max_segments, int)
+            or isinstance(max_segments, bool)
+            or max_segments < max(pool.num_required, 1)
+        ):
+            raise UsageError(
+                f"max_segments must be an int >= max(num_required, 1) = "
+                f"{max(pool.num_required, 1)}, got {max_segments!r}"
+            )
+        pool.max_segments = max_segments
+        self._redistribute()
+
     def destroy_buffer_pool(self, pool: LocalBufferPool) -> None:
         """Forget a (destroyed) local pool and give its share to the others."""
         if self._pools.pop(id(pool), None) is None:
@@ -394,7 +416,9 @@ class NetworkBufferPool:
         total_capacity = 0
         for pool in pools:
             total_capacity += min(spare, pool.max_segments - pool.num_required)
-        if total_capacity == 0:
+        if total_capacity == 0:  # every ceiling at its guarantee (one may have been lowered)
+            for pool in pools:
+                pool.set_num_buffers(pool.num_required)
             return
         to_distribute = min(spare, total_capacity)
         parts_used = 0
@@ -402,6 +426,7 @@ class NetworkBufferPool:
         for pool in pools:
             excess_max = pool.max_segments - pool.num_required
             if excess_max == 0:
+                pool.set_num_buffers(pool.num_required)  # its ceiling may have been lowered
                 continue
             parts_used += min(spare, excess_max)
             mine = to_distribute * parts_used // total_capacity - distributed

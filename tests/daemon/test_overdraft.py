@@ -14,19 +14,16 @@ import pytest
 
 from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
-from exchange.consumer.input_channel import BATCH_FLOATING_BUFFERS
 from exchange.partition.result_partition_id import ResultPartitionID
 from tests.kit.polling import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
 SEGMENT = 4096
-#: a pipelined partition of one subpartition gets a pool of at most 16 segments, and in
-#: its application's shared arena (the default) the readers' floating buffers more, what
-#: a reader on this host holds reading in place (server/daemon.py)
-POOL = 16 + BATCH_FLOATING_BUFFERS
-#: one record of POOL + 4 segments and a bit: it spans POOL + 5 buffers, 5 beyond the pool
-RECORD = b"r" * ((POOL + 4) * SEGMENT)
+#: a partition of one subpartition gets a pool of at most 16 segments (server/daemon.py)
+POOL = 16
+#: one record of 20 segments and a bit: it spans 21 buffers, 5 beyond the pool
+RECORD = b"r" * (20 * SEGMENT)
 
 
 def _mine(st: dict[str, Any], dataset: str) -> dict[str, Any] | None:

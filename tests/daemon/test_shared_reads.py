@@ -194,9 +194,10 @@ def test_a_local_reader_holds_its_whole_credit_of_a_pipelined_partition_read_in_
     start_daemon: Any,
 ) -> None:
     """Read in place, the reader's credit is held in the producer's pool (over the socket
-    it is the reader's own memory): a pipelined partition in the arena may grow by the
-    readers' floating buffers beyond its 2n + 8 (16 at least) segments, so a stalled reader
-    fills its whole credit (with 16 the stream's whole window was 16 segments)."""
+    it is the reader's own memory): the reader's connection lends a pipelined partition of
+    its arena the readers' floating buffers beyond its 2n + 8 (16 at least) segments, so a
+    stalled reader fills its whole credit (with 16 the stream's whole window was 16
+    segments); its end takes them back, every pool whole."""
     d = start_daemon()
     with holding_reader(d, "deep-reader", _STALLED_READER) as (producer, reader):
         local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 16, timeout=60)[

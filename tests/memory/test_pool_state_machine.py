@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from exchange.buffers import Buffer, BufferConsumer
-from exchange.errors import InsufficientBuffersError, PoolDestroyedError
+from exchange.errors import InsufficientBuffersError, PoolDestroyedError, UsageError
 from exchange.memory import LocalBufferPool, MemorySegment, NetworkBufferPool, NotificationResult
 
 TOTAL = 24
@@ -183,6 +183,20 @@ class PoolMachine(RuleBasedStateMachine):
             assert not got.segment.is_freed
             self.held.append(got)
         assert self.nbp.num_available == global_before - (1 if from_global else 0)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 1000), extra=st.integers(0, 12))
+    def set_ceiling(self, i: int, extra: int) -> None:
+        """A pool's ceiling moved (an in-place reader's credit lent or taken back): sizes
+        follow the formula again; a lowered pool only gives back."""
+        pool = self.pick_live(i)
+        self.size_before = {id(p): p.current_pool_size for p in self.live}
+        sizes = self.sizes()
+        self.nbp.set_max_segments(pool, max(pool.num_required, 1) + extra)
+        assert pool.max_segments == max(pool.num_required, 1) + extra
+        self.check_grown_pools_served_their_listeners(sizes)
+        with pytest.raises(UsageError):
+            self.nbp.set_max_segments(pool, max(pool.num_required, 1) - 1)
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 1000))
