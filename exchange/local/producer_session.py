@@ -53,7 +53,7 @@ from exchange.errors import (
     SubpartitionIndexError,
 )
 from exchange.events.events import EventSerializer
-from exchange.local.segment_commits import commit_segments
+from exchange.local.segment_commits import commit_segments, segment_indices
 from exchange.memory.buffer_listener import NotificationResult
 from exchange.partition.pipelined_subpartition import PipelinedSubpartition
 from exchange.partition.result_partition import ResultPartition
@@ -209,9 +209,8 @@ class ProducerSession:
 
     def granted_segments(self, n: int) -> tuple[int, ...]:
         """The arena indices of the ``n`` segments granted last (the newest reserved)."""
-        reserved = self._reserved
-        k = len(reserved) - self._unannounced
-        return tuple(reserved[i].segment.index for i in range(k - n, k))
+        k = len(self._reserved) - self._unannounced
+        return segment_indices(self._reserved, k - n, k)
 
     def _reserve_nowait(self) -> None:
         pool = self.partition.buffer_pool

@@ -2,3 +2,4 @@
 # Python code sees it through segment_commits.pyi.
 
 cpdef int commit_segments(object session, object commits) except -1
+cpdef tuple segment_indices(object reserved, Py_ssize_t start, Py_ssize_t stop)

@@ -19,15 +19,18 @@ batch: the entries before it are queued, and the session's credit and counters s
 listeners; the byte and buffer counts once, at the end). ``ProducerSession`` grants the
 segments freed meanwhile once, after the batch. There is no Python version of this
 module; ``segment_commits.pyi`` types it for mypy.
+
+``segment_indices``: the arena indices a grant names (``GrantSegments``), read from the
+reserved buffers in one C loop (a generator expression ran a Python frame per segment).
 """
 
 from exchange.buffers.buffer cimport Buffer
 from exchange.memory.memory_segment cimport MemorySegment
 
-from exchange.errors import ProtocolError, SubpartitionIndexError
+from exchange.errors import ProtocolError, SubpartitionIndexError, UsageError
 from exchange.partition.result_partition import ALL_SUBPARTITIONS
 
-__all__ = ["commit_segments"]
+__all__ = ["commit_segments", "segment_indices"]
 
 cdef object _ALL = ALL_SUBPARTITIONS
 
@@ -82,3 +85,16 @@ cpdef int commit_segments(object session, object commits) except -1:
             session.bytes_received += nbytes
             session.buffers_received += nbuffers
     return 0
+
+
+cpdef tuple segment_indices(object reserved, Py_ssize_t start, Py_ssize_t stop):
+    """The segment indices of ``reserved[start:stop]`` (a deque of ``Buffer``s)."""
+    cdef Buffer buf
+    cdef Py_ssize_t i
+    if not 0 <= start <= stop <= len(reserved):
+        raise UsageError(f"segments {start}:{stop} of {len(reserved)} reserved")
+    out = []
+    for i in range(start, stop):
+        buf = reserved[i]
+        out.append((<MemorySegment>buf._segment).index)
+    return tuple(out)

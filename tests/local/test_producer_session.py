@@ -19,6 +19,7 @@ from exchange.errors import (
     ProducerFailedError,
     ProtocolError,
     SubpartitionIndexError,
+    UsageError,
 )
 from exchange.events.events import CancelCheckpointMarker, EventSerializer
 from exchange.local import ProducerSession, ProducerSessionState
@@ -356,6 +357,9 @@ def test_shared_grants_name_segments_and_a_commit_queues_that_very_segment(
     n = s.start()
     granted = s.granted_segments(n)
     assert n == 4 and len(set(granted)) == 4
+    assert s.granted_segments(0) == ()
+    with pytest.raises(UsageError):  # more than the task holds: a caller's bug
+        s.granted_segments(n + 1)
     first = granted[0]
     seg = next(b.segment for b in s._reserved if b.segment.index == first)
     seg.view()[:5] = b"hello"  # what the task wrote into the arena
