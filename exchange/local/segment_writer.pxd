@@ -22,3 +22,10 @@ cdef class SegmentWriter:
     cdef Py_ssize_t _frame_cap
     cdef Py_ssize_t _entries
     cdef readonly unsigned long long bytes_shared
+    # one flag per segment of the arena: its pages are mapped in this process
+    cdef unsigned char* _touched
+    cdef bint _populate
+    cdef Py_ssize_t _populated
+
+    cdef void _populate_granted(self, Py_ssize_t first) noexcept
+    cdef bint _madvise_populate(self, Py_ssize_t start, Py_ssize_t end) noexcept

@@ -24,7 +24,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from cpython.set cimport PySet_Add, PySet_Discard
 from libc.stdint cimport uint32_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 
 from exchange.buffers.buffer import DataType
 from exchange.errors import ProtocolError, UsageError
@@ -40,6 +40,17 @@ assert FRAME_HEADER_SIZE == _HEADER
 cdef object _DATA = DataType.DATA_BUFFER
 cdef uint32_t _MAGIC = MAGIC
 cdef unsigned char _COMMIT_ID = CommitSegments.MESSAGE_ID
+
+cdef extern from "sys/mman.h" nogil:
+    int madvise(void* addr, size_t length, int advice)
+
+cdef extern from "unistd.h" nogil:
+    long sysconf(int name)
+    int _SC_PAGESIZE
+
+# Linux >= 5.14 (the kernel's ABI value: older C headers may not name it)
+cdef int _MADV_POPULATE_WRITE = 23
+cdef Py_ssize_t _PAGE = sysconf(_SC_PAGESIZE)
 
 
 cdef inline void _put_be32(unsigned char* p, uint32_t v) noexcept nogil:
@@ -59,6 +70,7 @@ cdef class SegmentWriter:
         self._frame = <unsigned char*>PyMem_Malloc(self._frame_cap)
         if self._queue == NULL or self._frame == NULL:
             raise MemoryError()
+        self._populate = True
 
     def __dealloc__(self) -> None:
         if self._mapped:
@@ -66,6 +78,13 @@ cdef class SegmentWriter:
             self._mapped = False
         PyMem_Free(self._queue)
         PyMem_Free(self._frame)
+        PyMem_Free(self._touched)
+
+    @property
+    def populated(self) -> int:
+        """Segments whose pages were mapped in ahead of their first write (see
+        ``grant``)."""
+        return self._populated
 
     @property
     def mapped(self) -> bool:
@@ -103,6 +122,13 @@ cdef class SegmentWriter:
                     f"segment {self._queue[(self._head + k) % self._cap]} granted outside "
                     f"the arena of {self._num_segments} segments"
                 )
+        PyMem_Free(self._touched)
+        self._touched = <unsigned char*>PyMem_Malloc(self._num_segments + 1)
+        if self._touched == NULL:
+            self.detach()
+            raise MemoryError()
+        memset(self._touched, 0, self._num_segments + 1)
+        self._populate_granted(0)
 
     def detach(self) -> None:
         """Let go of the arena (the connection unmaps it next); idempotent."""
@@ -128,12 +154,51 @@ cdef class SegmentWriter:
             self._queue = grown
             self._cap = 2 * need
             self._head = 0
+        first = self._count
         for s in seq:
             if not 0 <= s < 2**32 or (self._mapped and s >= self._num_segments):
                 raise ProtocolError(f"segment {s!r} granted outside the arena")
             index = s
             self._queue[(self._head + self._count) % self._cap] = index
             self._count += 1
+        if self._mapped:
+            self._populate_granted(first)
+
+    cdef void _populate_granted(self, Py_ssize_t first) noexcept:
+        """Map in the pages of the queued segments from the ``first``-th on that this
+        process never wrote to (one madvise per run of adjacent ones): a page of the
+        shared arena this process has not touched costs a fault on its first write, 8
+        faults per 32 KiB segment, which cost more than the copy itself; a task touches
+        each segment the daemon's pools hand it once before that. Best effort: where the
+        kernel cannot (before 5.14, no memory now), the first write faults them in."""
+        cdef Py_ssize_t k, seg, start = -1, end = -1
+        if not self._populate:
+            return
+        for k in range(first, self._count + 1):
+            seg = self._queue[(self._head + k) % self._cap] if k < self._count else -1
+            if seg >= 0 and self._touched[seg]:
+                seg = -1
+            if seg >= 0:
+                self._touched[seg] = 1
+                if seg == end:  # adjacent to the run under way
+                    end = seg + 1
+                    continue
+            if start >= 0 and not self._madvise_populate(start, end):
+                return
+            start = seg
+            end = seg + 1 if seg >= 0 else -1
+
+    cdef bint _madvise_populate(self, Py_ssize_t start, Py_ssize_t end) noexcept:
+        cdef Py_ssize_t lo = start * self._segment_size
+        cdef Py_ssize_t hi = end * self._segment_size
+        cdef char* base = <char*>self._arena.buf
+        lo -= lo % _PAGE
+        hi = min(hi + (-hi) % _PAGE, self._arena.len)
+        if madvise(base + lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+            self._populate = False  # e.g. EINVAL before Linux 5.14: faults from now on
+            return False
+        self._populated += end - start
+        return True
 
     def fill(self, list outs, Py_ssize_t i, Py_ssize_t credit, set mid_record) -> int:
         """Write ``outs[i:]`` into granted segments, one each, while they are data

@@ -5,7 +5,10 @@ The path through a real daemon is tests/daemon/test_shared_memory.py's."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
+import struct
 from collections.abc import Iterator
 
 import pytest
@@ -163,3 +166,34 @@ def test_without_an_arena_nothing_is_written_and_the_mapping_can_close() -> None
     w.detach()  # idempotent
     m.close()
     assert not w.mapped and w.granted() == [0]
+
+
+def _mapped_here(view: mmap.mmap, offset: int) -> bool:
+    """Whether this process has the page at ``offset`` of ``view`` mapped (the present
+    bit of /proc/self/pagemap, readable without privileges)."""
+    address = ctypes.addressof(ctypes.c_char.from_buffer(view)) + offset
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(address // mmap.PAGESIZE * 8)
+        (entry,) = struct.unpack("<Q", f.read(8))
+    return bool(entry >> 63)
+
+
+def test_granted_segments_are_mapped_in_before_their_first_write() -> None:
+    # A shared file mapping, as the arena: this process has none of its pages mapped
+    # until it touches them (a fault per page on the first write).
+    big = 32 * 1024  # the daemon's segment: whole pages
+    fd = os.memfd_create("arena")
+    try:
+        os.ftruncate(fd, 16 * big)
+        arena = mmap.mmap(fd, 16 * big, mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    w = SegmentWriter()
+    w.grant((2,))
+    w.attach(arena, big)  # what was granted before the mapping is mapped in with it
+    w.grant((5, 6, 7, 12, 6))  # 6 twice: once is enough
+    assert [_mapped_here(arena, s * big) for s in (2, 5, 6, 7, 12)] == [True] * 5
+    assert not _mapped_here(arena, 9 * big)  # not granted: left alone
+    assert w.populated == 5
+    w.detach()
+    arena.close()
