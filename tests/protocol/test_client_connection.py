@@ -103,8 +103,10 @@ def establish(conn: PartitionRequestClientConnection, secret: bytes | None = Non
 
 
 class Setup:
-    def __init__(self, nbp: NetworkBufferPool) -> None:
-        self.conn = PartitionRequestClientConnection(ADDRESS, None, max_frame_size_for(SEG))
+    def __init__(self, nbp: NetworkBufferPool, *, shared_reads: bool = False) -> None:
+        self.conn = PartitionRequestClientConnection(
+            ADDRESS, None, max_frame_size_for(SEG), shared_reads=shared_reads
+        )
         self.gate = SingleInputGate("cc", nbp.create_buffer_pool(0, 4))
         self.channels = [
             RemoteInputChannel(
@@ -428,12 +430,7 @@ class SharedSetup(Setup):
     """A connection that reads in place, established, offered and mapped to ``arena``."""
 
     def __init__(self, nbp: NetworkBufferPool) -> None:
-        super().__init__(nbp)
-        self.conn = PartitionRequestClientConnection(
-            ADDRESS, None, max_frame_size_for(SEG), shared_reads=True
-        )
-        for ch in self.channels:
-            ch._provider = Provider(self.conn)
+        super().__init__(nbp, shared_reads=True)
         self.arena = bytearray(4 * SEG)
         self.given_back = 0
 
