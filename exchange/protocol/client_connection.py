@@ -42,13 +42,12 @@ follow which::
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Final
 
-from exchange.buffers.buffer import Buffer, DataType
+from exchange.buffers.buffer import Buffer
 from exchange.errors import (
     AuthenticationError,
     ExchangeError,
@@ -62,12 +61,12 @@ from exchange.memory.memory_segment import MemorySegment
 from exchange.protocol.codec import (
     DEFAULT_READ_AHEAD,
     MAX_CONTROL_FRAME_SIZE,
-    BufferResponseHeader,
     InPlaceFrameDecoder,
     PayloadReceived,
     Piece,
     encode,
 )
+from exchange.protocol.data_landing import DataLanding
 from exchange.protocol.handshake import ClientHandshake
 from exchange.protocol.local_messages import (
     ArenaMapped,
@@ -214,6 +213,10 @@ class ClientConnection:
                 f"connection to {self.address}: {self.state.name} -> {new.name}"
             )
         self.state = new
+        self._on_state(new)
+
+    def _on_state(self, new: ClientConnectionState) -> None:
+        """The state changed (a subclass's hook)."""
 
     @property
     def is_open(self) -> bool:
@@ -259,12 +262,7 @@ class ClientConnection:
         try:
             items = self._decoder.buffer_updated(nbytes)
             if self.state in _RECEIVING:  # else failed or closed: what arrives is dropped
-                for item in items:
-                    if type(item) is PayloadReceived:
-                        self._on_payload(item)
-                    else:
-                        assert isinstance(item, Message)
-                        self._on_message(item)
+                self._deliver(items)
         except ExchangeError as e:
             self.fail(e)
         return bool(self._events) or bool(self._out)
@@ -298,8 +296,13 @@ class ClientConnection:
         """A message after the handshake; by default handed to the user as an event."""
         self._events.append(MessageReceived(msg))
 
-    def _on_payload(self, item: PayloadReceived) -> None:
-        raise ProtocolError(f"unexpected data frame from {self.address}")  # pragma: no cover
+    def _deliver(self, items: list[Message | PayloadReceived]) -> None:
+        """Act on one read's frames, in order."""
+        for item in items:
+            if type(item) is PayloadReceived:  # pragma: no cover - no body sink here
+                raise ProtocolError(f"unexpected data frame from {self.address}")
+            assert isinstance(item, Message)
+            self._on_message(item)
 
     # -- output --------------------------------------------------------------------------
 
@@ -379,6 +382,10 @@ class PartitionRequestClientConnection(ClientConnection):
         app_id: str = "",
         shared_reads: bool = False,
     ) -> None:
+        self._channels: dict[int, RemoteInputChannel] = {}
+        # Payloads land in credited buffers of their channels and are handed on (compiled;
+        # buffers taken for payloads not handed on yet are released if the connection dies)
+        self._data = DataLanding(address, self._channels)
         accept: frozenset[int] = DATA_PORT_CLIENT_MESSAGE_IDS
         if shared_reads:
             accept = accept | {
@@ -397,12 +404,8 @@ class PartitionRequestClientConnection(ClientConnection):
         # bytes_received when it last changed or no channel had credit out, and when
         self._progress_bytes = -1
         self._progress_at = 0.0
-        self._channels: dict[int, RemoteInputChannel] = {}
         self._next_id = 1
         self._credit_pending: list[RemoteInputChannel] = []
-        # Buffers taken for payloads not handed to their channel yet, in frame order (one
-        # chunk may complete several frames); released if the connection dies first.
-        self._landing: deque[tuple[RemoteInputChannel, Buffer]] = deque()
         #: shared memory: this connection may map an arena (and its segment size, once offered)
         self.shared_reads = shared_reads
         self._segment_size = 0
@@ -424,7 +427,7 @@ class PartitionRequestClientConnection(ClientConnection):
         # BufferResponses: each read carries a batch of frames (DEFAULT_READ_AHEAD), parsed
         # in one call; payloads are copied from the read into their credited segments.
         return InPlaceFrameDecoder(
-            max_frame_size, accept=accept, body_sink=self._body_sink, read_ahead=DEFAULT_READ_AHEAD
+            max_frame_size, accept=accept, body_sink=self._data.sink, read_ahead=DEFAULT_READ_AHEAD
         )
 
     @property
@@ -436,35 +439,11 @@ class PartitionRequestClientConnection(ClientConnection):
 
     # -- receiving -----------------------------------------------------------------------
 
-    def _body_sink(self, header: BufferResponseHeader) -> memoryview | None:
-        """Where a BufferResponse payload lands: a credited buffer of its channel."""
-        if header.data_type is not DataType.DATA_BUFFER or self.state not in _LANDING:
-            return None  # events are decoded whole; a frame before the handshake is refused
-        ch = self._channels.get(header.receiver_id)
-        if ch is None:
-            return None  # cancelled meanwhile: read through scratch, then dropped
-        buf = ch.request_buffer()
-        if buf is None:
-            raise ProtocolError(
-                f"daemon {self.address} sent a buffer to receiver {header.receiver_id} "
-                "without credit"
-            )
-        seg = buf.segment
-        if header.size > seg.size:
-            buf.release()
-            raise ProtocolError(
-                f"buffer of {header.size} bytes exceeds the receiver's {seg.size}-byte segments; "
-                "all daemons and clients must use the same segment size"
-            )
-        self._landing.append((ch, buf))
-        return seg.view()[: header.size]
+    def _on_state(self, new: ClientConnectionState) -> None:
+        self._data.accepting = new in _LANDING
 
-    def _on_payload(self, item: PayloadReceived) -> None:
-        ch, buf = self._landing.popleft()
-        h: BufferResponseHeader = item.header
-        buf.set_size(h.size)
-        buf.compressed = h.compressed
-        ch.on_buffer(buf, h.sequence_number, h.backlog)
+    def _deliver(self, items: list[Message | PayloadReceived]) -> None:
+        self._data.deliver(items, self._on_message)  # type: ignore[arg-type]
 
     def on_message(self, msg: Message) -> None:
         if type(msg) is BufferResponse:
@@ -685,9 +664,7 @@ class PartitionRequestClientConnection(ClientConnection):
                 ch.set_error(error)
 
     def _release_landing(self) -> None:
-        landing = self._landing
-        while landing:
-            landing.popleft()[1].release()
+        self._data.release_landing()
 
 
 class _SharedSegment:
