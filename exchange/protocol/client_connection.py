@@ -57,7 +57,6 @@ from exchange.errors import (
     UsageError,
     fresh_error,
 )
-from exchange.memory.memory_segment import MemorySegment
 from exchange.protocol.codec import (
     DEFAULT_READ_AHEAD,
     MAX_CONTROL_FRAME_SIZE,
@@ -410,16 +409,6 @@ class PartitionRequestClientConnection(ClientConnection):
         self.shared_reads = shared_reads
         self._segment_size = 0
         self._offered = False
-        self._arena: memoryview | None = None
-        # the arena's segments, by index (made once mapped)
-        self._segments: list[MemorySegment] = []
-        # indices of shared segments released, for the next RecycleSegments
-        self._give_backs: list[int] = []
-        #: called when the first index is queued since the last flush (I/O side: flush)
-        self.on_give_back_pending: Callable[[], None] | None = None
-        #: shared segments held now (received, not released), and payload bytes so read
-        self.segments_held = 0
-        self.bytes_shared = 0
 
     def _new_decoder(
         self, max_frame_size: int, accept: Collection[int] | None
@@ -441,6 +430,26 @@ class PartitionRequestClientConnection(ClientConnection):
 
     def _on_state(self, new: ClientConnectionState) -> None:
         self._data.accepting = new in _LANDING
+        self._data.sending = new in _SENDING  # shared segments released are given back
+
+    @property
+    def on_give_back_pending(self) -> Callable[[], None] | None:
+        """Called when the first index is queued since the last flush (I/O side: flush)."""
+        return self._data.on_give_back_pending
+
+    @on_give_back_pending.setter
+    def on_give_back_pending(self, callback: Callable[[], None] | None) -> None:
+        self._data.on_give_back_pending = callback
+
+    @property
+    def segments_held(self) -> int:
+        """Shared segments held now (received, not released)."""
+        return self._data.segments_held
+
+    @property
+    def bytes_shared(self) -> int:
+        """Payload bytes read in place from shared segments."""
+        return self._data.bytes_shared
 
     def _deliver(self, items: list[Message | PayloadReceived]) -> None:
         self._data.deliver(items, self._on_message)  # type: ignore[arg-type]
@@ -449,7 +458,7 @@ class PartitionRequestClientConnection(ClientConnection):
         if type(msg) is BufferResponse:
             self._on_buffer_response(msg)
         elif type(msg) is SharedBufferResponse:
-            self._on_shared_buffers(msg)
+            self._data.deliver_shared(msg.buffers)
         elif type(msg) is SharedArena:
             if self._offered or msg.segments:
                 raise ProtocolError(f"unexpected SharedArena from daemon {self.address}")
@@ -482,63 +491,13 @@ class PartitionRequestClientConnection(ClientConnection):
 
     def arena_mapped(self, arena: memoryview) -> None:
         """The offered arena is mapped (``arena``: all of it): tell the daemon."""
-        if not self._offered or self._arena is not None:
+        if not self._offered or self._data.has_arena:
             raise IllegalStateError("arena_mapped without an offer, or twice")
-        self._arena = arena
-        size = self._segment_size
-        self._segments = [
-            MemorySegment(arena[i : i + size], i // size)
-            for i in range(0, arena.nbytes - size + 1, size)
-        ]
+        self._data.arena_mapped(arena, self._segment_size)
         self.send(ArenaMapped())
 
-    def _on_shared_buffers(self, msg: SharedBufferResponse) -> None:
-        arena, seg_size = self._arena, self._segment_size
-        if arena is None:
-            raise ProtocolError(f"SharedBufferResponse from {self.address} before ArenaMapped")
-        segments = self._segments
-        channels = self._channels
-        for rid, seq, backlog, _, compressed, index, offset, size in msg.buffers:
-            if offset + size > seg_size or index >= len(segments):
-                raise ProtocolError(
-                    f"SharedBufferResponse outside the arena: segment {index}, offset "
-                    f"{offset}, size {size} (segments of {seg_size} bytes, arena of "
-                    f"{arena.nbytes})"
-                )
-            self.segments_held += 1
-            self.bytes_shared += size
-            ch = channels.get(rid)
-            if ch is None:
-                self.give_back(index)  # cancelled meanwhile: straight back
-                continue
-            credit = ch.request_buffer()
-            if credit is None:
-                self.give_back(index)
-                raise ProtocolError(
-                    f"daemon {self.address} sent a buffer to receiver {rid} without credit"
-                )
-            if offset:  # a slice of a segment (the daemon's own buffers): a view of it
-                start = index * seg_size + offset
-                segment = MemorySegment(arena[start : start + size], index)
-            else:
-                segment = segments[index]
-            buf = Buffer(segment, _SharedSegment(self, credit), size)
-            if compressed:
-                buf.compressed = True
-            ch.on_buffer(buf, seq, backlog)
-
-    def give_back(self, index: int) -> None:
-        """A shared segment is released: its index goes in the next RecycleSegments."""
-        self.segments_held -= 1
-        if not self.is_open:
-            return  # the daemon is gone (it freed what we held) or we are closing
-        pending = self._give_backs
-        pending.append(index)
-        if len(pending) == 1 and self.on_give_back_pending is not None:
-            self.on_give_back_pending()
-
     def _flush_give_backs(self) -> None:
-        pending, self._give_backs = self._give_backs, []
+        pending = self._data.take_give_backs()
         if pending and self.state in _SENDING:
             self._out.append(encode_recycle(pending))
 
@@ -621,7 +580,7 @@ class PartitionRequestClientConnection(ClientConnection):
     def flush_credits(self) -> None:
         """One RecycleSegments for the shared segments released, then one AddCredit per
         channel with all its unannounced credit."""
-        if self._give_backs:
+        if self._data.has_give_backs:
             self._flush_give_backs()
         pending, self._credit_pending = self._credit_pending, []
         channels = self._channels
@@ -655,7 +614,7 @@ class PartitionRequestClientConnection(ClientConnection):
 
     def on_connection_lost(self, error: ExchangeError) -> None:
         self._release_landing()
-        self._segments, self._arena = [], None  # (buffers still held keep their views)
+        self._data.drop_arena()  # (buffers still held keep their views)
         channels = list(self._channels.values())
         self._channels.clear()
         self._credit_pending.clear()
@@ -665,18 +624,3 @@ class PartitionRequestClientConnection(ClientConnection):
 
     def _release_landing(self) -> None:
         self._data.release_landing()
-
-
-class _SharedSegment:
-    """Recycler of one Buffer over a shared segment: its index goes back to the daemon
-    and the credited buffer held beside it returns to its channel (the credit)."""
-
-    __slots__ = ("_conn", "_credit")
-
-    def __init__(self, conn: PartitionRequestClientConnection, credit: Buffer) -> None:
-        self._conn = conn
-        self._credit = credit
-
-    def recycle(self, segment: MemorySegment) -> None:
-        self._conn.give_back(segment.index)
-        self._credit.release()

@@ -13,7 +13,15 @@ Buffers taken for payloads not handed on yet are held in frame order (one read m
 complete several frames); ``release_landing`` gives them back if the connection dies
 first. ``accepting`` is False before the handshake and once the connection failed or
 closed: a data frame then is read through the parser's scratch and dropped (or refused
-by the connection's state). There is no Python version of this module.
+by the connection's state).
+
+Shared memory (a connection to this host's daemon, once ``arena_mapped``):
+``deliver_shared`` turns a SharedBufferResponse's descriptors into Buffers over views of
+the arena, each costing its channel one credit as a BufferResponse does (a credited
+buffer of the channel is taken and held unused beside it). Releasing one queues its
+segment's index for the next RecycleSegments (``take_give_backs``; the first index
+queued calls ``on_give_back_pending``, the I/O side's flush) and returns the credit.
+There is no Python version of this module.
 """
 
 from collections import deque
@@ -24,7 +32,7 @@ from exchange.memory.memory_segment cimport MemorySegment
 from exchange.protocol.frame_parser cimport BufferResponseHeader, PayloadReceived
 
 from exchange.buffers.buffer import DataType
-from exchange.errors import ProtocolError
+from exchange.errors import IllegalStateError, ProtocolError
 
 __all__ = ["DataLanding"]
 
@@ -40,6 +48,14 @@ cdef class DataLanding:
         self.channels = channels
         self._landing = deque()
         self.accepting = False
+        self._arena = None
+        self._segment_size = 0
+        self._segments = []
+        self._give_backs = []
+        self.sending = False
+        self.on_give_back_pending = None
+        self.segments_held = 0
+        self.bytes_shared = 0
 
     def sink(self, BufferResponseHeader header):
         """The frame parser's body sink: where a BufferResponse payload lands (a credited
@@ -94,3 +110,104 @@ cdef class DataLanding:
         landing = self._landing
         while landing:
             (<Buffer>landing.popleft()[1]).release()
+
+    # -- shared memory -------------------------------------------------------------------
+
+    @property
+    def has_arena(self):
+        return self._arena is not None
+
+    def arena_mapped(self, arena, Py_ssize_t segment_size):
+        """The offered arena is mapped (``arena``: all of it, segments of ``segment_size``)."""
+        if self._arena is not None:
+            raise IllegalStateError("arena_mapped twice")
+        cdef Py_ssize_t i, n = arena.nbytes
+        self._segments = [
+            MemorySegment(arena[i : i + segment_size], i // segment_size)
+            for i in range(0, n - segment_size + 1, segment_size)
+        ]
+        self._arena = arena
+        self._segment_size = segment_size
+
+    def drop_arena(self):
+        """The connection is gone (buffers still held keep their views)."""
+        self._segments, self._arena = [], None
+
+    def deliver_shared(self, buffers):
+        """A SharedBufferResponse's descriptors, in stream order, to their channels."""
+        arena = self._arena
+        cdef Py_ssize_t seg_size = self._segment_size
+        if arena is None:
+            raise ProtocolError(f"SharedBufferResponse from {self.address} before ArenaMapped")
+        cdef list segments = self._segments
+        cdef dict channels = self.channels
+        cdef Py_ssize_t index, offset, size, start
+        cdef RemoteInputChannel ch
+        cdef Buffer credit, buf
+        cdef MemorySegment segment
+        for rid, seq, backlog, _, compressed, index, offset, size in buffers:
+            if offset + size > seg_size or index >= len(segments):
+                raise ProtocolError(
+                    f"SharedBufferResponse outside the arena: segment {index}, offset "
+                    f"{offset}, size {size} (segments of {seg_size} bytes, arena of "
+                    f"{arena.nbytes})"
+                )
+            self.segments_held += 1
+            self.bytes_shared += size
+            found = channels.get(rid)
+            if found is None:
+                self.give_back(index)  # cancelled meanwhile: straight back
+                continue
+            ch = found
+            credit = ch.request_buffer()
+            if credit is None:
+                self.give_back(index)
+                raise ProtocolError(
+                    f"daemon {self.address} sent a buffer to receiver {rid} without credit"
+                )
+            if offset:  # a slice of a segment (the daemon's own buffers): a view of it
+                start = index * seg_size + offset
+                segment = MemorySegment(arena[start : start + size], index)
+            else:
+                segment = <MemorySegment>segments[index]
+            buf = Buffer(segment, _SharedSegment.make(self, credit), size)
+            if compressed:
+                buf.compressed = True
+            ch.on_buffer(buf, seq, backlog)
+
+    cdef void give_back(self, Py_ssize_t index) except *:
+        self.segments_held -= 1
+        if not self.sending:
+            return  # the daemon is gone (it freed what we held) or we are closing
+        pending = self._give_backs
+        pending.append(index)
+        if len(pending) == 1 and self.on_give_back_pending is not None:
+            self.on_give_back_pending()
+
+    def take_give_backs(self):
+        """The indices released since the last call (for one RecycleSegments)."""
+        pending, self._give_backs = self._give_backs, []
+        return pending
+
+    @property
+    def has_give_backs(self):
+        return bool(self._give_backs)
+
+
+cdef class _SharedSegment:
+    """Recycler of one Buffer over a shared segment: its index goes back to the daemon
+    and the credited buffer held beside it returns to its channel (the credit)."""
+
+    cdef DataLanding _landing
+    cdef Buffer _credit
+
+    @staticmethod
+    cdef _SharedSegment make(DataLanding landing, Buffer credit):
+        cdef _SharedSegment r = _SharedSegment.__new__(_SharedSegment)
+        r._landing = landing
+        r._credit = credit
+        return r
+
+    def recycle(self, MemorySegment segment):
+        self._landing.give_back(segment.index)
+        self._credit.release()
