@@ -335,6 +335,31 @@ async def test_events_are_delivered_without_credit(s: Setup) -> None:
 
 
 @pytest.mark.asyncio
+async def test_payloads_and_events_of_one_read_reach_the_channel_in_frame_order(s: Setup) -> None:
+    # One read completes data frames (landed in credited buffers, handed on by the
+    # compiled landing) around an event (decoded whole, a message): the channel must see
+    # them in stream order (and the sequence numbers were checked in that order).
+    a, _ = s.channels
+    event = EventSerializer.to_bytes(EndOfPartitionEvent.INSTANCE)
+    s.conn.receive_data(
+        frames(
+            data(a.receiver_id, 0, b"one", backlog=1),
+            BufferResponse(a.receiver_id, 1, 0, DataType.EVENT_BUFFER, False, event),
+            data(a.receiver_id, 2, b"two"),
+        )
+    )
+    assert s.conn.state is ClientConnectionState.ESTABLISHED, s.conn.error
+    got = []
+    while (g := a.get_next_buffer()) is not None:
+        got.append(g)
+    assert [g.buffer.is_buffer for g in got] == [True, False, True]
+    assert EventSerializer.from_buffer(got[1].buffer) == EndOfPartitionEvent.INSTANCE
+    assert [bytes(got[i].buffer.memoryview()) for i in (0, 2)] == [b"one", b"two"]
+    for g in got:
+        g.buffer.release()
+
+
+@pytest.mark.asyncio
 async def test_channel_calls_are_written_only_for_routed_channels(s: Setup) -> None:
     a, b = s.channels
     sent(s.conn)
