@@ -8,17 +8,28 @@ process over the local socket (``PartitionWriter``). Each round, a fresh consume
 process reads each partition over loopback TCP with ``PartitionReader`` and checks every
 record (``_common.Checker``): the plain daemon, then the TLS one (the reader trusts the
 CA through ``$EXCHANGE_TLS_CA_FILE``). Figures: GB/s of record payload, medians of the rounds,
-and their ratio (plain / TLS; Flink reports losing about 4x with SSL). The last line
+and their ratio (plain / TLS; Flink reports losing about 4x with SSL); and the CPU each
+side spends per 32 KiB of payload, with and without TLS (the daemon's threads' from
+``/proc`` around the read, in nanoseconds; the consumer process's own), the figure to
+trust on a loaded machine.
+Beside them, the floor of the ``ssl`` module on this machine (``ssl_floor``): the CPU to
+encrypt and to decrypt the same frames with the daemon's and the task's own contexts over
+``MemoryBIO`` pairs in this process (what uvloop's SSL transport does per buffer, without
+sockets or an event loop), and the protocol and cipher they negotiate. The last line
 printed is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import os
 import shutil
+import ssl
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +47,7 @@ from _common import (
 )
 
 RECORD = 4096
+SEGMENT = 32 * 1024
 CA_ENV = "EXCHANGE_TLS_CA_FILE"
 
 
@@ -49,10 +61,83 @@ def _certs() -> Any:
     return module
 
 
-def read_once(daemon: Daemon, dataset: str, count: int, ca: str | None) -> float:
-    """GB/s of one consumer task process reading the partition over TCP (TLS if ``ca``)."""
+def ssl_floor(pki: Any, frames: int = 2048) -> dict[str, Any]:
+    """CPU microseconds per 32 KiB to encrypt and to decrypt BufferResponse frames (header
+    piece + 32 KiB view, 8 per write batch, as the daemon's ``writelines``) with the
+    daemon's and the task's contexts over MemoryBIOs (uvloop's SSLProtocol's own calls:
+    ``write`` per piece then one ``outgoing.read``; ``incoming.write`` then ``read`` into
+    one buffer until ``SSLWantReadError``); medians of 3, and what is negotiated."""
+    from client.tls import client_ssl_context
+    from exchange.protocol.codec import BUFFER_RESPONSE_HEADER_SIZE
+    from server.config import DaemonConfig
+    from server.tls import server_ssl_context
+
+    config = DaemonConfig(tls_cert_file=str(pki.server_cert), tls_key_file=str(pki.server_key))
+    server_ctx, client_ctx = server_ssl_context(config), client_ssl_context(str(pki.ca))
+    assert server_ctx is not None and client_ctx is not None
+    s_in, s_out, c_in, c_out = (ssl.MemoryBIO() for _ in range(4))
+    server = server_ctx.wrap_bio(s_in, s_out, server_side=True)
+    client = client_ctx.wrap_bio(c_in, c_out, server_hostname="127.0.0.1")
+    for _ in range(8):  # the handshake, both ends over the BIOs
+        for end in (client, server):
+            with contextlib.suppress(ssl.SSLWantReadError):
+                end.do_handshake()
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+    header = os.urandom(BUFFER_RESPONSE_HEADER_SIZE)
+    payload = memoryview(os.urandom(SEGMENT))
+    into = memoryview(bytearray(8 * (SEGMENT + 1024)))
+    enc: list[float] = []
+    dec: list[float] = []
+    clock = time.process_time
+    for _ in range(3):
+        enc_s = dec_s = 0.0
+        for _ in range(frames // 8):  # each batch decrypted before the next: memory reused
+            t0 = clock()
+            for _ in range(8):
+                server.write(header)
+                server.write(payload)
+            batch = s_out.read()
+            t1 = clock()
+            c_in.write(batch)
+            with contextlib.suppress(ssl.SSLWantReadError):
+                while client.read(len(into), into):
+                    pass
+            t2 = clock()
+            enc_s += t1 - t0
+            dec_s += t2 - t1
+        enc.append(enc_s * 1e6 / frames)
+        dec.append(dec_s * 1e6 / frames)
+    cipher = client.cipher()
+    return {
+        "version": client.version(),
+        "cipher": cipher[0] if cipher else None,
+        "encrypt_us": median(enc),
+        "decrypt_us": median(dec),
+    }
+
+
+def threads_cpu(pid: int) -> float:
+    """CPU seconds the live threads of ``pid`` have run (``/proc/<pid>/task/*/schedstat``,
+    nanoseconds: ``proc_cpu``'s clock ticks are 6.5 us per 32 KiB of a quick run)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            total += int(f.read().split()[0])
+    return total / 1e9
+
+
+def read_once(
+    daemon: Daemon, dataset: str, count: int, ca: str | None
+) -> tuple[float, float, float]:
+    """One consumer task process reads the partition over TCP (TLS if ``ca``): GB/s, and
+    the daemon's and the consumer's CPU microseconds per 32 KiB of payload."""
+    cpu0 = threads_cpu(daemon.pid)
     res = read_partition(daemon, dataset, 1, RECORD, count, env={CA_ENV: ca})
-    return float(count * RECORD / (res["t1"] - res["t0"]) / GB)
+    daemon_cpu = threads_cpu(daemon.pid) - cpu0
+    per_32k = 1e6 * SEGMENT / (count * RECORD)
+    gbps = float(count * RECORD / (res["t1"] - res["t0"]) / GB)
+    return gbps, daemon_cpu * per_32k, float(res["cpu"]) * per_32k
 
 
 def main() -> None:
@@ -65,8 +150,10 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="xbench-tls-"))
     pki = _certs().make_pki(work / "pki")
+    floor = ssl_floor(pki)  # before the daemons start: this process alone
     tls = ["--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key)]
     runs: dict[str, list[float]] = {"plain": [], "tls": []}
+    cpu: dict[str, list[float]] = {f"{k}_{who}": [] for k in runs for who in ("daemon", "consumer")}
     plain_d, tls_d = Daemon(), Daemon(*tls)
     try:
         if tls_d.info.get("tls") is not True:
@@ -74,8 +161,11 @@ def main() -> None:
         fill_partition(plain_d, "plain", 1, RECORD, count)
         fill_partition(tls_d, "tls", 1, RECORD, count)
         for _ in range(rounds):
-            runs["plain"].append(read_once(plain_d, "plain", count, None))
-            runs["tls"].append(read_once(tls_d, "tls", count, str(pki.ca)))
+            for key, daemon, ca in (("plain", plain_d, None), ("tls", tls_d, str(pki.ca))):
+                gbps, daemon_us, consumer_us = read_once(daemon, key, count, ca)
+                runs[key].append(gbps)
+                cpu[f"{key}_daemon"].append(daemon_us)
+                cpu[f"{key}_consumer"].append(consumer_us)
         whole = plain_d.stop() and tls_d.stop()
     finally:
         plain_d.close()
@@ -85,6 +175,7 @@ def main() -> None:
         raise BenchError("a daemon's network pool was not whole when it stopped")
 
     m = {k: median(v) for k, v in runs.items()}
+    c = {k: median(v) for k, v in cpu.items()}
     results: dict[str, Any] = {
         "bench": "tls",
         "quick": args.quick,
@@ -95,6 +186,13 @@ def main() -> None:
         "tls_gbps": m["tls"],
         "plain_over_tls": m["plain"] / m["tls"],
         "flink_plain_over_ssl": 4.0,
+        **{f"{k}_us_per_32k": round(v, 2) for k, v in c.items()},
+        "tls_over_plain_cpu": (c["tls_daemon"] + c["tls_consumer"])
+        / (c["plain_daemon"] + c["plain_consumer"]),
+        "tls_version": floor["version"],
+        "tls_cipher": floor["cipher"],
+        "ssl_floor_encrypt_us_per_32k": round(floor["encrypt_us"], 2),
+        "ssl_floor_decrypt_us_per_32k": round(floor["decrypt_us"], 2),
         "plain_runs": [round(v, 3) for v in runs["plain"]],
         "tls_runs": [round(v, 3) for v in runs["tls"]],
     }
@@ -102,6 +200,15 @@ def main() -> None:
     print(f"  plain TCP   {m['plain']:6.2f} GB/s   runs {results['plain_runs']}")
     print(f"  TLS         {m['tls']:6.2f} GB/s   runs {results['tls_runs']}")
     print(f"  plain / TLS {results['plain_over_tls']:.2f} (Flink: about 4)")
+    print(
+        f"  CPU per 32 KiB, daemon / consumer: plain {c['plain_daemon']:.1f} / "
+        f"{c['plain_consumer']:.1f} us, TLS {c['tls_daemon']:.1f} / {c['tls_consumer']:.1f} us"
+        f" (TLS / plain {results['tls_over_plain_cpu']:.2f})"
+    )
+    print(
+        f"  ssl module floor ({floor['version']}, {floor['cipher']}), per 32 KiB: encrypt "
+        f"{floor['encrypt_us']:.1f} us, decrypt {floor['decrypt_us']:.1f} us"
+    )
     print(json_line(results))
 
 

@@ -73,6 +73,7 @@ from exchange.events.events import CancelCheckpointMarker, CheckpointBarrier, Ch
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.protocol.local_messages import TASK_METRIC_NAMES, TaskMetrics
+from exchange.serialization.framing import ITEM_DATA, ITEM_DRAINED, ITEM_OVERTAKEN
 from exchange.serialization.record_codec import RecordCodec, default_codec
 
 __all__ = ["AsyncPartitionReader", "PartitionLocation", "PartitionReader", "ReaderOptions"]
@@ -450,7 +451,7 @@ class AsyncPartitionReader:
 
 # -- the synchronous facade ------------------------------------------------------------
 
-_DATA: Final = 0
+_DATA: Final = ITEM_DATA  # 0: the kinds framing.feed_batch reads are its own
 _EVENT: Final = 1
 _END: Final = 2
 _ERROR: Final = 3
@@ -459,11 +460,11 @@ _ABORT: Final = 5  # the task's abort_checkpoint(*args)
 _PERSIST: Final = 6  # the task's persist_records(checkpoint, channel, records, nbytes)
 _STATE_COMPLETE: Final = 7  # the task's input_state_complete(checkpoint)
 #: a data buffer a priority barrier overtook: (Buffer, overtaken_by) (loop -> task thread)
-_OVERTAKEN: Final = 8
+_OVERTAKEN: Final = ITEM_OVERTAKEN  # 8
 #: the task's persist_partial_record(checkpoint, channel, bytes) (unaligned)
 _PARTIAL: Final = 9
 #: the gate had nothing more after a priority barrier: every buffer it overtook is in
-_DRAINED: Final = 10
+_DRAINED: Final = ITEM_DRAINED  # 10
 #: the place in the hand-off of a priority barrier that jumped it (unaligned, see _jump)
 _JUMPED: Final = 11
 #: kinds the task thread runs at once when it decodes ahead (the listener's calls)
@@ -1167,18 +1168,10 @@ class PartitionReader:
 
     def _decode_plain(self, batch: list[_Item], out: list[_Item], give_back: bool) -> list[_Item]:
         """``_decode`` with no barrier handler (nothing parks, jumps or is persisted):
-        each buffer's records straight into ``out``; the buffers go back the same way."""
-        feed = self._stream.feed
+        each buffer's records straight into ``out``, in one compiled loop over the batch
+        (``RecordStream.feed_batch``); the buffers go back the same way."""
         try:
-            for kind, ch, item in batch:
-                if kind in (_DATA, _OVERTAKEN):
-                    buf: Buffer = item if kind == _DATA else item[0]
-                    with buf.memoryview() as view:
-                        records = feed(ch, view)
-                    if records:
-                        out.append((_DATA, ch, records))
-                elif kind != _DRAINED:  # _DRAINED only concerns an unaligned handler
-                    out.append((kind, ch, item))
+            self._stream.feed_batch(batch, out)
         finally:
             if give_back:
                 self._give_back_decoded(batch)

@@ -36,6 +36,7 @@ from exchange.events.events import (
     EndOfDataEvent,
     EndOfPartitionEvent,
 )
+from exchange.serialization.framing import feed_batch
 from exchange.serialization.record_codec import RecordCodec, default_codec
 
 if TYPE_CHECKING:
@@ -91,6 +92,12 @@ class RecordStream:
         records = dec.take()
         self.records_in += len(records)
         return records
+
+    def feed_batch(self, batch: list[tuple[int, int, Any]], out: list[Any]) -> None:
+        """``feed`` of every data buffer of a reader's hand-off batch, in one compiled loop
+        (``framing.feed_batch``): ``(kind, channel, records)`` into ``out`` per buffer that
+        completed records, other items as they are."""
+        self.records_in += feed_batch(self._decoders, self._ended_data, batch, out)
 
     def unconsumed_bytes(self, channel: int) -> bytes:
         """The bytes of ``channel``'s incomplete record, as fed (b"" at a boundary)."""

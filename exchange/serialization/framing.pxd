@@ -1,5 +1,7 @@
 # The compiled framing's classes (exchange/serialization/framing.pyx).
 
+from exchange.buffers.buffer cimport Buffer
+
 cdef class DecoderBase:
     cdef public list _ready
     cdef public object _error
@@ -17,6 +19,7 @@ cdef class LengthPrefixedDecoder(DecoderBase):
 
     cdef int _queue(self, list records) except -1
 
-    cdef int _feed(self, object view) except -1
+    cdef int _feed(self, object view, Py_ssize_t base=*, Py_ssize_t length=*) except -1
+    cdef int _feed_buffer(self, Buffer buf) except -1
     cdef Py_ssize_t _complete(self, const unsigned char* p, Py_ssize_t end) except -2
     cdef bytearray _start_frame(self, Py_ssize_t n)

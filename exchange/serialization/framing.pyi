@@ -4,7 +4,15 @@ from typing import Any, Final
 
 from exchange.errors import CorruptRecordError
 
-__all__ = ["SCRATCH_KEEP", "DecoderBase", "LengthPrefixedDecoder"]
+__all__ = [
+    "ITEM_DATA",
+    "ITEM_DRAINED",
+    "ITEM_OVERTAKEN",
+    "SCRATCH_KEEP",
+    "DecoderBase",
+    "LengthPrefixedDecoder",
+    "feed_batch",
+]
 
 SCRATCH_KEEP: Final[int]
 
@@ -34,3 +42,11 @@ class LengthPrefixedDecoder(DecoderBase):
     def feed(self, data: bytes | bytearray | memoryview) -> None: ...
     def clear(self) -> None: ...
     def _deliver(self, payload: memoryview) -> None: ...
+
+ITEM_DATA: Final[int]
+ITEM_OVERTAKEN: Final[int]
+ITEM_DRAINED: Final[int]
+
+def feed_batch(
+    decoders: list[Any], ended: set[int], batch: list[tuple[int, int, Any]], out: list[Any]
+) -> int: ...

@@ -23,15 +23,31 @@ There is no Python version of this module.
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
-from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_FromStringAndSize
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from libc.string cimport memcpy
 
+from exchange.buffers.buffer cimport Buffer
+from exchange.memory.memory_segment cimport MemorySegment
 from exchange.serialization.int_pairs cimport _PAIRS_TAG, decode_int_pairs
 
-from exchange.errors import CorruptRecordError, RecordTooLargeError, fresh_error
+from exchange.errors import (
+    CorruptRecordError,
+    IllegalStateError,
+    ProtocolError,
+    RecordTooLargeError,
+    fresh_error,
+)
 
-__all__ = ["SCRATCH_KEEP", "DecoderBase", "LengthPrefixedDecoder"]
+__all__ = [
+    "ITEM_DATA",
+    "ITEM_DRAINED",
+    "ITEM_OVERTAKEN",
+    "SCRATCH_KEEP",
+    "DecoderBase",
+    "LengthPrefixedDecoder",
+    "feed_batch",
+]
 
 #: A cut frame up to this size is assembled in a reused scratch buffer.
 SCRATCH_KEEP = 256 * 1024
@@ -43,6 +59,13 @@ cdef inline Py_ssize_t _u32(const unsigned char* p) noexcept nogil:
         ((<unsigned int>p[0]) << 24) | ((<unsigned int>p[1]) << 16)
         | ((<unsigned int>p[2]) << 8) | (<unsigned int>p[3])
     )
+
+
+cdef inline bytearray _uninitialized(Py_ssize_t n):
+    """A bytearray of ``n`` bytes left as malloc gave them: a cut frame's buffer is read
+    only up to what was copied into it (``_have``), so zeroing it first is wasted work
+    (for a 256 KiB frame, a memset as large as the frame's own copy)."""
+    return <bytearray>PyByteArray_FromStringAndSize(NULL, n)
 
 
 cdef class DecoderBase:
@@ -117,15 +140,23 @@ cdef class LengthPrefixedDecoder(DecoderBase):
             except CorruptRecordError as exc:
                 self._fail(exc)
 
-    cdef int _feed(self, object view) except -1:
+    cdef int _feed(self, object view, Py_ssize_t base=0, Py_ssize_t length=-1) except -1:
+        """Split ``view[base : base + length]`` (``length`` -1: to its end) into frames; a
+        whole frame's payload goes to ``_deliver`` as a slice of ``view`` itself."""
         cdef Py_buffer pb
         cdef const unsigned char* p
         cdef Py_ssize_t pos = 0, end, n, stop, have
         cdef Py_ssize_t limit = self._limit
         PyObject_GetBuffer(view, &pb, PyBUF_SIMPLE)
         try:
-            p = <const unsigned char*>pb.buf
-            end = pb.len
+            if length < 0:
+                length = pb.len - base
+            if base < 0 or base + length > pb.len:
+                raise IllegalStateError(
+                    f"[{base}, {base + length}) outside a view of {pb.len} bytes"
+                )
+            p = <const unsigned char*>pb.buf + base
+            end = length
             if self._headlen or self._frame is not None:
                 pos = self._complete(p, end)
                 if pos < 0:
@@ -145,13 +176,27 @@ cdef class LengthPrefixedDecoder(DecoderBase):
                 if self._int_pairs and n and p[pos + 4] == _PAIRS_TAG:
                     self._queue(decode_int_pairs(p + pos + 4, n))
                 else:
-                    self._deliver(view[pos + 4 : stop])
+                    self._deliver(view[base + pos + 4 : base + stop])
                 pos = stop
             if pos < end:
                 memcpy(self._head, p + pos, end - pos)
                 self._headlen = <int>(end - pos)
         finally:
             PyBuffer_Release(&pb)
+        return 0
+
+    cdef int _feed_buffer(self, Buffer buf) except -1:
+        """``feed(buf.memoryview())`` without the memoryviews: straight from the segment."""
+        if self._error is not None:
+            raise fresh_error(self._error)
+        buf._check_alive()
+        try:
+            view = (<MemorySegment>buf._segment)._view
+            if view is None:
+                view = buf._segment.view()  # raises SegmentFreedError
+            self._feed(view, buf._offset, buf._size)
+        except CorruptRecordError as exc:
+            self._fail(exc)
         return 0
 
     cdef Py_ssize_t _complete(self, const unsigned char* p, Py_ssize_t end) except -2:
@@ -205,10 +250,10 @@ cdef class LengthPrefixedDecoder(DecoderBase):
         """The buffer for a cut frame of ``n`` payload bytes (``n`` within the limit)."""
         self._need = n
         if n > _SCRATCH_KEEP:
-            self._frame = bytearray(n)
+            self._frame = _uninitialized(n)
             return self._frame
         if len(self._scratch) < n:
-            self._scratch = bytearray(_SCRATCH_KEEP if n > 4096 else 4096)
+            self._scratch = _uninitialized(_SCRATCH_KEEP if n > 4096 else 4096)
         self._frame = self._scratch
         return self._frame
 
@@ -223,3 +268,50 @@ cdef class LengthPrefixedDecoder(DecoderBase):
     def _deliver(self, payload):
         """Decode one frame's payload and queue what it holds (subclasses)."""
         raise NotImplementedError
+
+
+#: Kinds of the items of a reader's hand-off batch (``client.consumer``'s ``_Item``:
+#: ``(kind, channel, payload)``) that ``feed_batch`` reads: a data buffer, a data buffer a
+#: priority barrier overtook (``(Buffer, ids)``), and the marker that only concerns an
+#: unaligned barrier handler.
+ITEM_DATA = 0
+ITEM_OVERTAKEN = 8
+ITEM_DRAINED = 10
+cdef long _ITEM_DATA = ITEM_DATA
+cdef long _ITEM_OVERTAKEN = ITEM_OVERTAKEN
+cdef long _ITEM_DRAINED = ITEM_DRAINED
+
+
+def feed_batch(list decoders, set ended, list batch, list out):
+    """Decode a hand-off batch with no barrier handler, in one C loop: each data buffer's
+    bytes go to its channel's decoder straight from the segment, and its records (if it
+    completed any) are appended to ``out`` as ``(ITEM_DATA, channel, records)``; other
+    items are appended as they are (``ITEM_DRAINED`` dropped). Returns the records decoded.
+    A channel in ``ended`` (its EndOfData came) sending data is a ProtocolError; a
+    decoder's error is raised as ``feed`` / ``take`` raise it. Decoders that are not
+    ``LengthPrefixedDecoder`` (written in Python) are fed the buffer's memoryview."""
+    cdef Py_ssize_t total = 0
+    cdef long kind
+    cdef tuple entry
+    cdef object ch, buf, dec, records
+    for item in batch:
+        entry = <tuple?>item
+        kind = entry[0]
+        if kind == _ITEM_DATA or kind == _ITEM_OVERTAKEN:
+            ch = entry[1]
+            buf = entry[2] if kind == _ITEM_DATA else entry[2][0]
+            if ended and ch in ended:
+                raise ProtocolError(f"channel {ch} sent data after its EndOfData")
+            dec = decoders[ch]
+            if isinstance(dec, LengthPrefixedDecoder):
+                (<LengthPrefixedDecoder>dec)._feed_buffer(<Buffer?>buf)
+            else:
+                with buf.memoryview() as view:
+                    dec.feed(view)
+            records = dec.take()
+            if records:
+                total += len(<list?>records)
+                out.append((ITEM_DATA, ch, records))
+        elif kind != _ITEM_DRAINED:
+            out.append(item)
+    return total

@@ -6,12 +6,15 @@
   bounded time and leaves nothing behind on the daemon;
 * with ``--tls-client-auth`` only readers presenting a certificate of the daemon's CA get
   in; none, or one of a rogue CA, is refused;
-* bad TLS settings stop the daemon with exit code 2 and a message naming the setting.
+* bad TLS settings stop the daemon with exit code 2 and a message naming the setting;
+* a task's context and the daemon's negotiate TLS 1.3 with AES-GCM (what
+  ``bench/bench_tls.py`` measures, docs/security.md).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +24,8 @@ import pytest
 
 from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
-from client.tls import TLS_CA_FILE_ENV, TLS_CERT_FILE_ENV, TLS_KEY_FILE_ENV
+from client.tls import TLS_CA_FILE_ENV, TLS_CERT_FILE_ENV, TLS_KEY_FILE_ENV, client_ssl_context
+from exchange.addresses import parse_address
 from exchange.errors import AuthenticationError, ExchangeError, TransportError
 from exchange.partition.result_partition_id import ResultPartitionID
 
@@ -105,6 +109,29 @@ def test_tls_with_shared_secret(
     # TLS does not replace the secret: a wrong one is refused inside the TLS connection
     assert isinstance(refused(d, pid, b"wrong"), AuthenticationError)
     assert isinstance(refused(d, pid, None), AuthenticationError)
+
+
+def test_task_and_daemon_negotiate_tls13_with_aes_gcm(
+    start_daemon: Callable[..., Daemon], pki: Any
+) -> None:
+    # AES-GCM runs on AES-NI here (ChaCha20-Poly1305 costs ~10 % more per 32 KiB);
+    # a context capped at TLS 1.2 or preferring ChaCha20 would change what TLS costs
+    d = start_daemon(*tls_flags(pki))
+    host, port = parse_address(d.data_address)
+    ctx = client_ssl_context(str(pki.ca))
+    assert ctx is not None
+    with (
+        socket.create_connection((host, port), timeout=FAIL_WITHIN) as raw,
+        ctx.wrap_socket(raw, server_hostname=host) as tls,
+    ):
+        assert tls.version() == "TLSv1.3"
+        cipher = tls.cipher()
+        assert cipher is not None and cipher[0] in {
+            "TLS_AES_256_GCM_SHA384",
+            "TLS_AES_128_GCM_SHA256",
+        }
+    # it never sent the shared-secret handshake: dropped, nothing left
+    d.wait_stats(lambda s: s["data_port"]["connections"] == 0)
 
 
 @pytest.mark.parametrize("client_ca", ["none", "rogue"])
