@@ -46,6 +46,7 @@ BufferAndAvailability = namedtuple(
     "BufferAndAvailability",
     ["buffer", "more_available", "buffers_in_backlog", "sequence_number", "overtaken_by"],
     defaults=((),),
+    module=__name__,  # (a compiled module runs no frame namedtuple could read it from)
 )
 BufferAndAvailability.__doc__ = """``overtaken_by``: ids of the unaligned checkpoints whose
 priority barrier overtook this data buffer in the channel (it is input channel state of

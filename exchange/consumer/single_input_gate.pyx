@@ -39,6 +39,7 @@ BufferOrEvent = namedtuple(
     "BufferOrEvent",
     ["buffer", "event", "channel_index", "more_available", "overtaken_by"],
     defaults=((),),
+    module=__name__,  # (a compiled module runs no frame namedtuple could read it from)
 )
 BufferOrEvent.__doc__ = """A data buffer (``event`` None) or a decoded event (``buffer``
 None).
