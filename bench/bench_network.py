@@ -18,7 +18,8 @@ load drift):
 * flight: Arrow Flight ``DoGet`` of one binary column of 4 KiB values (two processes).
 
 Figures are GB/s of record payload, medians of the rounds; the consumer's CPU per 32 KiB
-of stream (and the share of its task thread, which decodes). Ratios stack/flight (target
+of stream (and the share of its task thread, which decodes), and the daemon's (its threads'
+schedstat around each read; the daemon serves only that reader then). Ratios stack/flight (target
 >= 1.0) and stack/raw (target >= 0.45). The last line printed is one JSON object.
 """
 
@@ -45,6 +46,7 @@ from _common import (
     median,
     read_partition,
     run_pair,
+    threads_cpu,
 )
 
 CHUNK = 32 * 1024
@@ -135,14 +137,18 @@ def raw_sender(conn: Connection, port: int, total: int) -> None:
 
 
 def read_once(daemon: Daemon, dataset: str, subpartitions: int, count: int) -> dict[str, float]:
-    """A consumer task reads the filled partition over TCP: GB/s and CPU per 32 KiB."""
+    """A consumer task reads the filled partition over TCP: GB/s, its CPU per 32 KiB and the
+    daemon's (its threads' schedstat around the whole read: it serves only this reader)."""
+    daemon_cpu = threads_cpu(daemon.pid)
     res = read_partition(daemon, dataset, subpartitions, RECORD, count)
+    daemon_cpu = threads_cpu(daemon.pid) - daemon_cpu
     seconds = res["t1"] - res["t0"]
     stream_buffers = count * RECORD / SEG
     return {
         "gbps": count * RECORD / seconds / GB,
         "cpu_us": res["cpu"] / stream_buffers * 1e6,
         "task_cpu_us": res["task_cpu"] / stream_buffers * 1e6,
+        "daemon_cpu_us": daemon_cpu / stream_buffers * 1e6,
     }
 
 
@@ -164,7 +170,9 @@ def main() -> None:
     payload = count * RECORD
 
     runs: dict[str, list[float]] = {k: [] for k in ("raw", "flight", "s1", "s8")}
-    cpu: dict[str, list[float]] = {k: [] for k in ("s1", "s1_task", "s8", "s8_task")}
+    cpu: dict[str, list[float]] = {
+        k: [] for k in ("s1", "s1_task", "s1_daemon", "s8", "s8_task", "s8_daemon")
+    }
     daemon = Daemon()
     try:
         t = time.monotonic()
@@ -178,6 +186,7 @@ def main() -> None:
                 runs[f"s{n}"].append(r["gbps"])
                 cpu[f"s{n}"].append(r["cpu_us"])
                 cpu[f"s{n}_task"].append(r["task_cpu_us"])
+                cpu[f"s{n}_daemon"].append(r["daemon_cpu_us"])
         whole = daemon.stop()
     finally:
         daemon.close()
@@ -203,6 +212,8 @@ def main() -> None:
         "consumer_task_thread_cpu_us_per_32k_1ch": median(cpu["s1_task"]),
         "consumer_cpu_us_per_32k_8ch": median(cpu["s8"]),
         "consumer_task_thread_cpu_us_per_32k_8ch": median(cpu["s8_task"]),
+        "daemon_cpu_us_per_32k_1ch": median(cpu["s1_daemon"]),
+        "daemon_cpu_us_per_32k_8ch": median(cpu["s8_daemon"]),
         "fill_seconds_both_partitions": fill_s,
         "stream_bytes_per_partition": fills[1]["bytes_written"],
         "target_over_flight": TARGET_FLIGHT,
@@ -229,7 +240,9 @@ def main() -> None:
     print(
         f"  consumer CPU per 32 KiB: {results['consumer_cpu_us_per_32k_1ch']:.1f} us (1 ch; "
         f"task thread {results['consumer_task_thread_cpu_us_per_32k_1ch']:.1f}), "
-        f"{results['consumer_cpu_us_per_32k_8ch']:.1f} us (8 ch)"
+        f"{results['consumer_cpu_us_per_32k_8ch']:.1f} us (8 ch); daemon "
+        f"{results['daemon_cpu_us_per_32k_1ch']:.1f} / "
+        f"{results['daemon_cpu_us_per_32k_8ch']:.1f} us"
     )
     print(json_line(results))
 

@@ -44,6 +44,7 @@ from _common import (
     json_line,
     median,
     read_partition,
+    threads_cpu,
 )
 
 RECORD = 4096
@@ -115,16 +116,6 @@ def ssl_floor(pki: Any, frames: int = 2048) -> dict[str, Any]:
         "encrypt_us": median(enc),
         "decrypt_us": median(dec),
     }
-
-
-def threads_cpu(pid: int) -> float:
-    """CPU seconds the live threads of ``pid`` have run (``/proc/<pid>/task/*/schedstat``,
-    nanoseconds: ``proc_cpu``'s clock ticks are 6.5 us per 32 KiB of a quick run)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(FileNotFoundError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            total += int(f.read().split()[0])
-    return total / 1e9
 
 
 def read_once(

@@ -147,6 +147,7 @@ class DaemonConfig:
     require_tls_remote: bool = False
     shared_memory: bool = True
     shared_memory_per_app: int | None = None
+    max_consumer_pins_per_process: int = 128
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -850,6 +851,14 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         "SIZE",
         "the shared arena of one application (its local producers' partitions); "
         "default network_memory / 4, at least 16 segments",
+    ),
+    "max_consumer_pins_per_process": _Setting(
+        _int(0),
+        _INT,
+        "N",
+        "shared segments kept out of the pool for one live consumer process whose "
+        "connections the daemon dropped (it may still read them); once it has this many, "
+        "its connections read over the socket until it exits; 0 = unlimited",
     ),
 }
 

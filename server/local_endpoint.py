@@ -27,7 +27,9 @@ SharedBufferResponse descriptors and come back by index (RecycleSegments); the
 connection holds them meanwhile, and its loss returns them
 (``exchange.network.server_connection``), unless the daemon dropped it: then its process
 (``SO_PEERCRED``) may still read them, and they stay pinned until it exits
-(``server.segment_pins``). An arena offered to a consumer stays until the consumer's
+(``server.segment_pins``). A process with ``max_consumer_pins_per_process`` segments
+pinned is offered no arena any more, and its connections reading in place are turned to
+the socket, until it exits. An arena offered to a consumer stays until the consumer's
 connection closes. Where no arena can be offered the
 consumer reads over the socket, and the log says why once per connection.
 
@@ -52,6 +54,7 @@ import socket
 import time
 from typing import ClassVar, Final, Protocol
 
+from exchange.consumer.input_channel import BATCH_FLOATING_BUFFERS
 from exchange.errors import (
     ConfigError,
     ExchangeError,
@@ -60,6 +63,7 @@ from exchange.errors import (
     ProtocolError,
 )
 from exchange.local.producer_session import PUSH_BUFFER_FRAMES, ProducerSession, PushHeader
+from exchange.memory.local_buffer_pool import LocalBufferPool
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.network.server_connection import DATA_PORT_MESSAGES, ServerConnection
 from exchange.partition.result_partition import ResultPartition
@@ -93,7 +97,7 @@ from server.config import DaemonConfig
 from server.jobs import JobBoard
 from server.metrics import TaskReport
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
-from server.segment_pins import SegmentPins, peer_process
+from server.segment_pins import PeerProcess, SegmentPins, peer_process
 from server.shared_arenas import SharedArenas
 
 __all__ = ["EndpointDaemon", "LocalEndpoint", "LocalEndpointProtocol"]
@@ -152,7 +156,8 @@ class LocalEndpoint(DataServer):
         self.closed_consumer_bytes_shared = 0
         self.arena_path: str | None = None
         #: segments of consumer connections the daemon dropped, kept until their process exits
-        self.pins = SegmentPins()
+        self.pins = SegmentPins(max_per_process=daemon.config.max_consumer_pins_per_process)
+        self.pins.on_cap = self._read_over_the_socket
         self._handout: asyncio.Task[None] | None = None
         self._handouts: set[asyncio.Task[None]] = set()
         # unaligned checkpoints: overtaken buffers handed back to producer tasks
@@ -300,10 +305,18 @@ class LocalEndpoint(DataServer):
             consumer_bytes_socket=base["bytes_sent"] - shared_reads,
             consumer_segments_held=sum(c.num_held for c in live),
             consumer_segments_pinned=self.pins.num_pinned,
+            consumer_reads_refused=self.pins.num_refused,
             output_state_bytes=self.output_state_bytes,
             output_state_buffers=self.output_state_buffers,
         )
         return base
+
+    def _read_over_the_socket(self, process: PeerProcess | None) -> None:
+        """``process`` reached ``max_consumer_pins_per_process``: its connections that
+        read in place send bytes from now on (what they hold stays held)."""
+        for proto in self.connections:
+            if isinstance(proto, LocalEndpointProtocol):
+                proto.refuse_in_place_reads()  # those of a process at the cap
 
     def producers_waiting(self) -> dict[tuple[str, int], float]:
         """(dataset, partition index) -> seconds its producer task has been waiting for
@@ -377,6 +390,11 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         self._read_offer: NetworkBufferPool | None = None
         self._read_token: bytes | None = None
         self._no_arena_logged = False
+        self._in_place_refused = False  # its process was at max_consumer_pins_per_process
+        self._process: PeerProcess | None = None
+        self._process_known = False
+        # id(pool) -> (arena, pool, segments): partition pools grown by this reader's credit
+        self._lent: dict[int, tuple[NetworkBufferPool, LocalBufferPool, int]] = {}
         #: (task, gate) -> the latest TaskMetrics of that gate on this connection
         self.task_reports: dict[tuple[str, str], TaskReport] = {}
 
@@ -485,7 +503,9 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 offer = self._read_offer
                 if offer is None:
                     raise ProtocolError("ArenaMapped without a SharedArena offered")
-                if not offer.is_destroyed:  # (destroyed: the daemon is shutting down)
+                # (destroyed: the daemon is shutting down; at the cap: its process reached
+                # it since the offer)
+                if not offer.is_destroyed and self.refuse_in_place_reads() is None:
                     conn = self._conn()
                     conn.read_arena = offer
                     self._pin_on_drop(conn)
@@ -493,6 +513,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
                 super().on_message(msg)
                 if self._wants_arena and self._read_offer is None:
                     self._offer_arena(self._is_blocking(msg))
+                self._lend_read_credit(msg)
             case _:
                 super().on_message(msg)
 
@@ -521,11 +542,49 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             return False
         return part.partition_type.is_blocking
 
+    @property
+    def reader_process(self) -> PeerProcess | None:
+        """The process at the other end (``SO_PEERCRED`` at the first question; None:
+        unknown)."""
+        if not self._process_known:
+            transport = self.transport
+            sock = None if transport is None else transport.get_extra_info("socket")
+            self._process = peer_process(sock)
+            self._process_known = transport is not None
+        return self._process
+
+    def refuse_in_place_reads(self) -> str | None:
+        """If this consumer's process is at ``max_consumer_pins_per_process``: no more
+        descriptors to it (its reads go over the socket), counted and logged once; why."""
+        if not self._wants_arena:
+            return None  # not a consumer that reads in place (a producer, a driver)
+        pins = self.endpoint.pins
+        process = self.reader_process
+        if not pins.at_cap(process):
+            return None
+        conn = self.connection
+        if conn is not None:
+            conn.read_arena = None  # data buffers go as bytes; what it holds stays held
+        why = (
+            f"its process {'(unknown)' if process is None else process.pid} has "
+            f"{pins.pinned_for(process)} shared segment(s) pinned "
+            f"(max_consumer_pins_per_process = {pins.max_per_process})"
+        )
+        if not self._in_place_refused:
+            self._in_place_refused = True
+            pins.num_refused += 1
+            log.warning("consumer %s reads over the socket, not in place: %s", self.peer, why)
+        return why
+
     def _offer_arena(self, reads_blocking: bool) -> str | None:
         """Offer a consumer its application's arena, once, if there is one (made for it
-        when it reads blocking partitions: they are read into it); else why not."""
+        when it reads blocking partitions: they are read into it) and its process may
+        hold more; else why not."""
         if self._read_offer is not None:
             return None
+        refused = self.refuse_in_place_reads()
+        if refused is not None:
+            return refused
         arenas = self.daemon.shared_arenas
         app_id = self._conn().app_id
         pool = arenas.existing(app_id)
@@ -550,11 +609,42 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
             log.info("consumer %s: its application's shared arena exists now, offered", self.peer)
         return None
 
+    def _lend_read_credit(self, req: PartitionRequest) -> None:
+        """A consumer reading in place holds its floating credit in the producer's pool
+        (over the socket it holds copies in its own memory): with only the pool's
+        ``max(2n + 8, 16)`` the whole stream cycled through those few segments, a few at a
+        time, at twice the wake-ups per 32 KiB of a TCP reader. So the pool of a pipelined
+        partition in the arena this connection mapped grows by the readers' floating
+        buffers while the connection lives (once per partition), back at its end."""
+        conn = self.connection
+        arena = None if conn is None else conn.read_arena
+        if conn is None or arena is None or arena.is_destroyed:
+            return
+        try:
+            part = self.daemon.manager.get_partition(req.partition_id, conn.app_id)
+        except PartitionError:
+            return  # not there yet: the reader asks again
+        pool = part.buffer_pool
+        if not part.partition_type.is_pipelined or id(pool) in self._lent:
+            return
+        if pool.is_destroyed or not arena.has_pool(pool):
+            return  # in the daemon's own pool: its buffers go as bytes
+        floating = self.daemon.config.floating_buffers_per_gate
+        lend = BATCH_FLOATING_BUFFERS if floating is None else floating
+        if lend:
+            self._lent[id(pool)] = (arena, pool, lend)
+            arena.set_max_segments(pool, pool.max_segments + lend)
+
+    def _take_back_read_credit(self) -> None:
+        lent, self._lent = self._lent, {}
+        for arena, pool, lend in lent.values():
+            if not arena.is_destroyed and arena.has_pool(pool):
+                arena.set_max_segments(pool, pool.max_segments - lend)
+
     def _pin_on_drop(self, conn: ServerConnection) -> None:
         """Segments this consumer holds when the daemon drops its connection stay out of
         the pool until its process (the connecting one, ``SO_PEERCRED``) exits."""
-        transport = self.transport
-        peer = peer_process(None if transport is None else transport.get_extra_info("socket"))
+        peer = self.reader_process
         pins, who = self.endpoint.pins, f"consumer connection {self.peer}"
         conn.keep_held = lambda buffers: pins.pin(peer, buffers, who)
 
@@ -636,6 +726,7 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.task_reports.clear()
+        self._take_back_read_credit()
         if self._arena_token is not None:
             self.daemon.shared_arenas.revoke(self._arena_token)
         session = self.session

@@ -164,8 +164,8 @@ class DaemonView(Protocol):
     ``local_endpoint_stats()`` has the keys producers, consumers, bytes_received,
     buffers_received, partitions_created, producer_failures, bytes_shared_memory,
     bytes_socket, shared_arenas, consumer_bytes_shared_memory, consumer_bytes_socket,
-    consumer_segments_held, consumer_segments_pinned. ``totals()`` holds cumulative
-    buffers_received, partitions_created, producer_failures, output_state_bytes,
+    consumer_segments_held, consumer_segments_pinned, consumer_reads_refused. ``totals()``
+    holds cumulative buffers_received, partitions_created, producer_failures, output_state_bytes,
     output_state_buffers. ``totals()`` holds cumulative
     counters that survive partition release: bytes_in, bytes_out, buffers_out,
     partitions_created, partitions_released, partitions_failed, back_pressured_seconds
@@ -771,6 +771,13 @@ class ExchangeCollector:
             "read them: held when the daemon dropped their connection (a protocol error, no "
             "Pong within peer_timeout), returned when the process exits.",
             _num(local, "consumer_segments_pinned"),
+        )
+        yield counter(
+            "exchange_consumer_in_place_reads_refused_total",
+            "Consumer connections on this host that read over the socket instead of in "
+            "place because their process had max_consumer_pins_per_process shared segments "
+            "pinned (it lives on after the daemon dropped its connections).",
+            _num(local, "consumer_reads_refused"),
         )
         yield gauge(
             "exchange_shared_arenas",

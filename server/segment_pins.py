@@ -18,6 +18,16 @@ segment is never reused while its reader may live. Pinned segments keep their ar
 is dropped only once whole) and count in ``/metrics``
 (``exchange_consumer_shared_segments_pinned``); ``close`` (daemon shutdown) returns every
 one and closes every pidfd.
+
+A cap bounds what one live process keeps pinned (``max_consumer_pins_per_process``: a
+reused Spark worker lives on across tasks, and each drop of one of its connections may pin
+up to that connection's credit): once a process has that many pinned, ``at_cap`` says so
+and the local endpoint stops reading in place for it (it reads over the socket: nothing
+sent that way is ever pinned) until the process exits and its pins go. A process that
+reaches the cap with connections still reading in place is told to ``on_cap``, which turns
+them to the socket too; what those held before may still be pinned when they drop, so a
+process holds at most the cap plus its in-place connections' credit at that moment.
+Processes whose pid is unknown share one count.
 """
 
 from __future__ import annotations
@@ -94,18 +104,62 @@ class _Pin:
 class SegmentPins:
     """Segments of dropped consumer connections, kept until their process exits."""
 
-    def __init__(self, *, pidfd_open: Callable[[int], int] | None = _PIDFD_OPEN) -> None:
+    def __init__(
+        self,
+        *,
+        max_per_process: int = 0,
+        pidfd_open: Callable[[int], int] | None = _PIDFD_OPEN,
+    ) -> None:
+        if max_per_process < 0:
+            raise ValueError(f"max_per_process must be >= 0, got {max_per_process}")
+        #: pinned segments past which a process reads over the socket; 0 = no cap
+        self.max_per_process = max_per_process
         self._pidfd_open = pidfd_open
         self._pins: dict[PeerProcess, _Pin] = {}
         #: kept until ``close``: their process cannot be watched
         self._unwatched: list[Buffer] = []
+        #: pinned segments per process (None: processes whose pid is unknown)
+        self._by_process: dict[PeerProcess | None, int] = {}
         self.num_pinned = 0
+        #: consumer connections that read over the socket because their process was at
+        #: the cap (counted by the local endpoint, once per connection)
+        self.num_refused = 0
+        #: called once when a process reaches the cap (its live connections stop reading
+        #: in place)
+        self.on_cap: Callable[[PeerProcess | None], None] | None = None
         self._closed = False  # the daemon stops: nothing is pinned any more
 
     @property
     def num_watched(self) -> int:
         """Processes watched now (one pidfd each)."""
         return len(self._pins)
+
+    def pinned_for(self, peer: PeerProcess | None) -> int:
+        """Segments pinned now for ``peer`` (None: the processes whose pid is unknown)."""
+        return self._by_process.get(peer, 0)
+
+    def at_cap(self, peer: PeerProcess | None) -> bool:
+        """True if ``peer`` has ``max_per_process`` segments pinned or more: it must not
+        be sent any more descriptors until it exits."""
+        cap = self.max_per_process
+        return cap > 0 and self._by_process.get(peer, 0) >= cap
+
+    def _count(self, peer: PeerProcess | None, n: int) -> None:
+        before = self._by_process.get(peer, 0)
+        self._by_process[peer] = after = before + n
+        self.num_pinned += n
+        cap = self.max_per_process
+        if cap > 0 and before < cap <= after:
+            log.warning(
+                "process %s has %d shared segment(s) pinned, max_consumer_pins_per_process "
+                "is %d: its consumer connections read over the socket, not in place, until "
+                "it exits",
+                "unknown" if peer is None else peer.pid,
+                after,
+                cap,
+            )
+            if self.on_cap is not None:
+                self.on_cap(peer)
 
     def pin(self, peer: PeerProcess | None, buffers: list[Buffer], who: str) -> None:
         """``who``'s connection was dropped by the daemon holding ``buffers``: keep them
@@ -116,7 +170,7 @@ class SegmentPins:
             _release(buffers, who)
             return
         if peer is None:
-            self._keep_unwatched(buffers, f"{who}: its process is unknown (no SO_PEERCRED)")
+            self._keep_unwatched(None, buffers, f"{who}: its process is unknown (no SO_PEERCRED)")
             return
         pin = self._pins.get(peer)
         if pin is None:
@@ -125,22 +179,22 @@ class SegmentPins:
                 return  # gone already (released), or kept unwatched
             pin = self._pins[peer] = watched
         pin.buffers.extend(buffers)
-        self.num_pinned += len(buffers)
         log.warning(
             "%s was dropped by the daemon while its process %d lives: %d shared segment(s) "
             "it held stay out of the pool until that process exits (%d pinned now)",
             who,
             peer.pid,
             len(buffers),
-            self.num_pinned,
+            self.num_pinned + len(buffers),
         )
+        self._count(peer, len(buffers))
 
     def _watch(self, peer: PeerProcess, who: str, buffers: list[Buffer]) -> _Pin | None:
         """A pidfd of ``peer`` watched by the loop; None if the process is gone (the
         buffers are released) or cannot be watched (kept until ``close``)."""
         pidfd_open = self._pidfd_open
         if pidfd_open is None:
-            self._keep_unwatched(buffers, f"{who}: no os.pidfd_open on this platform")
+            self._keep_unwatched(peer, buffers, f"{who}: no os.pidfd_open on this platform")
             return None
         try:
             fd = pidfd_open(peer.pid)
@@ -148,7 +202,7 @@ class SegmentPins:
             _release(buffers, who)
             return None
         except OSError as e:  # ENOSYS (a kernel before 5.3), EMFILE, ...
-            self._keep_unwatched(buffers, f"{who}: pidfd_open({peer.pid}) failed: {e}")
+            self._keep_unwatched(peer, buffers, f"{who}: pidfd_open({peer.pid}) failed: {e}")
             return None
         # the pid may have been reused since accept: then the peer is gone (no start time
         # known, no procfs: watched all the same, the safe side)
@@ -164,22 +218,23 @@ class SegmentPins:
             raise
         return _Pin(fd, peer, loop)
 
-    def _keep_unwatched(self, buffers: list[Buffer], why: str) -> None:
+    def _keep_unwatched(self, peer: PeerProcess | None, buffers: list[Buffer], why: str) -> None:
         self._unwatched.extend(buffers)
-        self.num_pinned += len(buffers)
         log.warning(
             "%s; the %d shared segment(s) it held when the daemon dropped it stay out of "
             "the pool until the daemon stops (%d pinned now)",
             why,
             len(buffers),
-            self.num_pinned,
+            self.num_pinned + len(buffers),
         )
+        self._count(peer, len(buffers))
 
     def _on_exit(self, peer: PeerProcess) -> None:
         """The pidfd is readable: the process exited. Its segments return."""
         pin = self._pins.pop(peer)
         self._unwatch(pin)
         self.num_pinned -= len(pin.buffers)
+        del self._by_process[peer]
         log.info(
             "process %d exited: the %d shared segment(s) pinned for it return to the pool",
             peer.pid,
@@ -200,6 +255,7 @@ class SegmentPins:
         pins, self._pins = list(self._pins.values()), {}
         unwatched, self._unwatched = self._unwatched, []
         self.num_pinned = 0
+        self._by_process.clear()
         for pin in pins:
             self._unwatch(pin)
             _release(pin.buffers, f"process {pin.peer.pid}")

@@ -89,6 +89,10 @@ class LocalBufferPool:
         self.max_segments = max_segments
         self.current_pool_size = num_required
         self._num_requested = 0
+        #: what this pool may still take from the global pool up to its size
+        #: (``current_pool_size - num_requested``, at least 0), as counted in the global
+        #: pool's running total (``NetworkBufferPool.num_owed``); kept by ``_update_owed``
+        self._owed = 0
         self._available: deque[MemorySegment] = deque()
         self._listeners: deque[BufferListener] = deque()
         self._availability = AvailabilityHelper(available=False)
@@ -156,6 +160,7 @@ class LocalBufferPool:
                 return None
             seg = got
             self._num_requested += 1
+            self._update_owed()
         else:
             self._availability.set_unavailable()
             return None
@@ -211,6 +216,7 @@ class LocalBufferPool:
             if seg is None:
                 break
             self._num_requested += 1
+            self._update_owed()
             self._offer(seg)
         self._update_availability()
 
@@ -254,7 +260,21 @@ class LocalBufferPool:
 
     def _return_to_global(self, segment: MemorySegment) -> None:
         self._num_requested -= 1
+        self._update_owed()
         self._network_pool.recycle(segment)
+
+    def _update_owed(self) -> None:
+        """Bring the global pool's running ``num_owed`` up to date after this pool's size
+        or ``num_requested`` changed (O(1); a destroyed pool owes nothing more: the global
+        pool takes its last ``_owed`` off when it forgets it)."""
+        if self._destroyed:
+            return
+        owed = self.current_pool_size - self._num_requested
+        if owed < 0:
+            owed = 0
+        if owed != self._owed:
+            self._network_pool._num_owed += owed - self._owed
+            self._owed = owed
 
     # -- sizing and lifecycle ------------------------------------------------------------
 
@@ -270,6 +290,7 @@ class LocalBufferPool:
                 f"pool size {num_buffers} below its required {self.num_required} segments"
             )
         self.current_pool_size = min(num_buffers, self.max_segments)
+        self._update_owed()
         while self._num_requested > self.current_pool_size and self._available:
             self._return_to_global(self._available.pop())
         self._update_availability()

@@ -110,6 +110,10 @@ class NetworkBufferPool:
         self._in_use: set[int] = set()
         self._pools: dict[int, LocalBufferPool] = {}  # insertion ordered, keyed by id()
         self._num_required = 0
+        #: what the local pools may still take up to their current sizes: the sum of
+        #: ``max(0, current_pool_size - num_requested)`` over them, kept up to date by the
+        #: pools (``LocalBufferPool._update_owed``) so ``request_spare_segment`` is O(1)
+        self._num_owed = 0
         self._waiting_pools: dict[int, LocalBufferPool] = {}
         self._availability = AvailabilityHelper(available=True)
         self._destroyed = False
@@ -132,6 +136,11 @@ class NetworkBufferPool:
     @property
     def num_required(self) -> int:
         return self._num_required
+
+    @property
+    def num_owed(self) -> int:
+        """Segments the local pools may still take up to their current sizes."""
+        return self._num_owed
 
     @property
     def arena_size(self) -> int:
@@ -201,12 +210,9 @@ class NetworkBufferPool:
         """One segment no local pool can claim: None unless more are free than the local
         pools may still take up to their current sizes. Lent outside any local pool (a
         blocking partition read into a local consumer's arena) and given back with
-        ``recycle``; so such loans never keep a partition from its share."""
-        owed = 0
-        for pool in self._pools.values():
-            if pool.current_pool_size > pool.num_requested:
-                owed += pool.current_pool_size - pool.num_requested
-        if len(self._available) <= owed:
+        ``recycle``; so such loans never keep a partition from its share. O(1): what the
+        pools may still take is a running count (``num_owed``)."""
+        if len(self._available) <= self._num_owed:
             return None
         return self.request_memory_segment()
 
@@ -348,13 +354,38 @@ class NetworkBufferPool:
         self._num_required += num_required
         pool = LocalBufferPool(self, num_required, max_segments, max_overdraft_buffers)
         self._pools[id(pool)] = pool
+        pool._update_owed()
         self._redistribute()
         return pool
+
+    def has_pool(self, pool: LocalBufferPool) -> bool:
+        """True if ``pool`` is one of this pool's live local pools."""
+        return self._pools.get(id(pool)) is pool
+
+    def set_max_segments(self, pool: LocalBufferPool, max_segments: int) -> None:
+        """Move the ceiling of the local pool ``pool`` and redistribute: a raised one may
+        grow into spare segments, a lowered one gives back its excess as it recycles."""
+        self._check_alive()
+        if not self.has_pool(pool):
+            raise UsageError(f"{pool!r} is not a live local pool of {self!r}")
+        if (
+            not isinstance(max_segments, int)
+            or isinstance(max_segments, bool)
+            or max_segments < max(pool.num_required, 1)
+        ):
+            raise UsageError(
+                f"max_segments must be an int >= max(num_required, 1) = "
+                f"{max(pool.num_required, 1)}, got {max_segments!r}"
+            )
+        pool.max_segments = max_segments
+        self._redistribute()
 
     def destroy_buffer_pool(self, pool: LocalBufferPool) -> None:
         """Forget a (destroyed) local pool and give its share to the others."""
         if self._pools.pop(id(pool), None) is None:
             return
+        self._num_owed -= pool._owed
+        pool._owed = 0
         self._waiting_pools.pop(id(pool), None)
         self._num_required -= pool.num_required
         if not self._destroyed:
@@ -385,7 +416,9 @@ class NetworkBufferPool:
         total_capacity = 0
         for pool in pools:
             total_capacity += min(spare, pool.max_segments - pool.num_required)
-        if total_capacity == 0:
+        if total_capacity == 0:  # every ceiling at its guarantee (one may have been lowered)
+            for pool in pools:
+                pool.set_num_buffers(pool.num_required)
             return
         to_distribute = min(spare, total_capacity)
         parts_used = 0
@@ -393,6 +426,7 @@ class NetworkBufferPool:
         for pool in pools:
             excess_max = pool.max_segments - pool.num_required
             if excess_max == 0:
+                pool.set_num_buffers(pool.num_required)  # its ceiling may have been lowered
                 continue
             parts_used += min(spare, excess_max)
             mine = to_distribute * parts_used // total_capacity - distributed

@@ -9,12 +9,15 @@ at the head of its view puts the reader at the head of the connection's queue.
 Compiled (a ``cdef class``): the data port's send loop (``partition_request_queue.pyx``)
 polls a reader once per buffer sent, through ``poll``, a C call that leaves the polled
 buffer's backlog, sequence number and "more to send" in the reader's C fields instead of
-building a ``BufferAndAvailability`` per buffer. ``get_next_buffer`` is the same poll as a
+building a ``BufferAndAvailability`` per buffer (a pipelined view's and a blocking
+subpartition reader's poll are C calls too; other views are polled through their
+``get_next_buffer``). ``get_next_buffer`` is the same poll as a
 Python API. ``credit_based_view_reader.pyi`` types it for mypy. There is no Python version
 of this module.
 """
 
 from exchange.buffers.buffer cimport Buffer
+from exchange.partition.bounded_blocking_reader cimport BoundedBlockingSubpartitionReader
 from exchange.partition.pipelined_subpartition cimport (
     PipelinedSubpartition,
     PipelinedSubpartitionView,
@@ -91,6 +94,7 @@ cdef class CreditBasedSequenceNumberingViewReader:
         ``backlog``, ``sequence_number`` and ``more_available``."""
         cdef Buffer buf
         cdef PipelinedSubpartition sub
+        cdef BoundedBlockingSubpartitionReader blocking
         view = self._view
         if view is None:
             return None
@@ -105,6 +109,15 @@ cdef class CreditBasedSequenceNumberingViewReader:
             backlog = sub.polled_backlog
             nxt = sub.polled_next_type
             seq = sub.polled_sequence_number
+        elif type(view) is BoundedBlockingSubpartitionReader:  # a blocking partition's
+            blocking = <BoundedBlockingSubpartitionReader>view
+            buf = blocking.c_poll()
+            if buf is None:
+                return None
+            more = blocking.polled_available
+            backlog = blocking.polled_backlog
+            nxt = blocking.polled_next_type
+            seq = blocking.polled_sequence_number
         else:
             nb = view.get_next_buffer()
             if nb is None:

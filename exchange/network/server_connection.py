@@ -327,7 +327,9 @@ class ServerConnection:
         #: while one lands, scratch space otherwise (the decoder's method, called as is).
         self.get_buffer: Callable[..., memoryview] = self._decoder.get_buffer
         self._handshake = ServerHandshake(settings.secret, nonce_factory=nonce_factory)
-        self._writable = True
+        #: False between ``pause_writing`` and ``resume_writing``, and once the connection
+        #: is lost (a plain attribute: the send loop reads it per buffer).
+        self.is_writable = True
         self.queue = PartitionRequestQueue(self, self._schedule)
         self._bytes_written = 0
         # Output of the current callback, written with one writelines when it returns
@@ -536,18 +538,14 @@ class ServerConnection:
 
     # -- writability ---------------------------------------------------------------------
 
-    @property
-    def is_writable(self) -> bool:
-        return self._writable
-
     def pause_writing(self) -> None:
         """The transport crossed its high watermark: the queue stops."""
-        self._writable = False
+        self.is_writable = False
         self.paused_count += 1
 
     def resume_writing(self) -> None:
         """Below the low watermark again: recycle what went out, send on."""
-        self._writable = True
+        self.is_writable = True
         self._guarded(self._on_writable)
 
     def _on_writable(self) -> None:
@@ -855,7 +853,7 @@ class ServerConnection:
             return
         self._transition(ServerConnectionState.CLOSED)
         self._decoder.abort()
-        self._writable = False
+        self.is_writable = False
         timers = (self._handshake_timer, self._reap_timer, self._abort_timer, self._keepalive_timer)
         for timer in timers:
             if timer is not None:

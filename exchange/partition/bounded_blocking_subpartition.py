@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from exchange.buffers.buffer import Buffer, DataType
 from exchange.buffers.buffer_consumer import BufferConsumer
 from exchange.errors import (
     PartitionDataLostError,
@@ -22,15 +21,14 @@ from exchange.errors import (
     PartitionReleasedError,
 )
 from exchange.events.events import EndOfPartitionEvent, EventSerializer
-from exchange.partition.bounded_data import BoundedData, BoundedDataReader, ReadMemory
+from exchange.partition.bounded_blocking_reader import BoundedBlockingSubpartitionReader
+from exchange.partition.bounded_data import BoundedData, ReadMemory
 from exchange.partition.states import (
-    READER_TRANSITIONS,
     SUBPARTITION_TRANSITIONS,
-    ReaderState,
     SubpartitionState,
     transition,
 )
-from exchange.partition.subpartition_view import BufferAndBacklog, BufferAvailabilityListener
+from exchange.partition.subpartition_view import BufferAvailabilityListener
 
 if TYPE_CHECKING:
     from exchange.partition.result_partition import ResultPartition
@@ -135,7 +133,7 @@ class BoundedBlockingSubpartition:
         self._failure = cause
         readers = list(self._readers)
         for reader in readers:
-            reader._listener.notify_data_available()
+            reader.notify_listener()  # it polls and finds the partition released
         if not self._readers:
             self._dispose()
 
@@ -202,99 +200,3 @@ class BoundedBlockingSubpartition:
             f"BoundedBlockingSubpartition(#{self.index}, buffers={self.total_buffers}, "
             f"readers={len(self._readers)}, {self.state.value})"
         )
-
-
-class BoundedBlockingSubpartitionReader:
-    """One reader's pass over a blocking subpartition; it prefetches one buffer ahead."""
-
-    def __init__(
-        self,
-        subpartition: BoundedBlockingSubpartition,
-        data_reader: BoundedDataReader,
-        listener: BufferAvailabilityListener,
-    ) -> None:
-        self._subpartition = subpartition
-        self._reader = data_reader
-        self._listener = listener
-        self.state = ReaderState.READING
-        self._next: Buffer | None = None
-        self.memory = 0  # counted against the application's reader budget
-        self._data_backlog = subpartition.num_data_buffers
-        self._sequence_number = 0
-        data_reader.set_on_memory_available(self._on_memory_available)
-        self._next = data_reader.next_buffer()
-
-    def _transition(self, to: ReaderState) -> None:
-        self.state = transition(READER_TRANSITIONS, self.state, to, self)
-
-    def _on_memory_available(self) -> None:
-        if self._next is None and self.state is not ReaderState.RELEASED:
-            self._next = self._reader.next_buffer()
-            if self._next is not None:
-                self._listener.notify_data_available()
-
-    def get_next_buffer(self) -> BufferAndBacklog | None:
-        if self.state is not ReaderState.READING or self._subpartition.is_released:
-            return None
-        current = self._next
-        if current is None:
-            current = self._reader.next_buffer()
-            if current is None:
-                return None
-        if current.is_buffer:
-            self._data_backlog -= 1
-        elif EventSerializer.is_end_of_partition(current):  # always the last buffer
-            self._transition(ReaderState.CONSUMED)
-            self._next = None
-            return BufferAndBacklog(current, False, 0, None, self._next_sequence_number())
-        self._next = self._reader.next_buffer()
-        nxt = self._next
-        return BufferAndBacklog(
-            current,
-            nxt is not None,
-            self._data_backlog,
-            nxt.data_type if nxt is not None else None,
-            self._next_sequence_number(),
-        )
-
-    def _next_sequence_number(self) -> int:
-        seq = self._sequence_number
-        self._sequence_number = seq + 1
-        return seq
-
-    def get_availability_and_backlog(self, num_credits: int) -> tuple[bool, int]:
-        if self.state is not ReaderState.READING or self._subpartition.is_released:
-            return False, 0
-        nxt = self._next
-        if nxt is None:
-            return False, self._data_backlog
-        available = num_credits > 0 or nxt.data_type is not DataType.DATA_BUFFER
-        return available, self._data_backlog
-
-    def resume_consumption(self) -> None:
-        """Nothing to resume: a blocking subpartition never blocks on a barrier, but a
-        consumer cannot tell and resumes after every aligned barrier it reads."""
-
-    def notify_new_buffer_size(self, size: int) -> None:
-        pass  # data was already written with its buffer sizes
-
-    def release_all_resources(self) -> None:
-        if self.state is ReaderState.RELEASED:
-            return
-        self._transition(ReaderState.RELEASED)
-        nxt, self._next = self._next, None
-        if nxt is not None:
-            nxt.release()
-        self._reader.close()
-        self._subpartition._on_reader_released(self)
-
-    @property
-    def is_released(self) -> bool:
-        return self.state is ReaderState.RELEASED or self._subpartition.is_released
-
-    @property
-    def failure_cause(self) -> BaseException | None:
-        return self._subpartition.failure_cause
-
-    def __repr__(self) -> str:
-        return f"BoundedBlockingSubpartitionReader({self._subpartition!r})"

@@ -57,6 +57,7 @@ __all__ = [
 
 HEADER: Final = struct.Struct(">BBI")
 FLAG_COMPRESSED: Final = 0x01
+_DATA_TYPES: Final[dict[int, DataType]] = {t.value: t for t in DataType}
 #: Read segments (outside network memory) a reader of ``file`` storage allocates at most.
 READ_SEGMENTS: Final = 2
 #: A spill file is new (never an existing file or a symlink planted there) and private.
@@ -295,12 +296,11 @@ def _write_rest(fd: int, header: bytes, view: memoryview, done: int) -> None:
         done += k
 
 
-def _parse_header(header: bytes | memoryview, path: Path) -> tuple[DataType, bool, int]:
+def _parse_header(header: bytes | bytearray | memoryview, path: Path) -> tuple[DataType, bool, int]:
     dt, flags, n = HEADER.unpack(header)
-    try:
-        data_type = DataType(dt)
-    except ValueError:
-        raise CorruptRecordError(f"{path}: bad data type {dt} in spilled buffer header") from None
+    data_type = _DATA_TYPES.get(dt)  # a dict lookup: DataType(dt) runs two Python frames
+    if data_type is None:
+        raise CorruptRecordError(f"{path}: bad data type {dt} in spilled buffer header")
     return data_type, bool(flags & FLAG_COMPRESSED), n
 
 
@@ -325,6 +325,10 @@ class _FileReader:
         self._read_memory = read_memory
         # a buffer's header read while no segment was free: its bytes are read next time
         self._header: tuple[DataType, bool, int] | None = None
+        # The next buffer's header, read with the body before it (one readv per buffer):
+        # ``_ahead`` of its bytes are in ``_next_header`` (-1: not read yet; 0: end of file).
+        self._next_header = bytearray(HEADER.size)
+        self._ahead = -1
         self._at_end = False
         self._closed = False
         self._callback: Callable[[], None] | None = None
@@ -359,8 +363,12 @@ class _FileReader:
             return None
         header = self._header
         if header is None:
-            raw = f.read(HEADER.size)
-            if not raw:
+            ahead = self._ahead
+            raw: bytes | bytearray = self._next_header if ahead >= 0 else f.read(HEADER.size)
+            if ahead > 0 and ahead != HEADER.size:
+                raw = raw[:ahead]
+            self._ahead = -1
+            if not raw or ahead == 0:
                 self._at_end = True
                 return None
             if len(raw) != HEADER.size:
@@ -383,10 +391,13 @@ class _FileReader:
             if n > seg.size:
                 raise CorruptRecordError(f"{self._path}: spilled buffer of {n} bytes > {seg.size}")
             view = seg.view()[:n]
-            got = f.readinto(view) if n else 0
-            view.release()
-            if got != n:
+            try:  # the body and the next buffer's header, in one system call
+                got = os.readv(f.fileno(), [view, self._next_header])
+            finally:
+                view.release()
+            if got < n:
                 raise CorruptRecordError(f"{self._path}: truncated buffer ({got} of {n} bytes)")
+            self._ahead = got - n
         except BaseException:
             if lent is not None:
                 lent.release()

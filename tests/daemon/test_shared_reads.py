@@ -190,6 +190,29 @@ def test_a_reader_sigkilled_holding_segments_gives_them_back(start_daemon: Any) 
     d.stop_clean()
 
 
+def test_a_local_reader_holds_its_whole_credit_of_a_pipelined_partition_read_in_place(
+    start_daemon: Any,
+) -> None:
+    """Read in place, the reader's credit is held in the producer's pool (over the socket
+    it is the reader's own memory): the reader's connection lends a pipelined partition of
+    its arena the readers' floating buffers beyond its 2n + 8 (16 at least) segments, so a
+    stalled reader fills its whole credit (with 16 the stream's whole window was 16
+    segments); its end takes them back, every pool whole."""
+    d = start_daemon()
+    with holding_reader(d, "deep-reader", _STALLED_READER) as (producer, reader):
+        local = d.wait_stats(lambda s: s["local"]["consumer_segments_held"] > 16, timeout=60)[
+            "local"
+        ]
+        assert local["consumer_segments_held"] <= CREDIT
+        assert reader.end(kill=True) == -signal.SIGKILL
+        producer.sigkill()
+    d.wait_stats(
+        lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 0, timeout=30
+    )
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
 def test_a_local_reader_whose_daemon_dies_gets_the_transport_error_and_its_pool_back(
     start_daemon: Any,
 ) -> None:
@@ -414,6 +437,135 @@ def test_a_reader_that_closes_holding_segments_gives_them_back_at_once(
         assert reader.end() == 0
     d.wait_pool_whole()
     d.stop_clean()
+
+
+#: A consumer task in a child process (a reused Spark worker): reads 10 records of
+#: subpartition 0 of a pipelined partition on its own host's daemon and says so; at the
+#: next line makes the daemon drop that connection (it gives back a segment it never
+#: held); at the line after, reads the whole finished blocking partition named last and
+#: says how many records came and their order's checksum (``order_sum``): with a new
+#: reader (mode "after"), or (mode "during") with one opened before the drop, which read
+#: 10 records then (said so too). It lives until its stdin closes.
+_REUSED_READER = """
+import json, sys
+from client.consumer import PartitionLocation, PartitionReader
+from exchange.partition.result_partition_id import ResultPartitionID
+from exchange.protocol.local_messages import encode_recycle
+sock, daemon_id, data, dataset, blocking, mode = sys.argv[1:7]
+order_sum = lambda keys: sum(k * (i + 1) for i, k in enumerate(keys)) % 2**61
+loc = PartitionLocation(ResultPartitionID(dataset, 0, 0), 0, data, daemon_id, sock)
+reader = PartitionReader([loc], local_daemon_id=daemon_id)
+it = reader.records()
+print(json.dumps({"read": len([next(it) for _ in range(10)])}), flush=True)
+other = PartitionLocation(ResultPartitionID(blocking, 0, 0), 0, data, daemon_id, sock)
+keys = []
+if mode == "during":
+    again = PartitionReader([other], local_daemon_id=daemon_id)
+    records = again.records()
+    keys = [next(records)[0] for _ in range(10)]
+    print(json.dumps({"blocking_read": len(keys)}), flush=True)
+sys.stdin.readline()
+handler = reader._core.connections.connections[0]
+reader._rt.loop.call_soon_threadsafe(handler._transport.write, encode_recycle([2**32 - 1]))
+sys.stdin.readline()
+if mode == "during":
+    keys += [k for k, _ in records]
+    again.close()
+else:
+    with PartitionReader([other], local_daemon_id=daemon_id) as again:
+        keys = [k for k, _ in again.read_all()]
+print(json.dumps({"reread": len(keys), "order": order_sum(keys)}), flush=True)
+sys.stdin.read()
+"""
+
+
+def order_sum(keys: list[int]) -> int:
+    """A checksum of ``keys`` that depends on their order (the reader process's too)."""
+    return sum(k * (i + 1) for i, k in enumerate(keys)) % 2**61
+
+
+def end_capped(d: Any, producer: ChildProducer, reader: ReaderProcess) -> None:
+    """SIGKILL the capped reader (its pins come back), then the producer: only the blocking
+    partition is left, the arena goes, every pool whole; the daemon stops clean."""
+    assert reader.end(kill=True) == -signal.SIGKILL
+    d.wait_stats(lambda s: s["local"]["consumer_segments_pinned"] == 0, timeout=30)
+    producer.sigkill()
+    d.wait_stats(
+        lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 1, timeout=30
+    )
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
+def test_a_process_at_max_consumer_pins_reads_over_the_socket_until_it_exits(
+    start_daemon: Any,
+) -> None:
+    """A reused worker whose connection the daemon dropped has its segments pinned; at
+    ``--max-consumer-pins-per-process`` its next reader is offered no arena and reads a
+    blocking partition (read in place otherwise) over the socket, exactly; the daemon
+    logs why and counts it. Once the process is killed its pins go and the pool is whole."""
+    d = start_daemon("--max-consumer-pins-per-process", "1")
+    blocking = ResultPartitionID("capped-blocking", 0, 0)
+    data = write_blocking(d, blocking, 1, RECORDS)
+    with holding_reader(d, "capped-reader", _REUSED_READER, blocking.dataset_id, "after") as (
+        producer,
+        reader,
+    ):
+        reader.step()  # the bad RecycleSegments: dropped while it lives
+        pinned = held_then_pinned(d)  # at least the cap of 1
+        in_log(d, f"process {reader.proc.pid} has {pinned} shared segment(s) pinned")
+        before = d.stats()["local"]
+        assert before["consumer_reads_refused"] == 0
+        reader.step()  # a new reader in the same process
+        keys = [k for k, _ in RECORDS]
+        assert reader.next() == {"reread": len(keys), "order": order_sum(keys)}
+        local = d.wait_stats(lambda s: s["local"]["consumers"] == 0, timeout=30)["local"]
+        # every byte of the blocking partition over the socket, none in place, one refusal
+        assert local["consumer_bytes_shared_memory"] == before["consumer_bytes_shared_memory"]
+        assert local["consumer_bytes_socket"] - before["consumer_bytes_socket"] > data
+        assert local["consumer_reads_refused"] == 1
+        assert d.metric("exchange_consumer_in_place_reads_refused_total") == 1
+        assert local["consumer_segments_pinned"] == pinned  # nothing more pinned
+        in_log(d, "reads over the socket, not in place: its process")
+        end_capped(d, producer, reader)
+
+
+def test_a_process_reaching_max_consumer_pins_reads_on_over_the_socket(
+    start_daemon: Any,
+) -> None:
+    """A reused worker reads a blocking partition in place while the daemon drops its
+    other connection: that drop takes the process to the cap, and the reader still open
+    gets the rest of the partition over the socket (what it held stays held and is given
+    back): every record, in order; nothing more read in place once the cap is reached."""
+    d = start_daemon("--max-consumer-pins-per-process", "1")
+    blocking = ResultPartitionID("capped-live", 0, 0)
+    records = RECORDS * 4  # more than the reader's credit: most is sent after the drop
+    data = write_blocking(d, blocking, 1, records)
+    with holding_reader(d, "capped-live-reader", _REUSED_READER, blocking.dataset_id, "during") as (
+        producer,
+        reader,
+    ):
+        assert reader.next() == {"blocking_read": 10}
+        d.wait_stats(lambda s: s["local"]["consumer_bytes_shared_memory"] > 0)
+        reader.step()  # the bad RecycleSegments on the other connection
+        before = d.wait_stats(
+            lambda s: s["local"]["consumer_reads_refused"] == 1 and s["local"]["consumers"] == 1,
+            timeout=60,
+        )["local"]
+        pinned = before["consumer_segments_pinned"]
+        assert 0 < pinned <= CREDIT
+        in_log(d, "reads over the socket, not in place: its process")
+        reader.step()  # read the rest
+        keys = [k for k, _ in records]
+        assert reader.next() == {"reread": len(keys), "order": order_sum(keys)}
+        local = d.wait_stats(lambda s: s["local"]["consumers"] == 0, timeout=30)["local"]
+        # the rest came over the socket: in place, no more than what was sent before
+        assert local["consumer_bytes_shared_memory"] == before["consumer_bytes_shared_memory"]
+        assert local["consumer_bytes_socket"] > before["consumer_bytes_socket"]
+        assert local["consumer_bytes_shared_memory"] + local["consumer_bytes_socket"] > data
+        assert local["consumer_segments_pinned"] == pinned
+        assert local["consumer_segments_held"] == 0  # what it held came back
+        end_capped(d, producer, reader)
 
 
 #: A consumer task in a child process: reads 10 records of subpartition 0 of a finished

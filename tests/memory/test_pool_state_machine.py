@@ -7,7 +7,10 @@ for more. After every step it recounts the segments itself (held by the test + q
 local pools + free globally == total, every index exactly once) and checks the
 redistribution arithmetic. After every step that grows pools (a pool destroyed, exclusive
 segments returned) no grown pool keeps a listener waiting while it could take a free
-segment (issue 8, defect 8).
+segment (issue 8, defect 8). Spare segments (``request_spare_segment``: lent outside any
+local pool, never from a pool's share) are taken and recycled too, and the global pool's
+running count of what the local pools may still take (``num_owed``, issue 21) equals the
+sum over the pools after every step.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from exchange.buffers import Buffer, BufferConsumer
-from exchange.errors import InsufficientBuffersError, PoolDestroyedError
+from exchange.errors import InsufficientBuffersError, PoolDestroyedError, UsageError
 from exchange.memory import LocalBufferPool, MemorySegment, NetworkBufferPool, NotificationResult
 
 TOTAL = 24
@@ -82,6 +85,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.dead: list[LocalBufferPool] = []
         self.held: list[Held] = []
         self.exclusive: list[list[MemorySegment]] = []
+        self.spare: list[MemorySegment] = []
         self.listeners: list[MachineListener] = []
         self.last_requested: dict[int, int] = {}
         self.size_before: dict[int, int] = {}
@@ -181,6 +185,20 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.nbp.num_available == global_before - (1 if from_global else 0)
 
     @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 1000), extra=st.integers(0, 12))
+    def set_ceiling(self, i: int, extra: int) -> None:
+        """A pool's ceiling moved (an in-place reader's credit lent or taken back): sizes
+        follow the formula again; a lowered pool only gives back."""
+        pool = self.pick_live(i)
+        self.size_before = {id(p): p.current_pool_size for p in self.live}
+        sizes = self.sizes()
+        self.nbp.set_max_segments(pool, max(pool.num_required, 1) + extra)
+        assert pool.max_segments == max(pool.num_required, 1) + extra
+        self.check_grown_pools_served_their_listeners(sizes)
+        with pytest.raises(UsageError):
+            self.nbp.set_max_segments(pool, max(pool.num_required, 1) - 1)
+
+    @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 1000))
     def request_overdraft(self, i: int) -> None:
         """Overdraft: only from an exhausted pool, up to its limit, from free global
@@ -228,6 +246,22 @@ class PoolMachine(RuleBasedStateMachine):
         h.buffer.release()
         assert piece.ref_count == 1
         h.buffer = piece
+
+    @rule()
+    def request_spare(self) -> None:
+        """A spare segment only while more are free than the pools may still take."""
+        owed = owed_by(self.live)
+        global_before = self.nbp.num_available
+        seg = self.nbp.request_spare_segment()
+        assert (seg is not None) == (global_before > owed)
+        if seg is not None:
+            self.spare.append(seg)
+            assert self.nbp.num_available == global_before - 1
+
+    @precondition(lambda self: self.spare)
+    @rule(i=st.integers(0, 1000))
+    def recycle_spare(self, i: int) -> None:
+        self.nbp.recycle(self.spare.pop(i % len(self.spare)))
 
     @rule(num=st.integers(1, 8))
     def request_exclusive(self, num: int) -> None:
@@ -278,6 +312,7 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.nbp.num_available + self.nbp.num_in_use == TOTAL
         held = [h.segment.index for h in self.held]
         held += [s.index for segs in self.exclusive for s in segs]
+        held += [s.index for s in self.spare]
         assert len(set(held)) == len(held), "a segment was handed out twice"
         # read-only peeks at the queues, to name every segment by index
         queued = [s.index for p in self.live for s in p._available]
@@ -288,6 +323,10 @@ class PoolMachine(RuleBasedStateMachine):
         assert len(held) + sum(p.num_available for p in self.live) + self.nbp.num_available == (
             TOTAL
         )
+
+    @invariant()
+    def the_running_owed_count_is_the_sum_over_the_pools(self) -> None:
+        assert self.nbp.num_owed == owed_by(self.live)
 
     @invariant()
     def pools_count_what_they_lent(self) -> None:
@@ -339,8 +378,10 @@ class PoolMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         # segments coming back may be handed to listeners of other pools: drain until empty
-        while self.held or self.exclusive or self.live:
-            if self.held:
+        while self.held or self.exclusive or self.spare or self.live:
+            if self.spare:
+                self.nbp.recycle(self.spare.pop())
+            elif self.held:
                 self.held.pop().release()
             elif self.exclusive:
                 self.nbp.recycle_memory_segments(self.exclusive.pop())
@@ -350,7 +391,13 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.nbp.num_required == 0
         assert self.nbp.num_available == TOTAL
         assert self.nbp.is_whole()
+        assert self.nbp.num_owed == 0
         self.nbp.destroy()
+
+
+def owed_by(pools: list[LocalBufferPool]) -> int:
+    """What ``pools`` may still take from the global pool up to their current sizes."""
+    return sum(max(0, p.current_pool_size - p.num_requested) for p in pools)
 
 
 TestPoolMachine = PoolMachine.TestCase

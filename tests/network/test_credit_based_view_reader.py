@@ -190,7 +190,7 @@ def test_end_of_partition_is_an_event_buffer() -> None:
 
 
 class PythonView:
-    """A pipelined view behind a Python object: the reader takes its generic path (the
+    """A view behind a Python object: the reader takes its generic path (the
     view's ``get_next_buffer`` and its ``BufferAndBacklog``), not the compiled poll."""
 
     def __init__(self, view: Any) -> None:
@@ -200,20 +200,24 @@ class PythonView:
         return getattr(self._view, name)
 
 
-def test_the_compiled_poll_of_a_pipelined_view_reads_as_its_python_api(
+@pytest.mark.parametrize("ptype", ["pipelined", "blocking"])
+def test_the_compiled_poll_of_a_view_reads_as_its_python_api(
+    ptype: str,
     make_partition: PartitionFactory,
     manager: ResultPartitionManager,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The data port polls a pipelined view in C (``c_poll``, no ``BufferAndBacklog``);
-    every other view through ``get_next_buffer``. The same stream under the same credit
-    gives the same buffers, sequence numbers, backlogs, "more" and credit both ways:
-    data, an aligned barrier (blocks until resumed), more data, EndOfPartition."""
+    """The data port polls a pipelined view and a blocking subpartition's reader in C
+    (``c_poll``, no ``BufferAndBacklog``); every other view through ``get_next_buffer``.
+    The same stream under the same credit gives the same buffers, sequence numbers,
+    backlogs, "more" and credit both ways: data, an aligned barrier (pipelined: blocks
+    until resumed), more data, EndOfPartition."""
     seen: list[list[tuple[Any, ...]]] = []
     for wrap in (False, True):
-        part = make_partition(f"both-{wrap}", "pipelined", 1, (1, 12))
+        part = make_partition(f"both-{ptype}-{wrap}", ptype, 1, (1, 12))
         add_full_buffers(part, 0, 3)
-        part.broadcast_event(CheckpointBarrier(1, 0))
+        if ptype == "pipelined":
+            part.broadcast_event(CheckpointBarrier(1, 0))
         add_full_buffers(part, 0, 4, start=3)
         part.finish()
         queue = StubQueue()
@@ -260,5 +264,7 @@ def test_the_compiled_poll_of_a_pipelined_view_reads_as_its_python_api(
     compiled, python = seen
     assert compiled == python
     kinds = [g[0] for g in compiled]
-    assert kinds.count("data") == 7 and "barrier" in kinds and kinds[-1] == "event"
-    assert [g[4] for g in compiled if g[0] != "none"] == list(range(9))
+    assert kinds.count("data") == 7 and kinds[-1] == "event"
+    assert ("barrier" in kinds) == (ptype == "pipelined")
+    sent = 7 + 1 + (ptype == "pipelined")  # data, EndOfPartition and the barrier
+    assert [g[4] for g in compiled if g[0] != "none"] == list(range(sent))

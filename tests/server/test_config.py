@@ -287,6 +287,8 @@ def test_explicit_watermarks_and_num_segments() -> None:
         ({"data_port": 7000, "http_port": 7000}, "http_port"),
         ({"shared_memory_per_app": 32 * KIB - 1}, "shared_memory_per_app"),
         ({"shared_memory": "sometimes"}, "shared_memory"),
+        ({"max_consumer_pins_per_process": -1}, "max_consumer_pins_per_process"),
+        ({"max_consumer_pins_per_process": "many"}, "max_consumer_pins_per_process"),
     ],
 )  # fmt: skip
 def test_relations_between_settings_are_checked(kwargs: dict[str, object], setting: str) -> None:
@@ -527,6 +529,7 @@ def test_all_flags() -> None:
         "--require-tls-remote",
         "--no-shared-memory",
         "--shared-memory-per-app=8mb",
+        "--max-consumer-pins-per-process=64",
     ]
     assert load_config(argv, env={}).to_dict() == {
         "host": "0.0.0.0",
@@ -580,6 +583,7 @@ def test_all_flags() -> None:
         "require_tls_remote": True,
         "shared_memory": False,
         "shared_memory_per_app": 8 * MIB,
+        "max_consumer_pins_per_process": 64,
     }
 
 

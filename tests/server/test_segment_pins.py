@@ -132,6 +132,43 @@ async def test_without_pidfds_segments_stay_pinned_until_the_daemon_stops(
     assert pins.num_pinned == 0 and nbp.is_whole()
 
 
+@pytest.mark.asyncio
+async def test_a_process_at_the_cap_is_told_once_and_is_free_again_when_it_exits(
+    nbp: NetworkBufferPool, child: subprocess.Popen[bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cap counts per process: below it nothing changes; the pin that reaches it calls
+    ``on_cap`` once (and logs why); another process is not concerned; the exit returns the
+    pins and the process's count with them."""
+    pins = SegmentPins(max_per_process=4)
+    told: list[PeerProcess | None] = []
+    pins.on_cap = told.append
+    peer = PeerProcess(child.pid, _start_time_of(child.pid))
+    other = PeerProcess(os.getpid(), _start_time_of(os.getpid()))
+    pins.pin(peer, take(nbp, 3), "consumer A")
+    assert pins.pinned_for(peer) == 3 and not pins.at_cap(peer) and told == []
+    pins.pin(peer, take(nbp, 2), "consumer B")  # 5: past the cap of 4
+    assert pins.pinned_for(peer) == 5 and pins.at_cap(peer) and told == [peer]
+    assert f"process {child.pid} has 5 shared segment(s) pinned" in caplog.text
+    pins.pin(peer, take(nbp, 1), "consumer C")  # already past it: not told again
+    assert told == [peer] and pins.num_pinned == 6
+    assert pins.pinned_for(other) == 0 and not pins.at_cap(other)
+    # processes whose pid is unknown share one count, capped like one process
+    pins.pin(None, take(nbp, 4), "consumer of another pid namespace")
+    assert pins.at_cap(None) and told == [peer, None]
+    child.send_signal(signal.SIGKILL)
+    await wait_until(lambda: pins.pinned_for(peer) == 0, 30, "pins back after the exit")
+    assert not pins.at_cap(peer) and pins.num_pinned == 4
+    pins.close()
+    assert nbp.is_whole() and not pins.at_cap(None)
+
+
+def test_no_cap_by_zero_and_a_negative_cap_is_refused() -> None:
+    pins = SegmentPins(max_per_process=0)
+    assert not pins.at_cap(None)
+    with pytest.raises(ValueError, match="max_per_process"):
+        SegmentPins(max_per_process=-1)
+
+
 def _start_time_of(pid: int) -> int:
     start = process_start_time(pid)
     assert start is not None
