@@ -36,6 +36,7 @@ from exchange.errors import (
     TransportError,
     UsageError,
 )
+from exchange.local.segment_writer import SegmentWriter
 from exchange.paths import default_socket_path
 from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, max_frame_size_for
 from exchange.protocol.handshake import (
@@ -48,7 +49,6 @@ from exchange.protocol.local_messages import (
     MAX_OVERDRAFT_REQUEST,
     AbandonSubpartition,
     AddProducerCredit,
-    CommitSegments,
     CreatePartition,
     DaemonInfo,
     DaemonInfoRequest,
@@ -63,7 +63,6 @@ from exchange.protocol.local_messages import (
     ReleaseDataset,
     RequestOverdraft,
     SharedArena,
-    encode_commit,
 )
 from exchange.protocol.messages import ErrorResponse, Message, error_for_response
 from exchange.writer.record_writer import OutputBuffer
@@ -89,8 +88,6 @@ _MAX_CONTROL_FRAME: Final = 64 * 1024
 #: A PushBuffer frame's header: frame length, magic, id | subpartition, data type.
 _PUSH_FRAME: Final = struct.Struct(">IIBIB")
 _PUSH_BODY_HEADER: Final = 5
-#: A CommitSegments frame's header (its body: 12-byte entries).
-_COMMIT_FRAME: Final = struct.Struct(">IIB")
 
 
 #: Environment variable naming a file that holds the daemons' shared secret.
@@ -190,12 +187,11 @@ class LocalConnection(HandshakingClientProtocol):
         #: the local socket's path (None on TCP: no shared memory there)
         self.socket_path: str | None = None
         self._offer: SharedArena | None = None
-        #: granted segments of the shared arena, oldest first (shared memory only)
-        self.segments: deque[int] = deque()
+        #: granted segments of the shared arena (oldest first), the arena once mapped,
+        #: and the copy of each data buffer into its segment with its commit (compiled)
+        self.segments = SegmentWriter()
         self._arena: mmap.mmap | None = None
         self._arena_view: memoryview | None = None
-        self._segment_size = 0
-        self.bytes_shared = 0
         #: the inode of the shared arena mapped (None without one): which arena it is
         self.arena_inode: int | None = None
 
@@ -268,14 +264,14 @@ class LocalConnection(HandshakingClientProtocol):
             self.credit += msg.credit
             self._wake_credit()
         elif type(msg) is GrantSegments:
-            self.segments.extend(msg.segments)
+            self.segments.grant(msg.segments)
             self.credit += len(msg.segments)
             self._wake_credit()
         elif type(msg) is SharedArena:
             if self._offer is not None or not self._replies:
                 raise ProtocolError(f"unsolicited SharedArena from {self.address}")
             self._offer = msg
-            self.segments.extend(msg.segments)
+            self.segments.grant(msg.segments)
         elif type(msg) is ProducerBufferSize:
             if self._buffer_size_listener is not None:
                 self._buffer_size_listener(msg.subpartition, msg.buffer_size)
@@ -341,10 +337,16 @@ class LocalConnection(HandshakingClientProtocol):
                 self.check()
                 raise
             self._arena_view = memoryview(self._arena)
-            self._segment_size = reply.segment_size
+            self.segments.attach(self._arena_view, reply.segment_size)
         return reply
 
+    @property
+    def bytes_shared(self) -> int:
+        """Bytes of data buffers written into the shared arena."""
+        return self.segments.bytes_shared
+
     def _unmap(self) -> None:
+        self.segments.detach()
         view, self._arena_view = self._arena_view, None
         arena, self._arena = self._arena, None
         unmap_arena(view, arena)
@@ -404,8 +406,7 @@ class LocalConnection(HandshakingClientProtocol):
             frames: list[bytes | memoryview] = []
             pushed = 0
             pack = _PUSH_FRAME.pack
-            arena = self._arena_view
-            commits: list[bytes] = []
+            writer = self.segments if self.segments.mapped else None
             mid_record = self._mid_record
             while i < n:
                 out = outs[i]
@@ -415,28 +416,23 @@ class LocalConnection(HandshakingClientProtocol):
                             asked = i
                             self._ask_overdraft(outs, i)
                         break
+                    if writer is not None:  # a run written in place, committed by index
+                        j = writer.fill(outs, i, self.credit, mid_record)
+                        self.credit -= j - i
+                        i = j
+                        continue
                     self.credit -= 1
                     target = out.target
                     if out.ends_mid_record:
                         mid_record.add(target)
                     else:
                         mid_record.discard(target)
-                    if arena is not None:  # written in place, committed by index
-                        seg = self.segments.popleft()
-                        pos = seg * self._segment_size
-                        for piece in out.pieces:
-                            end = pos + len(piece)
-                            arena[pos:end] = piece
-                            pos = end
-                        commits.append(encode_commit(seg, out.size, target))
-                        self.bytes_shared += out.size
-                        i += 1
-                        continue
                 else:
                     target = ALL_SUBPARTITIONS
-                    if commits:  # the commits before it go first: order is the stream's
-                        _add_commits(frames, commits)
-                        commits = []
+                    if writer is not None:  # the commits before it go first: the stream's order
+                        commits = writer.take_commits()
+                        if commits is not None:
+                            frames.append(commits)
                 frames.append(
                     pack(
                         FRAME_HEADER_SIZE + _PUSH_BODY_HEADER + out.size,
@@ -449,8 +445,10 @@ class LocalConnection(HandshakingClientProtocol):
                 frames.extend(out.pieces)
                 pushed += out.size
                 i += 1
-            if commits:
-                _add_commits(frames, commits)
+            if writer is not None:
+                commits = writer.take_commits()
+                if commits is not None:
+                    frames.append(commits)
             frames.extend(self.connection.data_to_send())  # a RequestOverdraft, if asked
             t.writelines(frames)
             self.bytes_pushed += pushed
@@ -473,14 +471,6 @@ class LocalConnection(HandshakingClientProtocol):
         count = min(count, MAX_OVERDRAFT_REQUEST)
         self.overdraft_requested += count
         self.connection.send(RequestOverdraft(count))
-
-
-def _add_commits(frames: list[bytes | memoryview], commits: list[bytes]) -> None:
-    body = b"".join(commits)
-    frames.append(
-        _COMMIT_FRAME.pack(FRAME_HEADER_SIZE + len(body), MAGIC, CommitSegments.MESSAGE_ID)
-    )
-    frames.append(body)
 
 
 async def fetch_daemon_info(socket_path: str, *, secret: bytes | None = None) -> DaemonInfo:

@@ -42,13 +42,12 @@ follow which::
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Final
 
-from exchange.buffers.buffer import Buffer, DataType
+from exchange.buffers.buffer import Buffer
 from exchange.errors import (
     AuthenticationError,
     ExchangeError,
@@ -58,16 +57,15 @@ from exchange.errors import (
     UsageError,
     fresh_error,
 )
-from exchange.memory.memory_segment import MemorySegment
 from exchange.protocol.codec import (
     DEFAULT_READ_AHEAD,
     MAX_CONTROL_FRAME_SIZE,
-    BufferResponseHeader,
     InPlaceFrameDecoder,
     PayloadReceived,
     Piece,
     encode,
 )
+from exchange.protocol.data_landing import DataLanding
 from exchange.protocol.handshake import ClientHandshake
 from exchange.protocol.local_messages import (
     ArenaMapped,
@@ -214,6 +212,10 @@ class ClientConnection:
                 f"connection to {self.address}: {self.state.name} -> {new.name}"
             )
         self.state = new
+        self._on_state(new)
+
+    def _on_state(self, new: ClientConnectionState) -> None:
+        """The state changed (a subclass's hook)."""
 
     @property
     def is_open(self) -> bool:
@@ -259,12 +261,7 @@ class ClientConnection:
         try:
             items = self._decoder.buffer_updated(nbytes)
             if self.state in _RECEIVING:  # else failed or closed: what arrives is dropped
-                for item in items:
-                    if type(item) is PayloadReceived:
-                        self._on_payload(item)
-                    else:
-                        assert isinstance(item, Message)
-                        self._on_message(item)
+                self._deliver(items)
         except ExchangeError as e:
             self.fail(e)
         return bool(self._events) or bool(self._out)
@@ -298,8 +295,13 @@ class ClientConnection:
         """A message after the handshake; by default handed to the user as an event."""
         self._events.append(MessageReceived(msg))
 
-    def _on_payload(self, item: PayloadReceived) -> None:
-        raise ProtocolError(f"unexpected data frame from {self.address}")  # pragma: no cover
+    def _deliver(self, items: list[Message | PayloadReceived]) -> None:
+        """Act on one read's frames, in order."""
+        for item in items:
+            if type(item) is PayloadReceived:  # pragma: no cover - no body sink here
+                raise ProtocolError(f"unexpected data frame from {self.address}")
+            assert isinstance(item, Message)
+            self._on_message(item)
 
     # -- output --------------------------------------------------------------------------
 
@@ -379,6 +381,10 @@ class PartitionRequestClientConnection(ClientConnection):
         app_id: str = "",
         shared_reads: bool = False,
     ) -> None:
+        self._channels: dict[int, RemoteInputChannel] = {}
+        # Payloads land in credited buffers of their channels and are handed on (compiled;
+        # buffers taken for payloads not handed on yet are released if the connection dies)
+        self._data = DataLanding(address, self._channels)
         accept: frozenset[int] = DATA_PORT_CLIENT_MESSAGE_IDS
         if shared_reads:
             accept = accept | {
@@ -397,26 +403,12 @@ class PartitionRequestClientConnection(ClientConnection):
         # bytes_received when it last changed or no channel had credit out, and when
         self._progress_bytes = -1
         self._progress_at = 0.0
-        self._channels: dict[int, RemoteInputChannel] = {}
         self._next_id = 1
         self._credit_pending: list[RemoteInputChannel] = []
-        # Buffers taken for payloads not handed to their channel yet, in frame order (one
-        # chunk may complete several frames); released if the connection dies first.
-        self._landing: deque[tuple[RemoteInputChannel, Buffer]] = deque()
         #: shared memory: this connection may map an arena (and its segment size, once offered)
         self.shared_reads = shared_reads
         self._segment_size = 0
         self._offered = False
-        self._arena: memoryview | None = None
-        # the arena's segments, by index (made once mapped)
-        self._segments: list[MemorySegment] = []
-        # indices of shared segments released, for the next RecycleSegments
-        self._give_backs: list[int] = []
-        #: called when the first index is queued since the last flush (I/O side: flush)
-        self.on_give_back_pending: Callable[[], None] | None = None
-        #: shared segments held now (received, not released), and payload bytes so read
-        self.segments_held = 0
-        self.bytes_shared = 0
 
     def _new_decoder(
         self, max_frame_size: int, accept: Collection[int] | None
@@ -424,7 +416,7 @@ class PartitionRequestClientConnection(ClientConnection):
         # BufferResponses: each read carries a batch of frames (DEFAULT_READ_AHEAD), parsed
         # in one call; payloads are copied from the read into their credited segments.
         return InPlaceFrameDecoder(
-            max_frame_size, accept=accept, body_sink=self._body_sink, read_ahead=DEFAULT_READ_AHEAD
+            max_frame_size, accept=accept, body_sink=self._data.sink, read_ahead=DEFAULT_READ_AHEAD
         )
 
     @property
@@ -436,41 +428,37 @@ class PartitionRequestClientConnection(ClientConnection):
 
     # -- receiving -----------------------------------------------------------------------
 
-    def _body_sink(self, header: BufferResponseHeader) -> memoryview | None:
-        """Where a BufferResponse payload lands: a credited buffer of its channel."""
-        if header.data_type is not DataType.DATA_BUFFER or self.state not in _LANDING:
-            return None  # events are decoded whole; a frame before the handshake is refused
-        ch = self._channels.get(header.receiver_id)
-        if ch is None:
-            return None  # cancelled meanwhile: read through scratch, then dropped
-        buf = ch.request_buffer()
-        if buf is None:
-            raise ProtocolError(
-                f"daemon {self.address} sent a buffer to receiver {header.receiver_id} "
-                "without credit"
-            )
-        seg = buf.segment
-        if header.size > seg.size:
-            buf.release()
-            raise ProtocolError(
-                f"buffer of {header.size} bytes exceeds the receiver's {seg.size}-byte segments; "
-                "all daemons and clients must use the same segment size"
-            )
-        self._landing.append((ch, buf))
-        return seg.view()[: header.size]
+    def _on_state(self, new: ClientConnectionState) -> None:
+        self._data.accepting = new in _LANDING
+        self._data.sending = new in _SENDING  # shared segments released are given back
 
-    def _on_payload(self, item: PayloadReceived) -> None:
-        ch, buf = self._landing.popleft()
-        h: BufferResponseHeader = item.header
-        buf.set_size(h.size)
-        buf.compressed = h.compressed
-        ch.on_buffer(buf, h.sequence_number, h.backlog)
+    @property
+    def on_give_back_pending(self) -> Callable[[], None] | None:
+        """Called when the first index is queued since the last flush (I/O side: flush)."""
+        return self._data.on_give_back_pending
+
+    @on_give_back_pending.setter
+    def on_give_back_pending(self, callback: Callable[[], None] | None) -> None:
+        self._data.on_give_back_pending = callback
+
+    @property
+    def segments_held(self) -> int:
+        """Shared segments held now (received, not released)."""
+        return self._data.segments_held
+
+    @property
+    def bytes_shared(self) -> int:
+        """Payload bytes read in place from shared segments."""
+        return self._data.bytes_shared
+
+    def _deliver(self, items: list[Message | PayloadReceived]) -> None:
+        self._data.deliver(items, self._on_message)  # type: ignore[arg-type]
 
     def on_message(self, msg: Message) -> None:
         if type(msg) is BufferResponse:
             self._on_buffer_response(msg)
         elif type(msg) is SharedBufferResponse:
-            self._on_shared_buffers(msg)
+            self._data.deliver_shared(msg.buffers)
         elif type(msg) is SharedArena:
             if self._offered or msg.segments:
                 raise ProtocolError(f"unexpected SharedArena from daemon {self.address}")
@@ -503,63 +491,13 @@ class PartitionRequestClientConnection(ClientConnection):
 
     def arena_mapped(self, arena: memoryview) -> None:
         """The offered arena is mapped (``arena``: all of it): tell the daemon."""
-        if not self._offered or self._arena is not None:
+        if not self._offered or self._data.has_arena:
             raise IllegalStateError("arena_mapped without an offer, or twice")
-        self._arena = arena
-        size = self._segment_size
-        self._segments = [
-            MemorySegment(arena[i : i + size], i // size)
-            for i in range(0, arena.nbytes - size + 1, size)
-        ]
+        self._data.arena_mapped(arena, self._segment_size)
         self.send(ArenaMapped())
 
-    def _on_shared_buffers(self, msg: SharedBufferResponse) -> None:
-        arena, seg_size = self._arena, self._segment_size
-        if arena is None:
-            raise ProtocolError(f"SharedBufferResponse from {self.address} before ArenaMapped")
-        segments = self._segments
-        channels = self._channels
-        for rid, seq, backlog, _, compressed, index, offset, size in msg.buffers:
-            if offset + size > seg_size or index >= len(segments):
-                raise ProtocolError(
-                    f"SharedBufferResponse outside the arena: segment {index}, offset "
-                    f"{offset}, size {size} (segments of {seg_size} bytes, arena of "
-                    f"{arena.nbytes})"
-                )
-            self.segments_held += 1
-            self.bytes_shared += size
-            ch = channels.get(rid)
-            if ch is None:
-                self.give_back(index)  # cancelled meanwhile: straight back
-                continue
-            credit = ch.request_buffer()
-            if credit is None:
-                self.give_back(index)
-                raise ProtocolError(
-                    f"daemon {self.address} sent a buffer to receiver {rid} without credit"
-                )
-            if offset:  # a slice of a segment (the daemon's own buffers): a view of it
-                start = index * seg_size + offset
-                segment = MemorySegment(arena[start : start + size], index)
-            else:
-                segment = segments[index]
-            buf = Buffer(segment, _SharedSegment(self, credit), size)
-            if compressed:
-                buf.compressed = True
-            ch.on_buffer(buf, seq, backlog)
-
-    def give_back(self, index: int) -> None:
-        """A shared segment is released: its index goes in the next RecycleSegments."""
-        self.segments_held -= 1
-        if not self.is_open:
-            return  # the daemon is gone (it freed what we held) or we are closing
-        pending = self._give_backs
-        pending.append(index)
-        if len(pending) == 1 and self.on_give_back_pending is not None:
-            self.on_give_back_pending()
-
     def _flush_give_backs(self) -> None:
-        pending, self._give_backs = self._give_backs, []
+        pending = self._data.take_give_backs()
         if pending and self.state in _SENDING:
             self._out.append(encode_recycle(pending))
 
@@ -642,7 +580,7 @@ class PartitionRequestClientConnection(ClientConnection):
     def flush_credits(self) -> None:
         """One RecycleSegments for the shared segments released, then one AddCredit per
         channel with all its unannounced credit."""
-        if self._give_backs:
+        if self._data.has_give_backs:
             self._flush_give_backs()
         pending, self._credit_pending = self._credit_pending, []
         channels = self._channels
@@ -676,7 +614,7 @@ class PartitionRequestClientConnection(ClientConnection):
 
     def on_connection_lost(self, error: ExchangeError) -> None:
         self._release_landing()
-        self._segments, self._arena = [], None  # (buffers still held keep their views)
+        self._data.drop_arena()  # (buffers still held keep their views)
         channels = list(self._channels.values())
         self._channels.clear()
         self._credit_pending.clear()
@@ -685,21 +623,4 @@ class PartitionRequestClientConnection(ClientConnection):
                 ch.set_error(error)
 
     def _release_landing(self) -> None:
-        landing = self._landing
-        while landing:
-            landing.popleft()[1].release()
-
-
-class _SharedSegment:
-    """Recycler of one Buffer over a shared segment: its index goes back to the daemon
-    and the credited buffer held beside it returns to its channel (the credit)."""
-
-    __slots__ = ("_conn", "_credit")
-
-    def __init__(self, conn: PartitionRequestClientConnection, credit: Buffer) -> None:
-        self._conn = conn
-        self._credit = credit
-
-    def recycle(self, segment: MemorySegment) -> None:
-        self._conn.give_back(segment.index)
-        self._credit.release()
+        self._data.release_landing()

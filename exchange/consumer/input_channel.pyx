@@ -1,17 +1,15 @@
-"""InputChannel: one (partition, subpartition) a consumer reads, as seen by its gate."""
+# cython: language_level=3
+"""InputChannel: one (partition, subpartition) a consumer reads, as seen by its gate.
 
-from __future__ import annotations
+Compiled (a ``cdef class``, fields in ``input_channel.pxd``): the remote channel
+(``remote_input_channel.pyx``) extends it and its per-buffer receive path reads and
+writes these fields at C speed. ``input_channel.pyi`` types it for mypy. There is no
+Python version of this module.
+"""
 
-from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Final, NamedTuple
+from collections import namedtuple
 
-from exchange.buffers.buffer import Buffer
 from exchange.errors import UsageError, fresh_error
-from exchange.partition.result_partition_id import ResultPartitionID
-
-if TYPE_CHECKING:
-    from exchange.consumer.single_input_gate import SingleInputGate
 
 __all__ = [
     "BATCH_FLOATING_BUFFERS",
@@ -23,18 +21,18 @@ __all__ = [
     "backoff_delays",
 ]
 
-DEFAULT_BACKOFF_INITIAL: Final = 0.1
-DEFAULT_BACKOFF_MAX: Final = 10.0
+DEFAULT_BACKOFF_INITIAL = 0.1
+DEFAULT_BACKOFF_MAX = 10.0
 #: Floating buffers per gate of a streaming reader (one with a checkpoint listener): Flink's
 #: default. How a checkpoint aligns depends on the data in flight: the window stays Flink's.
-STREAMING_FLOATING_BUFFERS: Final = 8
+STREAMING_FLOATING_BUFFERS = 8
 #: Floating buffers per gate of a batch reader: a larger credit window, so the stream
 #: arrives in larger bursts (fewer reads, AddCredit writes and hand-off wake-ups per
 #: buffer: docs/architecture.md, "The consumer's CPU per 32 KiB").
-BATCH_FLOATING_BUFFERS: Final = 32
+BATCH_FLOATING_BUFFERS = 32
 
 
-def backoff_delays(initial: float, maximum: float) -> Iterator[float]:
+def backoff_delays(double initial, double maximum):
     """Flink's partition request backoff: initial, doubling, capped at max, then stop."""
     delay = initial
     while True:
@@ -44,18 +42,18 @@ def backoff_delays(initial: float, maximum: float) -> Iterator[float]:
         delay = min(delay * 2, maximum)
 
 
-class BufferAndAvailability(NamedTuple):
-    """``overtaken_by``: ids of the unaligned checkpoints whose priority barrier overtook
-    this data buffer in the channel (it is input channel state of each; empty for most)."""
+BufferAndAvailability = namedtuple(
+    "BufferAndAvailability",
+    ["buffer", "more_available", "buffers_in_backlog", "sequence_number", "overtaken_by"],
+    defaults=((),),
+    module=__name__,  # (a compiled module runs no frame namedtuple could read it from)
+)
+BufferAndAvailability.__doc__ = """``overtaken_by``: ids of the unaligned checkpoints whose
+priority barrier overtook this data buffer in the channel (it is input channel state of
+each; empty for most)."""
 
-    buffer: Buffer
-    more_available: bool
-    buffers_in_backlog: int
-    sequence_number: int
-    overtaken_by: tuple[int, ...] = ()
 
-
-class InputChannel(ABC):
+cdef class InputChannel:
     """Base of RemoteInputChannel (and of the test kit's in-process LocalInputChannel).
 
     Partition requests back off exponentially (``backoff_initial`` doubling up to
@@ -66,14 +64,16 @@ class InputChannel(ABC):
 
     def __init__(
         self,
-        gate: SingleInputGate,
-        channel_index: int,
-        partition_id: ResultPartitionID,
-        subpartition_index: int,
+        gate,
+        channel_index,
+        partition_id,
+        subpartition_index,
         *,
-        backoff_initial: float = DEFAULT_BACKOFF_INITIAL,
-        backoff_max: float = DEFAULT_BACKOFF_MAX,
-    ) -> None:
+        backoff_initial=DEFAULT_BACKOFF_INITIAL,
+        backoff_max=DEFAULT_BACKOFF_MAX,
+    ):
+        if type(self) is InputChannel:
+            raise TypeError("InputChannel is abstract: instantiate a subclass")
         if not isinstance(subpartition_index, int) or subpartition_index < 0:
             raise UsageError(f"subpartition_index must be an int >= 0, got {subpartition_index!r}")
         if backoff_initial <= 0 or backoff_max < backoff_initial:
@@ -86,7 +86,7 @@ class InputChannel(ABC):
         self.subpartition_index = subpartition_index
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
-        self._error: BaseException | None = None
+        self._error = None
         self._released = False
         self.queued = False  # managed by the gate: in its channels-with-data queue
         self.queued_with_priority = False  # managed by the gate: in its priority prefix
@@ -94,15 +94,15 @@ class InputChannel(ABC):
         self.bytes_in = 0
         self.buffers_in = 0
 
-    @abstractmethod
-    async def request_subpartition(self) -> None:
+    async def request_subpartition(self):
         """Ask the producer's side for the subpartition (with backoff)."""
+        raise NotImplementedError
 
-    @abstractmethod
-    def get_next_buffer(self) -> BufferAndAvailability | None:
+    def get_next_buffer(self):
         """The next buffer, or None; raises the channel's error if it failed."""
+        raise NotImplementedError
 
-    def take_data_buffers(self, limit: int) -> tuple[list[Buffer], bool]:
+    def take_data_buffers(self, limit):
         """Up to ``limit`` data buffers from the head of what was received, taken at once,
         and whether anything is left after them: the gate's batch path (``poll_data``).
         Takes none when the head is an event or when anything received needs the
@@ -110,50 +110,50 @@ class InputChannel(ABC):
         base takes none: its channels go one by one."""
         return [], True
 
-    @abstractmethod
-    def resume_consumption(self) -> None:
+    def resume_consumption(self):
         """Unblock the subpartition after an aligned checkpoint barrier."""
+        raise NotImplementedError
 
-    @abstractmethod
-    def release_all_resources(self) -> None:
+    def release_all_resources(self):
         """Give back every buffer and the subpartition view or request. Idempotent."""
+        raise NotImplementedError
 
-    def notify_new_buffer_size(self, size: int) -> None:  # noqa: B027 - optional hook
+    def notify_new_buffer_size(self, size):
         """Debloating: the producer should use buffers of ``size`` bytes."""
 
     @property
-    def num_queued_buffers(self) -> int:
+    def num_queued_buffers(self):
         """Buffers received and not yet taken by the gate (debloating counts them in use)."""
         return 0
 
     @property
-    def has_priority_event(self) -> bool:
+    def has_priority_event(self):
         """A priority event (unaligned barrier) is next to be taken."""
         return False
 
     @property
-    def announced_backlog(self) -> int:
+    def announced_backlog(self):
         """The producer's backlog as last announced (buffers not sent yet)."""
         return 0
 
     @property
-    def is_released(self) -> bool:
+    def is_released(self):
         return self._released
 
-    def set_error(self, error: BaseException) -> None:
+    def set_error(self, error):
         """Record an asynchronous failure and wake the gate so the reader sees it."""
         if self._error is None:
             self._error = error
         self.gate.notify_channel_non_empty(self)
 
-    def check_error(self) -> None:
+    def check_error(self):
         if self._error is not None:
             raise fresh_error(self._error)
 
-    def notify_channel_non_empty(self) -> None:
+    def notify_channel_non_empty(self):
         self.gate.notify_channel_non_empty(self)
 
-    def __repr__(self) -> str:
+    def __repr__(self):
         return (
             f"{type(self).__name__}(#{self.channel_index}, {self.partition_id}"
             f"[{self.subpartition_index}])"

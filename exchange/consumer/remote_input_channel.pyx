@@ -1,3 +1,4 @@
+# cython: language_level=3
 """RemoteInputChannel: credit-based reading of a subpartition on another daemon.
 
 The logic of Flink's RemoteInputChannel and BufferManager, with the I/O behind the
@@ -28,21 +29,25 @@ The logic of Flink's RemoteInputChannel and BufferManager, with the I/O behind t
   data buffers it overtook are still handed out after it, in order, each flagged with
   ``overtaken_by`` (the checkpoint ids whose barrier overtook it): the task processes
   them and persists them as input channel state of those checkpoints.
-"""
 
-from __future__ import annotations
+Compiled (``cdef class``es, fields in ``remote_input_channel.pxd``): a buffer's arrival,
+the credit accounting and the free-buffer queue are C calls; the connection calls
+``request_buffer`` and ``on_buffer`` once per buffer. ``remote_input_channel.pyi`` types
+the module for mypy. There is no Python version of it.
+"""
 
 import asyncio
 import itertools
 from collections import deque
-from typing import TYPE_CHECKING, Final, Protocol
 
-from exchange.buffers.buffer import Buffer, DataType
+from exchange.buffers.buffer cimport Buffer
+from exchange.consumer.input_channel cimport InputChannel
+
+from exchange.buffers.buffer import DataType
 from exchange.consumer.input_channel import (
     DEFAULT_BACKOFF_INITIAL,
     DEFAULT_BACKOFF_MAX,
     BufferAndAvailability,
-    InputChannel,
     backoff_delays,
 )
 from exchange.errors import (
@@ -55,98 +60,75 @@ from exchange.errors import (
 )
 from exchange.events.events import EventSerializer
 from exchange.memory.buffer_listener import NotificationResult
-from exchange.memory.memory_segment import MemorySegment
-from exchange.memory.network_buffer_pool import NetworkBufferPool
-from exchange.partition.result_partition_id import ResultPartitionID
 
-if TYPE_CHECKING:
-    from exchange.consumer.single_input_gate import SingleInputGate
+# (``PartitionRequestClient`` and ``ConnectionProvider``, what a channel needs from its
+# connection, are Protocols of remote_input_channel.pyi: types only.)
+__all__ = ["HALVES_FROM", "AvailableBufferQueue", "RemoteInputChannel"]
 
-__all__ = [
-    "HALVES_FROM",
-    "AvailableBufferQueue",
-    "ConnectionProvider",
-    "PartitionRequestClient",
-    "RemoteInputChannel",
-]
-
+cdef object _DATA_BUFFER = DataType.DATA_BUFFER
+cdef object _PRIORITIZED = DataType.PRIORITIZED_EVENT_BUFFER
+cdef object _NOT_USED = NotificationResult.BUFFER_NOT_USED
+cdef object _USED_NO_NEED_MORE = NotificationResult.BUFFER_USED_NO_NEED_MORE
+cdef object _USED_NEED_MORE = NotificationResult.BUFFER_USED_NEED_MORE
 
 #: Free buffers from which a channel announces its credit in halves (see the docstring):
 #: more than Flink's defaults give a channel (2 exclusive + 8 floating per gate).
-HALVES_FROM: Final = 16
+HALVES_FROM = 16
+cdef Py_ssize_t _HALVES_FROM = HALVES_FROM
 
 
-class PartitionRequestClient(Protocol):
-    """What a RemoteInputChannel needs from its connection (implemented in ``client``)."""
-
-    @property
-    def address(self) -> str: ...
-
-    def request_subpartition(self, channel: RemoteInputChannel) -> None: ...
-
-    def notify_credit_available(self, channel: RemoteInputChannel) -> None: ...
-
-    def resume_consumption(self, channel: RemoteInputChannel) -> None: ...
-
-    def notify_new_buffer_size(self, channel: RemoteInputChannel, size: int) -> None: ...
-
-    def cancel_request(self, channel: RemoteInputChannel) -> None: ...
-
-
-class ConnectionProvider(Protocol):
-    async def create_partition_request_client(self, address: str) -> PartitionRequestClient: ...
-
-
-class AvailableBufferQueue:
+cdef class AvailableBufferQueue:
     """Free buffers of one channel: floating ones (given back first) and exclusive ones."""
 
-    __slots__ = ("exclusive", "floating")
+    def __init__(self):
+        self.floating = deque()
+        self.exclusive = deque()
 
-    def __init__(self) -> None:
-        self.floating: deque[Buffer] = deque()
-        self.exclusive: deque[Buffer] = deque()
+    cdef Py_ssize_t size(self):
+        return len(self.floating) + len(self.exclusive)
 
-    def add_exclusive(self, buffer: Buffer, num_required: int) -> int:
+    cpdef Py_ssize_t add_exclusive(self, Buffer buffer, Py_ssize_t num_required) except -1:
         """Add a returning exclusive buffer; returns the net number of buffers gained."""
         self.exclusive.append(buffer)
-        if len(self.floating) + len(self.exclusive) > num_required and self.floating:
-            self.floating.popleft().release()
+        if self.floating and len(self.floating) + len(self.exclusive) > num_required:
+            (<Buffer>self.floating.popleft()).release()
             return 0
         return 1
 
-    def add_floating(self, buffer: Buffer) -> None:
+    def add_floating(self, Buffer buffer):
         self.floating.append(buffer)
 
-    def take(self) -> Buffer | None:
+    cpdef Buffer take(self):
         if self.floating:
-            return self.floating.popleft()
+            return <Buffer>self.floating.popleft()
         if self.exclusive:
-            return self.exclusive.popleft()
+            return <Buffer>self.exclusive.popleft()
         return None
 
-    def __len__(self) -> int:
+    def __len__(self):
         return len(self.floating) + len(self.exclusive)
 
 
-class RemoteInputChannel(InputChannel):
+cdef class RemoteInputChannel(InputChannel):
     """Reads one remote subpartition with credit-based flow control."""
 
     def __init__(
         self,
-        gate: SingleInputGate,
-        channel_index: int,
-        partition_id: ResultPartitionID,
-        subpartition_index: int,
-        address: str,
-        connection_provider: ConnectionProvider,
-        network_pool: NetworkBufferPool,
+        gate,
+        channel_index,
+        partition_id,
+        subpartition_index,
+        address,
+        connection_provider,
+        network_pool,
         *,
-        num_exclusive: int = 2,
-        backoff_initial: float = DEFAULT_BACKOFF_INITIAL,
-        backoff_max: float = DEFAULT_BACKOFF_MAX,
-        buffer_request_timeout: float | None = None,
-    ) -> None:
-        super().__init__(
+        num_exclusive=2,
+        backoff_initial=DEFAULT_BACKOFF_INITIAL,
+        backoff_max=DEFAULT_BACKOFF_MAX,
+        buffer_request_timeout=None,
+    ):
+        InputChannel.__init__(
+            self,
             gate,
             channel_index,
             partition_id,
@@ -163,11 +145,11 @@ class RemoteInputChannel(InputChannel):
         self._network_pool = network_pool
         self.initial_credit = num_exclusive
         self._buffer_request_timeout = buffer_request_timeout
-        self._client: PartitionRequestClient | None = None
-        self._received: deque[Buffer] = deque()
+        self._client = None
+        self._received = deque()
         self._num_priority = 0  # priority events at the head of ``_received``
         # [checkpoint id, data buffers at the head of the data section still overtaken]
-        self._overtaken: deque[list[int]] = deque()
+        self._overtaken = deque()
         self._expected_sequence = 0
         self._unannounced_credit = 0
         self._credit_notified = False  # the client was told to take the unannounced credit
@@ -179,11 +161,11 @@ class RemoteInputChannel(InputChannel):
         self.receiver_id = -1  # assigned by the client
         self.sender_backlog = 0
         # the last size announced (debloating); sent again with every repeated request
-        self._buffer_size: int | None = None
+        self._buffer_size = None
 
     # -- setup and partition request -----------------------------------------------------
 
-    async def request_subpartition(self) -> None:
+    async def request_subpartition(self):
         if self._client is not None:
             return
         if self._released:
@@ -202,7 +184,7 @@ class RemoteInputChannel(InputChannel):
         self._client = client
         client.request_subpartition(self)
 
-    def on_partition_not_found(self) -> bool:
+    def on_partition_not_found(self):
         """The producer is not there yet; retry after the next backoff delay.
 
         Returns False (and fails the channel) once the backoff is exhausted.
@@ -218,7 +200,7 @@ class RemoteInputChannel(InputChannel):
             asyncio.get_running_loop().call_later(delay, self._retrigger)
         return True
 
-    def _retrigger(self) -> None:
+    def _retrigger(self):
         client = self._client
         if self._released or client is None:
             return
@@ -231,11 +213,13 @@ class RemoteInputChannel(InputChannel):
 
     # -- receiving -----------------------------------------------------------------------
 
-    def request_buffer(self) -> Buffer | None:
+    cpdef Buffer request_buffer(self):
         """A free buffer to receive the next data buffer into (None: no credit was due)."""
         return self._queue.take()
 
-    def on_buffer(self, buffer: Buffer, sequence_number: int, backlog: int) -> None:
+    cpdef void on_buffer(
+        self, Buffer buffer, unsigned long long sequence_number, long long backlog
+    ) except *:
         """A BufferResponse arrived (the buffer is this channel's to hand on)."""
         if self._released:
             buffer.release()
@@ -255,19 +239,19 @@ class RemoteInputChannel(InputChannel):
         self._expected_sequence = sequence_number + 1
         if self._unannounced_credit and not self._credit_notified:
             self._maybe_announce()  # the sender has one credit less
-        self.bytes_in += buffer.size
+        self.bytes_in += buffer._size
         self.buffers_in += 1
-        if buffer.data_type.has_priority:
+        if buffer._data_type is _PRIORITIZED:
             self._on_priority_event(buffer)
         else:
             was_empty = not self._received
             self._received.append(buffer)
             if was_empty:
-                self.notify_channel_non_empty()
+                self.gate.notify_channel_non_empty(self)
         if backlog >= 0:
             self.on_sender_backlog(backlog)
 
-    def _on_priority_event(self, buffer: Buffer) -> None:
+    cdef void _on_priority_event(self, Buffer buffer) except *:
         try:
             checkpoint_id = EventSerializer.checkpoint_id_of_priority_barrier(buffer)
         except CorruptRecordError as e:
@@ -284,42 +268,46 @@ class RemoteInputChannel(InputChannel):
             self._overtaken.append([checkpoint_id, overtaken])
         self.gate.notify_priority_event(self)
 
-    def on_sender_backlog(self, backlog: int) -> None:
+    cpdef void on_sender_backlog(self, Py_ssize_t backlog) except *:
         self.sender_backlog = backlog
-        added = self._request_floating_buffers(backlog + self.initial_credit)
+        cdef Py_ssize_t added = self._request_floating_buffers(backlog + self.initial_credit)
         if added > 0:
             self._add_credit(added)
 
-    def _request_floating_buffers(self, num_required: int) -> int:
+    cdef Py_ssize_t _request_floating_buffers(self, Py_ssize_t num_required) except -1:
         self._num_required = num_required
-        pool = self.gate.buffer_pool
-        added = 0
-        if pool is None or self._waiting_for_floating:
+        if self._waiting_for_floating:
             return 0
-        queue = self._queue
-        have = len(queue.floating) + len(queue.exclusive)  # once per buffer received
+        cdef AvailableBufferQueue queue = self._queue
+        cdef Py_ssize_t have = queue.size()  # once per buffer received
+        if have >= num_required:
+            return 0
+        pool = self.gate.buffer_pool
+        if pool is None:
+            return 0
+        cdef Py_ssize_t added = 0
         while have + added < num_required:
             buf = pool.request_buffer()
             if buf is None:
                 if pool.add_buffer_listener(self):
                     self._waiting_for_floating = True
                 break
-            queue.add_floating(buf)
+            queue.floating.append(buf)
             added += 1
         return added
 
-    def _add_credit(self, n: int) -> None:
+    cdef void _add_credit(self, Py_ssize_t n) except *:
         self._unannounced_credit += n
         if not self._credit_notified:
             self._maybe_announce()
 
-    def _maybe_announce(self) -> None:
+    cdef void _maybe_announce(self) except *:
         """Have the client announce the unannounced credit: at once in a small window or
         with debloating, else once the sender holds no more than that (module docstring)."""
-        free = len(self._queue)
+        cdef Py_ssize_t free = self._queue.size()
         if (
             (
-                free < HALVES_FROM
+                free < _HALVES_FROM
                 or free <= 2 * self._unannounced_credit
                 or self.gate.debloater is not None
             )
@@ -329,70 +317,71 @@ class RemoteInputChannel(InputChannel):
             self._credit_notified = True
             self._client.notify_credit_available(self)
 
-    def get_and_reset_unannounced_credit(self) -> int:
+    def get_and_reset_unannounced_credit(self):
         n = self._unannounced_credit
         self._unannounced_credit = 0
         self._credit_notified = False
         return n
 
     @property
-    def unannounced_credit(self) -> int:
+    def unannounced_credit(self):
         return self._unannounced_credit
 
     @property
-    def num_available_buffers(self) -> int:
-        return len(self._queue)
+    def num_available_buffers(self):
+        return self._queue.size()
 
     @property
-    def num_queued_buffers(self) -> int:
+    def num_queued_buffers(self):
         return len(self._received)
 
     @property
-    def announced_backlog(self) -> int:
+    def announced_backlog(self):
         return self.sender_backlog
 
     # -- BufferListener (floating buffers) -----------------------------------------------
 
-    def notify_buffer_available(self, buffer: Buffer) -> NotificationResult:
-        queue = self._queue
-        have = len(queue.floating) + len(queue.exclusive)  # (runs per recycled buffer)
+    def notify_buffer_available(self, Buffer buffer):
+        cdef AvailableBufferQueue queue = self._queue
+        cdef Py_ssize_t have = queue.size()  # (runs per recycled buffer)
         if self._released or have >= self._num_required:
             self._waiting_for_floating = False
-            return NotificationResult.BUFFER_NOT_USED
+            return _NOT_USED
         queue.floating.append(buffer)
         if have + 1 >= self._num_required:
             self._waiting_for_floating = False
-            result = NotificationResult.BUFFER_USED_NO_NEED_MORE
+            result = _USED_NO_NEED_MORE
         else:
-            result = NotificationResult.BUFFER_USED_NEED_MORE
+            result = _USED_NEED_MORE
         self._add_credit(1)
         return result
 
-    def notify_buffer_destroyed(self) -> None:
+    def notify_buffer_destroyed(self):
         self._waiting_for_floating = False
 
     # -- BufferRecycler (exclusive buffers) ----------------------------------------------
 
-    def recycle(self, segment: MemorySegment) -> None:
+    def recycle(self, segment):
         if self._released:
             self._exclusive_segments -= 1
             self._network_pool.recycle_memory_segments([segment])
             return
-        gained = self._queue.add_exclusive(Buffer(segment, self), self._num_required)
+        cdef Py_ssize_t gained = self._queue.add_exclusive(Buffer(segment, self), self._num_required)
         if gained:
             self._add_credit(gained)
 
     # -- reading -------------------------------------------------------------------------
 
-    def get_next_buffer(self) -> BufferAndAvailability | None:
-        self.check_error()
+    def get_next_buffer(self):
+        if self._error is not None:
+            self.check_error()
         if not self._received:
             return None
-        buf = self._received.popleft()
-        overtaken_by: tuple[int, ...] = ()
-        if self._num_priority and buf.data_type.has_priority:
+        cdef Buffer buf = <Buffer>self._received.popleft()
+        overtaken_by = ()
+        if self._num_priority and buf._data_type is _PRIORITIZED:
             self._num_priority -= 1
-        elif self._overtaken and buf.is_buffer:
+        elif self._overtaken and buf._data_type is _DATA_BUFFER:
             overtaken_by = tuple(window[0] for window in self._overtaken)
             for window in self._overtaken:
                 window[1] -= 1
@@ -406,36 +395,36 @@ class RemoteInputChannel(InputChannel):
             overtaken_by,
         )
 
-    def take_data_buffers(self, limit: int) -> tuple[list[Buffer], bool]:
-        self.check_error()
+    def take_data_buffers(self, Py_ssize_t limit):
+        if self._error is not None:
+            self.check_error()
         received = self._received
         if self._num_priority or self._overtaken or not received:
             return [], bool(received)
-        n = min(limit, len(received))
-        taken: list[Buffer] = []
-        append, popleft = taken.append, received.popleft
-        for _ in range(n):
-            if not received[0].is_buffer:
+        cdef Py_ssize_t n = min(limit, len(received)), i
+        cdef list taken = []
+        for i in range(n):
+            if (<Buffer>received[0])._data_type is not _DATA_BUFFER:
                 break
-            append(popleft())
+            taken.append(received.popleft())
         return taken, bool(received)
 
     @property
-    def has_priority_event(self) -> bool:
+    def has_priority_event(self):
         return self._num_priority > 0
 
-    def resume_consumption(self) -> None:
+    def resume_consumption(self):
         if self._released:
             raise IllegalStateError(f"{self!r} was released")
         if self._client is not None:
             self._client.resume_consumption(self)
 
-    def notify_new_buffer_size(self, size: int) -> None:
+    def notify_new_buffer_size(self, size):
         self._buffer_size = size
         if self._client is not None and not self._released:
             self._client.notify_new_buffer_size(self, size)
 
-    def release_all_resources(self) -> None:
+    def release_all_resources(self):
         if self._released:
             return
         self._released = True
@@ -454,6 +443,6 @@ class RemoteInputChannel(InputChannel):
         if client is not None:
             client.cancel_request(self)
 
-    def receive_event(self, payload: bytes | memoryview, data_type: DataType) -> Buffer:
+    def receive_event(self, payload, data_type):
         """An unpooled buffer for an event (events need no credit)."""
         return Buffer.wrap(payload, data_type)

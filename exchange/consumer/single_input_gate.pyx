@@ -16,67 +16,66 @@ Debloating (Flink's ``SingleInputGate.triggerDebloating``): with a ``GateDebloat
 the gate reports every buffer and event it returns, and when it runs empty and has data
 again (time counts towards throughput only while data flows); ``trigger_debloating(now)``,
 called by the reader's timer, announces a new buffer size to every open channel.
+
+Compiled (a ``cdef class``, fields in ``single_input_gate.pxd``): a channel's queueing
+(``notify_channel_non_empty``) and the pump's ``poll_data`` are C code calling the
+compiled channels. ``single_input_gate.pyi`` types it for mypy. There is no Python version
+of this module.
 """
 
-from __future__ import annotations
-
 import asyncio
-from collections import deque
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections import deque, namedtuple
 
-from exchange.buffers.buffer import Buffer
-from exchange.consumer.input_channel import InputChannel
-from exchange.debloat.gate_debloater import GateDebloater
+from exchange.consumer.input_channel cimport InputChannel
+
 from exchange.errors import IllegalStateError, UsageError
-from exchange.events.events import AbstractEvent, EndOfPartitionEvent, EventSerializer
+from exchange.events.events import EndOfPartitionEvent, EventSerializer
 from exchange.memory.availability import AvailabilityHelper
-from exchange.memory.local_buffer_pool import LocalBufferPool
 
 __all__ = ["BufferOrEvent", "SingleInputGate"]
 
 
-class BufferOrEvent(NamedTuple):
-    """A data buffer (``event`` None) or a decoded event (``buffer`` None).
+BufferOrEvent = namedtuple(
+    "BufferOrEvent",
+    ["buffer", "event", "channel_index", "more_available", "overtaken_by"],
+    defaults=((),),
+    module=__name__,  # (a compiled module runs no frame namedtuple could read it from)
+)
+BufferOrEvent.__doc__ = """A data buffer (``event`` None) or a decoded event (``buffer``
+None).
 
-    ``overtaken_by``: for a data buffer, the ids of the unaligned checkpoints whose barrier
-    (already returned) overtook it in its channel: it belongs to their input channel state.
-    """
-
-    buffer: Buffer | None
-    event: AbstractEvent | None
-    channel_index: int
-    more_available: bool
-    overtaken_by: tuple[int, ...] = ()
+``overtaken_by``: for a data buffer, the ids of the unaligned checkpoints whose barrier
+(already returned) overtook it in its channel: it belongs to their input channel state.
+"""
 
 
-class SingleInputGate:
+cdef class SingleInputGate:
     """Reads the channels of one consumer; owns the floating buffer pool (if any)."""
 
-    def __init__(self, name: str = "gate", buffer_pool: LocalBufferPool | None = None) -> None:
+    def __init__(self, name="gate", buffer_pool=None):
         self.name = name
         self.buffer_pool = buffer_pool  # floating buffers for remote channels
-        self.channels: list[InputChannel] = []
-        self._with_data: deque[InputChannel] = deque()
+        self.channels = []
+        self._with_data = deque()
         self._num_priority_channels = 0  # the head of ``_with_data`` queued for priority
         self._num_finished = 0
         self._availability = AvailabilityHelper(available=False)
         self._requested = False
         self._closed = False
-        self.debloater: GateDebloater | None = None
+        self.debloater = None
         self._idle = True  # debloating: the gate has nothing to return (time stops)
         #: False when the reader reports idleness itself (a reader that hands buffers on
         #: to a task thread: the task is idle only when that hand-off is empty too).
         self.reports_idle = True
 
-    def set_debloater(self, debloater: GateDebloater) -> None:
+    def set_debloater(self, debloater):
         """Debloat this gate's channels (before or after partitions are requested)."""
         if self._closed:
             raise IllegalStateError(f"input gate {self.name} is closed")
         self.debloater = debloater
         debloater.set_open_channels(self.num_channels - self._num_finished)
 
-    def trigger_debloating(self, now: float, extra_queued: int = 0) -> int | None:
+    def trigger_debloating(self, now, extra_queued=0):
         """Run the debloater if due; a new size goes to every open channel and is returned.
 
         ``extra_queued``: buffers the gate returned that the task has not consumed yet
@@ -98,7 +97,7 @@ class SingleInputGate:
                     ch.notify_new_buffer_size(size)
         return size
 
-    def set_input_channels(self, channels: Sequence[InputChannel]) -> None:
+    def set_input_channels(self, channels):
         if self._requested:
             raise IllegalStateError("channels must be set before partitions are requested")
         for i, ch in enumerate(channels):
@@ -107,10 +106,10 @@ class SingleInputGate:
         self.channels = list(channels)
 
     @property
-    def num_channels(self) -> int:
+    def num_channels(self):
         return len(self.channels)
 
-    async def request_partitions(self) -> None:
+    async def request_partitions(self):
         """Request every channel's subpartition; on failure release everything and raise."""
         if self._requested:
             return
@@ -126,14 +125,14 @@ class SingleInputGate:
 
     # -- availability --------------------------------------------------------------------
 
-    def notify_channel_non_empty(self, channel: InputChannel) -> None:
+    def notify_channel_non_empty(self, InputChannel channel):
         if channel.queued or channel.finished or self._closed:
             return
         channel.queued = True
         self._with_data.append(channel)
         self._on_queued()
 
-    def notify_priority_event(self, channel: InputChannel) -> None:
+    def notify_priority_event(self, InputChannel channel):
         """The channel has a priority event at its head: queue it before the others."""
         if channel.queued_with_priority or channel.finished or self._closed:
             return
@@ -142,19 +141,19 @@ class SingleInputGate:
         self._queue_priority(channel)
         self._on_queued()
 
-    def _queue_priority(self, channel: InputChannel) -> None:
+    cdef void _queue_priority(self, InputChannel channel) except *:
         channel.queued = True
         channel.queued_with_priority = True
         self._with_data.insert(self._num_priority_channels, channel)
         self._num_priority_channels += 1
 
-    def _dequeued(self, channel: InputChannel) -> None:
+    cdef void _dequeued(self, InputChannel channel) except *:
         channel.queued = False
         if channel.queued_with_priority:
             channel.queued_with_priority = False
             self._num_priority_channels -= 1
 
-    def _on_queued(self) -> None:
+    cdef void _on_queued(self) except *:
         if self._idle:
             self._idle = False
             if self.debloater is not None and self.reports_idle:
@@ -162,18 +161,19 @@ class SingleInputGate:
         self._availability.set_available()
 
     @property
-    def is_finished(self) -> bool:
+    def is_finished(self):
         return self._num_finished == len(self.channels)
 
-    def get_available_future(self) -> asyncio.Future[None]:
+    def get_available_future(self):
         return self._availability.get_available_future()
 
     # -- reading -------------------------------------------------------------------------
 
-    def poll_next(self) -> BufferOrEvent | None:
+    def poll_next(self):
         """The next buffer or event without waiting; None if nothing is ready."""
         if self._closed:
             raise IllegalStateError(f"input gate {self.name} is closed")
+        cdef InputChannel ch
         queue = self._with_data
         while queue:
             ch = queue.popleft()
@@ -210,7 +210,7 @@ class SingleInputGate:
                 self.debloater.on_gate_empty()
         return None
 
-    def poll_data(self, limit: int) -> tuple[int, list[Buffer]] | None:
+    def poll_data(self, Py_ssize_t limit):
         """Up to ``limit`` data buffers of the first channel with data, taken at once, and
         that channel's index: what ``poll_next`` would return for them one by one (a
         channel with more goes to the back of the queue). None when nothing is queued
@@ -221,7 +221,7 @@ class SingleInputGate:
         queue = self._with_data
         if not queue or self._num_priority_channels:
             return None
-        ch = queue[0]
+        cdef InputChannel ch = queue[0]
         taken, more = ch.take_data_buffers(limit)
         if not taken:
             return None
@@ -235,7 +235,7 @@ class SingleInputGate:
                 debloater.on_data(buf.size)
         return ch.channel_index, taken
 
-    async def get_next(self) -> BufferOrEvent | None:
+    async def get_next(self):
         """The next buffer or event; None once every channel delivered EndOfPartition."""
         while True:
             boe = self.poll_next()
@@ -245,7 +245,7 @@ class SingleInputGate:
                 return None
             await self._availability.get_available_future()
 
-    def _retire(self, ch: InputChannel) -> None:
+    cdef void _retire(self, InputChannel ch) except *:
         if not ch.finished:
             ch.finished = True
             self._num_finished += 1
@@ -258,13 +258,13 @@ class SingleInputGate:
         if self.is_finished:
             self._availability.set_available()
 
-    def resume_consumption(self, channel_index: int) -> None:
+    def resume_consumption(self, channel_index):
         """After an aligned barrier: let the channel's producer send again."""
         ch = self.channels[channel_index]
         if not ch.finished:
             ch.resume_consumption()
 
-    def close(self) -> None:
+    def close(self):
         """Release every channel and the floating pool. Idempotent."""
         if self._closed:
             return
@@ -282,10 +282,10 @@ class SingleInputGate:
         self._availability.set_available()
 
     @property
-    def is_closed(self) -> bool:
+    def is_closed(self):
         return self._closed
 
-    def __repr__(self) -> str:
+    def __repr__(self):
         return (
             f"SingleInputGate({self.name}, {len(self.channels)} channels, "
             f"finished={self._num_finished}, queued={len(self._with_data)})"
