@@ -459,6 +459,7 @@ BAD_FLAG_VALUES: dict[str, list[str]] = {
     "shared_memory": [],  # --shared-memory / --no-shared-memory
     "shared_memory_per_app": ["0", "lots", "1kb"],
     "max_overdraft_buffers_per_partition": ["-1", "1025", "lots", "2.5"],
+    "max_consumer_pins_per_process": ["-1", "many", "1.5"],
 }
 
 FLAG_CASES = [(name, value) for name, values in BAD_FLAG_VALUES.items() for value in values]
