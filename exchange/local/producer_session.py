@@ -53,6 +53,7 @@ from exchange.errors import (
     SubpartitionIndexError,
 )
 from exchange.events.events import EventSerializer
+from exchange.local.segment_commits import commit_segments, segment_indices
 from exchange.memory.buffer_listener import NotificationResult
 from exchange.partition.pipelined_subpartition import PipelinedSubpartition
 from exchange.partition.result_partition import ResultPartition
@@ -208,9 +209,8 @@ class ProducerSession:
 
     def granted_segments(self, n: int) -> tuple[int, ...]:
         """The arena indices of the ``n`` segments granted last (the newest reserved)."""
-        reserved = self._reserved
-        k = len(reserved) - self._unannounced
-        return tuple(reserved[i].segment.index for i in range(k - n, k))
+        k = len(self._reserved) - self._unannounced
+        return segment_indices(self._reserved, k - n, k)
 
     def _reserve_nowait(self) -> None:
         pool = self.partition.buffer_pool
@@ -347,28 +347,12 @@ class ProducerSession:
     def commit_all(self, commits: Iterable[tuple[int, int, int]]) -> None:
         """``commit`` for each ``(segment, size, subpartition)`` of a CommitSegments, in
         order; the segments freed meanwhile are reserved and granted once, after the
-        batch. An error stops the batch: the commits before it are queued."""
+        batch. An error stops the batch: the commits before it are queued. The loop is
+        compiled (``segment_commits.pyx``), with the same checks and errors."""
         if not self.shared:
             raise ProtocolError("CommitSegments on a partition without shared memory")
         try:
-            for segment, size, subpartition in commits:
-                if self.state is not _OPEN:
-                    if self.state is ProducerSessionState.FINISHED:
-                        raise ProtocolError("CommitSegments after FinishPartition")
-                    return  # the partition went while the commit was in flight: dropped
-                if self._granted <= 0:
-                    raise ProtocolError(f"commit of segment {segment} without credit")
-                buf = self._reserved[0]
-                seg = buf.segment
-                if seg.index != segment:
-                    raise ProtocolError(
-                        f"commit of segment {segment}; the oldest granted is {seg.index}"
-                    )
-                if not 0 < size <= seg.size:
-                    raise ProtocolError(f"commit of {size} bytes into a {seg.size}-byte segment")
-                self._granted -= 1
-                self._reserved.popleft()
-                self._queue_only(buf, subpartition, size)
+            commit_segments(self, commits)  # compiled: checks and queues each entry
         finally:
             if self.state is _OPEN:
                 self._reserve_nowait()

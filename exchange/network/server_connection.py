@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -76,6 +75,7 @@ from exchange.errors import (
 )
 from exchange.memory.network_buffer_pool import NetworkBufferPool
 from exchange.network.credit_based_view_reader import CreditBasedSequenceNumberingViewReader
+from exchange.network.outbound import OutboundBatch
 from exchange.network.partition_request_queue import PartitionRequestQueue
 from exchange.partition.bounded_data import ReadMemory
 from exchange.partition.result_partition_manager import ResultPartitionManager
@@ -86,9 +86,7 @@ from exchange.protocol.codec import (
     DataFrameSpec,
     InPlaceFrameDecoder,
     PayloadReceived,
-    Piece,
     encode,
-    encode_buffer_response_header,
 )
 from exchange.protocol.handshake import NonceFactory, ServerHandshake
 from exchange.protocol.local_messages import (
@@ -331,15 +329,14 @@ class ServerConnection:
         #: is lost (a plain attribute: the send loop reads it per buffer).
         self.is_writable = True
         self.queue = PartitionRequestQueue(self, self._schedule)
-        self._bytes_written = 0
         # Output of the current callback, written with one writelines when it returns
-        # (``_corked`` > 0 inside a callback) or once ``write_batch_bytes`` are pending.
-        self._out: list[Piece] = []
-        self._out_bytes = 0
-        self._out_buffers: list[tuple[int, int, Buffer]] = []
-        self._corked = 0
+        # (``corked`` > 0 inside a callback) or once ``write_batch_bytes`` are pending,
+        # and the buffers in flight: compiled (outbound.pyx), its ``send_buffer`` is the
+        # queue's, called as is (no Python frame per buffer sent).
+        self._ob = ob = OutboundBatch(self, transport, settings.write_batch_bytes)
+        self.send_buffer: Callable[[int, int, int, Buffer], None] = ob.send_buffer
         # (end offset of the frame in the byte stream, receiver id, buffer)
-        self._in_flight: deque[tuple[int, int, Buffer]] = deque()
+        self._in_flight = ob.in_flight
         self._reap_timer: Cancellable | None = None
         self._abort_timer: Cancellable | None = None
         self._eof_written = False  # half-closed: our EOF is out (see ``close``)
@@ -362,15 +359,12 @@ class ServerConnection:
         self.keep_held: Callable[[list[Buffer]], None] | None = None
         self._peer_closed = False  # the peer said CloseRequest
         #: The shared arena the consumer mapped (None: data buffers go as bytes).
-        self.read_arena: NetworkBufferPool | None = None
         self._arena_reads: ReadMemory = ArenaReads(self)
         # segment index -> (receiver id, buffer) sent as descriptors, not given back yet
         self._held: dict[int, list[tuple[int, Buffer]]] = {}
         self.num_held = 0
         #: payload bytes sent as descriptors into ``read_arena`` (not over the socket)
         self.bytes_shared = 0
-        # descriptors of this callback not framed yet: one SharedBufferResponse per run
-        self._descriptors: list[bytes] = []
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -378,10 +372,20 @@ class ServerConnection:
     def state(self) -> ServerConnectionState:
         return self._state
 
+    @property
+    def read_arena(self) -> NetworkBufferPool | None:
+        """The shared arena the consumer mapped (None: data buffers go as bytes)."""
+        return self._ob.arena
+
+    @read_arena.setter
+    def read_arena(self, arena: NetworkBufferPool | None) -> None:
+        self._ob.arena = arena
+
     def _transition(self, to: ServerConnectionState) -> None:
         if to not in _TRANSITIONS[self._state]:
             raise IllegalStateError(f"connection {self.peer}: {self._state.name} -> {to.name}")
         self._state = to
+        self._ob.established = to is ServerConnectionState.ESTABLISHED
 
     # -- input ---------------------------------------------------------------------------
 
@@ -403,7 +407,7 @@ class ServerConnection:
 
         Runs for every read of the transport (twice per pushed data frame): one function.
         """
-        self._corked += 1
+        self._ob.corked += 1
         try:
             try:
                 for item in step(arg):
@@ -420,11 +424,11 @@ class ServerConnection:
                 self.close_with(resp if resp is not None else error_response_for(e))
             except Exception as e:
                 self._fail(e)
-            if self._out or self._descriptors:
+            if self._ob.out or self._ob.descriptors:
                 self._flush_or_fail()
         finally:
-            self._corked -= 1
-            if self._corked == 0 and (self._out or self._descriptors):
+            self._ob.corked -= 1
+            if self._ob.corked == 0 and (self._ob.out or self._ob.descriptors):
                 self._uncork_flush()
 
     def _receive(self, msg: Message) -> None:
@@ -554,70 +558,53 @@ class ServerConnection:
 
     # -- output (the queue's OutboundChannel) --------------------------------------------
 
-    def send_buffer(
+    # ``send_buffer`` (an instance attribute): the compiled ``OutboundBatch.send_buffer``
+    # writes one BufferResponse, zero-copy; ``buf`` is recycled once written out. A data
+    # buffer in the consumer's mapped arena comes back here:
+
+    def _send_shared(
         self, receiver_id: int, sequence_number: int, backlog: int, buf: Buffer
     ) -> None:
-        """Write one BufferResponse, zero-copy; ``buf`` is recycled once written out (or,
-        in the consumer's mapped arena, a SharedBufferResponse: held until given back)."""
-        if self._state is not ServerConnectionState.ESTABLISHED:
-            self._recycle(receiver_id, buf)
-            return
+        """A SharedBufferResponse entry for ``buf`` (in the consumer's mapped arena): held
+        until given back."""
+        ob = self._ob
         size = buf.size
-        arena = self.read_arena
-        if arena is not None and buf.is_buffer and arena.owns(buf.segment):
-            index = buf.segment.index
-            descriptors = self._descriptors
-            descriptors.append(
-                pack_shared_buffer(
-                    receiver_id,
-                    sequence_number,
-                    backlog,
-                    buf.compressed,
-                    index,
-                    buf.offset,
-                    size,
-                )
+        index = buf.segment.index
+        descriptors = ob.descriptors
+        descriptors.append(
+            pack_shared_buffer(
+                receiver_id,
+                sequence_number,
+                backlog,
+                buf.compressed,
+                index,
+                buf.offset,
+                size,
             )
-            held = self._held.get(index)
-            if held is None:
-                self._held[index] = [(receiver_id, buf)]
-            else:
-                held.append((receiver_id, buf))
-            self.num_held += 1
-            self.bytes_shared += size
-            self._out_bytes += SHARED_BUFFER_ENTRY_SIZE
-            if not self._corked or len(descriptors) >= MAX_SHARED_BUFFERS:
-                self._frame_descriptors()
-                if not self._corked:
-                    self._flush()
-            return
-        if self._descriptors:  # the stream's order: the descriptors before go first
-            self._frame_descriptors()
-        header = encode_buffer_response_header(
-            receiver_id, sequence_number, backlog, buf.data_type, buf.compressed, size
         )
-        out = self._out
-        out.append(header)
-        out.append(buf.memoryview())
-        self._out_bytes += len(header) + size
-        self._out_buffers.append((self._bytes_written + self._out_bytes, receiver_id, buf))
-        if (
-            not self._corked
-            or self._out_bytes + self._transport.get_write_buffer_size()
-            >= self._settings.write_batch_bytes
-        ):
-            self._flush()
+        held = self._held.get(index)
+        if held is None:
+            self._held[index] = [(receiver_id, buf)]
+        else:
+            held.append((receiver_id, buf))
+        self.num_held += 1
+        self.bytes_shared += size
+        ob.out_bytes += SHARED_BUFFER_ENTRY_SIZE
+        if not ob.corked or len(descriptors) >= MAX_SHARED_BUFFERS:
+            self._frame_descriptors()
+            if not ob.corked:
+                self._flush()
 
     def send(self, message: Message) -> None:
         """Write a control message (dropped once the transport is closing)."""
         if self._write_closed():
             return
-        if self._descriptors:
+        if self._ob.descriptors:
             self._frame_descriptors()
         pieces = encode(message)
-        self._out.extend(pieces)
-        self._out_bytes += sum(len(p) for p in pieces)
-        if not self._corked:
+        self._ob.out.extend(pieces)
+        self._ob.out_bytes += sum(len(p) for p in pieces)
+        if not self._ob.corked:
             self._flush()
 
     def _write_closed(self) -> bool:
@@ -630,38 +617,36 @@ class ServerConnection:
 
     def _frame_descriptors(self) -> None:
         """The descriptors gathered so far, as one SharedBufferResponse in the output."""
-        descriptors, self._descriptors = self._descriptors, []
+        descriptors, self._ob.descriptors = self._ob.descriptors, []
         frame = encode_shared_buffers(descriptors)
-        self._out.append(frame)
-        self._out_bytes += len(frame) - SHARED_BUFFER_ENTRY_SIZE * len(descriptors)
+        self._ob.out.append(frame)
+        self._ob.out_bytes += len(frame) - SHARED_BUFFER_ENTRY_SIZE * len(descriptors)
 
     def _flush(self) -> None:
         """One ``writelines`` for everything written since the last one (per callback)."""
-        if self._descriptors:
+        ob = self._ob
+        if ob.descriptors:
             self._frame_descriptors()
-        out = self._out
+        out = ob.out
         if not out:
             return
-        buffers = self._out_buffers
-        out_bytes = self._out_bytes
-        self._out, self._out_bytes, self._out_buffers = [], 0, []
+        buffers = ob.buffers
+        out_bytes = ob.out_bytes
+        ob.out, ob.out_bytes, ob.buffers = [], 0, []
         transport = self._transport
         if self._write_closed():
-            for _, rid, buf in buffers:  # never taken over: ours to recycle
-                self._recycle(rid, buf)
+            ob.recycle(buffers)  # never taken over: ours to recycle
             return
         try:
             transport.writelines(out)
         except BaseException:
-            for _, rid, buf in buffers:
-                self._recycle(rid, buf)
+            ob.recycle(buffers)
             raise
-        self._bytes_written += out_bytes
+        ob.bytes_written += out_bytes
         if not buffers:
             return
         if transport.get_write_buffer_size() == 0:
-            for _, rid, buf in buffers:
-                self._recycle(rid, buf)
+            ob.recycle(buffers)
             if self._in_flight:
                 self._reap()
         else:
@@ -675,8 +660,8 @@ class ServerConnection:
             self._fail(e)
 
     def _uncork(self) -> None:
-        self._corked -= 1
-        if self._corked == 0 and (self._out or self._descriptors):
+        self._ob.corked -= 1
+        if self._ob.corked == 0 and (self._ob.out or self._ob.descriptors):
             self._uncork_flush()
 
     def _uncork_flush(self) -> None:
@@ -688,12 +673,8 @@ class ServerConnection:
 
     def _reap(self) -> None:
         """Recycle the buffers whose bytes the transport has sent."""
-        in_flight = self._in_flight
-        sent = self._bytes_written - self._transport.get_write_buffer_size()
-        while in_flight and in_flight[0][0] <= sent:
-            _, rid, buf = in_flight.popleft()
-            self._recycle(rid, buf)
-        if in_flight and self._reap_timer is None and self._state is not _S.CLOSED:
+        left = self._ob.reap(self._ob.bytes_written - self._transport.get_write_buffer_size())
+        if left and self._reap_timer is None and self._state is not _S.CLOSED:
             self._reap_timer = self._timers.call_later(
                 self._settings.reap_interval, self._on_reap_timer
             )
@@ -719,7 +700,7 @@ class ServerConnection:
     def _guarded(self, callback: Callable[[], None]) -> None:
         if self._state is ServerConnectionState.CLOSED:
             return
-        self._corked += 1
+        self._ob.corked += 1
         try:
             callback()
             self._flush()
@@ -874,9 +855,9 @@ class ServerConnection:
     def _discard_output(self) -> None:
         """Drop output not written yet; its buffers are recycled (descriptors not written
         yet stay held: ``connection_lost`` returns them)."""
-        self._descriptors = []
-        buffers = self._out_buffers
-        self._out, self._out_bytes, self._out_buffers = [], 0, []
+        self._ob.descriptors = []
+        buffers = self._ob.buffers
+        self._ob.out, self._ob.out_bytes, self._ob.buffers = [], 0, []
         for _, rid, buf in buffers:
             try:
                 buf.release()
@@ -892,7 +873,7 @@ class ServerConnection:
             q.num_readers,
             q.buffers_sent,
             q.bytes_sent,
-            self._bytes_written,
+            self._ob.bytes_written,
             len(self._in_flight),
             self.paused_count,
         )

@@ -19,6 +19,7 @@ from exchange.errors import (
     ProducerFailedError,
     ProtocolError,
     SubpartitionIndexError,
+    UsageError,
 )
 from exchange.events.events import CancelCheckpointMarker, EventSerializer
 from exchange.local import ProducerSession, ProducerSessionState
@@ -356,6 +357,9 @@ def test_shared_grants_name_segments_and_a_commit_queues_that_very_segment(
     n = s.start()
     granted = s.granted_segments(n)
     assert n == 4 and len(set(granted)) == 4
+    assert s.granted_segments(0) == ()
+    with pytest.raises(UsageError):  # more than the task holds: a caller's bug
+        s.granted_segments(n + 1)
     first = granted[0]
     seg = next(b.segment for b in s._reserved if b.segment.index == first)
     seg.view()[:5] = b"hello"  # what the task wrote into the arena
@@ -396,6 +400,72 @@ def test_a_bad_commit_is_a_protocol_error(
         s.commit(*commit(granted, part.segment_size))
     part.release()
     s.drop_landing()
+
+
+@pytest.mark.parametrize(
+    ("commit", "match"),
+    [
+        (lambda g, size: (g[0], -1, 0), "bytes into"),
+        (lambda g, size: (g[0], 2**70, 0), "bytes into"),  # beyond any C integer
+        (lambda g, size: (2**70, 1, 0), "oldest granted"),
+        (lambda g, size: (-1, 1, 0), "oldest granted"),
+    ],
+)
+def test_commit_fields_out_of_any_range_are_protocol_errors_with_nothing_queued(
+    make_partition: Callable[..., Any], nbp: Any, commit: Any, match: str
+) -> None:
+    """The commit loop is compiled: values no C integer holds are refused as the others,
+    with the session's books unchanged (the segment stays granted)."""
+    part, s, _ = shared_session(make_partition)
+    granted = s.granted_segments(s.start())
+    with pytest.raises(ProtocolError, match=match):
+        s.commit(*commit(granted, part.segment_size))
+    assert s.credit_outstanding == len(granted) and s.buffers_received == 0
+    assert s.granted_segments(len(granted)) == granted
+    part.release()
+    s.drop_landing()
+    assert nbp.is_whole()
+
+
+@pytest.mark.parametrize("subpartition", [2, -1, 2**70, ALL_SUBPARTITIONS - 1])
+def test_a_commit_to_a_bad_subpartition_fails_and_its_segment_goes_back(
+    make_partition: Callable[..., Any], nbp: Any, subpartition: int
+) -> None:
+    """A commit naming a subpartition the partition lacks: SubpartitionIndexError (the
+    peer's bad index), the commits before it queued, that segment back in the pool."""
+    part, s, _ = shared_session(make_partition, credit=4, pool=(8, 8))
+    granted = s.granted_segments(s.start())
+    with pytest.raises(SubpartitionIndexError):
+        s.commit_all([(granted[0], 1, 1), (granted[1], 1, subpartition), (granted[2], 1, 0)])
+    assert s.buffers_received == 1 and s.bytes_received == 1
+    assert part.subpartitions[1].num_queued_buffers == 1  # type: ignore[union-attr]
+    assert part.subpartitions[0].num_queued_buffers == 0  # type: ignore[union-attr]
+    # the refused segment went back to the pool (and was reserved for the task again):
+    # every segment out of the global pool is the one queued or one reserved
+    assert nbp.num_in_use == 1 + s.num_reserved
+    part.release()
+    s.drop_landing()
+
+
+def test_a_commit_after_finish_is_a_protocol_error_and_after_release_is_dropped(
+    make_partition: Callable[..., Any], nbp: Any
+) -> None:
+    part, s, _ = shared_session(make_partition)
+    granted = s.granted_segments(s.start())
+    s.commit(granted[0], 1, 0)
+    s.finish()
+    with pytest.raises(ProtocolError, match="after FinishPartition"):
+        s.commit(granted[1], 1, 0)
+    assert s.buffers_received == 1
+    part.release()
+    s.drop_landing()
+    other, s2, _ = shared_session(make_partition)
+    granted = s2.granted_segments(s2.start())
+    other.release()  # the partition went while the commit was in flight
+    s2.commit_all([(granted[0], 1, 0), (granted[1], 1, 0)])
+    assert s2.buffers_received == 0
+    s2.drop_landing()
+    assert nbp.is_whole()
 
 
 def test_a_commit_without_credit_or_shared_memory_is_a_protocol_error(

@@ -1,0 +1,21 @@
+# The compiled outbound batch of a data-port connection (exchange/network/outbound.pyx).
+# Python code sees the class through outbound.pyi.
+
+from exchange.buffers.buffer cimport Buffer
+
+cdef class OutboundBatch:
+    cdef public list out
+    cdef public Py_ssize_t out_bytes
+    cdef public list buffers
+    cdef public long long bytes_written
+    cdef public int corked
+    cdef public list descriptors
+    cdef public bint established
+    cdef public object arena
+    cdef readonly object in_flight
+    cdef object _conn
+    cdef object _transport
+    cdef object _fail_reader
+    cdef Py_ssize_t _batch_bytes
+
+    cdef int _release(self, object receiver_id, Buffer buf) except -1

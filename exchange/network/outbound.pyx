@@ -1,0 +1,181 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""OutboundBatch: what a data-port connection writes in one callback, compiled.
+
+``ServerConnection`` (``server_connection.py``) keeps its lifecycle, its input and its
+control messages in Python; the per-buffer part of its output lives here:
+
+* ``send_buffer`` (the request queue calls it once per buffer it sends): the
+  BufferResponse header written by C into a 31-byte ``bytes``, the header and a
+  zero-copy view of the buffer appended to the callback's output (``out``), the buffer
+  remembered with the end offset of its frame in the byte stream; a write outside a
+  callback (``corked == 0``), or output reaching the batch size, is flushed by the
+  connection's ``_flush``. A buffer in the consumer's mapped arena goes to the
+  connection's ``_send_shared`` (a descriptor, Python); a connection that is not
+  established recycles the buffer at once.
+* ``recycle`` / ``reap``: the buffers of a flush whose bytes the transport no longer holds
+  are released in one C loop; a release that raises (a blocking partition's read-ahead
+  callback) fails that receiver's channel (``PartitionRequestQueue.fail_reader``), as the
+  Python loop did.
+
+Bad header fields (negative or too large for their wire width, an unknown data type)
+raise ``UsageError``, as ``codec.encode_buffer_response_header`` does. There is no Python
+version of this module; ``outbound.pyi`` types it for mypy.
+"""
+
+from collections import deque
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+
+from exchange.buffers.buffer cimport Buffer
+
+from exchange.buffers.buffer import DataType
+from exchange.errors import UsageError
+from exchange.protocol.codec import BUFFER_RESPONSE_HEADER_SIZE, MAGIC
+from exchange.protocol.messages import BufferResponse
+
+__all__ = ["OutboundBatch", "buffer_response_header"]
+
+cdef object _DATA_BUFFER = DataType.DATA_BUFFER
+cdef Py_ssize_t _N_DATA_TYPES = len(DataType)
+cdef Py_ssize_t _HEADER = BUFFER_RESPONSE_HEADER_SIZE
+cdef unsigned int _MAGIC_C = MAGIC
+cdef unsigned char _MESSAGE_ID = BufferResponse.MESSAGE_ID
+cdef unsigned long long _U32 = 0xFFFFFFFF
+
+assert _HEADER == 31  # the layout below: >IIBQIIBBI
+
+
+cdef inline void _be32(unsigned char* p, unsigned long long v) noexcept:
+    p[0] = <unsigned char>(v >> 24)
+    p[1] = <unsigned char>(v >> 16)
+    p[2] = <unsigned char>(v >> 8)
+    p[3] = <unsigned char>v
+
+
+cdef inline void _be64(unsigned char* p, unsigned long long v) noexcept:
+    _be32(p, v >> 32)
+    _be32(p + 4, v & _U32)
+
+
+cdef unsigned long long _field(object value, unsigned long long limit, str name) except? 0:
+    cdef unsigned long long v
+    try:
+        v = value
+    except (OverflowError, TypeError) as exc:
+        raise UsageError(f"cannot encode BufferResponse header: {name} {value!r}") from exc
+    if v > limit:
+        raise UsageError(f"cannot encode BufferResponse header: {name} {value!r}")
+    return v
+
+
+cdef bytes _header(
+    object receiver_id, object sequence_number, object backlog, object data_type,
+    bint compressed, Py_ssize_t size,
+):
+    cdef unsigned long long rid = _field(receiver_id, 0xFFFFFFFFFFFFFFFF, "receiver id")
+    cdef unsigned long long seq = _field(sequence_number, _U32, "sequence number")
+    cdef unsigned long long bl = _field(backlog, _U32, "backlog")
+    cdef Py_ssize_t dt = data_type
+    if not 0 <= dt < _N_DATA_TYPES:
+        raise UsageError(f"invalid data_type {data_type!r}")
+    if size < 0 or <unsigned long long>size + _HEADER > _U32:
+        raise UsageError(f"cannot encode BufferResponse header: payload of {size} bytes")
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, _HEADER)
+    cdef unsigned char* p = <unsigned char*>PyBytes_AS_STRING(out)
+    _be32(p, <unsigned long long>size + _HEADER)
+    _be32(p + 4, _MAGIC_C)
+    p[8] = _MESSAGE_ID
+    _be64(p + 9, rid)
+    _be32(p + 17, seq)
+    _be32(p + 21, bl)
+    p[25] = <unsigned char>dt
+    p[26] = 1 if compressed else 0
+    _be32(p + 27, <unsigned long long>size)
+    return out
+
+
+def buffer_response_header(
+    receiver_id, sequence_number, backlog, data_type, compressed, payload_size
+):
+    """The BufferResponse header (``codec.encode_buffer_response_header``'s bytes), in C."""
+    cdef unsigned long long size = _field(payload_size, _U32 - _HEADER, "payload size")
+    return _header(
+        receiver_id, sequence_number, backlog, data_type, compressed, <Py_ssize_t>size
+    )
+
+
+cdef class OutboundBatch:
+    """The output of one connection's current callback, and its buffers in flight."""
+
+    def __init__(self, conn, transport, Py_ssize_t batch_bytes):
+        self._conn = conn
+        self._transport = transport
+        self._fail_reader = None
+        self._batch_bytes = batch_bytes
+        self.out = []
+        self.out_bytes = 0
+        self.buffers = []
+        self.bytes_written = 0
+        self.corked = 0
+        self.descriptors = []
+        self.established = False
+        self.arena = None
+        self.in_flight = deque()
+
+    def send_buffer(self, receiver_id, sequence_number, backlog, Buffer buf not None):
+        """One BufferResponse: header and zero-copy view into the output, ``buf`` kept
+        until its bytes are out (the queue's ``OutboundChannel.send_buffer``)."""
+        conn = self._conn
+        if not self.established:
+            conn._recycle(receiver_id, buf)
+            return
+        arena = self.arena
+        if arena is not None and buf._data_type is _DATA_BUFFER and arena.owns(buf._segment):
+            conn._send_shared(receiver_id, sequence_number, backlog, buf)
+            return
+        if self.descriptors:  # the stream's order: the descriptors before go first
+            conn._frame_descriptors()
+        cdef Py_ssize_t size = buf._size
+        header = _header(
+            receiver_id, sequence_number, backlog, buf._data_type, buf.compressed, size
+        )
+        view = buf.memoryview()
+        out = self.out
+        out.append(header)
+        out.append(view)
+        self.out_bytes += _HEADER + size
+        self.buffers.append((self.bytes_written + self.out_bytes, receiver_id, buf))
+        if (
+            not self.corked
+            or self.out_bytes + <Py_ssize_t>self._transport.get_write_buffer_size()
+            >= self._batch_bytes
+        ):
+            conn._flush()
+
+    cdef int _release(self, object receiver_id, Buffer buf) except -1:
+        # Recycling runs the view's memory callback (a blocking partition's file reader
+        # reads ahead into the freed segment), which may raise: that channel's error.
+        try:
+            buf.release()
+        except Exception as exc:
+            if self._fail_reader is None:
+                self._fail_reader = self._conn.queue.fail_reader
+            self._fail_reader(receiver_id, exc)
+        return 0
+
+    def recycle(self, list buffers not None):
+        """Release each ``(end, receiver id, buffer)`` of ``buffers``."""
+        for entry in buffers:
+            self._release(entry[1], entry[2])
+
+    def reap(self, long long sent):
+        """Release the buffers in flight whose frames ended at or before ``sent``; True if
+        any are left."""
+        in_flight = self.in_flight
+        while in_flight:
+            entry = in_flight[0]
+            if <long long>entry[0] > sent:
+                return True
+            in_flight.popleft()
+            self._release(entry[1], entry[2])
+        return False
