@@ -5,6 +5,7 @@ from exchange.memory.availability cimport AvailabilityHelper
 
 cdef class LocalBufferPool:
     cdef object _network_pool
+    cdef object _global_free
     cdef public Py_ssize_t max_overdraft_buffers
     cdef Py_ssize_t _num_overdraft
     cdef public Py_ssize_t overdraft_taken

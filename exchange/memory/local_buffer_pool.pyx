@@ -46,6 +46,9 @@ cdef class LocalBufferPool:
     def __init__(self, network_pool, num_required, max_segments, max_overdraft_buffers=0):
         check_overdraft_limit(max_overdraft_buffers)
         self._network_pool = network_pool
+        # the global pool's free queue (the same deque for its whole life: destroy clears
+        # it), read in C where the Python pool asked ``network_pool.is_available``
+        self._global_free = network_pool._available
         self.max_overdraft_buffers = max_overdraft_buffers
         self._num_overdraft = 0
         self.overdraft_taken = 0
@@ -162,7 +165,7 @@ cdef class LocalBufferPool:
         if self._destroyed:
             return
         if self._available or (
-            self._num_requested < self.current_pool_size and self._network_pool.is_available
+            self._num_requested < self.current_pool_size and self._global_free
         ):
             self._availability.c_set_available()
         else:
