@@ -406,7 +406,6 @@ VALID: list[Message] = [
     AuthResponse(bytes(32)),
     AuthOk(bytes(32)),
     PartitionRequest(ResultPartitionID("ds", 1, 2), 3, 4, 5),
-    PartitionRequest(ResultPartitionID("ds", 1, 2), 3, 4, 5, 32),
     BufferResponse(1, 2, 3, DataType.DATA_BUFFER, False, b"payload"),
     AddCredit(1, 2),
     ResumeConsumption(1),
