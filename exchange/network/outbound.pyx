@@ -12,8 +12,8 @@ control messages in Python; the per-buffer part of its output lives here:
   connection's ``_flush``. A buffer in the consumer's mapped arena goes as a descriptor
   (``_send_shared``, C: the 30-byte SharedBufferResponse entry packed into a ``bytes``,
   the buffer held by segment index in ``held`` until given back, the descriptors of the
-  callback framed as one SharedBufferResponse by ``frame_descriptors``); a connection that
-  is not established recycles the buffer at once.
+  callback framed as one SharedBufferResponse by ``frame_descriptors``, released by index
+  at ``give_back``); a connection that is not established recycles the buffer at once.
 * ``recycle`` / ``reap``: the buffers of a flush whose bytes the transport no longer holds
   are released in one C loop; a release that raises (a blocking partition's read-ahead
   callback) fails that receiver's channel (``PartitionRequestQueue.fail_reader``), as the
@@ -32,7 +32,7 @@ from libc.string cimport memcpy
 from exchange.buffers.buffer cimport Buffer
 
 from exchange.buffers.buffer import DataType
-from exchange.errors import UsageError
+from exchange.errors import ProtocolError, UsageError
 from exchange.protocol.codec import BUFFER_RESPONSE_HEADER_SIZE, FRAME_HEADER_SIZE, MAGIC
 from exchange.protocol.local_messages import (
     MAX_SHARED_BUFFERS,
@@ -223,6 +223,21 @@ cdef class OutboundBatch:
             if not self.corked:
                 self._conn._flush()
         return 0
+
+    def give_back(self, segments):
+        """The consumer is done with these segments of SharedBufferResponses (one index
+        per buffer): each held buffer released (``_release``). ProtocolError for a
+        segment it does not hold (those before it are released)."""
+        held = self.held
+        for index in segments:
+            entries = held.get(index)
+            if not entries:
+                raise ProtocolError(f"segment {index} given back but not held by this consumer")
+            entry = (<list>entries).pop()
+            if not entries:
+                del held[index]
+            self.num_held -= 1
+            self._release(entry[0], entry[1])
 
     cpdef frame_descriptors(self):
         """The descriptors gathered so far, as one SharedBufferResponse in ``out``

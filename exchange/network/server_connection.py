@@ -480,17 +480,7 @@ class ServerConnection:
     def give_back(self, segments: Iterable[int]) -> None:
         """The consumer is done with these segments of SharedBufferResponses (one index
         per buffer): recycle them. ProtocolError for a segment it does not hold."""
-        ob = self._ob
-        held = ob.held  # segment index -> (receiver id, buffer), sent as descriptors
-        for index in segments:
-            entries = held.get(index)
-            if not entries:
-                raise ProtocolError(f"segment {index} given back but not held by this consumer")
-            receiver_id, buf = entries.pop()
-            if not entries:
-                del held[index]
-            ob.num_held -= 1
-            self._recycle(receiver_id, buf)
+        self._ob.give_back(segments)  # compiled: one C loop
 
     def _release_held(self) -> None:
         ob = self._ob
