@@ -612,7 +612,7 @@ def test_register_rejects_duplicates() -> None:
 
 
 def test_register_is_confined_to_the_reserved_range() -> None:
-    for msg_id in (11, 63, 128):
+    for msg_id in (11, 63, 160, 255):  # core ids, and past DRIVER_MESSAGE_IDS (128..159)
         with pytest.raises(UsageError):
             register_message(msg_id, Ping, _decode_ping, lambda m: [m.token])
     with pytest.raises(UsageError):
