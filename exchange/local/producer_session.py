@@ -9,9 +9,11 @@ BufferListener and is handed each segment a consumer frees; credit goes back to 
 in batches (``AddProducerCredit``), not one message per buffer: a grant is sent when a
 quarter of the window has accumulated, or at once when the task has no credit left.
 A task whose next buffer continues a record it began, and that has no credit, asks for
-overdraft (``RequestOverdraft``): the session takes what the pool's overdraft allows
+overdraft (``RequestOverdraft``): credit already on its way and the pool's own segments
+count first; for the rest the session takes what the pool's overdraft allows
 (``LocalBufferPool.request_overdraft_buffer``: beyond the pool's size, only from free
-global segments) and grants it at once, so the record ends without waiting for a consumer.
+global segments) and grants it all at once, so the record ends without waiting for a
+consumer.
 A NewBufferSize a consumer announces for a pipelined subpartition (buffer debloating)
 goes on to the task as ``ProducerBufferSize``: the task's writer cuts the buffers.
 The buffers an unaligned barrier of the task overtakes in a pipelined subpartition go back
