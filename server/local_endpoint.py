@@ -304,6 +304,9 @@ class LocalEndpoint(DataServer):
             consumer_bytes_shared_memory=shared_reads,
             consumer_bytes_socket=base["bytes_sent"] - shared_reads,
             consumer_segments_held=sum(c.num_held for c in live),
+            consumer_segments_lent=sum(
+                c.segments_lent for c in self.connections if isinstance(c, LocalEndpointProtocol)
+            ),
             consumer_segments_pinned=self.pins.num_pinned,
             consumer_reads_refused=self.pins.num_refused,
             output_state_bytes=self.output_state_bytes,
@@ -614,8 +617,14 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         (over the socket it holds copies in its own memory): with only the pool's
         ``max(2n + 8, 16)`` the whole stream cycled through those few segments, a few at a
         time, at twice the wake-ups per 32 KiB of a TCP reader. So the pool of a pipelined
-        partition in the arena this connection mapped grows by the readers' floating
-        buffers while the connection lives (once per partition), back at its end."""
+        partition in the arena this connection mapped grows by the reader's floating
+        buffers while the connection lives, back at its end: what its request says it has
+        (``floating_credit``: 8 for a streaming reader, 32 for a batch one), no more, or it
+        would keep more segments in flight than the reader can hold (longer aligned
+        checkpoints, past debloating's bound); a request without the field (an older
+        client) gets the daemon's ``floating_buffers_per_gate``, else the batch default.
+        Once per partition and connection: its channels share the gate's floating
+        buffers (a later request with more tops the loan up to it)."""
         conn = self.connection
         arena = None if conn is None else conn.read_arena
         if conn is None or arena is None or arena.is_destroyed:
@@ -625,15 +634,23 @@ class LocalEndpointProtocol(PartitionRequestServerProtocol):
         except PartitionError:
             return  # not there yet: the reader asks again
         pool = part.buffer_pool
-        if not part.partition_type.is_pipelined or id(pool) in self._lent:
+        if not part.partition_type.is_pipelined:
             return
         if pool.is_destroyed or not arena.has_pool(pool):
             return  # in the daemon's own pool: its buffers go as bytes
-        floating = self.daemon.config.floating_buffers_per_gate
-        lend = BATCH_FLOATING_BUFFERS if floating is None else floating
-        if lend:
+        lend = req.floating_credit
+        if lend is None:
+            floating = self.daemon.config.floating_buffers_per_gate
+            lend = BATCH_FLOATING_BUFFERS if floating is None else floating
+        _, _, lent = self._lent.get(id(pool), (arena, pool, 0))
+        if lend > lent:
             self._lent[id(pool)] = (arena, pool, lend)
-            arena.set_max_segments(pool, pool.max_segments + lend)
+            arena.set_max_segments(pool, pool.max_segments + lend - lent)
+
+    @property
+    def segments_lent(self) -> int:
+        """Segments this consumer connection's in-place reads lend producers' pools now."""
+        return sum(lend for _, _, lend in self._lent.values())
 
     def _take_back_read_credit(self) -> None:
         lent, self._lent = self._lent, {}

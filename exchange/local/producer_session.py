@@ -9,9 +9,11 @@ BufferListener and is handed each segment a consumer frees; credit goes back to 
 in batches (``AddProducerCredit``), not one message per buffer: a grant is sent when a
 quarter of the window has accumulated, or at once when the task has no credit left.
 A task whose next buffer continues a record it began, and that has no credit, asks for
-overdraft (``RequestOverdraft``): the session takes what the pool's overdraft allows
+overdraft (``RequestOverdraft``): credit already on its way and the pool's own segments
+count first; for the rest the session takes what the pool's overdraft allows
 (``LocalBufferPool.request_overdraft_buffer``: beyond the pool's size, only from free
-global segments) and grants it at once, so the record ends without waiting for a consumer.
+global segments) and grants it all at once, so the record ends without waiting for a
+consumer.
 A NewBufferSize a consumer announces for a pipelined subpartition (buffer debloating)
 goes on to the task as ``ProducerBufferSize``: the task's writer cuts the buffers.
 The buffers an unaligned barrier of the task overtakes in a pipelined subpartition go back
@@ -236,11 +238,13 @@ class ProducerSession:
         self._announce_pending = False
         self._announce_now()
 
-    def _announce_now(self) -> None:
+    def _announce_now(self, *, whole: bool = False) -> None:
+        """Grant what is reserved once it makes a batch or the task has none left (or
+        at once with ``whole``: the task asked for overdraft, it waits for them)."""
         n = self._unannounced
         if self._granted == 0 and n == 0 and self._starved_since is None:
             self._starved_since = self._clock()  # the task waits for credit: backpressure
-        if n and (n >= self._batch or self._granted == 0) and self.state is _OPEN:
+        if n and (whole or n >= self._batch or self._granted == 0) and self.state is _OPEN:
             if self._starved_since is not None:
                 self.partition.record_back_pressure(self._clock() - self._starved_since)
                 self._starved_since = None
@@ -253,12 +257,22 @@ class ProducerSession:
                 self._send(AddProducerCredit(n))
 
     def request_overdraft(self, count: int) -> int:
-        """The task waits to push the rest of a record and has no credit: reserve up to
-        ``count`` overdraft segments and grant them now. Returns how many (0: the pool's
-        overdraft is used up or the global pool has none free; the task waits for credit
-        as usual)."""
+        """The task waits to push the rest of a record and has no credit: grant it up to
+        ``count`` segments now, overdraft (beyond the pool's size) only for what the pool's
+        own cannot cover. Credit already on its way covers the request first: a task that
+        asked while a grant crossed its request (``credit_outstanding`` > 0 once its pushes
+        before the request are in) gets nothing more; then the pool's own segments
+        (reserved and not yet granted, or free now) are granted at once, whatever the
+        batch; only the rest is overdraft. Returns the overdraft segments taken (0: none
+        needed, the pool's overdraft is used up, or the global pool has none free; the
+        task waits for credit as usual)."""
         if self.state is not _OPEN:
             return 0
+        count -= self._granted  # in flight to the task already
+        if count <= 0:
+            return 0
+        self._reserve_nowait()
+        count -= self._unannounced  # the pool's own, granted below whatever their number
         pool = self.partition.buffer_pool
         got = 0
         while got < count and not pool.is_destroyed:
@@ -267,10 +281,9 @@ class ProducerSession:
                 break
             self._reserved.append(buf)
             got += 1
-        if got:
-            self.overdraft_granted += got
-            self._unannounced += got
-            self._announce_now()
+        self.overdraft_granted += got
+        self._unannounced += got
+        self._announce_now(whole=True)  # one grant: the pool's own, then the overdraft
         return got
 
     # BufferListener: a consumer freed a segment of the partition's pool.

@@ -142,7 +142,7 @@ cdef class SegmentWriter:
         cdef uint32_t* grown
         cdef uint32_t index
         cdef object s
-        seq = tuple(segments)
+        cdef tuple seq = segments if type(segments) is tuple else tuple(segments)
         need = self._count + len(seq)
         if need > self._cap:
             grown = <uint32_t*>PyMem_Malloc(2 * need * sizeof(uint32_t))
@@ -156,9 +156,12 @@ cdef class SegmentWriter:
             self._head = 0
         first = self._count
         for s in seq:
-            if not 0 <= s < 2**32 or (self._mapped and s >= self._num_segments):
+            try:
+                index = s  # C conversion: OverflowError below 0 or beyond 32 bits
+            except (OverflowError, TypeError):
+                raise ProtocolError(f"segment {s!r} granted outside the arena") from None
+            if self._mapped and index >= self._num_segments:
                 raise ProtocolError(f"segment {s!r} granted outside the arena")
-            index = s
             self._queue[(self._head + self._count) % self._cap] = index
             self._count += 1
         if self._mapped:

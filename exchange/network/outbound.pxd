@@ -13,9 +13,16 @@ cdef class OutboundBatch:
     cdef public bint established
     cdef public object arena
     cdef readonly object in_flight
+    cdef public dict held
+    cdef public Py_ssize_t num_held
+    cdef public long long bytes_shared
     cdef object _conn
     cdef object _transport
     cdef object _fail_reader
     cdef Py_ssize_t _batch_bytes
 
+    cdef int _send_shared(
+        self, object receiver_id, object sequence_number, object backlog, Buffer buf
+    ) except -1
+    cpdef frame_descriptors(self)
     cdef int _release(self, object receiver_id, Buffer buf) except -1

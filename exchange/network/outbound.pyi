@@ -1,5 +1,6 @@
 # Types of the compiled outbound batch (exchange/network/outbound.pyx), for mypy --strict.
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 from exchange.buffers.buffer import Buffer
@@ -27,11 +28,16 @@ class OutboundBatch:
     descriptors: list[bytes]
     established: bool
     arena: NetworkBufferPool | None
+    held: dict[int, list[tuple[int, Buffer]]]
+    num_held: int
+    bytes_shared: int
     @property
     def in_flight(self) -> deque[tuple[int, int, Buffer]]: ...
     def __init__(self, conn: Any, transport: Any, batch_bytes: int) -> None: ...
     def send_buffer(
         self, receiver_id: int, sequence_number: int, backlog: int, buf: Buffer
     ) -> None: ...
+    def frame_descriptors(self) -> None: ...
+    def give_back(self, segments: Iterable[int]) -> None: ...
     def recycle(self, buffers: list[tuple[int, int, Buffer]]) -> None: ...
     def reap(self, sent: int) -> bool: ...

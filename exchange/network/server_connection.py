@@ -90,13 +90,9 @@ from exchange.protocol.codec import (
 )
 from exchange.protocol.handshake import NonceFactory, ServerHandshake
 from exchange.protocol.local_messages import (
-    MAX_SHARED_BUFFERS,
-    SHARED_BUFFER_ENTRY_SIZE,
     AbandonSubpartition,
     Released,
     ReleaseDataset,
-    encode_shared_buffers,
-    pack_shared_buffer,
 )
 from exchange.protocol.messages import (
     AddCredit,
@@ -360,11 +356,16 @@ class ServerConnection:
         self._peer_closed = False  # the peer said CloseRequest
         #: The shared arena the consumer mapped (None: data buffers go as bytes).
         self._arena_reads: ReadMemory = ArenaReads(self)
-        # segment index -> (receiver id, buffer) sent as descriptors, not given back yet
-        self._held: dict[int, list[tuple[int, Buffer]]] = {}
-        self.num_held = 0
-        #: payload bytes sent as descriptors into ``read_arena`` (not over the socket)
-        self.bytes_shared = 0
+
+    @property
+    def num_held(self) -> int:
+        """Buffers sent as descriptors and not given back yet."""
+        return self._ob.num_held
+
+    @property
+    def bytes_shared(self) -> int:
+        """Payload bytes sent as descriptors into ``read_arena`` (not over the socket)."""
+        return self._ob.bytes_shared
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -479,20 +480,12 @@ class ServerConnection:
     def give_back(self, segments: Iterable[int]) -> None:
         """The consumer is done with these segments of SharedBufferResponses (one index
         per buffer): recycle them. ProtocolError for a segment it does not hold."""
-        held = self._held
-        for index in segments:
-            entries = held.get(index)
-            if not entries:
-                raise ProtocolError(f"segment {index} given back but not held by this consumer")
-            receiver_id, buf = entries.pop()
-            if not entries:
-                del held[index]
-            self.num_held -= 1
-            self._recycle(receiver_id, buf)
+        self._ob.give_back(segments)  # compiled: one C loop
 
     def _release_held(self) -> None:
-        held, self._held = self._held, {}
-        self.num_held = 0
+        ob = self._ob
+        held, ob.held = ob.held, {}
+        ob.num_held = 0
         keep = self.keep_held
         if held and keep is not None and self.dropped_by_daemon:
             # the consumer's process may still read them: out of our hands, never recycled
@@ -562,45 +555,12 @@ class ServerConnection:
     # writes one BufferResponse, zero-copy; ``buf`` is recycled once written out. A data
     # buffer in the consumer's mapped arena comes back here:
 
-    def _send_shared(
-        self, receiver_id: int, sequence_number: int, backlog: int, buf: Buffer
-    ) -> None:
-        """A SharedBufferResponse entry for ``buf`` (in the consumer's mapped arena): held
-        until given back."""
-        ob = self._ob
-        size = buf.size
-        index = buf.segment.index
-        descriptors = ob.descriptors
-        descriptors.append(
-            pack_shared_buffer(
-                receiver_id,
-                sequence_number,
-                backlog,
-                buf.compressed,
-                index,
-                buf.offset,
-                size,
-            )
-        )
-        held = self._held.get(index)
-        if held is None:
-            self._held[index] = [(receiver_id, buf)]
-        else:
-            held.append((receiver_id, buf))
-        self.num_held += 1
-        self.bytes_shared += size
-        ob.out_bytes += SHARED_BUFFER_ENTRY_SIZE
-        if not ob.corked or len(descriptors) >= MAX_SHARED_BUFFERS:
-            self._frame_descriptors()
-            if not ob.corked:
-                self._flush()
-
     def send(self, message: Message) -> None:
         """Write a control message (dropped once the transport is closing)."""
         if self._write_closed():
             return
         if self._ob.descriptors:
-            self._frame_descriptors()
+            self._ob.frame_descriptors()
         pieces = encode(message)
         self._ob.out.extend(pieces)
         self._ob.out_bytes += sum(len(p) for p in pieces)
@@ -615,18 +575,11 @@ class ServerConnection:
             or self._transport.is_closing()
         )
 
-    def _frame_descriptors(self) -> None:
-        """The descriptors gathered so far, as one SharedBufferResponse in the output."""
-        descriptors, self._ob.descriptors = self._ob.descriptors, []
-        frame = encode_shared_buffers(descriptors)
-        self._ob.out.append(frame)
-        self._ob.out_bytes += len(frame) - SHARED_BUFFER_ENTRY_SIZE * len(descriptors)
-
     def _flush(self) -> None:
         """One ``writelines`` for everything written since the last one (per callback)."""
         ob = self._ob
         if ob.descriptors:
-            self._frame_descriptors()
+            ob.frame_descriptors()
         out = ob.out
         if not out:
             return

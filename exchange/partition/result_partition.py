@@ -364,18 +364,21 @@ class ResultPartition:
         """
         subs = self.subpartitions
         n = len(subs)
-        try:
-            if target == ALL_SUBPARTITIONS:
-                self.check_writable()
-                for i in range(n):
-                    self.check_writable(i)
-            elif not 0 <= target < n:
-                raise SubpartitionIndexError(target, n, self.partition_id)
-            else:
-                self.check_writable(target)
-        except BaseException:
-            buffer.release()
-            raise
+        if 0 <= target < n and self._state is _WRITING and not subs[target].is_released:
+            pass  # writable (once per buffer on the commit path: no call to say so)
+        else:
+            try:
+                if target == ALL_SUBPARTITIONS:
+                    self.check_writable()
+                    for i in range(n):
+                        self.check_writable(i)
+                elif not 0 <= target < n:
+                    raise SubpartitionIndexError(target, n, self.partition_id)
+                else:
+                    self.check_writable(target)
+            except BaseException:
+                buffer.release()
+                raise
         size = buffer.size
         if target != ALL_SUBPARTITIONS:
             try:

@@ -561,12 +561,16 @@ class PartitionRequestClientConnection(ClientConnection):
             channel.receiver_id = self._next_id
             self._next_id += 1
         self._channels[channel.receiver_id] = channel
+        # what the channel's gate can lend it beyond its exclusive buffers: a daemon whose
+        # reader reads in place lends that much to the producer's pool, no more
+        floating = channel.gate.buffer_pool
         self.send(
             PartitionRequest(
                 channel.partition_id,
                 channel.subpartition_index,
                 channel.receiver_id,
                 channel.initial_credit,
+                0 if floating is None else floating.max_segments,
             )
         )
 

@@ -100,6 +100,7 @@ _ID_U32: Final = struct.Struct(">IIBQI")
 _ID: Final = struct.Struct(">IIBQ")
 _ERR_FIXED: Final = struct.Struct(">HBQH")
 _U16: Final = struct.Struct(">H")
+_U32: Final = struct.Struct(">I")
 
 _DATA_TYPES: Final = tuple(sorted(DataType))
 _N_DATA_TYPES: Final = len(_DATA_TYPES)
@@ -186,10 +187,12 @@ def _enc_auth_ok(m: AuthOk) -> list[Piece]:
 def _enc_partition_request(m: PartitionRequest) -> list[Piece]:
     pid = m.partition_id
     name = pid.dataset_id.encode("utf-8")
-    size = FRAME_HEADER_SIZE + _U16.size + len(name) + _PR_TAIL.size
     tail = _PR_TAIL.pack(
         pid.partition_index, pid.attempt_id, m.subpartition_index, m.receiver_id, m.initial_credit
     )
+    if m.floating_credit is not None:
+        tail += _U32.pack(m.floating_credit)
+    size = FRAME_HEADER_SIZE + _U16.size + len(name) + len(tail)
     head = _HEADER.pack(size, MAGIC, MessageId.PARTITION_REQUEST) + _U16.pack(len(name))
     return [b"".join((head, name, tail))]
 
@@ -324,16 +327,18 @@ def _dec_partition_request(body: memoryview) -> Message:
     (name_len,) = _U16.unpack_from(body)
     if not 0 < name_len <= MAX_DATASET_ID_BYTES:
         raise ProtocolError(f"PartitionRequest dataset id of {name_len} bytes")
-    if n != _U16.size + name_len + _PR_TAIL.size:
+    fixed = _U16.size + name_len + _PR_TAIL.size
+    if n not in (fixed, fixed + _U32.size):  # the trailing floating_credit is optional
         raise ProtocolError(
-            f"PartitionRequest body has {n} bytes, expected {_U16.size + name_len + _PR_TAIL.size}"
+            f"PartitionRequest body has {n} bytes, expected {fixed} or {fixed + _U32.size}"
         )
     dataset_id = _utf8(body[_U16.size : _U16.size + name_len], "dataset id")
     index, attempt, subpartition, receiver, credit = _PR_TAIL.unpack_from(
         body, _U16.size + name_len
     )
+    floating = _U32.unpack_from(body, fixed)[0] if n > fixed else None
     pid = ResultPartitionID(dataset_id, index, attempt)
-    return PartitionRequest(pid, subpartition, receiver, credit)
+    return PartitionRequest(pid, subpartition, receiver, credit, floating)
 
 
 def _dec_buffer_response(body: memoryview) -> Message:

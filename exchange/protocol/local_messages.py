@@ -66,6 +66,7 @@ from exchange.partition.result_partition import ALL_SUBPARTITIONS
 from exchange.partition.result_partition_id import MAX_DATASET_ID_BYTES, ResultPartitionID
 from exchange.protocol.codec import FRAME_HEADER_SIZE, MAGIC, register_message
 from exchange.protocol.messages import Message
+from exchange.protocol.segment_grants import grant_indices
 
 __all__ = [
     "ALL_SUBPARTITIONS",
@@ -719,6 +720,15 @@ def _segments(v: Any, name: str) -> tuple[int, ...]:
     return tuple(_uint(i, name) for i in v)
 
 
+def _dec_grant(body: memoryview) -> GrantSegments:
+    """The daemon's canonical grant read in C (``segment_grants``); any other body the
+    general way, which raises the ProtocolError naming what is wrong."""
+    segs = grant_indices(body, _MAX_GRANT)
+    if segs is None:
+        segs = _segments(_unpack_map(body, ("segments",))["segments"], "segments")
+    return GrantSegments(segs)
+
+
 def _dec_arena(body: memoryview) -> SharedArena:
     m = _unpack_map(body, ("token", "size", "segments", "segment_size"))
     token = m["token"]
@@ -973,7 +983,7 @@ def _register() -> None:
     register_message(
         81,
         GrantSegments,
-        lambda b: GrantSegments(_segments(_unpack_map(b, ("segments",))["segments"], "segments")),
+        _dec_grant,
         lambda m: _pack({"segments": list(m.segments)}),
     )
     register_message(

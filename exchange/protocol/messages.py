@@ -211,7 +211,11 @@ class AuthOk(Message):
 
 @dataclass(frozen=True, slots=True)
 class PartitionRequest(Message):
-    """Ask for one subpartition; the server streams it to ``receiver_id``."""
+    """Ask for one subpartition; the server streams it to ``receiver_id``.
+
+    ``floating_credit``: the floating buffers of the reader's gate (credit it can add
+    beyond ``initial_credit``), an optional trailing field; None: not sent (a client
+    from before it), and the daemon assumes the batch default."""
 
     MESSAGE_ID: ClassVar[int] = MessageId.PARTITION_REQUEST
 
@@ -219,6 +223,7 @@ class PartitionRequest(Message):
     subpartition_index: int
     receiver_id: int
     initial_credit: int
+    floating_credit: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.partition_id, ResultPartitionID):
@@ -226,6 +231,8 @@ class PartitionRequest(Message):
         _check_uint("subpartition_index", self.subpartition_index, _U32)
         _check_uint("receiver_id", self.receiver_id, _U64)
         _check_uint("initial_credit", self.initial_credit, _U32)
+        if self.floating_credit is not None:
+            _check_uint("floating_credit", self.floating_credit, _U32)
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ import pytest
 
 from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
-from exchange.consumer.input_channel import BATCH_FLOATING_BUFFERS
+from exchange.consumer.input_channel import BATCH_FLOATING_BUFFERS, STREAMING_FLOATING_BUFFERS
 from exchange.errors import TransportError
 from exchange.partition.result_partition_id import ResultPartitionID
 from tests.daemon._daemon import READY_TIMEOUT, ROOT, ChildProducer, _LineReader, child_env
@@ -162,9 +162,14 @@ _STALLED_READER = """
 import json, sys
 from client.consumer import PartitionLocation, PartitionReader
 from exchange.partition.result_partition_id import ResultPartitionID
+class Task:
+    def trigger_checkpoint(self, *args): pass
+    def abort_checkpoint(self, *args): pass
 sock, daemon_id, data, dataset = sys.argv[1:5]
+kind = sys.argv[5] if len(sys.argv) > 5 else "batch"
+listener = Task() if kind == "streaming" else None  # a streaming reader: 8 floating
 loc = PartitionLocation(ResultPartitionID(dataset, 0, 0), 0, data, daemon_id, sock)
-reader = PartitionReader([loc], local_daemon_id=daemon_id)
+reader = PartitionReader([loc], local_daemon_id=daemon_id, checkpoint_listener=listener)
 it = reader.records()
 print(json.dumps({"read": len([next(it) for _ in range(10)])}), flush=True)
 sys.stdin.read()
@@ -205,6 +210,33 @@ def test_a_local_reader_holds_its_whole_credit_of_a_pipelined_partition_read_in_
         ]
         assert local["consumer_segments_held"] <= CREDIT
         assert reader.end(kill=True) == -signal.SIGKILL
+        producer.sigkill()
+    d.wait_stats(
+        lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 0, timeout=30
+    )
+    d.wait_pool_whole()
+    d.stop_clean()
+
+
+@pytest.mark.parametrize(
+    ("kind", "floating"), [("streaming", STREAMING_FLOATING_BUFFERS), ("batch", CREDIT - 2)]
+)
+def test_a_local_reader_lends_the_producers_pool_its_own_floating_credit(
+    start_daemon: Any, kind: str, floating: int
+) -> None:
+    """The producer's pool grows by what the reader in place can hold beyond its
+    exclusive buffers, as its PartitionRequest says (``floating_credit``): 8 for a
+    streaming reader (a checkpoint listener), 32 for a batch one; a streaming reader
+    never holds more than its 2 + 8, and its end takes the loan back."""
+    assert STREAMING_FLOATING_BUFFERS == 8 and CREDIT - 2 == 32
+    d = start_daemon()
+    with holding_reader(d, f"lend-{kind}", _STALLED_READER, kind) as (producer, reader):
+        local = d.wait_stats(lambda s: s["local"]["consumer_segments_lent"] > 0)["local"]
+        assert local["consumer_segments_lent"] == floating
+        # stalled, it holds at most its own credit
+        assert local["consumer_segments_held"] <= 2 + floating
+        assert reader.end(kill=True) == -signal.SIGKILL
+        d.wait_stats(lambda s: s["local"]["consumer_segments_lent"] == 0, timeout=30)
         producer.sigkill()
     d.wait_stats(
         lambda s: s["local"]["shared_arenas"] == 0 and s["partitions"]["count"] == 0, timeout=30

@@ -137,3 +137,43 @@ def test_session_grants_overdraft_credit_to_a_task_mid_record(
     assert part.subpartitions[0].buffers_in_backlog == 4
     part.release()  # the leak check of ``nbp`` sees every segment back, overdraft first
     assert part.buffer_pool.num_overdraft == 0
+
+
+def test_session_overdraft_only_beyond_credit_in_flight_and_the_pools_own(
+    make_partition: Callable[..., Any],
+) -> None:
+    """A task that asks for overdraft gets the credit already on its way and the pool's
+    own segments first, overdraft only for the rest (Flink takes overdraft only from a
+    pool with none of its own): a grant that crossed the request covers it (nothing
+    taken), and reserved segments waiting for their batch go out with the overdraft in
+    one grant."""
+    from exchange.buffers.buffer import DataType
+    from exchange.local import ProducerSession
+    from exchange.partition import ResultPartitionType
+    from exchange.protocol.local_messages import AddProducerCredit
+    from exchange.protocol.messages import Message
+
+    part = make_partition("p", ResultPartitionType.PIPELINED, 1, pool_size=(4, 4))
+    part.buffer_pool.max_overdraft_buffers = 2
+    sent: list[Message] = []
+    pending: list[Callable[[], None]] = []  # the loop's call_soon, run by hand below
+    s = ProducerSession(part, sent.append, max_credit=2, schedule=pending.append)
+    assert s.start() == 2
+    # the task's request crossed that grant: the credit in flight covers it
+    assert s.request_overdraft(2) == 0
+    assert sent == [] and part.buffer_pool.num_overdraft == 0
+    for i in range(2):
+        s.on_push(0, DataType.DATA_BUFFER, memoryview(bytes([i]) * 10))
+    # the pool's 2 other segments are reserved, their grant due after this callback
+    assert s.credit_outstanding == 0 and s.num_reserved == 2 and sent == [] and pending
+    assert s.request_overdraft(3) == 1  # 2 of the pool's own, 1 overdraft
+    assert sent == [AddProducerCredit(3)]
+    assert part.buffer_pool.num_overdraft == 1 and s.overdraft_granted == 1
+    for run in pending:
+        run()
+    assert sent == [AddProducerCredit(3)] and s.credit_outstanding == 3
+    for i in range(3):
+        s.on_push(0, DataType.DATA_BUFFER, memoryview(bytes([i]) * 10))
+    assert part.subpartitions[0].buffers_in_backlog == 5
+    part.release()
+    assert part.buffer_pool.num_overdraft == 0

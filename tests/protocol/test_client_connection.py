@@ -194,8 +194,9 @@ def test_data_before_the_handshake_is_a_protocol_error() -> None:
 async def test_requests_are_written_and_payloads_land_in_credited_buffers(s: Setup) -> None:
     a, b = s.channels
     assert sent(s.conn) == [
-        PartitionRequest(PIDS[0], 0, a.receiver_id, 2),
-        PartitionRequest(PIDS[1], 0, b.receiver_id, 2),
+        # 2 exclusive buffers each; the gate's 4 floating ones (what it can hold beyond)
+        PartitionRequest(PIDS[0], 0, a.receiver_id, 2, 4),
+        PartitionRequest(PIDS[1], 0, b.receiver_id, 2, 4),
     ]
     first_free = a._queue.take()  # floating first, then exclusive: the next one to fill
     assert first_free is not None

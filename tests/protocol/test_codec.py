@@ -178,6 +178,27 @@ def test_partition_request_layout() -> None:
     )
 
 
+def test_partition_request_with_floating_credit_layout() -> None:
+    """The optional trailing floating_credit: 4 bytes more; a decoder takes both forms
+    (a client from before the field sends none: None), nothing in between."""
+    msg = PartitionRequest(ResultPartitionID("ab", 3, 4), 5, 6, 7, 8)
+    data = frame_bytes(msg)
+    assert data == bytes.fromhex(
+        "0000002d badc0ffe 0a 0002 6162 00000003 0000000000000004 00000005"
+        " 0000000000000006 00000007 00000008"
+    )
+    assert InPlaceFrameDecoder().feed(data) == [msg]
+    assert feed_all(InPlaceFrameDecoder(), [data[i : i + 1] for i in range(len(data))]) == [msg]
+    old = PartitionRequest(ResultPartitionID("ab", 3, 4), 5, 6, 7)
+    assert InPlaceFrameDecoder().feed(frame_bytes(old)) == [old]
+    assert old.floating_credit is None
+    torn = struct.pack(">I", len(data) - 2) + data[4:-2]  # half the trailing field
+    with pytest.raises(ProtocolError, match="expected 32 or 36"):
+        InPlaceFrameDecoder().feed(torn)
+    with pytest.raises(UsageError, match="floating_credit"):
+        PartitionRequest(ResultPartitionID("ab", 3, 4), 5, 6, 7, -1)
+
+
 def test_error_response_layout() -> None:
     assert frame_bytes(ErrorResponse(ErrorCode.CANCELLED, "no", 5)) == bytes.fromhex(
         "00000018 badc0ffe 11 0006 01 0000000000000005 0002 6e6f"
@@ -591,7 +612,7 @@ def test_register_rejects_duplicates() -> None:
 
 
 def test_register_is_confined_to_the_reserved_range() -> None:
-    for msg_id in (11, 63, 128):
+    for msg_id in (11, 63, 160, 255):  # core ids, and past DRIVER_MESSAGE_IDS (128..159)
         with pytest.raises(UsageError):
             register_message(msg_id, Ping, _decode_ping, lambda m: [m.token])
     with pytest.raises(UsageError):
