@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from exchange.memory.availability import AvailabilityHelper
 from exchange.memory.buffer_listener import BufferListener, NotificationResult
-from exchange.memory.local_buffer_pool import LocalBufferPool, LocalBufferPoolStats
+from exchange.memory.local_buffer_pool import LocalBufferPool
+from exchange.memory.local_pool_stats import LocalBufferPoolStats
 from exchange.memory.memory_segment import MemorySegment
 from exchange.memory.network_buffer_pool import (
     DEFAULT_SEGMENT_SIZE,

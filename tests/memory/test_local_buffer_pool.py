@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import cProfile
+import pstats
+from collections.abc import Callable
 
 import pytest
 
@@ -548,3 +551,55 @@ def test_a_shrunk_pool_returns_its_excess_before_serving_listeners() -> None:
         p.destroy()
     assert_whole(nbp)
     nbp.destroy()
+
+
+def _python_frames_of_the_memory_package(run: Callable[[], object]) -> list[str]:
+    """The Python functions of ``exchange/memory`` that ``run`` entered (cProfile sees
+    interpreted frames only: a compiled method leaves none)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        run()
+    finally:
+        profile.disable()
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    return sorted(f"{name}" for (path, _, name) in stats if "exchange/memory/" in path)
+
+
+def test_a_buffers_request_and_recycle_run_no_python_frame_of_the_pool() -> None:
+    """The per-buffer paths (issue 20): request from the pool's own queue, release back into
+    it, and a recycled buffer handed to a waiting listener are C calls of the compiled pool
+    and its availability (the Python pool entered request_buffer, _request_segment,
+    _update_availability, set_available, recycle and _offer for each)."""
+    nbp = NetworkBufferPool(8, SEG)
+    pool = nbp.create_buffer_pool(2, 2)
+    first = pool.request_buffer()
+    assert first is not None
+    first.release()  # the segment now waits in the pool's own queue
+
+    def request_and_release() -> None:
+        for _ in range(10):
+            buf = pool.request_buffer()
+            assert buf is not None
+            buf.release()
+
+    assert _python_frames_of_the_memory_package(request_and_release) == []
+    assert pool.num_requested == 1 and pool.num_available == 1
+
+    held = [pool.request_buffer(), pool.request_buffer()]
+    assert pool.request_buffer() is None
+    listener = Listener(NotificationResult.BUFFER_USED_NEED_MORE)
+    assert pool.add_buffer_listener(listener)
+
+    def hand_over() -> None:
+        for buf in held:
+            assert buf is not None
+            buf.release()
+
+    assert _python_frames_of_the_memory_package(hand_over) == []
+    assert listener.offers == 2 and len(listener.held) == 2 and pool.num_available == 0
+    pool.destroy()  # the listener is told and dropped; its buffers go to the global pool
+    assert listener.destroyed == 1
+    listener.release_all()
+    assert nbp.num_available == 8
+    nbp.check_consistency()

@@ -1,3 +1,4 @@
+# cython: language_level=3
 """LocalBufferPool: one partition's or one input gate's share of the NetworkBufferPool.
 
 Sizes, as in Flink: ``num_required`` is guaranteed, ``max_segments`` is the ceiling and
@@ -18,70 +19,36 @@ when it has one free (never at the expense of another pool's share), so the reco
 and the task gets back to its mailbox (where the next barrier waits). Overdraft segments
 are counted apart from ``num_requested`` and go back first: while any is out, every
 recycled segment returns to the global pool.
+
+Compiled (a ``cdef class``, ``local_buffer_pool.pxd``): every floating buffer of a consumer
+and every buffer a producer's partition fills is requested and recycled here, so
+``request_buffer``, ``recycle`` and what they run (the listener hand-off, the availability
+flips through the compiled ``AvailabilityHelper``, the global pool's ``num_owed``) are C
+calls. ``local_buffer_pool.pyi`` types it for mypy. There is no Python version of this
+module; ``LocalBufferPoolStats`` and ``check_overdraft_limit`` live in
+``local_pool_stats.py`` and are re-exported here.
 """
 
-from __future__ import annotations
-
-import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, NamedTuple
 
-from exchange.buffers.buffer import Buffer
+from exchange.buffers.buffer cimport Buffer
+from exchange.memory.availability cimport AvailabilityHelper
+
 from exchange.errors import PoolDestroyedError, UsageError
-from exchange.memory.availability import AvailabilityHelper
-from exchange.memory.buffer_listener import BufferListener
-from exchange.memory.memory_segment import MemorySegment
+from exchange.memory.local_pool_stats import LocalBufferPoolStats, check_overdraft_limit
 
-if TYPE_CHECKING:
-    from exchange.memory.network_buffer_pool import NetworkBufferPool
-
-__all__ = ["LocalBufferPool", "LocalBufferPoolStats"]
+__all__ = ["LocalBufferPool", "LocalBufferPoolStats", "check_overdraft_limit"]
 
 
-class LocalBufferPoolStats(NamedTuple):
-    num_required: int
-    max_segments: int
-    current_pool_size: int
-    num_requested: int
-    num_available: int
-    num_listeners: int
-    #: segments taken beyond the pool's size to finish a record, now in use
-    num_overdraft: int = 0
-    max_overdraft: int = 0
-    #: overdraft segments taken since the pool was created
-    overdraft_taken: int = 0
-
-    @property
-    def usage(self) -> float:
-        """Segments in use / current size (Flink's in/outPoolUsage)."""
-        in_use = self.num_requested - self.num_available
-        return in_use / self.current_pool_size if self.current_pool_size else 0.0
-
-
-def check_overdraft_limit(max_overdraft_buffers: object) -> None:
-    """UsageError unless ``max_overdraft_buffers`` is an int >= 0."""
-    if (
-        not isinstance(max_overdraft_buffers, int)
-        or isinstance(max_overdraft_buffers, bool)
-        or max_overdraft_buffers < 0
-    ):
-        raise UsageError(
-            f"max_overdraft_buffers must be an int >= 0, got {max_overdraft_buffers!r}"
-        )
-
-
-class LocalBufferPool:
+cdef class LocalBufferPool:
     """A resizable pool of segments borrowed from a NetworkBufferPool."""
 
-    def __init__(
-        self,
-        network_pool: NetworkBufferPool,
-        num_required: int,
-        max_segments: int,
-        max_overdraft_buffers: int = 0,
-    ):
+    def __init__(self, network_pool, num_required, max_segments, max_overdraft_buffers=0):
         check_overdraft_limit(max_overdraft_buffers)
         self._network_pool = network_pool
+        # the global pool's free queue (the same deque for its whole life: destroy clears
+        # it), read in C where the Python pool asked ``network_pool.is_available``
+        self._global_free = network_pool._available
         self.max_overdraft_buffers = max_overdraft_buffers
         self._num_overdraft = 0
         self.overdraft_taken = 0
@@ -89,45 +56,45 @@ class LocalBufferPool:
         self.max_segments = max_segments
         self.current_pool_size = num_required
         self._num_requested = 0
-        #: what this pool may still take from the global pool up to its size
-        #: (``current_pool_size - num_requested``, at least 0), as counted in the global
-        #: pool's running total (``NetworkBufferPool.num_owed``); kept by ``_update_owed``
+        # what this pool may still take from the global pool up to its size
+        # (``current_pool_size - num_requested``, at least 0), as counted in the global
+        # pool's running total (``NetworkBufferPool.num_owed``); kept by ``_update_owed``
         self._owed = 0
-        self._available: deque[MemorySegment] = deque()
-        self._listeners: deque[BufferListener] = deque()
-        self._availability = AvailabilityHelper(available=False)
+        self._available = deque()
+        self._listeners = deque()
+        self._availability = AvailabilityHelper(False)
         self._destroyed = False
         self._update_availability()
 
     # -- statistics ----------------------------------------------------------------------
 
     @property
-    def segment_size(self) -> int:
+    def segment_size(self):
         return self._network_pool.segment_size
 
     @property
-    def num_requested(self) -> int:
+    def num_requested(self):
         """Segments taken from the global pool (available here or in use)."""
         return self._num_requested
 
     @property
-    def num_available(self) -> int:
+    def num_available(self):
         return len(self._available)
 
     @property
-    def num_in_use(self) -> int:
+    def num_in_use(self):
         return self._num_requested - len(self._available)
 
     @property
-    def num_overdraft(self) -> int:
+    def num_overdraft(self):
         """Overdraft segments in use (beyond ``num_requested``)."""
         return self._num_overdraft
 
     @property
-    def is_destroyed(self) -> bool:
+    def is_destroyed(self):
         return self._destroyed
 
-    def stats(self) -> LocalBufferPoolStats:
+    def stats(self):
         return LocalBufferPoolStats(
             self.num_required,
             self.max_segments,
@@ -142,32 +109,31 @@ class LocalBufferPool:
 
     # -- requesting ----------------------------------------------------------------------
 
-    def request_buffer(self) -> Buffer | None:
+    cpdef object request_buffer(self):
         """A buffer of one segment, or None if the pool has none to give right now."""
         seg = self._request_segment()
         return None if seg is None else Buffer(seg, self)
 
-    def _request_segment(self) -> MemorySegment | None:
+    cdef object _request_segment(self):
         if self._destroyed:
             raise PoolDestroyedError("local buffer pool destroyed")
         if self._available:
             seg = self._available.popleft()
         elif self._num_requested < self.current_pool_size:
-            got = self._network_pool.request_memory_segment()
-            if got is None:
+            seg = self._network_pool.request_memory_segment()
+            if seg is None:
                 self._network_pool._register_waiting_pool(self)
-                self._availability.set_unavailable()
+                self._availability.c_set_unavailable()
                 return None
-            seg = got
             self._num_requested += 1
             self._update_owed()
         else:
-            self._availability.set_unavailable()
+            self._availability.c_set_unavailable()
             return None
         self._update_availability()
         return seg
 
-    def request_overdraft_buffer(self) -> Buffer | None:
+    def request_overdraft_buffer(self):
         """A segment beyond the pool's size, to finish a record that has begun; None when
         the pool still has one of its own to give, ``max_overdraft_buffers`` are out, or the
         global pool has none free."""
@@ -189,25 +155,25 @@ class LocalBufferPool:
     # -- availability --------------------------------------------------------------------
 
     @property
-    def is_available(self) -> bool:
-        return self._availability.is_available
+    def is_available(self):
+        return self._availability._available
 
-    def get_available_future(self) -> asyncio.Future[None]:
+    def get_available_future(self):
         return self._availability.get_available_future()
 
-    def _update_availability(self) -> None:
+    cdef void _update_availability(self) except *:
         if self._destroyed:
             return
         if self._available or (
-            self._num_requested < self.current_pool_size and self._network_pool.is_available
+            self._num_requested < self.current_pool_size and self._global_free
         ):
-            self._availability.set_available()
+            self._availability.c_set_available()
         else:
-            self._availability.set_unavailable()
+            self._availability.c_set_unavailable()
             if self._num_requested < self.current_pool_size:
                 self._network_pool._register_waiting_pool(self)
 
-    def _on_global_available(self) -> None:
+    def _on_global_available(self):
         """The global pool has segments again: serve listeners first, then wake writers."""
         while (
             self._listeners and not self._destroyed and self._num_requested < self.current_pool_size
@@ -222,7 +188,7 @@ class LocalBufferPool:
 
     # -- listeners -----------------------------------------------------------------------
 
-    def add_buffer_listener(self, listener: BufferListener) -> bool:
+    def add_buffer_listener(self, listener):
         """Register to be handed the next recycled buffer. False if the pool is destroyed."""
         if self._destroyed:
             return False
@@ -233,7 +199,7 @@ class LocalBufferPool:
 
     # -- recycling -----------------------------------------------------------------------
 
-    def recycle(self, segment: MemorySegment) -> None:
+    cpdef void recycle(self, object segment) except *:
         """BufferRecycler: a buffer of this pool was released (overdraft goes back first)."""
         if self._num_overdraft:
             self._num_overdraft -= 1
@@ -244,32 +210,33 @@ class LocalBufferPool:
             return
         self._offer(segment)
 
-    def _offer(self, segment: MemorySegment) -> None:
-        while self._listeners:
-            listener = self._listeners.popleft()
+    cdef void _offer(self, object segment) except *:
+        listeners = self._listeners
+        while listeners:
+            listener = listeners.popleft()
             result = listener.notify_buffer_available(Buffer(segment, self))
             if result.needs_more_buffers:
                 if self._destroyed:
                     listener.notify_buffer_destroyed()
                 else:
-                    self._listeners.append(listener)
+                    listeners.append(listener)
             if result.is_buffer_used:
                 return
         self._available.append(segment)
-        self._availability.set_available()
+        self._availability.c_set_available()
 
-    def _return_to_global(self, segment: MemorySegment) -> None:
+    cdef void _return_to_global(self, object segment) except *:
         self._num_requested -= 1
         self._update_owed()
         self._network_pool.recycle(segment)
 
-    def _update_owed(self) -> None:
+    cpdef void _update_owed(self) except *:
         """Bring the global pool's running ``num_owed`` up to date after this pool's size
         or ``num_requested`` changed (O(1); a destroyed pool owes nothing more: the global
         pool takes its last ``_owed`` off when it forgets it)."""
         if self._destroyed:
             return
-        owed = self.current_pool_size - self._num_requested
+        cdef Py_ssize_t owed = self.current_pool_size - self._num_requested
         if owed < 0:
             owed = 0
         if owed != self._owed:
@@ -278,7 +245,7 @@ class LocalBufferPool:
 
     # -- sizing and lifecycle ------------------------------------------------------------
 
-    def set_num_buffers(self, num_buffers: int) -> None:
+    def set_num_buffers(self, Py_ssize_t num_buffers):
         """Resize (called by redistribution).
 
         Shrunk: excess available segments go back at once, excess in-use ones as they are
@@ -297,7 +264,7 @@ class LocalBufferPool:
         if self._listeners and self._num_requested < self.current_pool_size:
             self._network_pool._request_wakeup(self)
 
-    def destroy(self) -> None:
+    def destroy(self):
         """Give back every available segment; in-use ones go back as they are recycled."""
         if not self._destroyed:
             self._destroyed = True
@@ -308,7 +275,7 @@ class LocalBufferPool:
             self._availability.fail(PoolDestroyedError("local buffer pool destroyed"))
         self._network_pool.destroy_buffer_pool(self)
 
-    def __repr__(self) -> str:
+    def __repr__(self):
         return (
             f"LocalBufferPool(size={self.current_pool_size} [{self.num_required}, "
             f"{self.max_segments}], requested={self._num_requested}, "
