@@ -34,6 +34,12 @@ async def _run(config: DaemonConfig) -> int:
     )
     await daemon.wait_stopped()
     whole = await daemon.shutdown()
+    # Stopped: a SIGTERM / SIGINT from now on (a supervisor repeating its stop) must not
+    # kill the exit under way with the signal's default action (exit -15 instead of 0
+    # once the loop closed its handlers); the process ends in a moment either way.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
     print(json.dumps({"event": "stopped", "pool_whole": whole}), flush=True)
     return 0
 

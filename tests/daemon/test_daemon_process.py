@@ -8,7 +8,9 @@ still running with SIGTERM and requires exit 0 and ``pool_whole: true``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import threading
 import time
 import urllib.error
@@ -188,6 +190,25 @@ def test_sigterm_lets_a_pipelined_stream_finish_within_grace(start_daemon: Any) 
     assert consumer.complete
     assert [r[0] for r in consumer.records] == list(range(total))
     d.stop_clean()
+
+
+def test_sigterms_repeated_while_a_stopped_daemon_exits_leave_exit_code_0(
+    start_daemon: Any,
+) -> None:
+    """A supervisor that repeats its SIGTERM while the daemon is already exiting (the
+    'stopped' line printed, the loop closing) must not turn the clean exit into death by
+    the signal's default action (-15): seen once as a failed ``stop_clean``."""
+    d = start_daemon()
+    d.proc.send_signal(signal.SIGTERM)
+    while (line := d._out.next_line(30)) is not None and '"stopped"' not in line:
+        pass
+    assert line is not None, f"no 'stopped' line: {d.stderr}"
+    sent = 0
+    while d.proc.poll() is None:  # into the exit, as fast as signals go
+        with contextlib.suppress(ProcessLookupError):
+            d.proc.send_signal(signal.SIGTERM)
+            sent += 1
+    assert d.proc.wait(10) == 0, f"exit {d.proc.returncode} after {sent} SIGTERMs: {d.stderr}"
 
 
 def test_sigterm_fails_a_stalled_pipelined_stream_with_a_typed_error(start_daemon: Any) -> None:
