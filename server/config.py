@@ -589,7 +589,8 @@ def _blocking_shuffle_type(value: Any, setting: str) -> str:
         return value.strip().lower()
     raise ConfigError(
         setting,
-        f"{value!r} is not a blocking shuffle type; expected one of {', '.join(BOUNDED_DATA_KINDS)}",
+        f"{value!r} is not a blocking shuffle type; "
+        f"expected one of {', '.join(BOUNDED_DATA_KINDS)}",
     )
 
 

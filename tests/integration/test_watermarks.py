@@ -78,10 +78,14 @@ class RawClient(asyncio.Protocol):
                 self.sequence.append(msg.sequence_number)
                 if msg.data_type is DataType.DATA_BUFFER:
                     self.payload_bytes += msg.size
+                    self.check(msg)
                 elif not self.end_of_partition.done():
                     self.end_of_partition.set_result(None)
             else:
                 self.others.append(msg)
+
+    def check(self, msg: BufferResponse) -> None:
+        """Called with each data buffer (a subclass checks its bytes)."""
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed.done():
@@ -128,7 +132,11 @@ async def produce(part: ResultPartition, total: int) -> None:
 
 
 async def stalled_client(
-    server: DataServer, host: str, port: int, pid: ResultPartitionID
+    server: DataServer,
+    host: str,
+    port: int,
+    pid: ResultPartitionID,
+    factory: type[RawClient] = RawClient,
 ) -> tuple[RawClient, PartitionRequestServerProtocol, list[int]]:
     """Connect with a small receive buffer, request with huge credit, stop reading.
 
@@ -140,7 +148,7 @@ async def stalled_client(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
     await loop.sock_connect(sock, (host, port))
-    _, client = await loop.create_connection(RawClient, sock=sock)
+    _, client = await loop.create_connection(factory, sock=sock)
     await asyncio.wait_for(client.established, 5)
     [proto] = server.connections
     transport = proto.transport
@@ -272,19 +280,9 @@ class _CheckingClient(RawClient):
         super().__init__()
         self.bad: list[int] = []
 
-    def data_received(self, data: bytes) -> None:
-        for msg in self.decoder.feed(data):
-            if not self.handshake.is_established:
-                assert self.handshake.receive(msg) == []
-                self.established.set_result(None)
-            elif isinstance(msg, BufferResponse):
-                self.sequence.append(msg.sequence_number)
-                if msg.data_type is DataType.DATA_BUFFER:
-                    self.payload_bytes += msg.size
-                    if bytes(msg.payload) != full_buffer_payload(SEG, msg.sequence_number):
-                        self.bad.append(msg.sequence_number)
-            else:
-                self.others.append(msg)
+    def check(self, msg: BufferResponse) -> None:
+        if bytes(msg.payload) != full_buffer_payload(SEG, msg.sequence_number):
+            self.bad.append(msg.sequence_number)
 
 
 @pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
@@ -318,21 +316,9 @@ async def test_a_mapped_partition_released_under_a_stalled_reader(
     client: RawClient | None = None
     try:
         loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await loop.sock_connect(sock, (host, port))
-        _, checking = await loop.create_connection(_CheckingClient, sock=sock)
-        client = checking
-        await asyncio.wait_for(checking.established, 5)
-        [proto] = server.connections
-        assert proto.transport is not None
-        proto.transport.get_extra_info("socket").setsockopt(
-            socket.SOL_SOCKET, socket.SO_SNDBUF, 4096
-        )
-        checking.request(pid, credit=1_000_000)
-        assert checking.transport is not None
-        checking.transport.pause_reading()
+        client, proto, _ = await stalled_client(server, host, port, pid, _CheckingClient)
+        checking = cast(_CheckingClient, client)
+        assert proto.transport is not None and checking.transport is not None
         deadline = loop.time() + 30
         while proto.is_writable or proto.transport.get_write_buffer_size() == 0:
             assert loop.time() < deadline, f"no stall: sent {proto.queue.bytes_sent}"
