@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import mmap
 import os
 import stat
@@ -71,6 +72,8 @@ __all__ = [
 #: The storage kinds of a blocking subpartition, the default first.
 BOUNDED_DATA_KINDS: Final = ("mmap", "file")
 DEFAULT_BOUNDED_DATA_KIND: Final = BOUNDED_DATA_KINDS[0]
+_log = logging.getLogger(__name__)
+
 HEADER: Final = struct.Struct(">BBI")
 FLAG_COMPRESSED: Final = 0x01
 _HEADER_SIZE: Final = HEADER.size
@@ -141,6 +144,8 @@ class _FileWriterBase:
     with a PartitionDataLostError. ``account`` (a ``SpillAccount``) is charged with every
     byte before it is written and refunded when the file is deleted.
     """
+
+    _segment_size: int  # set by each storage kind: the size of a file reader's segments
 
     def __init__(
         self,
@@ -263,6 +268,12 @@ class _FileWriterBase:
             os.close(fd)
             raise
         return fd
+
+    def _file_reader(self, read_memory: ReadMemory | None) -> _FileReader:
+        """A reader of the finished file with plain reads (checked: inode and size)."""
+        return _FileReader(
+            self.path, self.open_checked(), self._segment_size, READ_SEGMENTS, read_memory
+        )
 
     @property
     def size(self) -> int:
@@ -465,9 +476,7 @@ class FileBoundedData(_FileWriterBase):
     def create_reader(self, read_memory: ReadMemory | None = None) -> _FileReader:
         if not self._finished:
             raise IllegalStateError("bounded data is still being written")
-        return _FileReader(
-            self.path, self.open_checked(), self._segment_size, READ_SEGMENTS, read_memory
-        )
+        return self._file_reader(read_memory)
 
     def close(self) -> None:
         self._delete()
@@ -549,12 +558,19 @@ class MmapBoundedData(_FileWriterBase):
         account: SpillAccount | None = None,
     ) -> None:
         super().__init__(path, existing, account)
+        self._segment_size = segment_size
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
+        #: the file could not be mapped (vm.max_map_count, address space): read it instead
+        self._unmapped = False
         if existing is not None:
             self._map_file()
 
-    reader_memory = 0  # slices of the one shared mapping
+    @property
+    def reader_memory(self) -> int:
+        """Nothing while mapped (slices of the one mapping); a file reader's read
+        segments when the mapping could not be made."""
+        return READ_SEGMENTS * self._segment_size if self._unmapped else 0
 
     def finish_write(self) -> None:
         self._finish_file()
@@ -566,16 +582,22 @@ class MmapBoundedData(_FileWriterBase):
             try:
                 self._map = mmap.mmap(fd, self._size, access=mmap.ACCESS_COPY)
             except OSError as e:  # ENOMEM: vm.max_map_count or the address space
-                raise self._spill_error("map", e) from None
+                # A job with many subpartitions per daemon can exhaust the mappings a
+                # process may hold: its readers read the file, as `file` storage does.
+                _log.warning("%s: cannot be mapped (%s); its readers read the file", self.path, e)
+                self._unmapped = True
+                return
             finally:
                 os.close(fd)
             self._view = memoryview(self._map)
         else:
             self._view = memoryview(bytearray(0))
 
-    def create_reader(self, read_memory: ReadMemory | None = None) -> _MmapReader:
+    def create_reader(self, read_memory: ReadMemory | None = None) -> BoundedDataReader:
         if not self._finished:
             raise IllegalStateError("bounded data is still being written")
+        if self._unmapped:
+            return self._file_reader(read_memory)
         return _MmapReader(self, read_memory)
 
     def close(self) -> None:
