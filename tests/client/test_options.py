@@ -187,9 +187,7 @@ def test_options_objects_drive_a_real_exchange(start_daemon: Any) -> None:
     async def read_async() -> list[Any]:
         # without debloating each channel keeps its share of the floating buffers free
         # whatever the backlog (here all 5: one channel)
-        core = await AsyncPartitionReader.open(
-            locs[:1], ropts, codec=reader.codec, debloat=None
-        )
+        core = await AsyncPartitionReader.open(locs[:1], ropts, codec=reader.codec, debloat=None)
         try:
             assert [ch.floating_share for ch in core.gate.channels] == [5]
             return await core.read_all()

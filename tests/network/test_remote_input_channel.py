@@ -310,7 +310,14 @@ def test_floating_share_must_not_be_negative(nbp: NetworkBufferPool) -> None:
     client = RecordingClient()
     with pytest.raises(UsageError):
         RemoteInputChannel(
-            SingleInputGate("g"), 0, PID, 0, client.address, Provider(client), nbp, floating_share=-1
+            SingleInputGate("g"),
+            0,
+            PID,
+            0,
+            client.address,
+            Provider(client),
+            nbp,
+            floating_share=-1,
         )
 
 
