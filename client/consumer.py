@@ -295,6 +295,12 @@ class AsyncPartitionReader:
         gate = SingleInputGate(
             "reader", pool.create_buffer_pool(0, max(num_floating, 1)) if num_floating else None
         )
+        # Each channel keeps its share of the floating buffers free whatever the backlog:
+        # a stream its producer limits (a small backlog) keeps a credit window announced in
+        # halves, not one AddCredit per give-back. Not with debloating (its credit goes out
+        # buffer by buffer, and the in-flight data it measures would grow).
+        debloating = opts.debloat is not None and opts.debloat.enabled
+        share = 0 if debloating or n == 0 else num_floating // n
         channels = [
             RemoteInputChannel(
                 gate,
@@ -307,6 +313,7 @@ class AsyncPartitionReader:
                 num_exclusive=opts.num_exclusive,
                 backoff_initial=opts.backoff_initial,
                 backoff_max=opts.backoff_max,
+                floating_share=share,
             )
             for i, loc in enumerate(locations)
         ]

@@ -36,6 +36,8 @@ cdef class RemoteInputChannel(InputChannel):
     cdef public object receiver_id
     cdef public Py_ssize_t sender_backlog
     cdef object _buffer_size
+    cdef public Py_ssize_t floating_share
+    cdef Py_ssize_t _floor
 
     cpdef Buffer request_buffer(self)
     cpdef void on_buffer(self, Buffer buffer, unsigned long long sequence_number,

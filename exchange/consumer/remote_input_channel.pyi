@@ -51,6 +51,7 @@ class RemoteInputChannel(InputChannel):
     initial_credit: int
     receiver_id: int
     sender_backlog: int
+    floating_share: int
     _queue: AvailableBufferQueue
     def __init__(
         self,
@@ -66,6 +67,7 @@ class RemoteInputChannel(InputChannel):
         backoff_initial: float = ...,
         backoff_max: float = ...,
         buffer_request_timeout: float | None = None,
+        floating_share: int = 0,
     ) -> None: ...
     async def request_subpartition(self) -> None: ...
     def on_partition_not_found(self) -> bool: ...

@@ -22,6 +22,12 @@ The logic of Flink's RemoteInputChannel and BufferManager, with the I/O behind t
   by buffer).
 * AvailableBufferQueue hands out floating buffers first, and gives one back to the pool
   when a returning exclusive buffer makes the channel hold more than it needs.
+* ``floating_share`` (0: Flink's rule): the floating buffers the channel asks for whatever
+  the backlog, so it always holds ``num_exclusive + floating_share`` free buffers when the
+  pool has them. A reader gives each channel its share of the gate's floating pool
+  (``client.consumer``, not with debloating): a producer-bound stream (a small backlog)
+  then still has a credit window large enough to be announced in halves, rather than one
+  AddCredit per give-back of the task (each a write that wakes the daemon).
 * Sequence numbers are checked: a gap or repeat fails the channel.
 * A priority event (an unaligned checkpoint barrier, Flink's ``addPriorityElement`` on
   ``receivedBuffers``) goes ahead of every buffer received and not yet taken, behind
@@ -126,6 +132,7 @@ cdef class RemoteInputChannel(InputChannel):
         backoff_initial=DEFAULT_BACKOFF_INITIAL,
         backoff_max=DEFAULT_BACKOFF_MAX,
         buffer_request_timeout=None,
+        floating_share=0,
     ):
         InputChannel.__init__(
             self,
@@ -162,6 +169,11 @@ cdef class RemoteInputChannel(InputChannel):
         self.sender_backlog = 0
         # the last size announced (debloating); sent again with every repeated request
         self._buffer_size = None
+        if floating_share < 0:
+            raise UsageError(f"floating_share must be >= 0, got {floating_share}")
+        self.floating_share = floating_share
+        # the free buffers asked for whatever the backlog (Flink's rule: backlog + exclusive)
+        self._floor = num_exclusive + floating_share if floating_share else 0
 
     # -- setup and partition request -----------------------------------------------------
 
@@ -270,7 +282,10 @@ cdef class RemoteInputChannel(InputChannel):
 
     cpdef void on_sender_backlog(self, Py_ssize_t backlog) except *:
         self.sender_backlog = backlog
-        cdef Py_ssize_t added = self._request_floating_buffers(backlog + self.initial_credit)
+        cdef Py_ssize_t required = backlog + self.initial_credit
+        if self._floor > required:  # its share of the floating pool (module docstring)
+            required = self._floor
+        cdef Py_ssize_t added = self._request_floating_buffers(required)
         if added > 0:
             self._add_credit(added)
 

@@ -179,12 +179,17 @@ def test_options_objects_drive_a_real_exchange(start_daemon: Any) -> None:
     ropts = ReaderOptions.from_daemon(info, backoff_max=0.1)
     with PartitionReader(locs, ropts, window=2) as reader:
         assert reader._core.pool.total_segments == 2 * 3 + 5
+        # the daemon's readers debloat (--debloat): credit by Flink's rule, no share
+        assert [ch.floating_share for ch in reader._core.gate.channels] == [0, 0]
         got = sorted(reader.records())
     assert got == sorted((p, i) for p in range(2) for i in range(1, 500, 2))
 
     async def read_async() -> list[Any]:
-        core = await AsyncPartitionReader.open(locs[:1], ropts, codec=reader.codec)
+        # without debloating each channel keeps its share of the floating buffers free
+        # whatever the backlog (here all 5: one channel)
+        core = await AsyncPartitionReader.open(locs[:1], ropts, codec=reader.codec, debloat=None)
         try:
+            assert [ch.floating_share for ch in core.gate.channels] == [5]
             return await core.read_all()
         finally:
             await core.close()

@@ -142,6 +142,7 @@ def make_gate(
     floating: int = 4,
     exclusive: int = 2,
     backoff: tuple[float, float] = (0.01, 0.04),
+    floating_share: int = 0,
 ) -> tuple[SingleInputGate, list[RemoteInputChannel]]:
     gate = SingleInputGate("g", nbp.create_buffer_pool(0, floating))
     channels = [
@@ -156,6 +157,7 @@ def make_gate(
             num_exclusive=exclusive,
             backoff_initial=backoff[0],
             backoff_max=backoff[1],
+            floating_share=floating_share,
         )
         for i in range(n)
     ]
@@ -254,6 +256,69 @@ async def test_a_window_of_flinks_defaults_announces_every_credit_at_once(
     announcements = await _paced_reads(nbp, floating=8)
     assert announcements[0] >= 8
     assert set(announcements[1:]) == {1}, announcements
+
+
+async def _producer_bound_reads(nbp: NetworkBufferPool, floating_share: int) -> list[int]:
+    """One channel (2 exclusive + 30 floating buffers) whose producer is the bottleneck:
+    the daemon's queue is empty (backlog 0 with every buffer); the sender sends what its
+    credit allows, up to a burst of 8, the task takes the burst and gives it back at once,
+    then credit is flushed (``PartitionReader``'s give-back). The AddCredits it sent."""
+    client = RecordingClient()
+    gate, [ch] = make_gate(nbp, 1, client, floating=30, exclusive=2, floating_share=floating_share)
+    await gate.request_partitions()
+    sender = Sender(ch, total=400)
+    sender.deliver = lambda buf: _deliver_backlog_0(sender, buf)  # type: ignore[method-assign]
+    while sender.sent < sender.total:
+        assert sender.can_send(), "the sender is stranded without credit"
+        burst = 0
+        while sender.can_send() and burst < 8:
+            sender.send_data()
+            burst += 1
+        while (boe := gate.poll_next()) is not None:
+            assert boe.buffer is not None
+            boe.buffer.release()
+        sender.credit += client.flush_credits().get(ch.receiver_id, 0)
+        check_credit_invariant(sender)
+    gate.close()
+    assert nbp.num_available == nbp.total_segments
+    return [credit for rid, credit in client.add_credits if rid == ch.receiver_id]
+
+
+def _deliver_backlog_0(sender: Sender, buf: Buffer) -> None:
+    seq = sender.seq
+    sender.seq += 1
+    sender.channel.on_buffer(buf, seq, 0)
+
+
+@pytest.mark.asyncio
+async def test_a_floating_share_keeps_a_producer_bound_window_announced_in_halves(
+    nbp: NetworkBufferPool,
+) -> None:
+    """Backlog 0 with every buffer: by Flink's rule (no share) the channel keeps only its
+    2 exclusive buffers, so every give-back is an AddCredit of 2 and the sender moves 2
+    buffers per round; with its share of the floating pool (30) it keeps 32 free buffers,
+    announced in halves: bursts of 8 and a fraction of the AddCredits."""
+    flink = await _producer_bound_reads(nbp, 0)
+    assert set(flink) == {2} and len(flink) >= 400 // 2 - 1, flink
+    shared = await _producer_bound_reads(nbp, 30)
+    assert shared[0] >= 30  # the share, asked for with the first buffer
+    assert all(credit >= 16 for credit in shared[1:-1]), shared
+    assert len(shared) <= 2 + 400 // 16, shared
+
+
+def test_floating_share_must_not_be_negative(nbp: NetworkBufferPool) -> None:
+    client = RecordingClient()
+    with pytest.raises(UsageError):
+        RemoteInputChannel(
+            SingleInputGate("g"),
+            0,
+            PID,
+            0,
+            client.address,
+            Provider(client),
+            nbp,
+            floating_share=-1,
+        )
 
 
 @pytest.mark.asyncio
