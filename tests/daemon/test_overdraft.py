@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from client import local_connection
 from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
 from exchange.partition.result_partition_id import ResultPartitionID
@@ -94,4 +95,47 @@ def test_a_writer_with_an_exhausted_pool_finishes_its_record_via_overdraft(
         producer.join(30)
     assert got == [0, RECORD]
     st = d.wait_pool_whole(30)
+    assert st["network"]["overdraft_segments"] == 0
+
+
+def test_a_writer_held_mid_record_takes_the_grant_that_comes_before_it_asks_for_overdraft(
+    start_daemon: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A push out of credit inside a record waits ``OVERDRAFT_ASK_DELAY`` for a grant
+    before it asks for overdraft (a record is a whole encoded batch here, so nearly every
+    stall is inside one). With the delay never passing, the same writer as above sits
+    mid-record with overdraft available and takes none; a reader then frees segments and
+    the record ends on their grants, no overdraft taken. (The old writer asked at once:
+    overdraft segments before the reader came.)"""
+    monkeypatch.setattr(local_connection, "OVERDRAFT_ASK_DELAY", 3600.0)
+    d = start_daemon("--segment-size", "4kb", "--max-overdraft-buffers-per-partition", "5")
+    dataset = "overdraft-delayed"
+    pid = ResultPartitionID(dataset, 0, 0)
+    done = threading.Event()
+    errors: list[Any] = []
+    producer = threading.Thread(
+        target=_produce, args=(d.local_socket, pid, done, errors), daemon=True
+    )
+    producer.start()
+    try:
+
+        def held() -> dict[str, Any] | None:
+            st = d.stats()
+            p = _mine(st, dataset)
+            return st if p is not None and p["backlog"] >= POOL else None
+
+        st = wait_for(held, 60, "the producer held mid-record by a full pool")
+        item = _mine(st, dataset)
+        assert item is not None and item["backlog"] == POOL
+        assert st["local"]["overdraft_granted"] == 0
+        assert not done.is_set() and producer.is_alive()
+        loc = PartitionLocation(pid, 0, d.data_address)
+        with PartitionReader([loc]) as reader:
+            got = list(reader)
+        assert done.wait(60) and not errors, errors
+    finally:
+        producer.join(30)
+    assert got == [0, RECORD]
+    st = d.wait_pool_whole(30)
+    assert st["local"]["overdraft_granted"] == 0
     assert st["network"]["overdraft_segments"] == 0
