@@ -37,6 +37,7 @@ from exchange.config_values import (
     parse_size,
 )
 from exchange.errors import ConfigError
+from exchange.partition.bounded_data import BOUNDED_DATA_KINDS, DEFAULT_BOUNDED_DATA_KIND
 from exchange.paths import DEFAULT_SOCKET_NAME, default_spill_dir
 from exchange.writer.record_writer import MIN_BUFFER_SIZE
 
@@ -129,6 +130,7 @@ class DaemonConfig:
     handshake_timeout: float = 10.0
     peer_timeout: float = 60.0
     spill_dir: str = field(default_factory=default_spill_dir)
+    blocking_shuffle_type: str = DEFAULT_BOUNDED_DATA_KIND
     secret_file: str | None = None
     log_level: str = "INFO"
     blocking_partition_ttl: float = 3600.0
@@ -582,6 +584,16 @@ def _bool(value: Any, setting: str) -> bool:
     return parse_bool(value, setting)
 
 
+def _blocking_shuffle_type(value: Any, setting: str) -> str:
+    if isinstance(value, str) and value.strip().lower() in BOUNDED_DATA_KINDS:
+        return value.strip().lower()
+    raise ConfigError(
+        setting,
+        f"{value!r} is not a blocking shuffle type; "
+        f"expected one of {', '.join(BOUNDED_DATA_KINDS)}",
+    )
+
+
 def _log_level(value: Any, setting: str) -> str:
     if isinstance(value, str):
         level = value.strip().upper()
@@ -771,6 +783,15 @@ _SETTINGS: Final[dict[str, _Setting]] = {
     ),
     "spill_dir": _Setting(
         _path, _STR, "DIR", "directory for spilled and blocking partitions (created if missing)"
+    ),
+    "blocking_shuffle_type": _Setting(
+        _blocking_shuffle_type,
+        _STR,
+        "TYPE",
+        "how a finished blocking partition is read (Flink's "
+        "taskmanager.network.blocking-shuffle.type): mmap sends slices of its mapped "
+        "files (no read copy, no read segments); file reads each buffer into a read "
+        "segment (two per reader); a restored partition keeps the type it was written with",
     ),
     "secret_file": _Setting(
         _optional_path, _STR, "FILE", "file holding the shared secret (chmod 600)"

@@ -336,6 +336,7 @@ class ExchangeDaemon:
                 pool,
                 spill_dir=self.partition_dir,
                 keep_manifest=True,
+                bounded_data_kind=self.config.blocking_shuffle_type,
                 app_id=app_id,
                 spill_account=self.spill_space.account(app_id) if ptype.is_blocking else None,
                 manifest_key=self._manifest_key,

@@ -5,7 +5,18 @@ buffer is stored as a 6-byte header (``u8 data type | u8 flags | u32 size``, big
 Flink's BufferReaderWriterUtil layout in spirit) followed by its bytes.
 
 * ``FileBoundedData`` reads with plain file reads into a few read segments per reader.
-* ``MmapBoundedData`` maps the finished file and hands out zero-copy slices of the map.
+* ``MmapBoundedData`` maps the finished file and hands out zero-copy slices of the map
+  (Flink's ``taskmanager.network.blocking-shuffle.type: mmap``): the data port writes
+  them to the socket straight from the page cache, one copy fewer than a read into a
+  segment; a reader holds no read segments and no descriptor. The daemon's default
+  (``blocking_shuffle_type``, server/config.py); ``BOUNDED_DATA_KINDS`` lists the kinds.
+
+A mapped file must not shrink while mapped (a read of a page past its end is a SIGBUS):
+the file is checked (inode, size) right before it is mapped, and the spill directory is
+private to the daemon's user (server/spill_dir.py), so only that user could truncate it.
+Each finished, non-empty subpartition file of ``mmap`` storage holds one mapping until
+the partition is released (the kernel's ``vm.max_map_count`` bounds them; a mapping that
+cannot be made is a SpillError naming the directory).
 
 A reader may be given ``read_memory`` (a consumer on this host that mapped its
 application's shared arena: ``ReadMemory``): each data buffer is then read (``file``) or
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import mmap
 import os
 import stat
@@ -47,6 +59,8 @@ from exchange.memory.memory_segment import MemorySegment
 from exchange.partition.spill_space import SpillAccount, spill_error
 
 __all__ = [
+    "BOUNDED_DATA_KINDS",
+    "DEFAULT_BOUNDED_DATA_KIND",
     "BoundedData",
     "BoundedDataReader",
     "FileBoundedData",
@@ -55,8 +69,15 @@ __all__ = [
     "create_bounded_data",
 ]
 
+#: The storage kinds of a blocking subpartition, the default first.
+BOUNDED_DATA_KINDS: Final = ("mmap", "file")
+DEFAULT_BOUNDED_DATA_KIND: Final = BOUNDED_DATA_KINDS[0]
+_log = logging.getLogger(__name__)
+
 HEADER: Final = struct.Struct(">BBI")
 FLAG_COMPRESSED: Final = 0x01
+_HEADER_SIZE: Final = HEADER.size
+_unpack_header: Final = HEADER.unpack_from
 _DATA_TYPES: Final[dict[int, DataType]] = {t.value: t for t in DataType}
 #: Read segments (outside network memory) a reader of ``file`` storage allocates at most.
 READ_SEGMENTS: Final = 2
@@ -123,6 +144,8 @@ class _FileWriterBase:
     with a PartitionDataLostError. ``account`` (a ``SpillAccount``) is charged with every
     byte before it is written and refunded when the file is deleted.
     """
+
+    _segment_size: int  # set by each storage kind: the size of a file reader's segments
 
     def __init__(
         self,
@@ -245,6 +268,12 @@ class _FileWriterBase:
             os.close(fd)
             raise
         return fd
+
+    def _file_reader(self, read_memory: ReadMemory | None) -> _FileReader:
+        """A reader of the finished file with plain reads (checked: inode and size)."""
+        return _FileReader(
+            self.path, self.open_checked(), self._segment_size, READ_SEGMENTS, read_memory
+        )
 
     @property
     def size(self) -> int:
@@ -447,9 +476,7 @@ class FileBoundedData(_FileWriterBase):
     def create_reader(self, read_memory: ReadMemory | None = None) -> _FileReader:
         if not self._finished:
             raise IllegalStateError("bounded data is still being written")
-        return _FileReader(
-            self.path, self.open_checked(), self._segment_size, READ_SEGMENTS, read_memory
-        )
+        return self._file_reader(read_memory)
 
     def close(self) -> None:
         self._delete()
@@ -471,6 +498,7 @@ class _MmapReader:
 
     def __init__(self, owner: MmapBoundedData, read_memory: ReadMemory | None = None) -> None:
         self._owner = owner
+        self._path = owner.path
         self._read_memory = read_memory
         self._pos = 0
         self._at_end = False
@@ -490,12 +518,15 @@ class _MmapReader:
         if pos >= len(view):
             self._at_end = True
             return None
-        if pos + HEADER.size > len(view):
-            raise CorruptRecordError(f"{self._owner.path}: truncated buffer header")
-        data_type, compressed, n = _parse_header(view[pos : pos + HEADER.size], self._owner.path)
-        start = pos + HEADER.size
+        start = pos + _HEADER_SIZE
+        if start > len(view):
+            raise CorruptRecordError(f"{self._path}: truncated buffer header")
+        dt, flags, n = _unpack_header(view, pos)  # no slice, no tuple of the parse
+        data_type = _DATA_TYPES.get(dt)
+        if data_type is None:
+            raise CorruptRecordError(f"{self._path}: bad data type {dt} in spilled buffer header")
         if start + n > len(view):
-            raise CorruptRecordError(f"{self._owner.path}: truncated buffer")
+            raise CorruptRecordError(f"{self._path}: truncated buffer")
         self._pos = start + n
         data = view[start : start + n]
         lent = None
@@ -509,7 +540,7 @@ class _MmapReader:
             if lent is not None:
                 lent.release()
             buf = Buffer(MemorySegment(data), _NOOP, n, data_type)
-        buf.compressed = compressed
+        buf.compressed = flags & FLAG_COMPRESSED != 0
         return buf
 
     def close(self) -> None:
@@ -527,12 +558,19 @@ class MmapBoundedData(_FileWriterBase):
         account: SpillAccount | None = None,
     ) -> None:
         super().__init__(path, existing, account)
+        self._segment_size = segment_size
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
+        #: the file could not be mapped (vm.max_map_count, address space): read it instead
+        self._unmapped = False
         if existing is not None:
             self._map_file()
 
-    reader_memory = 0  # slices of the one shared mapping
+    @property
+    def reader_memory(self) -> int:
+        """Nothing while mapped (slices of the one mapping); a file reader's read
+        segments when the mapping could not be made."""
+        return READ_SEGMENTS * self._segment_size if self._unmapped else 0
 
     def finish_write(self) -> None:
         self._finish_file()
@@ -540,18 +578,26 @@ class MmapBoundedData(_FileWriterBase):
 
     def _map_file(self) -> None:
         if self._size:
-            fd = self.open_checked()
+            fd = self.open_checked()  # the inode and size written: no page past the end
             try:
-                self._map = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                self._map = mmap.mmap(fd, self._size, access=mmap.ACCESS_COPY)
+            except OSError as e:  # ENOMEM: vm.max_map_count or the address space
+                # A job with many subpartitions per daemon can exhaust the mappings a
+                # process may hold: its readers read the file, as `file` storage does.
+                _log.warning("%s: cannot be mapped (%s); its readers read the file", self.path, e)
+                self._unmapped = True
+                return
             finally:
                 os.close(fd)
             self._view = memoryview(self._map)
         else:
             self._view = memoryview(bytearray(0))
 
-    def create_reader(self, read_memory: ReadMemory | None = None) -> _MmapReader:
+    def create_reader(self, read_memory: ReadMemory | None = None) -> BoundedDataReader:
         if not self._finished:
             raise IllegalStateError("bounded data is still being written")
+        if self._unmapped:
+            return self._file_reader(read_memory)
         return _MmapReader(self, read_memory)
 
     def close(self) -> None:
@@ -582,4 +628,6 @@ def create_bounded_data(
         return FileBoundedData(path, segment_size, existing, account)
     if kind == "mmap":
         return MmapBoundedData(path, segment_size, existing, account)
-    raise IllegalStateError(f"unknown bounded data kind {kind!r} (use 'file' or 'mmap')")
+    raise IllegalStateError(
+        f"unknown bounded data kind {kind!r} (use one of {', '.join(BOUNDED_DATA_KINDS)})"
+    )

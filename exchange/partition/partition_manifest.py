@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from exchange.errors import CorruptRecordError, IntegrityError, PartitionDataLostError
+from exchange.partition.bounded_data import BOUNDED_DATA_KINDS
 from exchange.partition.result_partition_id import ResultPartitionID
 from exchange.partition.result_partition_type import ResultPartitionType
 
@@ -144,7 +145,7 @@ class PartitionManifest:
                 ManifestState(body["state"]),
                 _count(body["num_subpartitions"]),
                 _count(body["segment_size"]),
-                _str(body["bounded_data_kind"]),
+                _kind(body["bounded_data_kind"]),
                 None if finished_at is None else float(finished_at),
                 subs,
                 _app_id(body.get("app_id", "")),  # absent: written before applications
@@ -165,6 +166,12 @@ def _count(value: Any) -> int:
     if type(value) is not int or value < 0:
         raise ValueError(f"{value!r} is not a count")
     return value
+
+
+def _kind(value: Any) -> str:
+    if value not in BOUNDED_DATA_KINDS:
+        raise ValueError(f"bounded_data_kind {value!r} is not one of {BOUNDED_DATA_KINDS}")
+    return str(value)
 
 
 def _str(value: Any) -> str:

@@ -49,7 +49,12 @@ from exchange.errors import (
 from exchange.events.events import AbstractEvent, EventSerializer
 from exchange.memory.local_buffer_pool import LocalBufferPool
 from exchange.partition.bounded_blocking_subpartition import BoundedBlockingSubpartition
-from exchange.partition.bounded_data import ReadMemory, create_bounded_data
+from exchange.partition.bounded_data import (
+    BOUNDED_DATA_KINDS,
+    DEFAULT_BOUNDED_DATA_KIND,
+    ReadMemory,
+    create_bounded_data,
+)
 from exchange.partition.partition_manifest import (
     MANIFEST_SUFFIX,
     ManifestState,
@@ -111,7 +116,7 @@ class ResultPartition:
         buffer_pool: LocalBufferPool,
         *,
         spill_dir: str | os.PathLike[str] | None = None,
-        bounded_data_kind: str = "file",
+        bounded_data_kind: str = DEFAULT_BOUNDED_DATA_KIND,
         keep_manifest: bool = False,
         restore_from: PartitionManifest | None = None,
         app_id: str = "",
@@ -121,6 +126,11 @@ class ResultPartition:
     ) -> None:
         if not isinstance(num_subpartitions, int) or num_subpartitions <= 0:
             raise UsageError(f"num_subpartitions must be a positive int, got {num_subpartitions!r}")
+        if bounded_data_kind not in BOUNDED_DATA_KINDS:
+            raise UsageError(
+                f"bounded_data_kind must be one of {', '.join(BOUNDED_DATA_KINDS)}, "
+                f"got {bounded_data_kind!r}"
+            )
         if buffer_pool.num_required < num_subpartitions and restore_from is None:
             # One guaranteed segment per subpartition (Flink's minimum): with fewer, the
             # unread buffers of some subpartitions can hold every segment while the reader

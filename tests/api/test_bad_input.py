@@ -440,6 +440,7 @@ BAD_FLAG_VALUES: dict[str, list[str]] = {
     "spill_quota_per_app": ["-1", "half"],
     "spill_min_free": ["-1", "5%"],
     "spill_dir": ["/proc/sys"],
+    "blocking_shuffle_type": ["tape", "", "mmap,file"],
     "secret_file": ["/nonexistent/secret"],
     "log_level": ["LOUD", "0"],
     "blocking_partition_ttl": ["-1", "forever"],

@@ -38,6 +38,7 @@ from exchange.errors import (
     ProducerFailedError,
     TransportError,
 )
+from exchange.partition.partition_manifest import read_manifest
 from exchange.partition.result_partition_id import ResultPartitionID
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,6 +134,31 @@ def test_finished_blocking_partition_served_again(
             assert read(d2, pid, sub) == expected(recs, sub)
     assert get_runtime().run(release_dataset(d2.local_socket, "restart-ok")) == 1
     assert spill_files(spill_dir / PARTS) == []  # released: manifest and files gone
+    d2.wait_pool_whole()
+
+
+@pytest.mark.parametrize(("written", "restarted"), [("file", "mmap"), ("mmap", "file")])
+def test_a_restored_partition_keeps_the_storage_it_was_written_with(
+    daemon_on: Callable[..., Daemon], spill_dir: Path, written: str, restarted: str
+) -> None:
+    d1 = daemon_on(f"--blocking-shuffle-type={written}")
+    pid = ResultPartitionID("restart-kind", 0, 1)
+    recs = records(3000)
+    write_blocking(d1, pid, recs)
+    d1.stop_clean()
+    (manifest,) = (spill_dir / PARTS).glob("restart-kind-*.manifest")
+    assert read_manifest(manifest).bounded_data_kind == written
+
+    d2 = daemon_on(f"--blocking-shuffle-type={restarted}")
+    assert d2.info["recovered"]["restored"] == 1
+    for sub in (0, 1):
+        assert read(d2, pid, sub) == expected(recs, sub)
+    # mmap storage maps its files (until released); file storage never does
+    with open(f"/proc/{d2.proc.pid}/maps") as f:
+        mapped = {line.split()[-1] for line in f if line.rstrip().endswith(".bin")}
+    assert len(mapped) == (2 if written == "mmap" else 0), mapped
+    assert get_runtime().run(release_dataset(d2.local_socket, "restart-kind")) == 1
+    assert spill_files(spill_dir / PARTS) == []
     d2.wait_pool_whole()
 
 

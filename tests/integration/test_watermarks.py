@@ -10,8 +10,10 @@ its transport's buffer below the high watermark plus one frame, and so block the
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -31,9 +33,10 @@ from exchange.protocol.codec import (
     max_frame_size_for,
 )
 from exchange.protocol.handshake import ClientHandshake
-from exchange.protocol.messages import BufferResponse, DataType, PartitionRequest
+from exchange.protocol.messages import BufferResponse, DataType, ErrorResponse, PartitionRequest
 from exchange.serialization.record_codec import BytesCodec
 from server.partition_request_server import DataServer, PartitionRequestServerProtocol
+from tests.conformance.partition_fill import add_full_buffers, full_buffer_payload
 from tests.kit.partition_writer import ResultPartitionWriter
 
 SEG = 32 * 1024
@@ -75,10 +78,14 @@ class RawClient(asyncio.Protocol):
                 self.sequence.append(msg.sequence_number)
                 if msg.data_type is DataType.DATA_BUFFER:
                     self.payload_bytes += msg.size
+                    self.check(msg)
                 elif not self.end_of_partition.done():
                     self.end_of_partition.set_result(None)
             else:
                 self.others.append(msg)
+
+    def check(self, msg: BufferResponse) -> None:
+        """Called with each data buffer (a subclass checks its bytes)."""
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.closed.done():
@@ -125,7 +132,11 @@ async def produce(part: ResultPartition, total: int) -> None:
 
 
 async def stalled_client(
-    server: DataServer, host: str, port: int, pid: ResultPartitionID
+    server: DataServer,
+    host: str,
+    port: int,
+    pid: ResultPartitionID,
+    factory: type[RawClient] = RawClient,
 ) -> tuple[RawClient, PartitionRequestServerProtocol, list[int]]:
     """Connect with a small receive buffer, request with huge credit, stop reading.
 
@@ -137,7 +148,7 @@ async def stalled_client(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
     await loop.sock_connect(sock, (host, port))
-    _, client = await loop.create_connection(RawClient, sock=sock)
+    _, client = await loop.create_connection(factory, sock=sock)
     await asyncio.wait_for(client.established, 5)
     [proto] = server.connections
     transport = proto.transport
@@ -253,4 +264,89 @@ async def test_close_with_a_stalled_client_releases_everything(
         assert server_pool.num_in_use == 0, server_pool.stats()
     finally:
         await cleanup(server, manager, producer, client)
+    await net.assert_no_other_tasks()
+
+
+def _mapped(path: Path) -> bool:
+    """Whether this process still maps ``path`` (deleted or not)."""
+    with open("/proc/self/maps") as f:
+        return any(str(path) in line for line in f)
+
+
+class _CheckingClient(RawClient):
+    """Also checks each data buffer's bytes against what ``add_full_buffers`` wrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bad: list[int] = []
+
+    def check(self, msg: BufferResponse) -> None:
+        if bytes(msg.payload) != full_buffer_payload(SEG, msg.sequence_number):
+            self.bad.append(msg.sequence_number)
+
+
+@pytest.mark.asyncio(loop_factories=["asyncio", "uvloop"])
+async def test_a_mapped_partition_released_under_a_stalled_reader(
+    server_pool: NetworkBufferPool, net: Any, tmp_path: Path
+) -> None:
+    """``mmap`` storage sends slices of the mapped spill file: the server's transport
+    holds some when the partition is released under a consumer that stopped reading. The
+    release raises nothing; the bytes already queued arrive intact, then the channel's
+    error; the file is deleted once the reader is gone (unlinked, never truncated under
+    the mapping: no SIGBUS), and once the connection is gone, so is the mapping, and the
+    pool is whole."""
+    manager = ResultPartitionManager()
+    server = DataServer(manager, segment_size=SEG, high_watermark=HIGH, low_watermark=LOW)
+    host, port = await server.start("127.0.0.1", 0)
+    pid = ResultPartitionID("mapped", 0)
+    part = ResultPartition(
+        pid,
+        ResultPartitionType.BLOCKING,
+        1,
+        server_pool.create_buffer_pool(1, POOL_MAX),
+        spill_dir=tmp_path,
+        bounded_data_kind="mmap",
+    )
+    manager.register_result_partition(part)
+    add_full_buffers(part, 0, 200)  # 6.4 MB: far more than the socket buffers hold
+    part.finish()
+    (spill_file,) = tmp_path.glob("*.bin")
+    assert _mapped(spill_file)
+    idle = asyncio.create_task(asyncio.sleep(0))  # no producer: the partition is finished
+    client: RawClient | None = None
+    try:
+        loop = asyncio.get_running_loop()
+        client, proto, _ = await stalled_client(server, host, port, pid, _CheckingClient)
+        checking = cast(_CheckingClient, client)
+        assert proto.transport is not None and checking.transport is not None
+        deadline = loop.time() + 30
+        while proto.is_writable or proto.transport.get_write_buffer_size() == 0:
+            assert loop.time() < deadline, f"no stall: sent {proto.queue.bytes_sent}"
+            await asyncio.sleep(0.005)
+        queued = proto.transport.get_write_buffer_size()  # slices of the mapping
+
+        assert manager.release_partition(pid)
+        assert _mapped(spill_file)  # the transport's queued slices are still its pages
+        checking.transport.resume_reading()
+        deadline = loop.time() + 30
+        while not checking.others:
+            assert loop.time() < deadline, f"no error after {len(checking.sequence)} buffers"
+            await asyncio.sleep(0.005)
+        assert checking.bad == []  # every byte as written, read after the file was deleted
+        assert checking.sequence == list(range(len(checking.sequence)))
+        assert checking.payload_bytes >= queued - 2 * FRAME  # what was queued arrived
+        assert len(checking.sequence) < 200
+        (error,) = checking.others
+        assert isinstance(error, ErrorResponse) and "released" in error.message
+        deadline = loop.time() + 30
+        while spill_file.exists():  # deleted once its reader is gone (Flink's rule)
+            assert loop.time() < deadline, "the released partition's file was kept"
+            await asyncio.sleep(0.005)
+    finally:
+        await cleanup(server, manager, idle, client)
+    assert server.connections == set()
+    assert len(manager) == 0
+    gc.collect()
+    assert not _mapped(spill_file)  # the last slice gone, the mapping with it
+    assert list(tmp_path.iterdir()) == []
     await net.assert_no_other_tasks()

@@ -18,7 +18,7 @@ from exchange.errors import (
 )
 from exchange.events.events import EndOfPartitionEvent, EventSerializer
 from exchange.partition import BoundedData, create_bounded_data
-from exchange.partition.bounded_data import HEADER
+from exchange.partition.bounded_data import HEADER, READ_SEGMENTS
 
 SEGMENT = 4096
 KINDS = ["file", "mmap"]
@@ -252,3 +252,24 @@ def test_file_reader_reads_each_buffer_and_the_next_header_in_one_system_call(
     assert 1 + len(payloads) <= reads <= 4 + len(payloads)
     reader.close()
     data.close()
+
+
+def test_mmap_storage_that_cannot_be_mapped_is_read_from_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A daemon out of mappings (``vm.max_map_count``: one per finished subpartition)
+    serves that subpartition with file reads, logged, instead of failing its job."""
+    import mmap as mmap_module
+
+    def out_of_mappings(*args: object, **kwargs: object) -> mmap_module.mmap:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(mmap_module, "mmap", out_of_mappings)
+    with caplog.at_level("WARNING", logger="exchange.partition.bounded_data"):
+        data = _write("mmap", tmp_path / "sub.bin")
+    assert "cannot be mapped" in caplog.text and "sub.bin" in caplog.text
+    assert data.reader_memory == READ_SEGMENTS * SEGMENT  # a file reader's, budgeted
+    assert _read_all(data) == _payloads()
+    assert _read_all(data) == _payloads()
+    data.close()
+    assert not (tmp_path / "sub.bin").exists()

@@ -10,6 +10,7 @@ wrong; manifests that are not ones are CorruptRecordErrors.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,12 @@ from exchange.buffers.buffer import Buffer
 from exchange.errors import CorruptRecordError, PartitionDataLostError, UsageError
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartition, ResultPartitionID, ResultPartitionType
+from exchange.partition.bounded_data import (
+    BOUNDED_DATA_KINDS,
+    DEFAULT_BOUNDED_DATA_KIND,
+    FileBoundedData,
+    MmapBoundedData,
+)
 from exchange.partition.partition_manifest import (
     ManifestState,
     decode_manifest,
@@ -36,10 +43,20 @@ class _Listener:
 
 
 def _partition(
-    nbp: NetworkBufferPool, spill: Path, ptype: ResultPartitionType, n: int = 2
+    nbp: NetworkBufferPool,
+    spill: Path,
+    ptype: ResultPartitionType,
+    n: int = 2,
+    kind: str = DEFAULT_BOUNDED_DATA_KIND,
 ) -> ResultPartition:
     return ResultPartition(
-        PID, ptype, n, nbp.create_buffer_pool(n, 2 * n + 2), spill_dir=spill, keep_manifest=True
+        PID,
+        ptype,
+        n,
+        nbp.create_buffer_pool(n, 2 * n + 2),
+        spill_dir=spill,
+        keep_manifest=True,
+        bounded_data_kind=kind,
     )
 
 
@@ -78,8 +95,13 @@ def test_blocking_lifecycle(nbp: NetworkBufferPool, tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-def test_kept_partition_restored_buffer_for_buffer(nbp: NetworkBufferPool, tmp_path: Path) -> None:
-    part = _partition(nbp, tmp_path, ResultPartitionType.BLOCKING)
+@pytest.mark.parametrize("kind", BOUNDED_DATA_KINDS)
+def test_kept_partition_restored_buffer_for_buffer(
+    nbp: NetworkBufferPool, tmp_path: Path, kind: str
+) -> None:
+    """Restored with the storage it was written with (the manifest says which), whatever
+    the restoring daemon's own ``blocking_shuffle_type``."""
+    part = _partition(nbp, tmp_path, ResultPartitionType.BLOCKING, kind=kind)
     add_raw_bytes(part, 0, bytes(range(256)) * 40)
     add_raw_bytes(part, 1, b"z" * 3)
     part.finish()
@@ -89,8 +111,11 @@ def test_kept_partition_restored_buffer_for_buffer(nbp: NetworkBufferPool, tmp_p
     path = _manifest(tmp_path)
     m = read_manifest(path)
     verify_spilled_data(m, tmp_path)
+    assert m.bounded_data_kind == kind
     again = ResultPartition.restore(path, m, nbp.create_buffer_pool(2, 6))
     assert again.is_finished and again.partition_id == PID
+    storage = {"file": FileBoundedData, "mmap": MmapBoundedData}[kind]
+    assert all(isinstance(s.data, storage) for s in again.subpartitions)  # type: ignore[attr-defined]
     assert [_payloads(again, i) for i in range(2)] == before
     assert [_payloads(again, i) for i in range(2)] == before  # any number of times
     again.release()
@@ -160,3 +185,32 @@ def test_manifest_roundtrip_and_bit_flip(nbp: NetworkBufferPool, tmp_path: Path)
     with pytest.raises(CorruptRecordError, match="checksum"):
         decode_manifest(flipped, Path("x"))
     part.release()
+
+
+def test_a_manifest_naming_an_unknown_storage_kind_is_refused(
+    nbp: NetworkBufferPool, tmp_path: Path
+) -> None:
+    part = _partition(nbp, tmp_path, ResultPartitionType.BLOCKING)
+    part.finish()
+    m = read_manifest(_manifest(tmp_path))
+    part.release()
+    raw = encode_manifest(dataclasses.replace(m, bounded_data_kind="tape"))
+    with pytest.raises(CorruptRecordError, match="bounded_data_kind 'tape'"):
+        decode_manifest(raw, Path("x"))
+
+
+def test_an_unknown_storage_kind_is_a_usage_error(nbp: NetworkBufferPool, tmp_path: Path) -> None:
+    pool = nbp.create_buffer_pool(1, 4)
+    try:
+        with pytest.raises(UsageError, match="bounded_data_kind must be one of mmap, file"):
+            ResultPartition(
+                PID,
+                ResultPartitionType.BLOCKING,
+                1,
+                pool,
+                spill_dir=tmp_path,
+                bounded_data_kind="tape",
+            )
+    finally:
+        pool.destroy()  # the caller's, as in the daemon
+    assert list(tmp_path.iterdir()) == []  # refused before anything was created

@@ -153,6 +153,7 @@ def test_readers_count_against_their_applications_budget(
         1,
         pool,
         spill_dir=tmp_path,
+        bounded_data_kind="file",  # its readers hold read segments (mmap's hold none)
         reader_account=budget.account("app"),
     )
     push(part, 0)
