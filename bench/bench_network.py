@@ -8,6 +8,9 @@ Each run, a fresh consumer task process reads one of them over loopback TCP with
 ``client.consumer.PartitionReader`` (opening the reader is inside the clock) and decodes
 and checks every record (count, bytes, each record's two ends, the sum of indices;
 ``_common.Checker``): with 1 channel, and with 8 channels over one connection.
+A second daemon, started with ``--blocking-shuffle-type mmap`` (the default is ``file``:
+docs/deploy.md says why), holds the same 1-subpartition partition, read the same way in
+each round: what that setting buys (``stack_1ch_mmap_*``, ``*_1ch_mmap`` keys).
 
 Baselines, each run in the same round (rounds interleave the configurations, against
 load drift):
@@ -169,15 +172,18 @@ def main() -> None:
     count = total // RECORD // 4096 * 4096  # whole turns of the record pool
     payload = count * RECORD
 
-    runs: dict[str, list[float]] = {k: [] for k in ("raw", "flight", "s1", "s8")}
+    runs: dict[str, list[float]] = {k: [] for k in ("raw", "flight", "s1", "s8", "m1")}
     cpu: dict[str, list[float]] = {
-        k: [] for k in ("s1", "s1_task", "s1_daemon", "s8", "s8_task", "s8_daemon")
+        k: []
+        for k in ("s1", "s1_task", "s1_daemon", "s8", "s8_task", "s8_daemon", "m1", "m1_daemon")
     }
-    daemon = Daemon()
-    try:
+    # the same 1-channel partition also on a daemon with --blocking-shuffle-type mmap (not
+    # the default: docs/deploy.md), to show what the setting buys in the same rounds
+    with Daemon() as daemon, Daemon("--blocking-shuffle-type", "mmap") as mapped:
         t = time.monotonic()
         fills = {n: fill_partition(daemon, f"net{n}", n, RECORD, count) for n in (1, 8)}
         fill_s = time.monotonic() - t
+        fill_partition(mapped, "net1", 1, RECORD, count)
         for _ in range(rounds):
             runs["raw"].append(raw_gbps(payload))
             runs["flight"].append(flight_gbps(payload, RECORD))
@@ -187,11 +193,13 @@ def main() -> None:
                 cpu[f"s{n}"].append(r["cpu_us"])
                 cpu[f"s{n}_task"].append(r["task_cpu_us"])
                 cpu[f"s{n}_daemon"].append(r["daemon_cpu_us"])
-        whole = daemon.stop()
-    finally:
-        daemon.close()
+            r = read_once(mapped, "net1", 1, count)
+            runs["m1"].append(r["gbps"])
+            cpu["m1"].append(r["cpu_us"])
+            cpu["m1_daemon"].append(r["daemon_cpu_us"])
+        whole = all([daemon.stop(), mapped.stop()])
     if not whole:
-        raise BenchError("the daemon's network pool was not whole when it stopped")
+        raise BenchError("a daemon's network pool was not whole when it stopped")
 
     m = {k: median(v) for k, v in runs.items()}
     results: dict[str, Any] = {
@@ -214,6 +222,10 @@ def main() -> None:
         "consumer_task_thread_cpu_us_per_32k_8ch": median(cpu["s8_task"]),
         "daemon_cpu_us_per_32k_1ch": median(cpu["s1_daemon"]),
         "daemon_cpu_us_per_32k_8ch": median(cpu["s8_daemon"]),
+        "stack_1ch_mmap_gbps": m["m1"],
+        "stack_1ch_mmap_over_flight": m["m1"] / m["flight"],
+        "consumer_cpu_us_per_32k_1ch_mmap": median(cpu["m1"]),
+        "daemon_cpu_us_per_32k_1ch_mmap": median(cpu["m1_daemon"]),
         "fill_seconds_both_partitions": fill_s,
         "stream_bytes_per_partition": fills[1]["bytes_written"],
         "target_over_flight": TARGET_FLIGHT,
@@ -228,6 +240,7 @@ def main() -> None:
         ("Arrow Flight DoGet, 4 KiB binary values", m["flight"], runs["flight"]),
         ("stack, 4 KiB records, 1 channel", m["s1"], runs["s1"]),
         ("stack, 4 KiB records, 8 channels", m["s8"], runs["s8"]),
+        ("stack, 1 channel, mmap storage", m["m1"], runs["m1"]),
     ]
     for name, value, all_runs in rows:
         print(f"  {name:<42}{value:>7.2f} GB/s   runs {[round(v, 2) for v in all_runs]}")
@@ -242,7 +255,9 @@ def main() -> None:
         f"task thread {results['consumer_task_thread_cpu_us_per_32k_1ch']:.1f}), "
         f"{results['consumer_cpu_us_per_32k_8ch']:.1f} us (8 ch); daemon "
         f"{results['daemon_cpu_us_per_32k_1ch']:.1f} / "
-        f"{results['daemon_cpu_us_per_32k_8ch']:.1f} us"
+        f"{results['daemon_cpu_us_per_32k_8ch']:.1f} us; with mmap storage (1 ch) consumer "
+        f"{results['consumer_cpu_us_per_32k_1ch_mmap']:.1f}, daemon "
+        f"{results['daemon_cpu_us_per_32k_1ch_mmap']:.1f} us"
     )
     print(json_line(results))
 

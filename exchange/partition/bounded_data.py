@@ -8,15 +8,20 @@ Flink's BufferReaderWriterUtil layout in spirit) followed by its bytes.
 * ``MmapBoundedData`` maps the finished file and hands out zero-copy slices of the map
   (Flink's ``taskmanager.network.blocking-shuffle.type: mmap``): the data port writes
   them to the socket straight from the page cache, one copy fewer than a read into a
-  segment; a reader holds no read segments and no descriptor. The daemon's default
-  (``blocking_shuffle_type``, server/config.py); ``BOUNDED_DATA_KINDS`` lists the kinds.
+  segment; a reader holds no read segments and no descriptor. Chosen by the daemon's
+  ``blocking_shuffle_type`` (server/config.py; ``file`` by default, as Flink's);
+  ``BOUNDED_DATA_KINDS`` lists the kinds, the default first.
 
-A mapped file must not shrink while mapped (a read of a page past its end is a SIGBUS):
-the file is checked (inode, size) right before it is mapped, and the spill directory is
+Why ``file`` is the default: a mapped file must not shrink while mapped, and its pages
+must be readable. A read of a page past the end of a truncated file, or of a page the
+disk fails to read back (evicted, then an I/O error), is a SIGBUS that kills the whole
+daemon, every job on it; ``file`` storage gets a typed error for that one channel
+(``tests/integration/test_data_server.py::test_a_truncated_spill_file_fails_its_channel_only``).
+The file is checked (inode, size) right before it is mapped, and the spill directory is
 private to the daemon's user (server/spill_dir.py), so only that user could truncate it.
 Each finished, non-empty subpartition file of ``mmap`` storage holds one mapping until
-the partition is released (the kernel's ``vm.max_map_count`` bounds them; a mapping that
-cannot be made is a SpillError naming the directory).
+the partition is released; one that cannot be mapped (the kernel's ``vm.max_map_count``,
+the address space) is read with file reads, logged.
 
 A reader may be given ``read_memory`` (a consumer on this host that mapped its
 application's shared arena: ``ReadMemory``): each data buffer is then read (``file``) or
@@ -70,7 +75,7 @@ __all__ = [
 ]
 
 #: The storage kinds of a blocking subpartition, the default first.
-BOUNDED_DATA_KINDS: Final = ("mmap", "file")
+BOUNDED_DATA_KINDS: Final = ("file", "mmap")
 DEFAULT_BOUNDED_DATA_KIND: Final = BOUNDED_DATA_KINDS[0]
 _log = logging.getLogger(__name__)
 

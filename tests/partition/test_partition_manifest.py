@@ -202,7 +202,7 @@ def test_a_manifest_naming_an_unknown_storage_kind_is_refused(
 def test_an_unknown_storage_kind_is_a_usage_error(nbp: NetworkBufferPool, tmp_path: Path) -> None:
     pool = nbp.create_buffer_pool(1, 4)
     try:
-        with pytest.raises(UsageError, match="bounded_data_kind must be one of mmap, file"):
+        with pytest.raises(UsageError, match="bounded_data_kind must be one of file, mmap"):
             ResultPartition(
                 PID,
                 ResultPartitionType.BLOCKING,

@@ -500,9 +500,9 @@ def test_reader_memory_budget_counts_read_buffers(start_daemon: Callable[..., Da
 
 
 def test_mmap_readers_hold_no_reader_memory(start_daemon: Callable[..., Daemon]) -> None:
-    # the default storage: readers send slices of the mapped file, so the budget that
-    # refused a third file reader above lets three (and more) in, and counts no bytes
-    d = start_daemon("--max-reader-memory-per-app=128kb")
+    # mmap storage: readers send slices of the mapped file, so the budget that refused a
+    # third file reader above lets three (and more) in, and counts no bytes
+    d = start_daemon("--max-reader-memory-per-app=128kb", "--blocking-shuffle-type=mmap")
     pid = ResultPartitionID("mem", 0, 0)
     recs = records(20_000, 100)
     write(d, pid, recs)
