@@ -109,7 +109,7 @@ class DaemonConfig:
     exclusive_buffers_per_channel: int = 2
     #: None: each reader's own default (32 for a batch reader, 8 for a streaming one)
     floating_buffers_per_gate: int | None = None
-    producer_credit: int = 16
+    producer_credit: int = 32
     max_overdraft_buffers_per_partition: int = 5
     high_watermark: int | None = None
     low_watermark: int | None = None

@@ -293,7 +293,8 @@ class ProducerSession:
             return NotificationResult.BUFFER_NOT_USED
         self._reserved.append(buffer)
         self._unannounced += 1
-        self._announce()
+        if not self._announce_pending:  # a give-back frees many: one grant decision
+            self._announce()
         if len(self._reserved) < self.max_credit:
             self._listening = True
             return NotificationResult.BUFFER_USED_NEED_MORE

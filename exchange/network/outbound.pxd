@@ -2,6 +2,7 @@
 # Python code sees the class through outbound.pyi.
 
 from exchange.buffers.buffer cimport Buffer
+from exchange.memory.memory_segment cimport MemorySegment
 
 cdef class OutboundBatch:
     cdef public list out
@@ -11,7 +12,8 @@ cdef class OutboundBatch:
     cdef public int corked
     cdef public list descriptors
     cdef public bint established
-    cdef public object arena
+    cdef object _arena
+    cdef list _arena_segments
     cdef readonly object in_flight
     cdef public dict held
     cdef public Py_ssize_t num_held
@@ -24,5 +26,6 @@ cdef class OutboundBatch:
     cdef int _send_shared(
         self, object receiver_id, object sequence_number, object backlog, Buffer buf
     ) except -1
+    cdef bint _owns(self, MemorySegment seg)
     cpdef frame_descriptors(self)
     cdef int _release(self, object receiver_id, Buffer buf) except -1

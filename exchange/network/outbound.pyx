@@ -30,6 +30,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.string cimport memcpy
 
 from exchange.buffers.buffer cimport Buffer
+from exchange.memory.memory_segment cimport MemorySegment
 
 from exchange.buffers.buffer import DataType
 from exchange.errors import ProtocolError, UsageError
@@ -160,11 +161,29 @@ cdef class OutboundBatch:
         self.corked = 0
         self.descriptors = []
         self.established = False
-        self.arena = None
+        self._arena = None
+        self._arena_segments = None
         self.in_flight = deque()
         self.held = {}
         self.num_held = 0
         self.bytes_shared = 0
+
+    @property
+    def arena(self):
+        """The arena the consumer mapped (a ``NetworkBufferPool``), or None."""
+        return self._arena
+
+    @arena.setter
+    def arena(self, arena):
+        # its segments' list, fixed for the pool's life: ``NetworkBufferPool.owns`` in C
+        self._arena_segments = None if arena is None else arena._segments
+        self._arena = arena
+
+    cdef bint _owns(self, MemorySegment seg):
+        """``self.arena.owns(seg)`` without a Python call (once per buffer sent)."""
+        cdef list segments = self._arena_segments
+        cdef Py_ssize_t i = seg.index
+        return 0 <= i < len(segments) and segments[i] is seg
 
     def send_buffer(self, receiver_id, sequence_number, backlog, Buffer buf not None):
         """One BufferResponse: header and zero-copy view into the output, ``buf`` kept
@@ -173,8 +192,9 @@ cdef class OutboundBatch:
         if not self.established:
             conn._recycle(receiver_id, buf)
             return
-        arena = self.arena
-        if arena is not None and buf._data_type is _DATA_BUFFER and arena.owns(buf._segment):
+        if self._arena_segments is not None and buf._data_type is _DATA_BUFFER and self._owns(
+            buf._segment
+        ):
             self._send_shared(receiver_id, sequence_number, backlog, buf)
             return
         if self.descriptors:  # the stream's order: the descriptors before go first

@@ -455,6 +455,9 @@ class ServerConnection:
     def handle_message(self, msg: Message) -> None:
         """The data protocol: requests, credit, cancellation, close, dataset release,
         abandoned subpartitions."""
+        if type(msg) is AddCredit:  # the one per give-back or buffer batch: no match
+            self.queue.add_credit(msg.receiver_id, msg.credit)
+            return
         match msg:
             case PartitionRequest():
                 self._on_partition_request(msg)
@@ -563,7 +566,7 @@ class ServerConnection:
             self._ob.frame_descriptors()
         pieces = encode(message)
         self._ob.out.extend(pieces)
-        self._ob.out_bytes += sum(len(p) for p in pieces)
+        self._ob.out_bytes += sum(map(len, pieces))
         if not self._ob.corked:
             self._flush()
 

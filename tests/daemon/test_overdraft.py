@@ -1,8 +1,9 @@
 """Overdraft buffers on a real daemon process: a producer task whose partition's pool is
 exhausted (nobody reads) while it pushes a record that spans many buffers finishes that
 record with overdraft segments (``--max-overdraft-buffers-per-partition``), shown in
-/api/stats and /metrics; the record reads back whole and every segment comes back. With
-no overdraft (0) the same producer waits for a consumer in the middle of its record."""
+/api/stats and /metrics, once no grant came for ``OVERDRAFT_ASK_DELAY``; the record reads
+back whole and every segment comes back. With no overdraft (0), or before that delay
+passed, the same producer waits for a consumer in the middle of its record."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from client import local_connection
 from client.consumer import PartitionLocation, PartitionReader
 from client.producer import PartitionWriter
 from exchange.partition.result_partition_id import ResultPartitionID
@@ -42,14 +44,42 @@ def _produce(socket: str, pid: ResultPartitionID, done: threading.Event, errors:
         errors.append(e)
 
 
-@pytest.mark.parametrize("overdraft", [5, 0])
+def _held_mid_record(d: Any, dataset: str) -> dict[str, Any]:
+    """The stats once the pool is full of the record's first buffers (nobody reads)."""
+
+    def held() -> dict[str, Any] | None:
+        st = d.stats()
+        p = _mine(st, dataset)
+        return st if p is not None and p["backlog"] >= POOL else None
+
+    st: dict[str, Any] = wait_for(held, 60, "the producer held mid-record by a full pool")
+    return st
+
+
+@pytest.mark.parametrize(
+    ("overdraft", "ask_delay"),
+    [(5, None), (0, None), (5, 3600.0)],
+    ids=["overdraft", "no-overdraft", "grant-before-the-ask"],
+)
 def test_a_writer_with_an_exhausted_pool_finishes_its_record_via_overdraft(
-    start_daemon: Callable[..., Any], overdraft: int
+    start_daemon: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    overdraft: int,
+    ask_delay: float | None,
 ) -> None:
+    """``grant-before-the-ask``: a push out of credit inside a record waits
+    ``OVERDRAFT_ASK_DELAY`` for a grant before it asks for overdraft (a record is a whole
+    encoded batch here, so nearly every stall is inside one). With the delay never passing
+    the writer sits mid-record with overdraft available and takes none; the reader then
+    frees segments and the record ends on their grants. (The old writer asked at once: it
+    took overdraft before any reader came.)"""
+    if ask_delay is not None:
+        monkeypatch.setattr(local_connection, "OVERDRAFT_ASK_DELAY", ask_delay)
+    takes_overdraft = overdraft > 0 and ask_delay is None
     d = start_daemon(
         "--segment-size", "4kb", "--max-overdraft-buffers-per-partition", str(overdraft)
     )
-    dataset = f"overdraft-{overdraft}"
+    dataset = f"overdraft-{overdraft}-{ask_delay}"
     pid = ResultPartitionID(dataset, 0, 0)
     done = threading.Event()
     errors: list[Any] = []
@@ -58,7 +88,7 @@ def test_a_writer_with_an_exhausted_pool_finishes_its_record_via_overdraft(
     )
     producer.start()
     try:
-        if overdraft:
+        if takes_overdraft:
             # nobody reads, yet the whole record (and the writer's close) gets through
             assert done.wait(60) and not errors, errors
             st = d.wait_stats(lambda s: (p := _mine(s, dataset)) is not None and p["finished"], 30)
@@ -76,13 +106,10 @@ def test_a_writer_with_an_exhausted_pool_finishes_its_record_via_overdraft(
             )
         else:
             # the pool is full of the record's first buffers and the producer waits,
-            # mid-record, for a consumer
-            def held() -> dict[str, Any] | None:
-                st = d.stats()
-                p = _mine(st, dataset)
-                return st if p is not None and p["backlog"] == POOL else None
-
-            st = wait_for(held, 60, "the producer held mid-record by a full pool")
+            # mid-record, for a consumer (no overdraft, or a grant it waits for first)
+            st = _held_mid_record(d, dataset)
+            item = _mine(st, dataset)
+            assert item is not None and item["backlog"] == POOL
             assert st["network"]["overdraft_segments"] == 0
             assert st["local"]["overdraft_granted"] == 0
             assert not done.is_set() and producer.is_alive()
@@ -95,3 +122,5 @@ def test_a_writer_with_an_exhausted_pool_finishes_its_record_via_overdraft(
     assert got == [0, RECORD]
     st = d.wait_pool_whole(30)
     assert st["network"]["overdraft_segments"] == 0
+    if not takes_overdraft:  # the reader's grants ended the record
+        assert st["local"]["overdraft_granted"] == 0
