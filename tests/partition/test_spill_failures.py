@@ -142,20 +142,27 @@ class _Listener:
         pass
 
 
+def file_partition(
+    nbp: NetworkBufferPool, directory: Path, budget: ReaderBudget
+) -> ResultPartition:
+    """A one-subpartition blocking partition in ``file`` storage, its readers counted
+    against ``budget``'s account of ``app`` (file readers hold read segments; mmap's none)."""
+    return ResultPartition(
+        ResultPartitionID("r", 0),
+        BLOCKING,
+        1,
+        nbp.create_buffer_pool(1, 4),
+        spill_dir=directory,
+        bounded_data_kind="file",
+        reader_account=budget.account("app"),
+    )
+
+
 def test_readers_count_against_their_applications_budget(
     nbp: NetworkBufferPool, tmp_path: Path
 ) -> None:
     budget = ReaderBudget(max_readers=2, max_memory=3 * nbp.segment_size * READ_SEGMENTS)
-    pool = nbp.create_buffer_pool(1, 4)
-    part = ResultPartition(
-        ResultPartitionID("r", 0),
-        BLOCKING,
-        1,
-        pool,
-        spill_dir=tmp_path,
-        bounded_data_kind="file",  # its readers hold read segments (mmap's hold none)
-        reader_account=budget.account("app"),
-    )
+    part = file_partition(nbp, tmp_path, budget)
     push(part, 0)
     part.finish()
     fds = len(os.listdir("/proc/self/fd"))
@@ -188,16 +195,7 @@ def test_grown_read_segments_are_charged_and_given_back(
 ) -> None:
     seg = nbp.segment_size
     budget = ReaderBudget(max_memory=16 * seg * READ_SEGMENTS)
-    pool = nbp.create_buffer_pool(1, 4)
-    part = ResultPartition(
-        ResultPartitionID("r", 0),
-        BLOCKING,
-        1,
-        pool,
-        spill_dir=tmp_path,
-        bounded_data_kind="file",
-        reader_account=budget.account("app"),
-    )
+    part = file_partition(nbp, tmp_path, budget)
     for _ in range(3 * MAX_READ_SEGMENTS):
         push(part, 0)
     part.finish()
