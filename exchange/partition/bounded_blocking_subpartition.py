@@ -165,7 +165,7 @@ class BoundedBlockingSubpartition:
             account.acquire(memory, self._parent.partition_id)
         try:
             try:
-                data_reader = self._data.create_reader(read_memory)
+                data_reader = self._data.create_reader(read_memory, account)
             except PartitionDataLostError as e:  # the file was replaced or changed
                 raise PartitionDataLostError(str(e), self._parent.partition_id) from None
             try:  # it reads its first buffer at once: a corrupt file raises here

@@ -4,7 +4,14 @@ Written once, sequentially; read any number of times, by several readers at once
 buffer is stored as a 6-byte header (``u8 data type | u8 flags | u32 size``, big endian,
 Flink's BufferReaderWriterUtil layout in spirit) followed by its bytes.
 
-* ``FileBoundedData`` reads with plain file reads into a few read segments per reader.
+* ``FileBoundedData`` reads with plain file reads into a few read segments per reader:
+  ``READ_SEGMENTS`` charged to its application's ``ReaderAccount`` when it opens, then
+  more, one at a time up to ``MAX_READ_SEGMENTS``, each charged when allocated and only
+  while the account has room (more segments out: the data port writes more buffers per
+  ``writelines``); all given back when the reader closes. No room: it reads on with what
+  it has. Growth never refuses a reader: readers are admitted against the base charges,
+  and a grown reader frees extra segments as they come back while its account is over
+  the limit (``ReaderAccount.over_limit``).
 * ``MmapBoundedData`` maps the finished file and hands out zero-copy slices of the map
   (Flink's ``taskmanager.network.blocking-shuffle.type: mmap``): the data port writes
   them to the socket straight from the page cache, one copy fewer than a read into a
@@ -61,6 +68,7 @@ from exchange.errors import (
     SpillError,
 )
 from exchange.memory.memory_segment import MemorySegment
+from exchange.partition.reader_budget import ReaderAccount
 from exchange.partition.spill_space import SpillAccount, spill_error
 
 __all__ = [
@@ -84,8 +92,12 @@ FLAG_COMPRESSED: Final = 0x01
 _HEADER_SIZE: Final = HEADER.size
 _unpack_header: Final = HEADER.unpack_from
 _DATA_TYPES: Final[dict[int, DataType]] = {t.value: t for t in DataType}
-#: Read segments (outside network memory) a reader of ``file`` storage allocates at most.
+#: Read segments (outside network memory) a reader of ``file`` storage is charged for when
+#: it opens (``reader_memory``): it may always allocate these.
 READ_SEGMENTS: Final = 2
+#: Read segments a reader of ``file`` storage allocates at most: those past
+#: ``READ_SEGMENTS`` only while its application's reader account has room for them.
+MAX_READ_SEGMENTS: Final = 8
 #: A spill file is new (never an existing file or a symlink planted there) and private.
 _CREATE_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
 
@@ -119,11 +131,17 @@ class BoundedData(Protocol):
 
     def finish_write(self) -> None: ...
 
-    def create_reader(self, read_memory: ReadMemory | None = None) -> BoundedDataReader: ...
+    def create_reader(
+        self, read_memory: ReadMemory | None = None, account: ReaderAccount | None = None
+    ) -> BoundedDataReader:
+        """A reader from the start; a ``file`` reader charges its read segments past
+        ``reader_memory`` to ``account`` (None: no limit) while it has room."""
+        ...
 
     @property
     def reader_memory(self) -> int:
-        """Bytes a reader allocates outside network memory, at most."""
+        """Bytes a reader allocates outside network memory when it opens (charged to its
+        account by the caller); a ``file`` reader may grow past it (``MAX_READ_SEGMENTS``)."""
         ...
 
     @property
@@ -274,10 +292,18 @@ class _FileWriterBase:
             raise
         return fd
 
-    def _file_reader(self, read_memory: ReadMemory | None) -> _FileReader:
+    def _file_reader(
+        self, read_memory: ReadMemory | None, account: ReaderAccount | None
+    ) -> _FileReader:
         """A reader of the finished file with plain reads (checked: inode and size)."""
         return _FileReader(
-            self.path, self.open_checked(), self._segment_size, READ_SEGMENTS, read_memory
+            self.path,
+            self.open_checked(),
+            self._segment_size,
+            READ_SEGMENTS,
+            read_memory,
+            MAX_READ_SEGMENTS,
+            account,
         )
 
     @property
@@ -339,8 +365,10 @@ def _parse_header(header: bytes | bytearray | memoryview, path: Path) -> tuple[D
 
 
 class _FileReader:
-    """Reads buffers with plain file reads into ``num_segments`` recycled read segments
-    (data buffers into ``read_memory`` first, when it lends a segment)."""
+    """Reads buffers with plain file reads into recycled read segments (data buffers into
+    ``read_memory`` first, when it lends a segment): ``num_segments`` always (charged by
+    whoever opened it), up to ``max_segments`` while ``account`` has room for each one more
+    (charged here when allocated, given back by ``close``; no account: no limit)."""
 
     def __init__(
         self,
@@ -349,13 +377,21 @@ class _FileReader:
         segment_size: int,
         num_segments: int = 2,
         read_memory: ReadMemory | None = None,
+        max_segments: int | None = None,
+        account: ReaderAccount | None = None,
     ) -> None:
         self._path = path
         self._file: io.FileIO | None = io.FileIO(fd, "rb", closefd=True)
         self._segment_size = segment_size
         self._free: list[MemorySegment] = []
         self._num_allocated = 0
-        self._max_segments = num_segments
+        self._base_segments = num_segments
+        self._max_segments = num_segments if max_segments is None else max_segments
+        self._account = account
+        #: bytes of the segments past ``num_segments``, charged to ``account``
+        self.grown_memory = 0
+        #: next_buffer found no segment: tell the callback when one comes back
+        self._starved = False
         self._read_memory = read_memory
         # a buffer's header read while no segment was free: its bytes are read next time
         self._header: tuple[DataType, bool, int] | None = None
@@ -374,22 +410,46 @@ class _FileReader:
     def set_on_memory_available(self, callback: Callable[[], None]) -> None:
         self._callback = callback
 
+    @property
+    def num_segments(self) -> int:
+        """Read segments allocated so far (free or out in buffers)."""
+        return self._num_allocated
+
     def _segment(self) -> MemorySegment | None:
         if self._free:
             return self._free.pop()
-        if self._num_allocated < self._max_segments:
-            self._num_allocated += 1
+        n = self._num_allocated
+        if n < self._base_segments or (n < self._max_segments and self._grow()):
+            self._num_allocated = n + 1
             return MemorySegment.allocate_unpooled(self._segment_size)
+        self._starved = True
         return None
+
+    def _grow(self) -> bool:
+        """Charge one more segment to the account, if it has room."""
+        account = self._account
+        if account is not None and not account.try_acquire_memory(self._segment_size):
+            return False
+        self.grown_memory += self._segment_size
+        return True
 
     def recycle(self, segment: MemorySegment) -> None:
         if self._closed:
             segment.free()
             return
-        was_empty = not self._free and self._num_allocated >= self._max_segments
+        account = self._account
+        if self.grown_memory and account is not None and account.over_limit:
+            # a reader admitted since this one grew: give a grown segment back
+            segment.free()
+            self._num_allocated -= 1
+            self.grown_memory -= self._segment_size
+            account.release_memory(self._segment_size)
+            return  # starved or not: its other segments are out and come back
         self._free.append(segment)
-        if was_empty and self._callback is not None and not self._at_end:
-            self._callback()
+        if self._starved:
+            self._starved = False
+            if self._callback is not None and not self._at_end:
+                self._callback()
 
     def next_buffer(self) -> Buffer | None:
         f = self._file
@@ -456,6 +516,9 @@ class _FileReader:
         for seg in self._free:
             seg.free()
         self._free.clear()
+        grown, self.grown_memory = self.grown_memory, 0
+        if grown and self._account is not None:
+            self._account.release_memory(grown)
 
 
 class FileBoundedData(_FileWriterBase):
@@ -478,10 +541,12 @@ class FileBoundedData(_FileWriterBase):
     def finish_write(self) -> None:
         self._finish_file()
 
-    def create_reader(self, read_memory: ReadMemory | None = None) -> _FileReader:
+    def create_reader(
+        self, read_memory: ReadMemory | None = None, account: ReaderAccount | None = None
+    ) -> _FileReader:
         if not self._finished:
             raise IllegalStateError("bounded data is still being written")
-        return self._file_reader(read_memory)
+        return self._file_reader(read_memory, account)
 
     def close(self) -> None:
         self._delete()
@@ -598,11 +663,13 @@ class MmapBoundedData(_FileWriterBase):
         else:
             self._view = memoryview(bytearray(0))
 
-    def create_reader(self, read_memory: ReadMemory | None = None) -> BoundedDataReader:
+    def create_reader(
+        self, read_memory: ReadMemory | None = None, account: ReaderAccount | None = None
+    ) -> BoundedDataReader:
         if not self._finished:
             raise IllegalStateError("bounded data is still being written")
         if self._unmapped:
-            return self._file_reader(read_memory)
+            return self._file_reader(read_memory, account)
         return _MmapReader(self, read_memory)
 
     def close(self) -> None:

@@ -13,12 +13,19 @@ from exchange.buffers import Buffer, DataType
 from exchange.errors import (
     CorruptRecordError,
     IllegalStateError,
+    LimitExceededError,
     PartitionDataLostError,
     SpillError,
 )
 from exchange.events.events import EndOfPartitionEvent, EventSerializer
 from exchange.partition import BoundedData, create_bounded_data
-from exchange.partition.bounded_data import HEADER, READ_SEGMENTS
+from exchange.partition.bounded_data import (
+    HEADER,
+    MAX_READ_SEGMENTS,
+    READ_SEGMENTS,
+    _FileReader,
+)
+from exchange.partition.reader_budget import ReaderAccount, ReaderBudget
 
 SEGMENT = 4096
 KINDS = ["file", "mmap"]
@@ -88,15 +95,44 @@ def test_readers_interleave_independently(kind: str, tmp_path: Path) -> None:
     data.close()
 
 
+def _write_many(path: Path, n: int) -> BoundedData:
+    data = create_bounded_data("file", path, SEGMENT)
+    for i in range(n):
+        buf = Buffer.wrap(bytes([i]) * SEGMENT, DataType.DATA_BUFFER)
+        data.write_buffer(buf)
+        buf.release()
+    data.finish_write()
+    return data
+
+
+def _open(data: BoundedData, account: ReaderAccount) -> _FileReader:
+    """A file reader charged its base segments first, as create_read_view does."""
+    account.acquire(data.reader_memory)
+    reader = data.create_reader(account=account)
+    assert isinstance(reader, _FileReader)
+    return reader
+
+
+def _take(reader: _FileReader) -> list[Buffer]:
+    """Every buffer the reader gives now, none released."""
+    out = []
+    while (buf := reader.next_buffer()) is not None:
+        out.append(buf)
+    return out
+
+
 def test_file_reader_reads_into_a_bounded_number_of_segments(tmp_path: Path) -> None:
+    # an account with room for the base segments only: the reader stays at two
+    budget = ReaderBudget(max_memory=READ_SEGMENTS * SEGMENT)
+    account = budget.account("app")
     data = _write("file", tmp_path / "sub.bin")
-    reader = data.create_reader()
+    reader = _open(data, account)
     calls: list[int] = []
     reader.set_on_memory_available(lambda: calls.append(1))
     first, second = reader.next_buffer(), reader.next_buffer()
     assert first is not None and second is not None
     assert reader.next_buffer() is None  # both read segments are out
-    assert not reader.at_end
+    assert not reader.at_end and reader.num_segments == READ_SEGMENTS
     first.release()
     assert calls == [1]  # memory is back: the reader can go on
     third = reader.next_buffer()
@@ -104,6 +140,102 @@ def test_file_reader_reads_into_a_bounded_number_of_segments(tmp_path: Path) -> 
     second.release()
     third.release()
     reader.close()
+    account.release(data.reader_memory)
+    assert budget.usage("app") == (0, 0)
+    data.close()
+
+
+def test_file_reader_grows_to_max_segments_while_its_account_has_room(tmp_path: Path) -> None:
+    budget = ReaderBudget(max_memory=64 * SEGMENT)
+    account = budget.account("app")
+    data = _write_many(tmp_path / "sub.bin", 3 * MAX_READ_SEGMENTS)
+    reader = _open(data, account)
+    calls: list[int] = []
+    reader.set_on_memory_available(lambda: calls.append(1))
+    out = _take(reader)
+    assert len(out) == reader.num_segments == MAX_READ_SEGMENTS  # grown, then no more
+    assert reader.grown_memory == (MAX_READ_SEGMENTS - READ_SEGMENTS) * SEGMENT
+    assert budget.usage("app") == (1, MAX_READ_SEGMENTS * SEGMENT)  # each extra one charged
+    assert calls == []
+    out.pop().release()
+    assert calls == [1]
+    out += _take(reader)
+    assert len(out) == MAX_READ_SEGMENTS and reader.num_segments == MAX_READ_SEGMENTS
+    reader.close()  # buffers still out: their segments are freed as they come back
+    assert budget.usage("app") == (1, READ_SEGMENTS * SEGMENT)  # the growth given back
+    for buf in out:
+        buf.release()
+    account.release(data.reader_memory)
+    assert budget.usage("app") == (0, 0)
+    # no account (no limit): the reader grows to MAX_READ_SEGMENTS all the same
+    free = data.create_reader()
+    assert isinstance(free, _FileReader)
+    got = _take(free)
+    assert len(got) == MAX_READ_SEGMENTS
+    free.close()
+    for buf in got:
+        buf.release()
+    data.close()
+
+
+def test_file_reader_stays_at_its_base_when_another_reader_holds_the_rest(
+    tmp_path: Path,
+) -> None:
+    budget = ReaderBudget(max_memory=(2 * READ_SEGMENTS + 1) * SEGMENT)
+    account = budget.account("app")
+    data = _write_many(tmp_path / "sub.bin", 3 * MAX_READ_SEGMENTS)
+    a, b = _open(data, account), _open(data, account)
+    got_a = _take(a)  # the one segment of room left
+    assert len(got_a) == a.num_segments == READ_SEGMENTS + 1
+    calls: list[int] = []
+    b.set_on_memory_available(lambda: calls.append(1))
+    got_b = _take(b)  # none: b reads with its two, never fails
+    assert len(got_b) == b.num_segments == READ_SEGMENTS and b.grown_memory == 0
+    assert budget.usage("app") == (2, (2 * READ_SEGMENTS + 1) * SEGMENT)
+    got_b.pop(0).release()
+    assert calls == [1]
+    got_b += _take(b)
+    assert [buf.to_bytes()[0] for buf in got_b] == [1, 2]  # in order, none lost
+    a.close()
+    for buf in got_a:
+        buf.release()
+    account.release(data.reader_memory)
+    got_b += _take(b)  # a's room is back: b grows into it
+    assert b.num_segments == 2 * READ_SEGMENTS + 1  # the whole budget: a's part too
+    assert [buf.to_bytes()[0] for buf in got_b] == list(range(1, 1 + len(got_b)))
+    b.close()
+    for buf in got_b:
+        buf.release()
+    account.release(data.reader_memory)
+    assert budget.usage("app") == (0, 0)
+    data.close()
+
+
+def test_growth_never_refuses_a_reader_and_shrinks_when_over_the_limit(tmp_path: Path) -> None:
+    budget = ReaderBudget(max_memory=2 * READ_SEGMENTS * SEGMENT)
+    account = budget.account("app")
+    data = _write_many(tmp_path / "sub.bin", 3 * MAX_READ_SEGMENTS)
+    a = _open(data, account)
+    got_a = _take(a)  # a alone: it grows into the whole budget
+    assert a.num_segments == 2 * READ_SEGMENTS
+    b = _open(data, account)  # admitted on the base charges, as without growth
+    assert account.over_limit
+    with pytest.raises(LimitExceededError, match="max_reader_memory_per_app"):
+        _open(data, account)  # a third is refused, as without growth
+    assert budget.usage("app") == (2, 3 * READ_SEGMENTS * SEGMENT)
+    for buf in got_a[:READ_SEGMENTS]:  # a's segments come back: grown ones are freed
+        buf.release()
+    assert a.num_segments == READ_SEGMENTS and not account.over_limit
+    assert budget.usage("app") == (2, 2 * READ_SEGMENTS * SEGMENT)
+    assert _take(a) == []  # at its base: no room to grow again
+    got_b = _take(b)
+    assert len(got_b) == READ_SEGMENTS
+    for reader in (a, b):
+        reader.close()
+        account.release(data.reader_memory)
+    for buf in got_a[READ_SEGMENTS:] + got_b:
+        buf.release()
+    assert budget.usage("app") == (0, 0)
     data.close()
 
 

@@ -18,7 +18,7 @@ from exchange.errors import (
 )
 from exchange.memory import NetworkBufferPool
 from exchange.partition import ResultPartition, ResultPartitionID, ResultPartitionType
-from exchange.partition.bounded_data import READ_SEGMENTS
+from exchange.partition.bounded_data import MAX_READ_SEGMENTS, READ_SEGMENTS
 from exchange.partition.reader_budget import ReaderBudget
 from exchange.partition.spill_space import SpillSpace
 
@@ -142,20 +142,27 @@ class _Listener:
         pass
 
 
+def file_partition(
+    nbp: NetworkBufferPool, directory: Path, budget: ReaderBudget
+) -> ResultPartition:
+    """A one-subpartition blocking partition in ``file`` storage, its readers counted
+    against ``budget``'s account of ``app`` (file readers hold read segments; mmap's none)."""
+    return ResultPartition(
+        ResultPartitionID("r", 0),
+        BLOCKING,
+        1,
+        nbp.create_buffer_pool(1, 4),
+        spill_dir=directory,
+        bounded_data_kind="file",
+        reader_account=budget.account("app"),
+    )
+
+
 def test_readers_count_against_their_applications_budget(
     nbp: NetworkBufferPool, tmp_path: Path
 ) -> None:
     budget = ReaderBudget(max_readers=2, max_memory=3 * nbp.segment_size * READ_SEGMENTS)
-    pool = nbp.create_buffer_pool(1, 4)
-    part = ResultPartition(
-        ResultPartitionID("r", 0),
-        BLOCKING,
-        1,
-        pool,
-        spill_dir=tmp_path,
-        bounded_data_kind="file",  # its readers hold read segments (mmap's hold none)
-        reader_account=budget.account("app"),
-    )
+    part = file_partition(nbp, tmp_path, budget)
     push(part, 0)
     part.finish()
     fds = len(os.listdir("/proc/self/fd"))
@@ -179,4 +186,32 @@ def test_readers_count_against_their_applications_budget(
         part.create_subpartition_view(0, _Listener())
     assert budget.usage("app") == (0, 0)
     assert len(os.listdir("/proc/self/fd")) == fds
+    part.release()
+
+
+@pytest.mark.parametrize("path", ["reader released", "partition released first"])
+def test_grown_read_segments_are_charged_and_given_back(
+    nbp: NetworkBufferPool, tmp_path: Path, path: str
+) -> None:
+    seg = nbp.segment_size
+    budget = ReaderBudget(max_memory=16 * seg * READ_SEGMENTS)
+    part = file_partition(nbp, tmp_path, budget)
+    for _ in range(3 * MAX_READ_SEGMENTS):
+        push(part, 0)
+    part.finish()
+    view = part.create_subpartition_view(0, _Listener())
+    assert budget.usage("app") == (1, seg * READ_SEGMENTS)  # the base, charged at creation
+    out = []  # a consumer slow to give buffers back: the reader grows its segments
+    while (polled := view.get_next_buffer()) is not None:
+        out.append(polled.buffer)
+    assert len(out) == MAX_READ_SEGMENTS  # each buffer handed out holds one segment
+    assert budget.usage("app") == (1, seg * MAX_READ_SEGMENTS)
+    if path == "partition released first":
+        part.release()  # the data waits for its reader; the reader's charge stays
+        assert budget.usage("app") == (1, seg * MAX_READ_SEGMENTS)
+    view.release_all_resources()
+    assert budget.usage("app") == (0, 0)
+    for buf in out:
+        buf.release()
+    assert budget.usage("app") == (0, 0)
     part.release()

@@ -493,9 +493,36 @@ def test_reader_memory_budget_counts_read_buffers(start_daemon: Callable[..., Da
         for _ in r:
             pass
     locs = locs[:2]
+    # two readers grow into no room (the two fill the budget) and are never refused for it
     with PartitionReader(locs, **FAST) as r:
         assert len(list(r)) == 2 * len(recs)
+    st = d.wait_stats(lambda s: s["spill"]["readers"] == 0)
+    assert st["spill"]["reader_memory_bytes"] == 0
     assert release(d, "mem") == 1
+    d.wait_pool_whole()
+
+
+def test_grown_read_segments_are_given_back_in_every_path(
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    # room to grow (64 MiB by default): file readers may take up to 8 read segments each;
+    # whatever they grew to, the application's reader memory is 0 once they are gone
+    d = start_daemon("--blocking-shuffle-type=file")
+    pid = ResultPartitionID("grow", 0, 0)
+    recs = records(20_000, 100)
+    write(d, pid, recs)
+    locs = [PartitionLocation(pid, 0, d.data_address, d.daemon_id, None) for _ in range(3)]
+    with PartitionReader(locs, **FAST) as r:  # read to the end
+        assert len(list(r)) == 3 * len(recs)
+    st = d.wait_stats(lambda s: s["spill"]["readers"] == 0)
+    assert st["spill"]["reader_memory_bytes"] == 0
+    with PartitionReader(locs, **FAST) as r:  # a consumer gone mid-way: connection lost
+        for i, _ in enumerate(r):
+            if i == 1000:
+                break
+    st = d.wait_stats(lambda s: s["spill"]["readers"] == 0)
+    assert st["spill"]["reader_memory_bytes"] == 0
+    assert release(d, "grow") == 1
     d.wait_pool_whole()
 
 
