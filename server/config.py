@@ -789,9 +789,10 @@ _SETTINGS: Final[dict[str, _Setting]] = {
         _STR,
         "TYPE",
         "how a finished blocking partition is read (Flink's "
-        "taskmanager.network.blocking-shuffle.type): mmap sends slices of its mapped "
-        "files (no read copy, no read segments); file reads each buffer into a read "
-        "segment (two per reader); a restored partition keeps the type it was written with",
+        "taskmanager.network.blocking-shuffle.type): file (default) reads each buffer into "
+        "a read segment (two to eight per reader); mmap sends slices of its mapped files "
+        "(no read copy, no read segments; a spill file truncated or unreadable under it is "
+        "a SIGBUS of the daemon); a restored partition keeps the type it was written with",
     ),
     "secret_file": _Setting(
         _optional_path, _STR, "FILE", "file holding the shared secret (chmod 600)"
