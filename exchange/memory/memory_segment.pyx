@@ -52,6 +52,12 @@ cdef class MemorySegment:
     def is_pooled(self):
         return self.index != _UNPOOLED
 
+    cpdef bint is_in(self, list segments):
+        """True if this is one of ``segments``, an arena's segments by index (its
+        ``index`` says where): ``NetworkBufferPool.owns``, in C for compiled callers."""
+        cdef Py_ssize_t i = self.index
+        return 0 <= i < len(segments) and segments[i] is self
+
     def view(self):
         """The whole segment as a writable memoryview."""
         view = self._view

@@ -152,9 +152,7 @@ class NetworkBufferPool:
 
     def owns(self, segment: MemorySegment) -> bool:
         """True if ``segment`` is one of this pool's own (its ``index`` says which)."""
-        i = segment.index
-        segments = self._segments
-        return 0 <= i < len(segments) and segments[i] is segment
+        return segment.is_in(self._segments)
 
     @property
     def local_pools(self) -> list[LocalBufferPool]:

@@ -2,7 +2,6 @@
 # Python code sees the class through outbound.pyi.
 
 from exchange.buffers.buffer cimport Buffer
-from exchange.memory.memory_segment cimport MemorySegment
 
 cdef class OutboundBatch:
     cdef public list out
@@ -26,6 +25,5 @@ cdef class OutboundBatch:
     cdef int _send_shared(
         self, object receiver_id, object sequence_number, object backlog, Buffer buf
     ) except -1
-    cdef bint _owns(self, MemorySegment seg)
     cpdef frame_descriptors(self)
     cdef int _release(self, object receiver_id, Buffer buf) except -1

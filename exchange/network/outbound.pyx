@@ -179,12 +179,6 @@ cdef class OutboundBatch:
         self._arena_segments = None if arena is None else arena._segments
         self._arena = arena
 
-    cdef bint _owns(self, MemorySegment seg):
-        """``self.arena.owns(seg)`` without a Python call (once per buffer sent)."""
-        cdef list segments = self._arena_segments
-        cdef Py_ssize_t i = seg.index
-        return 0 <= i < len(segments) and segments[i] is seg
-
     def send_buffer(self, receiver_id, sequence_number, backlog, Buffer buf not None):
         """One BufferResponse: header and zero-copy view into the output, ``buf`` kept
         until its bytes are out (the queue's ``OutboundChannel.send_buffer``)."""
@@ -192,8 +186,10 @@ cdef class OutboundBatch:
         if not self.established:
             conn._recycle(receiver_id, buf)
             return
-        if self._arena_segments is not None and buf._data_type is _DATA_BUFFER and self._owns(
-            buf._segment
+        if (
+            self._arena_segments is not None
+            and buf._data_type is _DATA_BUFFER
+            and (<MemorySegment>buf._segment).is_in(self._arena_segments)
         ):
             self._send_shared(receiver_id, sequence_number, backlog, buf)
             return

@@ -478,14 +478,21 @@ def test_readers_of_ones_own_partition_are_bounded(start_daemon: Callable[..., D
     d.wait_pool_whole()
 
 
+def _three_readers_of(
+    d: Daemon, dataset: str
+) -> tuple[list[tuple[int, bytes]], list[PartitionLocation]]:
+    """A finished blocking partition of 20,000 records, and three readers' locations of it."""
+    pid = ResultPartitionID(dataset, 0, 0)
+    recs = records(20_000, 100)
+    write(d, pid, recs)
+    return recs, [PartitionLocation(pid, 0, d.data_address, d.daemon_id, None) for _ in range(3)]
+
+
 def test_reader_memory_budget_counts_read_buffers(start_daemon: Callable[..., Daemon]) -> None:
     # 32 KiB segments: a file reader holds two; 128 KiB lets two readers in, not three
     # (an mmap reader holds none: test_mmap_readers_hold_no_reader_memory)
     d = start_daemon("--max-reader-memory-per-app=128kb", "--blocking-shuffle-type=file")
-    pid = ResultPartitionID("mem", 0, 0)
-    recs = records(20_000, 100)
-    write(d, pid, recs)
-    locs = [PartitionLocation(pid, 0, d.data_address, d.daemon_id, None) for _ in range(3)]
+    recs, locs = _three_readers_of(d, "mem")
     with (
         pytest.raises(LimitExceededError, match="max_reader_memory_per_app=131072"),
         PartitionReader(locs, **FAST) as r,
@@ -508,10 +515,7 @@ def test_grown_read_segments_are_given_back_in_every_path(
     # room to grow (64 MiB by default): file readers may take up to 8 read segments each;
     # whatever they grew to, the application's reader memory is 0 once they are gone
     d = start_daemon("--blocking-shuffle-type=file")
-    pid = ResultPartitionID("grow", 0, 0)
-    recs = records(20_000, 100)
-    write(d, pid, recs)
-    locs = [PartitionLocation(pid, 0, d.data_address, d.daemon_id, None) for _ in range(3)]
+    recs, locs = _three_readers_of(d, "grow")
     with PartitionReader(locs, **FAST) as r:  # read to the end
         assert len(list(r)) == 3 * len(recs)
     st = d.wait_stats(lambda s: s["spill"]["readers"] == 0)
@@ -530,10 +534,7 @@ def test_mmap_readers_hold_no_reader_memory(start_daemon: Callable[..., Daemon])
     # mmap storage: readers send slices of the mapped file, so the budget that refused a
     # third file reader above lets three (and more) in, and counts no bytes
     d = start_daemon("--max-reader-memory-per-app=128kb", "--blocking-shuffle-type=mmap")
-    pid = ResultPartitionID("mem", 0, 0)
-    recs = records(20_000, 100)
-    write(d, pid, recs)
-    locs = [PartitionLocation(pid, 0, d.data_address, d.daemon_id, None) for _ in range(3)]
+    recs, locs = _three_readers_of(d, "mem")
     with PartitionReader(locs, **FAST) as r:
         assert len(list(r)) == 3 * len(recs)
     st = d.wait_stats(lambda s: s["spill"]["readers"] == 0)
